@@ -1,0 +1,53 @@
+"""nemo_fp8_recipes: FP8 training recipes for NeMo / Megatron and plain PyTorch.
+
+Importing the package needs no GPU, no Transformer Engine and no Megatron, and does not
+initialise CUDA. Quick start::
+
+    import nemo_fp8_recipes as nfr
+    model = nfr.convert_model(model, nfr.get_recipe("blockwise"))
+    ...  # train as usual
+    print(nfr.audit(model).table())
+"""
+
+from .nn import (
+    AuditReport,
+    Float8Linear,
+    PolicyViolation,
+    audit,
+    collect_telemetry,
+    convert_model,
+    set_amax_reduce_fn,
+    set_telemetry,
+)
+from .policy import Decision, PrecisionPolicy
+from .recipes import (
+    Recipe,
+    RecipeName,
+    UnsupportedRecipeError,
+    check_supported,
+    get_recipe,
+    list_recipes,
+    require_supported,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AuditReport",
+    "Decision",
+    "Float8Linear",
+    "PolicyViolation",
+    "PrecisionPolicy",
+    "Recipe",
+    "RecipeName",
+    "UnsupportedRecipeError",
+    "audit",
+    "check_supported",
+    "collect_telemetry",
+    "convert_model",
+    "get_recipe",
+    "list_recipes",
+    "require_supported",
+    "set_amax_reduce_fn",
+    "set_telemetry",
+]

@@ -1,0 +1,27 @@
+"""Native backend: the FP8 linear, model conversion, run-time audit and telemetry."""
+
+from .convert import (
+    AuditReport,
+    PolicyViolation,
+    audit,
+    collect_telemetry,
+    convert_model,
+    fp8_modules,
+    reset_gemm_counts,
+    set_amax_reduce_fn,
+    set_telemetry,
+)
+from .linear import Float8Linear
+
+__all__ = [
+    "AuditReport",
+    "Float8Linear",
+    "PolicyViolation",
+    "audit",
+    "collect_telemetry",
+    "convert_model",
+    "fp8_modules",
+    "reset_gemm_counts",
+    "set_amax_reduce_fn",
+    "set_telemetry",
+]

@@ -1,0 +1,311 @@
+"""``convert_model``, ``audit`` and telemetry for the native backend.
+
+``convert_model`` asks the precision policy about every module, swaps the ``nn.Linear``s it
+puts in FP8 for :class:`Float8Linear` (same Parameter objects), and installs counters on the
+GEMMs it keeps in high precision, so that :func:`audit` can report, after a forward/backward,
+how many fprop/dgrad/wgrad GEMMs actually ran in FP8 and how many in high precision.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Dict, List, Optional, Union
+
+import torch
+import torch.nn as nn
+
+from ..policy import GEMM_ROLES, HIGH_PRECISION_ROLES, Decision, PrecisionPolicy, Role, layer_index
+from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
+from .linear import Float8Linear
+
+__all__ = [
+    "convert_model",
+    "audit",
+    "AuditReport",
+    "PolicyViolation",
+    "fp8_modules",
+    "set_telemetry",
+    "collect_telemetry",
+    "set_amax_reduce_fn",
+    "reset_gemm_counts",
+]
+
+_STATE_ATTR = "_nemo_fp8_state"
+
+
+class PolicyViolation(RuntimeError):
+    """A module with a high-precision role ran a GEMM in FP8 (strict audit)."""
+
+
+@dataclass
+class _ConvertState:
+    recipe: Recipe
+    policy: PrecisionPolicy
+    emulate: bool
+    decisions: Dict[str, Decision] = field(default_factory=dict)
+    hp_counts: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    hooks: list = field(default_factory=list)
+
+
+def _infer_num_layers(model: nn.Module) -> Optional[int]:
+    idx = [layer_index(n) for n, _ in model.named_modules()]
+    idx = [i for i in idx if i is not None]
+    return max(idx) + 1 if idx else None
+
+
+def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent_name, _, leaf = fqn.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, leaf, new)
+
+
+def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module) -> None:
+    counts = state.hp_counts.setdefault(fqn, {"fprop": 0, "dgrad": 0, "wgrad": 0})
+
+    def fwd_hook(mod, inputs, output):
+        counts["fprop"] += 1
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if torch.is_tensor(out) and out.requires_grad:
+            x = inputs[0] if inputs else None
+            x_needs = torch.is_tensor(x) and x.requires_grad
+            w = getattr(mod, "weight", None)
+            w_needs = isinstance(w, torch.Tensor) and w.requires_grad
+
+            def bwd(_grad):
+                if x_needs:
+                    counts["dgrad"] += 1
+                if w_needs:
+                    counts["wgrad"] += 1
+
+            out.register_hook(bwd)
+
+    state.hooks.append(module.register_forward_hook(fwd_hook))
+
+
+def convert_model(
+    model: nn.Module,
+    recipe: Union[str, Recipe],
+    policy: Optional[PrecisionPolicy] = None,
+    emulate: Optional[bool] = None,
+    device=None,
+) -> nn.Module:
+    """Apply ``recipe`` to ``model`` in place, as the precision ``policy`` decides; returns it.
+
+    Every ``nn.Linear`` the policy puts in FP8 becomes a :class:`Float8Linear` sharing the same
+    weight/bias Parameter objects (an optimizer built before conversion keeps working). GEMM
+    modules kept in high precision get counters so :func:`audit` can prove what ran.
+
+    ``emulate``: None = real FP8 GEMMs where the hardware has them (``check_supported``), exact
+    emulation on CPU; True = always emulate; False = demand real GEMMs. A GPU lacking the
+    recipe's format raises :class:`~nemo_fp8_recipes.recipes.UnsupportedRecipeError` unless
+    ``emulate=True`` (e.g. mxfp8 on Hopper). ``device`` defaults to the model's device.
+    """
+    r = get_recipe(recipe) if not isinstance(recipe, Recipe) else recipe
+    if emulate is not None:
+        r = r.replace(emulate=emulate)
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError("convert_model was already applied to this model")
+    if device is None:
+        p = next(iter(model.parameters()), None)
+        device = p.device if p is not None else "cpu"
+    require_supported(r, device)
+    use_emulation = r.is_fp8 and not uses_real_fp8_gemm(r, device)
+    policy = (policy or PrecisionPolicy()).with_num_layers(_infer_num_layers(model))
+    state = _ConvertState(recipe=r, policy=policy, emulate=use_emulation)
+
+    for fqn, module in list(model.named_modules()):
+        if not fqn or isinstance(module, Float8Linear):
+            continue
+        decision = policy.decide(fqn, module, recipe=r)
+        if decision.role == Role.OTHER:
+            continue
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and decision.role in GEMM_ROLES:
+            continue
+        state.decisions[fqn] = decision
+        is_linear = isinstance(module, nn.Linear)
+        if decision.fp8 and is_linear:
+            new = Float8Linear.from_linear(module, r, emulate=use_emulation)
+            new.fqn, new.role = fqn, decision.role
+            # keep user hooks registered on the original module
+            new._forward_hooks.update(module._forward_hooks)
+            new._forward_pre_hooks.update(module._forward_pre_hooks)
+            _set_submodule(model, fqn, new)
+        elif decision.fp8 and not is_linear:
+            state.decisions[fqn] = Decision(
+                fqn, decision.role, "bf16",
+                f"{type(module).__name__} is not an nn.Linear: the native backend converts only "
+                "nn.Linear (use the Megatron integration for Megatron layers)",
+                decision.layer,
+            )
+            _install_hp_counter(state, fqn, module)
+        elif decision.role in GEMM_ROLES:
+            _install_hp_counter(state, fqn, module)
+    object.__setattr__(model, _STATE_ATTR, state)
+    return model
+
+
+def fp8_modules(model: nn.Module) -> Dict[str, Float8Linear]:
+    """All Float8Linear modules of ``model`` by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+
+
+def reset_gemm_counts(model: nn.Module) -> None:
+    """Zero the per-GEMM counters that :func:`audit` reports."""
+    for m in fp8_modules(model).values():
+        m.gemm_counts = {k: 0 for k in m.gemm_counts}
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None:
+        for c in state.hp_counts.values():
+            for k in c:
+                c[k] = 0
+
+
+@dataclass
+class AuditRow:
+    name: str
+    role: str
+    precision: str
+    reason: str
+    fp8_gemms: Dict[str, int]
+    hp_gemms: Dict[str, int]
+
+
+@dataclass
+class AuditReport:
+    """What the policy decided for every module, and what actually ran.
+
+    ``rows``: one per classified module. ``counts``: totals of GEMMs run, as
+    ``{"fp8": {"fprop": n, "dgrad": n, "wgrad": n}, "high_precision": {...}}``.
+    ``violations``: high-precision-role modules that ran a GEMM in FP8.
+    """
+
+    recipe: str
+    emulated: bool
+    rows: List[AuditRow]
+    counts: Dict[str, Dict[str, int]]
+    violations: List[str]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def table(self, max_rows: Optional[int] = None) -> str:
+        """A fixed-width text table (name, role, precision, GEMMs run in FP8 / high precision,
+        reason) followed by the totals."""
+        hdr = ("module", "role", "precision", "fp8 f/d/w", "hp f/d/w", "reason")
+        body = []
+        for r in self.rows[: max_rows or len(self.rows)]:
+            f = r.fp8_gemms
+            h = r.hp_gemms
+            body.append((
+                r.name, r.role, r.precision,
+                f"{f.get('fprop', 0)}/{f.get('dgrad', 0)}/{f.get('wgrad', 0)}" if f else "-",
+                f"{h.get('fprop', 0)}/{h.get('dgrad', 0)}/{h.get('wgrad', 0)}" if h else "-",
+                r.reason,
+            ))
+        widths = [max(len(str(x[i])) for x in [hdr] + body) for i in range(len(hdr))]
+        lines = ["  ".join(str(c).ljust(w) for c, w in zip(hdr, widths)).rstrip()]
+        lines.append("  ".join("-" * w for w in widths))
+        for row in body:
+            lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+        if max_rows and len(self.rows) > max_rows:
+            lines.append(f"... {len(self.rows) - max_rows} more modules")
+        c8, ch = self.counts["fp8"], self.counts["high_precision"]
+        mode = "no FP8" if self.recipe == "bf16" else ("emulated" if self.emulated else "real FP8 GEMMs")
+        lines.append(
+            f"recipe {self.recipe} ({mode}): GEMMs run in FP8 fprop/dgrad/wgrad = "
+            f"{c8['fprop']}/{c8['dgrad']}/{c8['wgrad']}; in high precision = "
+            f"{ch['fprop']}/{ch['dgrad']}/{ch['wgrad']}"
+        )
+        if self.violations:
+            lines.append("POLICY VIOLATIONS (high-precision role ran in FP8): " + ", ".join(self.violations))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def audit(model: nn.Module, strict: bool = False) -> AuditReport:
+    """Per-module decisions plus per-GEMM counts of what ran since conversion (or the last
+    :func:`reset_gemm_counts`). ``strict=True`` raises :class:`PolicyViolation` if a module
+    whose role must stay in high precision ran a GEMM in FP8."""
+    state: Optional[_ConvertState] = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError("audit() needs a model converted with convert_model()")
+    fp8 = fp8_modules(model)
+    by_fqn = {m.fqn: m for m in fp8.values()}
+    rows, violations = [], []
+    tot8 = {"fprop": 0, "dgrad": 0, "wgrad": 0}
+    toth = dict(tot8)
+    for fqn, d in state.decisions.items():
+        m = by_fqn.get(fqn)
+        f = dict(m.gemm_counts) if m is not None else {}
+        h = dict(state.hp_counts.get(fqn, {}))
+        for k in tot8:
+            tot8[k] += f.get(k, 0)
+            toth[k] += h.get(k, 0)
+        if d.role in HIGH_PRECISION_ROLES and sum(f.values()) > 0:
+            violations.append(fqn)
+        rows.append(AuditRow(fqn, d.role, "fp8" if m is not None else d.precision, d.reason, f, h))
+    report = AuditReport(
+        recipe=state.recipe.name,
+        emulated=state.emulate,
+        rows=rows,
+        counts={"fp8": tot8, "high_precision": toth},
+        violations=violations,
+    )
+    if strict and violations:
+        raise PolicyViolation(
+            "high-precision roles ran in FP8: " + ", ".join(violations)
+            + " (remove them from policy.include, or run without strict)"
+        )
+    return report
+
+
+def set_telemetry(model: nn.Module, enabled: bool = True) -> None:
+    """Make every Float8Linear record quantisation statistics (amax, scale, underflow,
+    saturation, SQNR) of its operands. Costs extra passes over each operand: use an interval."""
+    for m in fp8_modules(model).values():
+        m.telemetry_enabled = enabled
+        if not enabled:
+            m._telemetry = {}
+
+
+def _group_of(fqn: str, role: str) -> str:
+    parts = fqn.split(".")
+    if "experts" in parts or "local_experts" in parts:
+        return "experts"
+    if "shared_expert" in parts or "shared_experts" in parts:
+        return "shared_expert"
+    if role == Role.ATTENTION_PROJECTION:
+        return "attention"
+    if role == Role.MLP:
+        return "mlp"
+    return role
+
+
+def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
+    """Flat ``{"fp8/<group>/<operand>/<stat>": value}`` aggregated per layer group (attention,
+    mlp, experts, shared_expert, ...) since the last call: amax is the max, the other stats
+    (scale, underflow_frac, saturated_frac, sqnr_db) the mean over modules and calls."""
+    acc: Dict[str, List[float]] = {}
+    for m in fp8_modules(model).values():
+        tel = m.pop_telemetry() if reset else {}
+        group = _group_of(m.fqn, m.role)
+        for operand, stats in tel.items():
+            for stat, v in stats.items():
+                acc.setdefault(f"fp8/{group}/{operand}/{stat}", []).append(v)
+    out = {}
+    for k, vs in acc.items():
+        out[k] = max(vs) if k.endswith("/amax") else sum(vs) / len(vs)
+    return out
+
+
+def set_amax_reduce_fn(model: nn.Module, fn: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+    """Install a hook that max-reduces delayed-scaling amaxes across ranks before each scale
+    update, e.g. ``lambda t: (dist.all_reduce(t, op=dist.ReduceOp.MAX), t)[1]``."""
+    for m in fp8_modules(model).values():
+        m.amax_reduce_fn = fn

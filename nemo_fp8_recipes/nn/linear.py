@@ -1,0 +1,263 @@
+"""The native FP8 linear: fprop, dgrad and wgrad each in FP8, per recipe.
+
+For ``Y = X · Wᵀ`` the three GEMMs of a linear layer contract over different dims, so each
+quantises its operands along its own contraction dim (DESIGN §2):
+
+=========  ==============  =========================  ===============================
+GEMM       formula         contraction dim            operands quantised along it
+=========  ==============  =========================  ===============================
+fprop      X · Wᵀ          K (in_features)            X rows, W rows
+dgrad      dY · W          N (out_features)           dY rows, W columns
+wgrad      dYᵀ · X         M (tokens)                 dY columns, X columns
+=========  ==============  =========================  ===============================
+
+Per-tensor recipes use one set of codes for both orientations (a transpose). Blockwise keeps the
+128x128 weight blocks (symmetric) and re-quantises X and dY in 128x1 tiles for wgrad; MXFP8
+quantises every operand twice. Only the wgrad copy of X is saved for backward, in FP8.
+
+The FP8 weight copies are cached and re-quantised only when the weight changed (its version
+counter moved, i.e. once per optimizer step, not per micro-batch). Delayed scaling keeps an
+amax history per operand in buffers, so it is part of ``state_dict``; its scale for step t is
+computed from the history through step t-1, the amax of step t is appended after use, and an
+optional hook max-reduces pending amaxes across data-parallel ranks before each update.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn as nn
+
+from ..quant.gemm import scaled_matmul
+from ..quant.reference import QuantizedTensor, STAT_NAMES, amax_to_scale, quantization_stats, quantize
+from ..recipes import Granularity, Recipe
+
+__all__ = ["Float8Linear", "OPERANDS"]
+
+OPERANDS = ("input", "weight", "grad_output")
+_IN, _W, _GO = 0, 1, 2
+
+
+def _out_dtype_for(x: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class _Float8LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype):
+        r = mod.recipe
+        in_shape = x.shape
+        x2 = x.reshape(-1, in_shape[-1])
+        m = x2.shape[0]
+        pad = (-m) % mod._row_multiple if not mod.emulate else 0
+        if pad:
+            x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+        w_fprop, w_dgrad = mod._quantized_weight()
+        qx = mod._quantize_operand(_IN, x2, dim=-1)
+        y = scaled_matmul(
+            qx, w_fprop, emulate=mod.emulate, out_dtype=out_dtype, fast_accum=r.fprop.fast_accum
+        )[:m]
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        mod._count("fprop")
+        if r.input_granularity is Granularity.TENSOR:
+            qx_wgrad = qx.t()  # same codes, same scale
+        else:
+            qx_wgrad = quantize(x2, r.input_format, r.input_granularity, r.scale_rounding, dim=0)
+        ctx.mod = mod
+        ctx.saved_qx = qx_wgrad
+        ctx.saved_w = w_dgrad
+        ctx.has_bias = bias is not None
+        ctx.x_dtype = x.dtype
+        ctx.in_shape = in_shape
+        ctx.m, ctx.pad = m, pad
+        ctx.w_dtype = weight.dtype
+        return y.reshape(*in_shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        mod: Float8Linear = ctx.mod
+        r = mod.recipe
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if ctx.pad:
+            dy2 = torch.cat([dy2, dy2.new_zeros(ctx.pad, dy2.shape[1])])
+        dx = dw = db = None
+        qdy = mod._quantize_operand(_GO, dy2, dim=-1)
+        if ctx.needs_input_grad[0]:
+            dx = scaled_matmul(
+                qdy, ctx.saved_w, emulate=mod.emulate, out_dtype=ctx.x_dtype,
+                fast_accum=r.dgrad.fast_accum,
+            )[: ctx.m]
+            dx = dx.reshape(ctx.in_shape)
+            mod._count("dgrad")
+        if ctx.needs_input_grad[1]:
+            if r.grad_granularity is Granularity.TENSOR:
+                qdy_wgrad = qdy.t()
+            else:
+                qdy_wgrad = quantize(dy2, r.grad_format, r.grad_granularity, r.scale_rounding, dim=0)
+            dw = scaled_matmul(
+                qdy_wgrad, ctx.saved_qx, emulate=mod.emulate, out_dtype=torch.float32,
+                fast_accum=r.wgrad.fast_accum,
+            ).to(ctx.w_dtype)
+            mod._count("wgrad")
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2[: ctx.m].float().sum(0)
+        ctx.saved_qx = ctx.saved_w = None
+        return dx, dw, db, None, None
+
+
+class Float8Linear(nn.Linear):
+    """An ``nn.Linear`` whose three GEMMs run in FP8 per ``recipe``.
+
+    Build it with :meth:`from_linear` (keeps the same ``Parameter`` objects) or through
+    :func:`nemo_fp8_recipes.nn.convert_model`. ``emulate=True`` runs exact emulation
+    (quantise -> dequantise -> FP32 matmul); ``False`` runs ``torch._scaled_mm`` /
+    ``torch.nn.functional.scaled_mm`` on the tensor cores.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        recipe: Recipe,
+        emulate: bool,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup_fp8(recipe, emulate)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe, emulate: bool) -> "Float8Linear":
+        """A Float8Linear sharing ``linear``'s weight and bias Parameter objects."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._setup_fp8(recipe, emulate)
+        new.to(linear.weight.device)
+        return new
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _setup_fp8(self, recipe: Recipe, emulate: bool) -> None:
+        if not recipe.is_fp8:
+            raise ValueError("Float8Linear needs an FP8 recipe, got bf16")
+        self.recipe = recipe
+        self.emulate = bool(emulate)
+        self._row_multiple = recipe.gemm_alignment
+        self.fqn = ""
+        self.role = "linear"
+        self.amax_reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.gemm_counts: Dict[str, int] = {"fprop": 0, "dgrad": 0, "wgrad": 0}
+        self.telemetry_enabled = False
+        self._telemetry: Dict[int, list] = {}
+        self._wcache_key = None
+        self._wcache = None
+        dev = self.weight.device
+        if recipe.is_delayed:
+            L = recipe.amax_history_len
+            self.register_buffer("fp8_amax_history", torch.zeros(3, L, device=dev))
+            self.register_buffer("fp8_scale", torch.ones(3, device=dev))
+            self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev))
+        self._pending = [False, False, False]
+
+    def extra_repr(self) -> str:
+        mode = "emulated" if self.emulate else "real"
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, {mode}"
+
+    # ---- delayed scaling ---------------------------------------------------------------------
+    def get_extra_state(self):
+        return {"pending": list(self._pending), "recipe": self.recipe.name}
+
+    def set_extra_state(self, state) -> None:
+        if state and "pending" in state:
+            self._pending = [bool(p) for p in state["pending"]]
+        self._wcache_key = self._wcache = None
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._wcache_key = self._wcache = None
+        return super()._load_from_state_dict(*args, **kwargs)
+
+    @torch.no_grad()
+    def _commit(self, i: int) -> None:
+        """Append operand i's pending amax to its history and recompute its scale (TE rule:
+        a zero or non-finite amax keeps the previous scale)."""
+        if not self._pending[i]:
+            return
+        r = self.recipe
+        pending = self.fp8_amax_pending[i : i + 1]
+        if self.amax_reduce_fn is not None:
+            pending = self.amax_reduce_fn(pending.clone())
+        hist = self.fp8_amax_history[i]
+        hist.copy_(torch.cat([pending.reshape(1), hist[:-1]]))
+        amax = hist.max() if r.amax_compute_algo == "max" else hist[0]
+        fmt = (r.input_format, r.weight_format, r.grad_format)[i]
+        new = amax_to_scale(amax, fmt, r.scale_rounding, margin=r.margin)
+        ok = torch.isfinite(amax) & (amax > 0)
+        self.fp8_scale[i].copy_(torch.where(ok, new, self.fp8_scale[i]))
+        self.fp8_amax_pending[i].zero_()
+        self._pending[i] = False
+
+    def _quantize_operand(self, i: int, t: torch.Tensor, dim: int) -> QuantizedTensor:
+        r = self.recipe
+        fmt = (r.input_format, r.weight_format, r.grad_format)[i]
+        gran = (r.input_granularity, r.weight_granularity, r.grad_granularity)[i]
+        scale = None
+        if r.is_delayed:
+            self._commit(i)
+            scale = self.fp8_scale[i]
+        q = quantize(t, fmt, gran, r.scale_rounding, dim=dim, scale=scale)
+        if r.is_delayed:
+            with torch.no_grad():
+                self.fp8_amax_pending[i].copy_(q.amax.reshape(()))
+            self._pending[i] = True
+        if self.telemetry_enabled:
+            src = t if dim in (-1, 1) else t.t()
+            self._telemetry.setdefault(i, []).append(quantization_stats(src.detach(), q))
+        return q
+
+    # ---- weight cache ------------------------------------------------------------------------
+    def _quantized_weight(self):
+        """(W quantised along K as [N, K], W quantised along N as [K, N]) — cached until the
+        weight changes."""
+        w = self.weight
+        key = (w._version, w.data_ptr(), w.dtype, w.device)
+        if self._wcache_key == key and self._wcache is not None:
+            return self._wcache
+        r = self.recipe
+        wd = w.detach()
+        q = self._quantize_operand(_W, wd, dim=-1)
+        if r.weight_granularity in (Granularity.TENSOR, Granularity.BLOCK_128x128):
+            qt = q.t()  # per-tensor and 128x128 groups are symmetric: transpose the codes
+        else:
+            qt = quantize(wd, r.weight_format, r.weight_granularity, r.scale_rounding, dim=0)
+        if not self.emulate:
+            q.data, qt.data = q.data.contiguous(), qt.data.contiguous()
+        self._wcache_key, self._wcache = key, (q, qt)
+        return self._wcache
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+    def _count(self, gemm: str) -> None:
+        self.gemm_counts[gemm] += 1
+
+    def pop_telemetry(self) -> Dict[str, Dict[str, float]]:
+        """Mean of each statistic per operand since the last call (amax: the max), then reset."""
+        out = {}
+        for i, stats in self._telemetry.items():
+            if not stats:
+                continue
+            s = torch.stack(stats).float().cpu()
+            vals = {name: float(s[:, k].mean()) for k, name in enumerate(STAT_NAMES)}
+            vals["amax"] = float(s[:, 0].max())
+            out[OPERANDS[i]] = vals
+        self._telemetry = {}
+        return out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self, _out_dtype_for(x))

@@ -1,0 +1,163 @@
+"""Scaled-GEMM dispatch: ``out = A · Bᵀ`` for two quantised operands, real or emulated.
+
+Both operands arrive as :class:`~nemo_fp8_recipes.quant.reference.QuantizedTensor` in the
+orientation ``[rows, K]`` with their scaling groups along ``K`` (the contraction dim), so one
+function serves fprop (``X · Wᵀ``), dgrad (``dY · W`` = ``dY · (Wᵀ)ᵀ``) and wgrad
+(``dYᵀ · X`` = ``dYᵀ · (Xᵀ)ᵀ``).
+
+* Emulation: dequantise both operands exactly to FP32 and multiply in FP32 (or FP64 for tests).
+  This is the same function the hardware computes, up to accumulation order.
+* Real: ``torch.nn.functional.scaled_mm`` (``torch._scaled_mm`` on older PyTorch) with the scale
+  layout cuBLAS expects for each scaling mode (DESIGN §3): per-tensor scalars; 1x128 x 128x128
+  (fprop, dgrad) and 1x128 x 1x128 (wgrad) with "outer-dim-major" FP32 scale tensors on SM90;
+  1x32 E8M0 scales in cuBLAS' swizzled block layout on SM100. Rows that are not a multiple of
+  the alignment are padded with zeros (exact: zero rows add nothing and get scale 1).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .reference import QuantizedTensor
+
+__all__ = ["scaled_matmul", "emulated_matmul", "real_matmul", "to_blocked_e8m0"]
+
+
+def emulated_matmul(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``dequant(a) @ dequant(b).T`` computed in ``compute_dtype``."""
+    return (a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).t()).to(out_dtype)
+
+
+def _pad_rows(t: torch.Tensor, mult: int) -> torch.Tensor:
+    r = t.shape[0]
+    pad = (-r) % mult
+    if pad == 0:
+        return t
+    return torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))], dim=0)
+
+
+def _outer_major(s: torch.Tensor) -> torch.Tensor:
+    """Same values, column-major strides (1, rows): the layout cuBLAS wants for block scales."""
+    return s.t().contiguous().t()
+
+
+def to_blocked_e8m0(scales: torch.Tensor) -> torch.Tensor:
+    """Rearrange a ``[rows, K/32]`` E8M0 scale grid into cuBLAS' swizzled 128x4 tile layout
+    (rows padded to 128, scale columns to 4; each 128x4 tile stored as 32x16 interleaved)."""
+    rows, cols = scales.shape
+    n_rb, n_cb = -(-rows // 128), -(-cols // 4)
+    padded = scales.new_zeros((n_rb * 128, n_cb * 4)) if scales.dtype != torch.float8_e8m0fnu else None
+    if padded is None:
+        padded = torch.full((n_rb * 128, n_cb * 4), 127, dtype=torch.uint8, device=scales.device)
+        padded[:rows, :cols] = scales.view(torch.uint8)
+    else:
+        padded[:rows, :cols] = scales
+    blocks = padded.view(n_rb, 128, n_cb, 4).permute(0, 2, 1, 3)
+    tiles = blocks.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16)
+    out = tiles.flatten()
+    return out.view(torch.float8_e8m0fnu) if out.dtype == torch.uint8 else out
+
+
+def _has_v2() -> bool:
+    return hasattr(F, "scaled_mm") and hasattr(F, "ScalingType")
+
+
+def real_matmul(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
+) -> torch.Tensor:
+    """FP8 GEMM on the tensor cores. ``a``: ``[M, K]``, ``b``: ``[N, K]``, both with contiguous
+    codes and groups along K. Returns ``[M, N]`` in ``out_dtype``."""
+    M, K = a.shape
+    N, K2 = b.shape
+    if K != K2:
+        raise ValueError(f"contraction dims differ: {tuple(a.shape)} x {tuple(b.shape)}")
+    ba, bb = a.block, b.block
+    if ba is None and bb is None:  # per-tensor (delayed, tensorwise)
+        mult = 16
+        a_data = _pad_rows(a.data.contiguous(), mult)
+        out = torch._scaled_mm(
+            a_data,
+            b.data.contiguous().t(),
+            scale_a=a.scale_inv.reshape(()).float(),
+            scale_b=b.scale_inv.reshape(()).float(),
+            out_dtype=out_dtype,
+            use_fast_accum=fast_accum,
+        )
+        return out[:M]
+    if ba == (1, 128) and bb in ((128, 128), (1, 128)):  # blockwise on SM90
+        a_data = _pad_rows(a.data.contiguous(), 128)
+        sa = _pad_rows(a.scale_inv.float(), 128)
+        sa[M:] = 1.0
+        # scale_b: the transpose of b's contiguous scale grid, i.e. shape (K/128, N/128) for
+        # 128x128 weight blocks or (K/128, N) for 1x128 tiles, strides (1, K/128).
+        sb = b.scale_inv.float().contiguous().t()
+        recipe_b = "BlockWise128x128" if bb == (128, 128) else "BlockWise1x128"
+        if _has_v2():
+            out = F.scaled_mm(
+                a_data,
+                b.data.contiguous().t(),
+                _outer_major(sa),
+                F.ScalingType.BlockWise1x128,
+                sb,
+                getattr(F.ScalingType, recipe_b),
+                output_dtype=out_dtype,
+                use_fast_accum=False,
+            )
+        else:
+            out = torch._scaled_mm(
+                a_data,
+                b.data.contiguous().t(),
+                scale_a=_outer_major(sa),
+                scale_b=sb,
+                out_dtype=out_dtype,
+                use_fast_accum=False,
+            )
+        return out[:M]
+    if ba == (1, 32) and bb == (1, 32):  # MXFP8 on SM100
+        if a.scale_e8m0 is None or b.scale_e8m0 is None:
+            raise ValueError("MXFP8 operands need E8M0 scales")
+        a_data = _pad_rows(a.data.contiguous(), 128)
+        sa = to_blocked_e8m0(a.scale_e8m0)
+        sb = to_blocked_e8m0(b.scale_e8m0)
+        if _has_v2():
+            return F.scaled_mm(
+                a_data,
+                b.data.contiguous().t(),
+                sa,
+                F.ScalingType.BlockWise1x32,
+                sb,
+                F.ScalingType.BlockWise1x32,
+                swizzle_a=F.SwizzleType.SWIZZLE_32_4_4,
+                swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
+                output_dtype=out_dtype,
+            )[:M]
+        return torch._scaled_mm(
+            a_data, b.data.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype
+        )[:M]
+    raise ValueError(f"no real FP8 GEMM for scaling groups {ba} x {bb}")
+
+
+def scaled_matmul(
+    a: QuantizedTensor,
+    b: QuantizedTensor,
+    *,
+    emulate: bool,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
+    compute_dtype: Optional[torch.dtype] = None,
+) -> torch.Tensor:
+    """``A · Bᵀ``: emulated (exact dequantise + FP32 matmul) or on the FP8 tensor cores."""
+    if emulate:
+        return emulated_matmul(a, b, out_dtype=out_dtype, compute_dtype=compute_dtype or torch.float32)
+    return real_matmul(a, b, out_dtype=out_dtype, fast_accum=fast_accum)

@@ -1,0 +1,46 @@
+"""Packaging for nemo_fp8_recipes.
+
+Install for development with ``pip install -e ".[dev]"``. PyTorch is a requirement but is
+deliberately left unpinned above its floor: pick the build you need (CPU or CUDA) first, e.g.
+``pip install torch==2.13.0`` on a CPU machine, then install this package.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="nemo_fp8_recipes",
+    version="0.1.0",
+    description="FP8 training recipes (delayed, tensorwise, blockwise, MXFP8) for NeMo / Megatron "
+    "and plain PyTorch, with a precision policy that is audited at run time.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["nemo_fp8_recipes", "nemo_fp8_recipes.*"]),
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.5",
+        "numpy",
+        "pyyaml",
+        "tqdm",
+    ],
+    extras_require={
+        "dev": [
+            "pytest>=7",
+            "hydra-core>=1.3,<1.4",
+            "omegaconf>=2.3",
+            "tensorboard>=2.14",
+            "matplotlib>=3.7",
+        ],
+        "megatron": ["megatron-core>=0.13,<=0.16.1"],
+        # Transformer Engine needs CUDA + cuDNN; documented, never installed in CI.
+        "te": ["transformer_engine[pytorch]>=2.9"],
+    },
+    entry_points={
+        "console_scripts": [
+            "nemo-fp8-train=nemo_fp8_recipes.train:main",
+        ]
+    },
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
