@@ -518,7 +518,10 @@ def _hw_status(recipe: Recipe, info: DeviceInfo) -> Tuple[bool, str]:
     if key in ("delayed", "tensorwise"):
         if sm >= 89:
             return True, f"{key}: real FP8 GEMMs on {info}"
-        return False, f"{key} needs an FP8 GPU (SM89 Ada, SM90 Hopper or newer); found {info}"
+        return False, (
+            f"{key} needs an FP8 GPU (SM89 Ada, SM90 Hopper or newer); found {info}; use bf16, "
+            "or emulate=true for numerics only"
+        )
     if key == "blockwise":
         if sm == 90:
             cv = info.cuda_version

@@ -99,10 +99,14 @@ def real_matmul(
         a_data = _pad_rows(a.data.contiguous(), 128)
         sa = _pad_rows(a.scale_inv.float(), 128)
         sa[M:] = 1.0
-        # scale_b: the transpose of b's contiguous scale grid, i.e. shape (K/128, N/128) for
-        # 128x128 weight blocks or (K/128, N) for 1x128 tiles, strides (1, K/128).
-        sb = b.scale_inv.float().contiguous().t()
-        recipe_b = "BlockWise128x128" if bb == (128, 128) else "BlockWise1x128"
+        if bb == (128, 128):
+            # 128x128 weight blocks: the transpose of b's contiguous (N/128, K/128) grid
+            sb = b.scale_inv.float().contiguous().t()
+            recipe_b = "BlockWise128x128"
+        else:
+            # 1x128 x 1x128 (wgrad): scale_b shape (N, K/128), outer-dim major like scale_a
+            sb = _outer_major(b.scale_inv.float())
+            recipe_b = "BlockWise1x128"
         if _has_v2():
             out = F.scaled_mm(
                 a_data,

@@ -82,8 +82,10 @@ class QuantizedTensor:
         return s.repeat_interleave(bc, dim=1)[:, :cols]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Exact FP32 value of every code times its group's ``scale_inv``, cast to ``dtype``."""
-        return (self.data.float() * self.expanded_scale_inv()).to(dtype)
+        """Every code times its group's ``scale_inv``: computed in FP64 when ``dtype`` is FP64
+        (exact), else in FP32, then cast to ``dtype``."""
+        ct = torch.float64 if dtype == torch.float64 else torch.float32
+        return (self.data.to(ct) * self.expanded_scale_inv().to(ct)).to(dtype)
 
     def t(self) -> "QuantizedTensor":
         """The transposed view (codes and scale grid transposed; groups now along rows)."""

@@ -1,0 +1,328 @@
+"""Llama 3 and a DeepSeek-V3-style mixture of experts, in plain PyTorch.
+
+The module tree uses the names the precision policy recognises (``nemo_fp8_recipes.policy``)::
+
+    tok_embeddings                      nn.Embedding                 BF16 (embedding)
+    layers.<i>.attention_norm           RMSNorm                      FP32 compute
+    layers.<i>.attention.wq|wk|wv|wo    nn.Linear (no bias)          FP8 (attention projections)
+    layers.<i>.attention  -> SDPA       scaled_dot_product_attention BF16 (attention core)
+    layers.<i>.ffn_norm                 RMSNorm                      FP32 compute
+    layers.<i>.feed_forward.w1|w3|w2    nn.Linear (gate, up, down)   FP8 (MLP)
+    layers.<i>.feed_forward.router      nn.Linear d -> experts       FP32 (MoE gate)
+    layers.<i>.feed_forward.experts.<j>.w1|w3|w2                     FP8 (experts)
+    layers.<i>.feed_forward.shared_expert.w1|w3|w2                   FP8 (shared expert)
+    norm                                RMSNorm                      FP32 compute
+    output                              nn.Linear (untied)           BF16 GEMM, FP32 logits
+
+Parameters are FP32 (the master weights); the trainer runs the forward under BF16 autocast on
+GPU, and ``convert_model`` swaps the FP8-eligible linears for FP8 ones. Everything precision
+sensitive is explicit here: RMSNorm and RoPE compute in FP32, the router upcasts its input and
+weight and disables autocast, and the logits are cast to FP32 before the loss.
+
+Attention goes through ``torch.nn.functional.scaled_dot_product_attention`` with
+``enable_gqa`` so the GPU picks the flash / cuDNN kernels and K/V are never materialised per
+query head. The MoE is written for clarity: a loop over experts with an index gather and an
+``index_add_`` scatter (fine for the small models it exists for; it exercises the router
+policy, not expert-parallel speed).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+__all__ = [
+    "RMSNorm",
+    "Attention",
+    "FeedForward",
+    "MoE",
+    "TransformerBlock",
+    "Transformer",
+    "ModelOutput",
+    "precompute_rope",
+    "apply_rope",
+]
+
+
+class ModelOutput(NamedTuple):
+    """What :meth:`Transformer.forward` returns.
+
+    ``logits`` are FP32. With targets: ``ce_loss`` is the language-model cross entropy (what is
+    logged and compared across recipes), ``aux_loss`` the raw MoE load-balancing loss (0 for a
+    dense model) and ``loss = ce_loss + aux_loss_coef * aux_loss`` what to back-propagate.
+    """
+
+    logits: torch.Tensor
+    loss: Optional[torch.Tensor] = None
+    ce_loss: Optional[torch.Tensor] = None
+    aux_loss: Optional[torch.Tensor] = None
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in FP32 whatever the input dtype (output in input dtype)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dim of ``x``."""
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        """Weights to one."""
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def _llama31_scale_freqs(freqs: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """Llama 3.1 long-context RoPE scaling (from Meta's reference implementation)."""
+    factor = float(cfg.rope_scaling_factor)
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old_len = cfg.rope_original_max_seq_len
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / freqs
+    scaled = torch.where(wavelen > low_wavelen, freqs / factor, freqs)
+    smooth = (old_len / wavelen - low) / (high - low)
+    mid = (1 - smooth) * freqs / factor + smooth * freqs
+    is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_mid, mid, scaled)
+
+
+def precompute_rope(cfg: ModelConfig, device=None) -> torch.Tensor:
+    """RoPE table ``[max_seq_len, head_dim // 2, 2]`` holding (cos, sin), FP32, θ = rope_theta."""
+    hd = cfg.head_dim
+    freqs = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float64) / hd))
+    if cfg.rope_scaling_factor:
+        freqs = _llama31_scale_freqs(freqs, cfg)
+    t = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(t, freqs)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[B, T, H, Dh]`` by ``rope`` ``[T, Dh/2, 2]`` in FP32 (Meta's interleaved
+    pairs: (x0, x1), (x2, x3), ...); returns ``x``'s dtype."""
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos = rope[None, :, None, :, 0]
+    sin = rope[None, :, None, :, 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention: ``wq/wk/wv/wo`` projections (no bias), RoPE, and
+    the attention core through SDPA (BF16 under autocast; never an FP8 GEMM)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, T, dim]`` -> ``[B, T, dim]``."""
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, self.num_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if v.dtype != q.dtype:  # FP8 / autocast paths can leave V in another dtype than Q, K
+            v = v.to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
+        )
+        o = o.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)
+        return self.wo(o)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` with ``w1`` = gate, ``w3`` = up, ``w2`` = down."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the MLP to the last dim."""
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    """DeepSeek-V3-style mixture of experts: shared expert(s) + top-k routed experts.
+
+    The gate (``router``, an ``nn.Linear`` d -> num_experts) runs in FP32 with autocast off;
+    scores are ``softmax`` or ``sigmoid`` of the logits; the top-k scores are renormalised
+    (``norm_topk_prob``) and multiplied by ``route_scale``. The switch-style load-balancing loss
+    ``E · Σ_j f_j · P_j`` (f_j = share of routed slots given to expert j, P_j = its mean score) is
+    returned raw; the model weights it by ``aux_loss_coef``.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = cfg.num_experts
+        self.top_k = cfg.moe_top_k
+        self.score_func = cfg.router_score
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.route_scale = cfg.route_scale
+        self.compute_aux = cfg.aux_loss_coef > 0
+        self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(
+            FeedForward(cfg.dim, cfg.moe_ffn_dim) for _ in range(cfg.num_experts)
+        )
+        self.shared_expert = (
+            FeedForward(cfg.dim, cfg.moe_ffn_dim * cfg.num_shared_experts)
+            if cfg.num_shared_experts > 0
+            else None
+        )
+
+    def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FP32 gate for tokens ``x`` ``[N, dim]``: ``(weights [N, k], expert ids [N, k],
+        scores [N, E])``, all FP32."""
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            x32 = x.float()
+            w = self.router.weight
+            if w.dtype == torch.float32:
+                logits = self.router(x32)  # through the module, so hooks and audits see it
+            else:  # parameters cast to a low precision: upcast explicitly
+                logits = F.linear(x32, w.float())
+            logits = logits.float()
+            scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+            top_w, top_i = scores.topk(self.top_k, dim=-1)
+            if self.norm_topk_prob and self.top_k > 1:
+                top_w = top_w / top_w.sum(-1, keepdim=True).clamp_min(1e-20)
+            top_w = top_w * self.route_scale
+        return top_w, top_i, scores
+
+    def forward(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[B, T, dim]`` -> (output ``[B, T, dim]``, raw aux loss scalar)."""
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        top_w, top_i, scores = self.route(xf)
+        routed = torch.zeros(xf.shape, dtype=torch.float32, device=x.device)
+        for j, expert in enumerate(self.experts):
+            tok, slot = torch.where(top_i == j)
+            if tok.numel() == 0:  # no token for this expert in this batch
+                continue
+            y = expert(xf[tok]).float() * top_w[tok, slot, None]
+            routed.index_add_(0, tok, y)
+        out = routed
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(xf).float()
+        if self.compute_aux and self.training:
+            counts = torch.zeros(self.num_experts, device=x.device, dtype=torch.float32)
+            counts.scatter_add_(0, top_i.reshape(-1), torch.ones_like(top_i, dtype=torch.float32).reshape(-1))
+            frac = counts / top_i.numel()
+            probs = scores / scores.sum(-1, keepdim=True).clamp_min(1e-20)
+            aux = self.num_experts * (frac * probs.mean(0)).sum()
+        else:
+            aux = torch.zeros((), device=x.device, dtype=torch.float32)
+        return out.to(x.dtype).view(shape), aux
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + ffn(ffn_norm(h))``."""
+
+    def __init__(self, layer_id: int, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        self.feed_forward = MoE(cfg) if self.is_moe else FeedForward(cfg.dim, cfg.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns (hidden states, raw MoE aux loss or 0)."""
+        h = x + self.attention(self.attention_norm(x), rope)
+        if self.is_moe:
+            f, aux = self.feed_forward(self.ffn_norm(h))
+        else:
+            f = self.feed_forward(self.ffn_norm(h))
+            aux = torch.zeros((), device=x.device, dtype=torch.float32)
+        return h + f, aux
+
+
+class Transformer(nn.Module):
+    """Llama 3 decoder (dense) or DeepSeek-style MoE decoder, by ``cfg.arch``.
+
+    Build big shapes on the meta device to count parameters without memory::
+
+        with torch.device("meta"):
+            model = Transformer(load_model_config("llama3_70b"))
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(i, cfg) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        # Not persistent: derived from the config, rebuilt on load, kept out of checkpoints.
+        self.register_buffer("rope_cache", precompute_rope(cfg), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Normal(0, init_std) for embeddings and linears, residual-branch outputs (``wo``,
+        ``w2``) scaled by ``1/sqrt(2·num_layers)`` (GPT-2), norms to one; rebuilds the RoPE table
+        (use after ``to_empty`` when materialising a meta-device model)."""
+        std = self.config.init_std
+        out_std = std / math.sqrt(2 * self.config.num_layers)
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                leaf = name.rsplit(".", 1)[-1]
+                nn.init.normal_(m.weight, mean=0.0, std=out_std if leaf in ("wo", "w2") else std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+            elif isinstance(m, RMSNorm):
+                m.reset_parameters()
+        self.rope_cache = precompute_rope(self.config, device=self.rope_cache.device)
+
+    def forward(self, tokens: torch.Tensor, targets: Optional[torch.Tensor] = None) -> ModelOutput:
+        """``tokens`` ``[B, T]`` int64 -> :class:`ModelOutput` (FP32 logits ``[B, T, vocab]``;
+        losses when ``targets`` ``[B, T]`` are given; target ``-100`` is ignored)."""
+        seqlen = tokens.shape[1]
+        if seqlen > self.rope_cache.shape[0]:
+            raise ValueError(
+                f"sequence length {seqlen} exceeds model.max_seq_len={self.rope_cache.shape[0]}"
+            )
+        rope = self.rope_cache[:seqlen].float()
+        h = self.tok_embeddings(tokens)
+        aux_total = torch.zeros((), device=h.device, dtype=torch.float32)
+        for layer in self.layers:
+            h, aux = layer(h, rope)
+            aux_total = aux_total + aux
+        logits = self.output(self.norm(h)).float()
+        if targets is None:
+            return ModelOutput(logits)
+        ce = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
+        loss = ce + self.config.aux_loss_coef * aux_total if self.config.aux_loss_coef else ce
+        return ModelOutput(logits, loss, ce, aux_total)
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Number of parameters of the built model (works on the meta device)."""
+        n = sum(p.numel() for p in self.parameters())
+        return n if include_embedding else n - self.tok_embeddings.weight.numel()

@@ -1,0 +1,672 @@
+"""The embedded trainer: ``nemo-fp8-train recipe=<key> model=<name>`` (backend=native).
+
+Trains a Llama 3 / small-MoE model (:mod:`nemo_fp8_recipes.models`) on local text
+(:mod:`nemo_fp8_recipes.data`, the Python standard library by default) with the chosen FP8
+recipe, on one device, with no cluster and no download:
+
+- the recipe and precision policy are applied with :func:`nemo_fp8_recipes.nn.convert_model`
+  after a hardware check (:func:`nemo_fp8_recipes.recipes.require_supported`); the audit table of
+  what ran in FP8 is printed after the first step and saved in the run directory;
+- AdamW on FP32 master weights, BF16 autocast for the non-FP8 ops on GPU (off on CPU by default:
+  CPU BF16 GEMMs are slow without AMX and the FP8 emulation already rounds the operands), global
+  grad-norm clipping, linear warmup + cosine decay, gradient accumulation;
+- validation every ``trainer.val_interval`` steps, tokens/s and MFU, FP8 telemetry per layer
+  group, all in TensorBoard under ``runs/<model>/<recipe>[-<tag>]`` (so
+  ``tensorboard --logdir runs/<model>`` overlays the recipes);
+- atomic checkpoints holding model (incl. delayed-scaling state), optimizer, scheduler, RNG and
+  data position; the data order is a pure function of ``(seed, step)``, so on CPU a resumed run
+  reproduces the uninterrupted loss curve exactly;
+- non-finite loss stops the run naming the step and the last good checkpoint
+  (``trainer.nan_policy=skip`` skips the batch and counts it instead).
+
+Python API: :func:`train` takes a composed config (see
+:func:`nemo_fp8_recipes.train_config.compose_config`) and returns a :class:`TrainResult`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, load_checkpoint, restore_rng_state
+from .data import ByteTokenizer, DataConfig, DataError, PackedTokens, TrainBatches, ValBatches, load_corpus
+from .logging_utils import MetricsWriter, format_count, format_duration, peak_tflops
+from .models import ModelConfig, Transformer
+from .train_config import (
+    CONFIG_DIR,
+    CONFIG_NAME,
+    ConfigError,
+    RunConfig,
+    TrainerConfig,
+    recipe_overrides,
+    run_config,
+    trainer_config,
+    validate_overrides,
+)
+
+__all__ = [
+    "train",
+    "main",
+    "TrainResult",
+    "TrainingError",
+    "NonFiniteLossError",
+    "resolve_device",
+    "build_recipe",
+    "build_policy",
+    "lr_at",
+]
+
+log = logging.getLogger("nemo_fp8_recipes.train")
+
+CHECKPOINT_FORMAT = 1
+_FP8_STATE_MARKERS = ("fp8_", "_extra_state")
+
+
+class TrainingError(RuntimeError):
+    """A training run that cannot continue; the message says why and what to do."""
+
+
+class NonFiniteLossError(TrainingError):
+    """The loss (or gradient norm) became NaN/Inf."""
+
+    def __init__(self, step: int, what: str, value: float, last_checkpoint: Optional[Path]) -> None:
+        self.step, self.value, self.last_checkpoint = step, value, last_checkpoint
+        where = (
+            f"last good checkpoint: {last_checkpoint} (trainer.resume=auto continues from it)"
+            if last_checkpoint
+            else "no checkpoint was written before it"
+        )
+        super().__init__(
+            f"non-finite {what} ({value}) at step {step}; {where}. Try a lower trainer.lr, a longer "
+            "trainer.warmup_steps, recipe=blockwise/bf16 to compare, or trainer.nan_policy=skip "
+            "to skip such batches"
+        )
+
+
+@dataclass
+class TrainResult:
+    """What a run did. ``history``: one dict per optimizer step run in this process
+    (``step``, ``loss``, ``lr``, ``grad_norm``, ``skipped``); ``val``: ``(step, loss)`` pairs."""
+
+    run_dir: Path
+    start_step: int
+    final_step: int
+    history: List[Dict[str, float]] = field(default_factory=list)
+    val: List[Tuple[int, float]] = field(default_factory=list)
+    skipped_steps: int = 0
+    checkpoint: Optional[Path] = None
+    tokens_per_s: Optional[float] = None
+    wall_s: float = 0.0
+    audit_table: Optional[str] = None
+
+    @property
+    def losses(self) -> Dict[int, float]:
+        """``{step: train loss}`` for the steps run in this process."""
+        return {int(h["step"]): h["loss"] for h in self.history}
+
+
+# ---- building blocks -----------------------------------------------------------------------
+def resolve_device(spec: str) -> torch.device:
+    """``auto`` -> ``cuda`` if available else ``cpu``; ``cuda`` without a GPU is an error."""
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"trainer.device={spec} but no CUDA GPU is available; use trainer.device=cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"trainer.device={spec} but only {torch.cuda.device_count()} GPU(s) are visible")
+    return dev
+
+
+def build_recipe(recipe_node):
+    """The registry recipe for a ``recipe`` config node (``null`` fields = registry defaults)."""
+    from .recipes import get_recipe
+
+    name = recipe_node.get("name")
+    if not name:
+        raise ConfigError("the recipe config has no 'name'")
+    try:
+        return get_recipe(name, **recipe_overrides(recipe_node))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"recipe: {e}") from None
+
+
+def build_policy(policy_node):
+    """A :class:`~nemo_fp8_recipes.policy.PrecisionPolicy` from the ``policy`` config node."""
+    from omegaconf import OmegaConf
+
+    from .policy import PrecisionPolicy
+
+    values = OmegaConf.to_container(policy_node, resolve=True) if policy_node is not None else {}
+    valid = [f.name for f in dataclasses.fields(PrecisionPolicy)]
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown policy option(s) {unknown}; valid options: {', '.join(valid)}")
+    for k in ("include", "exclude"):
+        if k in values and values[k] is not None:
+            values[k] = tuple(values[k]) if not isinstance(values[k], str) else (values[k],)
+    try:
+        return PrecisionPolicy(**values)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"policy: {e}") from None
+
+
+def lr_at(step: int, tcfg: TrainerConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``
+    then cosine decay from ``lr`` to ``min_lr`` at ``max_steps``."""
+    if tcfg.warmup_steps and step < tcfg.warmup_steps:
+        return tcfg.lr * (step + 1) / tcfg.warmup_steps
+    span = max(1, tcfg.max_steps - tcfg.warmup_steps)
+    progress = min(1.0, (step - tcfg.warmup_steps) / span)
+    return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def _build_optimizer(model: torch.nn.Module, tcfg: TrainerConfig, device: torch.device):
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": tcfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    kwargs = dict(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps)
+    if device.type == "cuda":
+        kwargs["fused"] = True
+    opt = torch.optim.AdamW(groups, **kwargs)
+    # LambdaLR multiplies the base lr; lr_at returns absolute values.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
+    return opt, sched
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def _autocast(device: torch.device, mode: str):
+    use_bf16 = mode == "bf16" or (mode == "auto" and device.type == "cuda")
+    if not use_bf16:
+        return contextlib.nullcontext, False
+    return (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)), True
+
+
+def _is_fp8_state_key(key: str) -> bool:
+    leaf = key.rsplit(".", 1)[-1]
+    return leaf.startswith(_FP8_STATE_MARKERS)
+
+
+def _load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], forced: bool) -> None:
+    if not forced:
+        model.load_state_dict(state)
+        return
+    result = model.load_state_dict(state, strict=False)
+    bad = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if not _is_fp8_state_key(k)]
+    if bad:
+        raise CheckpointError(f"checkpoint weights do not match the model: {bad[:8]}")
+    dropped = len(result.unexpected_keys)
+    fresh = len(result.missing_keys)
+    if dropped or fresh:
+        log.warning(
+            "forced resume across recipes: %d FP8 state entries of the checkpoint dropped, %d "
+            "initialised fresh", dropped, fresh,
+        )
+
+
+# ---- the run -------------------------------------------------------------------------------
+def _resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Path]:
+    if tcfg.resume == "never":
+        existing = mgr.list()
+        if existing:
+            raise CheckpointError(
+                f"{mgr.directory} already has checkpoints (latest {existing[-1].name}) but "
+                "trainer.resume=never; use trainer.resume=auto to continue that run, run.tag=<name> "
+                "for a new run directory, or delete the old run"
+            )
+        return None
+    if tcfg.resume == "auto":
+        return mgr.latest()
+    p = Path(tcfg.resume).expanduser()
+    if p.is_dir():
+        latest = CheckpointManager(p / "checkpoints" if (p / "checkpoints").is_dir() else p).latest()
+        if latest is None:
+            raise CheckpointError(f"trainer.resume={tcfg.resume}: no checkpoint (step_*.pt) in that directory")
+        return latest
+    if not p.is_file():
+        raise CheckpointError(f"trainer.resume={tcfg.resume}: no such checkpoint file")
+    return p
+
+
+def _check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig, tcfg: TrainerConfig,
+                      fingerprint: str) -> bool:
+    """Refuse a checkpoint from another recipe (unless forced) or model shape; warn on data /
+    schedule changes. Returns whether the FP8 state must be loaded non-strictly."""
+    if ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    old_model = ckpt.get("model_config", {})
+    diffs = [f"{k}: {old_model.get(k)!r} -> {v!r}" for k, v in mcfg.to_dict().items()
+             if k != "name" and old_model.get(k) != v]
+    if diffs:
+        raise CheckpointError(f"{path} was written for another model shape ({'; '.join(diffs)})")
+    old_recipe = ckpt.get("recipe", {})
+    forced = False
+    if old_recipe.get("name") != recipe.name:
+        if not tcfg.force_resume:
+            raise CheckpointError(
+                f"{path} was written with recipe {old_recipe.get('name')!r}, this run uses "
+                f"{recipe.name!r}. Resume with the same recipe, start a new run (run.tag=<name>), or "
+                "pass trainer.force_resume=true to load its weights and optimizer anyway (FP8 "
+                "scaling state that does not apply is dropped)"
+            )
+        forced = True
+        log.warning("forced resume: checkpoint recipe %s, this run %s", old_recipe.get("name"), recipe.name)
+    elif old_recipe != recipe.describe():
+        changed = sorted(k for k in set(old_recipe) | set(recipe.describe())
+                         if old_recipe.get(k) != recipe.describe().get(k))
+        if not tcfg.force_resume:
+            raise CheckpointError(
+                f"{path} was written with different {recipe.name} settings ({', '.join(changed)}); "
+                "pass trainer.force_resume=true to continue with the new settings"
+            )
+        forced = True
+    data = ckpt.get("data", {})
+    if data.get("fingerprint") != fingerprint:
+        log.warning("the training data changed since %s: the resumed run will not match an uninterrupted one", path)
+    old_t = ckpt.get("trainer", {})
+    for k in ("seed", "seq_len", "global_batch_size", "max_steps", "lr", "min_lr", "warmup_steps"):
+        if k in old_t and old_t[k] != getattr(tcfg, k):
+            log.warning("trainer.%s changed since the checkpoint (%r -> %r)", k, old_t[k], getattr(tcfg, k))
+    return forced
+
+
+def train(cfg) -> TrainResult:
+    """Run the embedded trainer on a composed config (``DictConfig``) and return what it did.
+
+    Raises :class:`ConfigError`, :class:`~nemo_fp8_recipes.data.DataError`,
+    :class:`~nemo_fp8_recipes.recipes.UnsupportedRecipeError`, :class:`CheckpointError` or
+    :class:`NonFiniteLossError` with actionable messages; :func:`main` prints them cleanly.
+    """
+    from omegaconf import OmegaConf
+
+    from .nn import audit, collect_telemetry, convert_model, set_telemetry
+    from .recipes import describe_device, require_supported, uses_real_fp8_gemm
+
+    t_start = time.perf_counter()
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"missing mandatory value(s): {', '.join(missing)}")
+    tcfg = trainer_config(cfg)
+    rcfg: RunConfig = run_config(cfg)
+    if cfg.backend.name != "native":
+        raise ConfigError(f"the embedded trainer runs backend=native, got backend={cfg.backend.name}")
+    if cfg.cluster.name != "local":
+        raise ConfigError(f"the embedded trainer runs cluster=local, got cluster={cfg.cluster.name}")
+
+    # ---- recipe, policy, device, model config (fail before any work) ----
+    device = resolve_device(tcfg.device)
+    recipe = build_recipe(cfg.recipe)
+    policy = build_policy(cfg.get("policy"))
+    require_supported(recipe, device)
+    try:
+        mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
+    except DataError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e)) from None
+    tokenizer = ByteTokenizer()
+    if mcfg.vocab_size < tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={mcfg.vocab_size} is smaller than the byte tokenizer's "
+            f"{tokenizer.vocab_size} ids; use model.vocab_size=512 (or any value >= {tokenizer.vocab_size})"
+        )
+    if tcfg.seq_len > mcfg.max_seq_len:
+        raise ConfigError(f"trainer.seq_len={tcfg.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
+    if tcfg.compile and not getattr(recipe, "supports_compile", True):
+        raise ConfigError(f"recipe {recipe.name} does not support torch.compile; use trainer.compile=false")
+
+    run_dir = Path(rcfg.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+    mgr = CheckpointManager(run_dir / "checkpoints", keep=tcfg.ckpt_keep)
+    resume_path = _resolve_resume(tcfg, mgr)
+
+    # ---- data ----
+    corpus = load_corpus(dcfg, tokenizer)
+    train_batches = TrainBatches(
+        PackedTokens(corpus.train, tcfg.seq_len, "train"),
+        seed=tcfg.seed, micro_batch_size=tcfg.micro_batch_size, grad_accum=tcfg.grad_accum,
+    )
+    val_batches = None
+    if tcfg.val_interval > 0 and tcfg.val_steps > 0:
+        val_batches = ValBatches(
+            PackedTokens(corpus.val, tcfg.seq_len, "validation"),
+            micro_batch_size=tcfg.micro_batch_size, num_batches=tcfg.val_steps,
+        )
+
+    # ---- model, FP8 conversion, optimizer ----
+    _seed_everything(tcfg.seed)
+    with torch.device(device):
+        raw_model = Transformer(mcfg)
+    convert_model(raw_model, recipe, policy)
+    optimizer, scheduler = _build_optimizer(raw_model, tcfg, device)
+    autocast_ctx, bf16 = _autocast(device, tcfg.autocast)
+    real_fp8 = recipe.is_fp8 and uses_real_fp8_gemm(recipe, device)
+    mode = "no FP8" if not recipe.is_fp8 else ("real FP8 GEMMs" if real_fp8 else "emulated FP8")
+    n_params = raw_model.num_params()
+    flops_per_token = mcfg.flops_per_token(tcfg.seq_len)
+    peak = peak_tflops(device, "fp8" if real_fp8 else "bf16")
+
+    start_step, tokens_seen, skipped = 0, 0, 0
+    last_ckpt: Optional[Path] = None
+    if resume_path is not None:
+        ckpt = load_checkpoint(resume_path, map_location=device)
+        forced = _check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint)
+        _load_model_state(raw_model, ckpt["model"], forced)
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scheduler.load_state_dict(ckpt["scheduler"])
+        restore_rng_state(ckpt["rng"])
+        start_step = int(ckpt["step"])
+        tokens_seen = int(ckpt.get("tokens_seen", 0))
+        skipped = int(ckpt.get("skipped_steps", 0))
+        last_ckpt = resume_path
+        log.info("resumed from %s at step %d", resume_path, start_step)
+
+    model = torch.compile(raw_model) if tcfg.compile else raw_model
+    writer = MetricsWriter(run_dir, enabled=rcfg.tensorboard, purge_step=start_step + 1 if start_step else None)
+
+    log.info(
+        "run %s | model %s (%s params, %d layers) | recipe %s (%s) | device %s | autocast %s | "
+        "data %s: %s train / %s val tokens | %d steps x %d seq x %d tokens (grad accum %d)",
+        run_dir, mcfg.name, format_count(n_params), mcfg.num_layers, recipe.name, mode,
+        describe_device(device), "bf16" if bf16 else "off", dcfg.name,
+        format_count(len(corpus.train)), format_count(len(corpus.val)), tcfg.max_steps,
+        tcfg.global_batch_size, tcfg.seq_len, tcfg.grad_accum,
+    )
+    if start_step == 0:
+        writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+
+    result = TrainResult(run_dir=run_dir, start_step=start_step, final_step=start_step,
+                         skipped_steps=skipped, checkpoint=last_ckpt)
+    if start_step >= tcfg.max_steps:
+        log.info("run already complete at step %d (trainer.max_steps=%d); nothing to do", start_step, tcfg.max_steps)
+        writer.close()
+        result.wall_s = time.perf_counter() - t_start
+        return result
+
+    tokens_per_step = tcfg.global_batch_size * tcfg.seq_len
+    telemetry_on = recipe.is_fp8 and tcfg.telemetry_interval > 0
+
+    def state_dict(step: int) -> Dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "skipped_steps": skipped,
+            "model": raw_model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+            "rng": capture_rng_state(),
+            "data": {
+                "fingerprint": corpus.fingerprint,
+                "seed": tcfg.seed,
+                "next_step": step,
+                "consumed_samples": step * train_batches.samples_per_step,
+            },
+            "recipe": recipe.describe(),
+            "model_config": mcfg.to_dict(),
+            "trainer": dataclasses.asdict(tcfg),
+            "config_yaml": OmegaConf.to_yaml(cfg, resolve=True),
+        }
+
+    def save(step: int) -> Path:
+        nonlocal last_ckpt
+        last_ckpt = mgr.save(step, state_dict(step))
+        result.checkpoint = last_ckpt
+        log.info("checkpoint: %s", last_ckpt)
+        return last_ckpt
+
+    @torch.no_grad()
+    def validate() -> float:
+        model.eval()
+        total, n = 0.0, 0
+        for x, y in val_batches.iter(device):
+            with autocast_ctx():
+                out = model(x, y)
+            total += float(out.ce_loss)
+            n += 1
+        model.train()
+        return total / max(1, n)
+
+    from tqdm.auto import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    show_bar = tcfg.progress and sys.stderr.isatty()
+    bar = tqdm(total=tcfg.max_steps, initial=start_step, disable=not show_bar, dynamic_ncols=True,
+               desc=f"{mcfg.name}/{recipe.name}", unit="step")
+    window_loss, window_n, window_time, window_tokens = 0.0, 0, 0.0, 0
+    step_time_total, steps_timed = 0.0, 0
+    step = start_step
+    model.train()
+    try:
+        with logging_redirect_tqdm():
+            while step < tcfg.max_steps:
+                t0 = time.perf_counter()
+                tele_now = telemetry_on and (step + 1) % tcfg.telemetry_interval == 0
+                if tele_now:
+                    set_telemetry(raw_model, True)
+                loss_acc = torch.zeros((), device=device)
+                aux_acc = torch.zeros((), device=device)
+                for micro in range(tcfg.grad_accum):
+                    x, y = train_batches.get(step, micro, device)
+                    try:
+                        with autocast_ctx():
+                            out = model(x, y)
+                        (out.loss / tcfg.grad_accum).backward()
+                    except Exception as e:
+                        if tcfg.compile and "torch._dynamo" in type(e).__module__ + str(type(e)):
+                            raise TrainingError(
+                                f"torch.compile failed for recipe {recipe.name}: {str(e).splitlines()[0]}; "
+                                "run with trainer.compile=false"
+                            ) from e
+                        raise
+                    loss_acc += out.ce_loss.detach()
+                    aux_acc += out.aux_loss.detach()
+                loss = float(loss_acc) / tcfg.grad_accum
+                clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip))
+                lr = optimizer.param_groups[0]["lr"]
+                bad = None
+                if not math.isfinite(loss):
+                    bad = ("loss", loss)
+                elif not math.isfinite(grad_norm):
+                    bad = ("gradient norm", grad_norm)
+                if bad is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                    if tcfg.nan_policy == "stop":
+                        raise NonFiniteLossError(step + 1, bad[0], bad[1], last_ckpt)
+                    skipped += 1
+                    log.warning("step %d: non-finite %s (%s); batch skipped (%d skipped so far)",
+                                step + 1, bad[0], bad[1], skipped)
+                    if skipped > tcfg.max_skipped_steps:
+                        raise NonFiniteLossError(step + 1, bad[0], bad[1], last_ckpt)
+                else:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                step += 1
+                tokens_seen += tokens_per_step
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                result.history.append({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                       "skipped": bad is not None})
+                if math.isfinite(loss):
+                    window_loss += loss
+                    window_n += 1
+                window_time += dt
+                window_tokens += tokens_per_step
+                if step > start_step + 1:  # the first step pays compile/warm-up costs
+                    step_time_total += dt
+                    steps_timed += 1
+
+                if step == start_step + 1 and start_step == 0:
+                    report = audit(raw_model)
+                    result.audit_table = report.table()
+                    (run_dir / "audit.txt").write_text(result.audit_table + "\n", encoding="utf-8")
+                    (run_dir / "audit.json").write_text(report.to_json() + "\n", encoding="utf-8")
+                    writer.text("fp8/audit", result.audit_table, step)
+                    log.info("precision audit after the first step:\n%s", result.audit_table)
+                    if report.violations:
+                        log.warning("policy violations: %s", ", ".join(report.violations))
+
+                if tele_now:
+                    writer.scalars(collect_telemetry(raw_model, reset=True), step)
+                    set_telemetry(raw_model, False)
+
+                tps = window_tokens / window_time if window_time > 0 else 0.0
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", tok_s=format_count(tps), refresh=False)
+                if tcfg.log_interval and (step % tcfg.log_interval == 0 or step == tcfg.max_steps):
+                    avg = window_loss / window_n if window_n else float("nan")
+                    tflops = tps * flops_per_token / 1e12
+                    mfu = tflops / peak if peak else None
+                    scalars = {
+                        "train/loss": avg,
+                        "train/loss_step": loss,
+                        "lr": lr,
+                        "grad_norm": grad_norm,
+                        "tokens_per_s": tps,
+                        "perf/tflops_per_s": tflops,
+                        "perf/mfu": mfu,
+                        "train/tokens_seen": tokens_seen,
+                        "train/skipped_steps": skipped,
+                    }
+                    if mcfg.arch == "moe":
+                        scalars["train/aux_loss"] = float(aux_acc) / tcfg.grad_accum
+                    writer.scalars(scalars, step)
+                    log.info(
+                        "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2f TFLOP/s | mfu %s",
+                        step, tcfg.max_steps, avg, lr, grad_norm, format_count(tps), tflops,
+                        f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
+                    )
+                    window_loss, window_n, window_time, window_tokens = 0.0, 0, 0.0, 0
+
+                last = step == tcfg.max_steps
+                if val_batches is not None and (step % tcfg.val_interval == 0 or last):
+                    vl = validate()
+                    result.val.append((step, vl))
+                    writer.scalars({"val/loss": vl}, step)
+                    log.info("step %d | val/loss %.4f", step, vl)
+                if (tcfg.ckpt_interval and step % tcfg.ckpt_interval == 0) or last:
+                    save(step)
+                writer.flush()
+    except KeyboardInterrupt:
+        bar.close()
+        log.warning("interrupted at step %d; saving a checkpoint", step)
+        if step > start_step:
+            save(step)
+        writer.close()
+        raise
+    finally:
+        bar.close()
+        writer.close()
+
+    result.final_step = step
+    result.skipped_steps = skipped
+    result.tokens_per_s = tokens_per_step * steps_timed / step_time_total if step_time_total else None
+    result.wall_s = time.perf_counter() - t_start
+    final_train = float(np.mean([h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):]]))
+    (run_dir / "summary.json").write_text(json.dumps({
+        "model": mcfg.name, "recipe": recipe.name, "mode": mode, "params": n_params,
+        "steps": step, "final_train_loss": final_train,
+        "final_val_loss": result.val[-1][1] if result.val else None,
+        "tokens_per_s": result.tokens_per_s, "skipped_steps": skipped,
+        "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+    }, indent=2) + "\n", encoding="utf-8")
+    logdir = run_dir.parent
+    log.info(
+        "done: %d steps in %s | train loss %.4f%s | %s tok/s\n"
+        "  run dir:     %s\n  checkpoint:  %s\n  TensorBoard: tensorboard --logdir %s",
+        step - start_step, format_duration(result.wall_s), final_train,
+        f" | val loss {result.val[-1][1]:.4f}" if result.val else "",
+        format_count(result.tokens_per_s or 0), run_dir, result.checkpoint, logdir,
+    )
+    return result
+
+
+# ---- command line ----------------------------------------------------------------------------
+_EXIT_CODES = {ConfigError: 2, DataError: 2, CheckpointError: 4, NonFiniteLossError: 3, TrainingError: 5}
+
+
+def _run_cli(cfg) -> None:
+    """Body of the Hydra entry point: train, print clean messages for expected errors."""
+    from .recipes import UnsupportedRecipeError
+
+    try:
+        result = train(cfg)
+    except UnsupportedRecipeError as e:
+        print(f"nemo-fp8-train: unsupported recipe on this device: {e}", file=sys.stderr)
+        sys.exit(2)
+    except tuple(_EXIT_CODES) as e:
+        code = next(c for t, c in _EXIT_CODES.items() if isinstance(e, t))
+        print(f"nemo-fp8-train: error: {e}", file=sys.stderr)
+        sys.exit(code)
+    except KeyboardInterrupt:
+        print("nemo-fp8-train: interrupted (checkpoint saved; trainer.resume=auto continues)", file=sys.stderr)
+        sys.exit(130)
+    print(
+        f"\nRun directory: {result.run_dir}\n"
+        f"TensorBoard logs: {result.run_dir}\n"
+        f"  tensorboard --logdir {result.run_dir.parent}"
+    )
+
+
+def _hydra_entry() -> None:
+    import hydra
+
+    hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base="1.3")(_run_cli)()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point (``nemo-fp8-train`` / ``python -m nemo_fp8_recipes.train``).
+
+    Arguments are Hydra overrides (``recipe=delayed model.num_layers=2 trainer.max_steps=50``)
+    and Hydra flags (``--cfg job``, ``-m`` for sweeps, ``--help``). Overrides are checked first,
+    so a bad key or option fails at once with the valid choices listed.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not any(a.startswith("-") for a in args):
+        problem = validate_overrides(args)
+        if problem:
+            print(f"nemo-fp8-train: {problem}", file=sys.stderr)
+            return 2
+    prog = sys.argv[0] if sys.argv else "nemo-fp8-train"
+    old_argv = sys.argv
+    sys.argv = [prog] + args
+    try:
+        _hydra_entry()
+    except SystemExit as e:
+        return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = old_argv
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""Hydra side of the embedded trainer: the packaged config tree, composition, and clear errors.
+
+The configs live inside the package (``nemo_fp8_recipes/configs``; the repository's top-level
+``configs/`` is a symlink to it), so the installed ``nemo-fp8-train`` finds them wherever it is
+installed. Groups mirror the registries: ``recipe/<key>.yaml`` for every key of
+:func:`nemo_fp8_recipes.recipes.list_recipes`, ``model/<name>.yaml``, ``backend/``, ``cluster/``,
+``data/``. The ``trainer`` and ``run`` blocks are validated against typed dataclasses here, so a
+misspelt key or a wrong type fails before anything runs, with the valid keys listed.
+
+Only the trainer imports this module; the core (recipes, policy, quant, nn) knows nothing of
+Hydra.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = [
+    "CONFIG_DIR",
+    "CONFIG_NAME",
+    "GROUPS",
+    "ConfigError",
+    "TrainerConfig",
+    "RunConfig",
+    "register_resolvers",
+    "list_group_options",
+    "compose_config",
+    "validate_overrides",
+    "trainer_config",
+    "run_config",
+    "recipe_overrides",
+    "run_name",
+]
+
+#: Absolute path of the packaged Hydra config directory.
+CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
+CONFIG_NAME = "train"
+#: Config groups (each a directory of ``<option>.yaml`` under :data:`CONFIG_DIR`).
+GROUPS = ("recipe", "model", "backend", "cluster", "data")
+_HYDRA_VERSION_BASE = "1.3"
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or key; the message lists what is valid."""
+
+
+# ---- typed blocks ------------------------------------------------------------------------------
+@dataclass
+class TrainerConfig:
+    """Typed ``trainer`` block (values come from ``train.yaml``; see the comments there)."""
+
+    max_steps: int
+    micro_batch_size: int
+    global_batch_size: int
+    seq_len: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    grad_clip: float
+    seed: int
+    compile: bool
+    device: str
+    autocast: str
+    val_interval: int
+    val_steps: int
+    log_interval: int
+    telemetry_interval: int
+    ckpt_interval: int
+    ckpt_keep: int
+    resume: str
+    force_resume: bool
+    nan_policy: str
+    max_skipped_steps: int
+    progress: bool
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ConfigError(f"trainer.{msg}")
+
+        need(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
+        need(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        need(self.global_batch_size >= self.micro_batch_size
+             and self.global_batch_size % self.micro_batch_size == 0,
+             f"global_batch_size ({self.global_batch_size}) must be a positive multiple of "
+             f"micro_batch_size ({self.micro_batch_size}); the ratio is the gradient accumulation")
+        need(self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}")
+        need(self.lr > 0 and 0 <= self.min_lr <= self.lr,
+             f"lr must be > 0 and min_lr in [0, lr]; got lr={self.lr}, min_lr={self.min_lr}")
+        need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        for k in ("val_interval", "val_steps", "log_interval", "telemetry_interval",
+                  "ckpt_interval", "max_skipped_steps"):
+            need(getattr(self, k) >= 0, f"{k} must be >= 0, got {getattr(self, k)}")
+        need(self.ckpt_keep >= 1, f"ckpt_keep must be >= 1, got {self.ckpt_keep}")
+        need(self.autocast in ("auto", "bf16", "off"),
+             f"autocast={self.autocast!r} is not valid; choose one of: auto, bf16, off")
+        need(self.nan_policy in ("stop", "skip"),
+             f"nan_policy={self.nan_policy!r} is not valid; choose one of: stop, skip")
+        need(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)),
+             f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda, cuda:N")
+        need(bool(self.resume), "resume must be auto, never or a checkpoint path")
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self.global_batch_size // self.micro_batch_size
+
+
+@dataclass
+class RunConfig:
+    """Typed ``run`` block: where the run writes (``dir``) and whether TensorBoard is on."""
+
+    root: str
+    tag: Optional[str]
+    dir: str
+    tensorboard: bool
+
+
+# ---- resolvers ---------------------------------------------------------------------------------
+def run_name(recipe: str, tag: Optional[str] = None) -> str:
+    """Run directory leaf: ``<recipe>`` or ``<recipe>-<tag>``."""
+    tag = "" if tag is None else str(tag).strip()
+    return f"{recipe}-{tag}" if tag else str(recipe)
+
+
+def register_resolvers() -> None:
+    """Register the ``fp8.*`` OmegaConf resolvers the configs use (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("fp8.run_name"):
+        OmegaConf.register_new_resolver("fp8.run_name", run_name)
+
+
+register_resolvers()
+
+
+# ---- composition -------------------------------------------------------------------------------
+def list_group_options(group: str) -> List[str]:
+    """Option names of a config group (file stems under ``configs/<group>/``)."""
+    if group not in GROUPS:
+        raise ConfigError(f"unknown config group {group!r}; groups: {', '.join(GROUPS)}")
+    return sorted(p.stem for p in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+
+
+def compose_config(overrides: Sequence[str] = ()):
+    """Compose ``train.yaml`` with Hydra overrides (no run, no output dir) -> ``DictConfig``.
+
+    The same composition as ``nemo-fp8-train <overrides>``; used by tests and notebooks.
+    """
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=_HYDRA_VERSION_BASE):
+        return compose(config_name=CONFIG_NAME, overrides=list(overrides))
+
+
+def _override_key(arg: str) -> str:
+    key = arg.split("=", 1)[0]
+    return key.lstrip("+~")
+
+
+def _keys_at(cfg, path: str) -> Optional[List[str]]:
+    from omegaconf import DictConfig, OmegaConf
+
+    node = cfg if not path else OmegaConf.select(cfg, path, default=None)
+    if isinstance(node, DictConfig):
+        return [str(k) for k in node.keys()]
+    return None
+
+
+def _explain_unknown_key(full_key: str, overrides: Sequence[str]) -> str:
+    """Message for a key that is not in the config: the valid keys of its parent node."""
+    # Re-compose with the group choices only, so the listing is for the chosen recipe/model.
+    group_choices = [o for o in overrides if "=" in o and _override_key(o) in GROUPS
+                     and not o.startswith(("+", "~"))]
+    try:
+        cfg = compose_config(group_choices)
+    except Exception:  # noqa: BLE001 - fall back to the defaults
+        cfg = compose_config()
+    parent, _, leaf = full_key.rpartition(".")
+    keys = _keys_at(cfg, parent)
+    while keys is None and parent:  # e.g. trainer.foo.bar: walk up to an existing node
+        parent, _, leaf = parent.rpartition(".")
+        keys = _keys_at(cfg, parent)
+    keys = keys or []
+    where = f"'{parent}'" if parent else "the top level"
+    valid = list(keys)
+    if not parent:
+        valid = sorted(set(valid) | set(GROUPS))
+    hint = difflib.get_close_matches(leaf, valid, n=1)
+    msg = f"unknown config key '{full_key}'."
+    if hint:
+        msg += f" Did you mean '{(parent + '.') if parent else ''}{hint[0]}'?"
+    msg += f"\nValid keys under {where}: {', '.join(valid)}"
+    if not parent:
+        msg += "\nConfig groups and their options:\n" + "\n".join(
+            f"  {g}: {', '.join(list_group_options(g))}" for g in GROUPS
+        )
+    msg += f"\n(To add a new key on purpose, prefix it with '+': +{full_key}=...)"
+    return msg
+
+
+def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
+    """Compose with ``overrides``; return None if fine, else a clean, actionable message.
+
+    Bad group options list the group's options (Hydra's message); unknown keys list the valid
+    keys of their parent node with a close-match hint; the typed ``trainer``/``run`` blocks are
+    checked too.
+    """
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        cfg = compose_config(overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        text = str(e)
+        m = re.search(r"Could not override '([^']+)'", text) or re.search(
+            r"Could not (?:append|delete) to config\. An item is already at '([^']+)'", text
+        )
+        cause = e.__cause__
+        if m and (cause is None or "not in struct" in str(cause) or "No match in the defaults" in text
+                  or "Key '" in str(cause)):
+            return _explain_unknown_key(m.group(1), overrides)
+        return text.split("Config search path:")[0].strip()
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        return (
+            f"missing mandatory value(s): {', '.join(missing)}; set them on the command line, "
+            f"e.g. {missing[0]}=" + ("[/path/to/corpus]" if missing[0].endswith("paths") else "...")
+        )
+    try:
+        trainer_config(cfg)
+        run_config(cfg)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def _typed(node, cls, path: str):
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if node is None:
+        raise ConfigError(f"the config has no '{path}' block")
+    valid = [f.name for f in dataclasses.fields(cls)]
+    present = [str(k) for k in node.keys()]
+    unknown = [k for k in present if k not in valid]
+    if unknown:
+        hints = [f"'{path}.{k}' -> did you mean '{path}.{h[0]}'?"
+                 for k in unknown for h in [difflib.get_close_matches(k, valid, n=1)] if h]
+        raise ConfigError(
+            f"unknown key(s) {', '.join(f'{path}.{k}' for k in unknown)}"
+            + (f" ({'; '.join(hints)})" if hints else "")
+            + f".\nValid keys under '{path}': {', '.join(valid)}"
+        )
+    missing = [k for k in valid if k not in present]
+    if missing:
+        raise ConfigError(f"'{path}' is missing key(s): {', '.join(missing)}")
+    try:
+        values = OmegaConf.to_container(node, resolve=True)
+        merged = OmegaConf.merge(OmegaConf.structured(cls), values)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        first = str(e).splitlines()[0]
+        key = getattr(e, "full_key", None) or ""
+        raise ConfigError(f"bad value for '{path}.{key}': {first}" if key else f"'{path}': {first}") from None
+
+
+def trainer_config(cfg) -> TrainerConfig:
+    """The validated, typed ``trainer`` block of a composed config."""
+    return _typed(cfg.get("trainer"), TrainerConfig, "trainer")
+
+
+def run_config(cfg) -> RunConfig:
+    """The validated, typed ``run`` block of a composed config (``dir`` resolved)."""
+    return _typed(cfg.get("run"), RunConfig, "run")
+
+
+def _prune_none(d: Dict[str, Any]) -> Dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            v = _prune_none(v)
+            if not v:
+                continue
+        if v is None and k != "emulate":
+            continue
+        out[k] = v
+    return out
+
+
+def recipe_overrides(recipe_node) -> Dict[str, Any]:
+    """``get_recipe`` keyword overrides from a ``recipe`` config node: ``name`` dropped, ``null``
+    values (= registry default) dropped, also inside nested GEMM blocks; ``emulate`` kept."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.to_container(recipe_node, resolve=True)
+    values.pop("name", None)
+    return _prune_none(values)

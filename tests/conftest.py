@@ -1,0 +1,32 @@
+"""Shared pytest set-up: the ``gpu`` marker skips with the hardware check's own reason."""
+
+import pytest
+import torch
+
+
+def gpu_skip_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU (none found: CPU-only machine); run on the H200 through the device tool"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = gpu_skip_reason()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+# Numerics tables collected by tests (e.g. error vs the exact float64 GEMM per recipe and GEMM)
+# and printed at the end of every run, so CI logs carry the numbers.
+NUMERICS_REPORT = {}
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    for title, rows in NUMERICS_REPORT.items():
+        terminalreporter.write_sep("-", title)
+        for line in rows:
+            terminalreporter.write_line(line)

@@ -1,0 +1,334 @@
+"""Precision policy, convert_model and audit on (a) a small Llama-like PyTorch model and (b) a
+real Megatron-Core GPTModel built on CPU (local spec), plus delayed-scaling state and the FP8
+weight cache."""
+
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from megatron_utils import build_tiny_gpt_model, megatron_available
+from nemo_fp8_recipes import PolicyViolation, PrecisionPolicy, audit, convert_model, get_recipe
+from nemo_fp8_recipes.nn import Float8Linear, collect_telemetry, fp8_modules, set_telemetry
+from nemo_fp8_recipes.policy import HIGH_PRECISION_ROLES, classify, layer_index
+
+D, F_, V, L = 128, 256, 256, 4
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight).to(x.dtype)
+
+
+class CoreAttention(nn.Module):
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(D, D, bias=False) for _ in range(4))
+        self.core_attention = CoreAttention()
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, 4, D // 4).transpose(1, 2) for m in (self.wq, self.wk, self.wv))
+        return self.wo(self.core_attention(q, k, v).transpose(1, 2).reshape(b, s, D))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(D, F_, bias=False), nn.Linear(D, F_, bias=False)
+        self.w2 = nn.Linear(F_, D, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, n=4):
+        super().__init__()
+        self.router = nn.Linear(D, n, bias=False)
+        self.experts = nn.ModuleList(MLP() for _ in range(n))
+        self.shared_expert = MLP()
+
+    def forward(self, x):
+        with torch.autocast(x.device.type, enabled=False):
+            probs = F.linear(x.float(), self.router.weight.float()).softmax(-1)
+        top = probs.argmax(-1, keepdim=True)
+        out = self.shared_expert(x)
+        for j, e in enumerate(self.experts):
+            out = out + e(x) * (top == j) * probs[..., j : j + 1]
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, moe=False):
+        super().__init__()
+        self.attention_norm, self.ffn_norm = RMSNorm(D), RMSNorm(D)
+        self.attention = Attention()
+        self.feed_forward = MoE() if moe else MLP()
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self, moe=False):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(V, D)
+        self.layers = nn.ModuleList(Block(moe and i > 0) for i in range(L))
+        self.norm = RMSNorm(D)
+        self.output = nn.Linear(D, V, bias=False)
+
+    def forward(self, t):
+        h = self.tok_embeddings(t)
+        for blk in self.layers:
+            h = blk(h)
+        return self.output(self.norm(h)).float()
+
+
+def step(model, seed=0):
+    t = torch.randint(0, V, (2, 64), generator=torch.Generator().manual_seed(seed))
+    logits = model(t)
+    loss = F.cross_entropy(logits.view(-1, V), t.view(-1))
+    loss.backward()
+    return loss
+
+
+def test_classify_names_from_all_ecosystems():
+    cases = {
+        "tok_embeddings": "embedding", "model.embed_tokens": "embedding",
+        "embedding.word_embeddings": "embedding", "output": "output", "lm_head": "output",
+        "output_layer": "output", "layers.0.feed_forward.router": "router",
+        "model.layers.3.block_sparse_moe.gate": "router", "model.layers.3.mlp.gate": "router",
+        "decoder.layers.1.mlp.router": "router", "layers.2.attention_norm": "norm",
+        "model.layers.0.input_layernorm": "norm", "decoder.final_layernorm": "norm",
+        "decoder.layers.0.self_attention.core_attention": "attention_core",
+        "layers.0.attention.wq": "attention_projection",
+        "model.layers.0.self_attn.q_proj": "attention_projection",
+        "decoder.layers.0.self_attention.linear_qkv": "attention_projection",
+        "decoder.layers.0.self_attention.linear_proj": "attention_projection",
+        "model.layers.0.self_attn.kv_b_proj": "attention_projection",
+        "layers.0.feed_forward.w1": "mlp", "model.layers.0.mlp.gate_proj": "mlp",
+        "decoder.layers.0.mlp.linear_fc1": "mlp",
+        "model.layers.1.block_sparse_moe.experts.3.w2": "mlp",
+        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2": "mlp",
+        "model.layers.5.mlp.shared_experts.down_proj": "mlp",
+    }
+    for name, role in cases.items():
+        assert classify(name)[0] == role, name
+    assert layer_index("decoder.layers.17.mlp.linear_fc1") == 17
+    assert layer_index("model.layers.3.self_attn") == 3 and layer_index("output") is None
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_llama_like_policy_holds_at_run_time(recipe, moe):
+    model = TinyLlama(moe=moe)
+    params_before = {n: p for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before conversion
+    convert_model(model, recipe)
+    assert {n: p for n, p in model.named_parameters()}.keys() == params_before.keys()
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    step(model)
+    opt.step()
+    rep = audit(model, strict=True)
+    rows = {r.name: r for r in rep.rows}
+    for name, row in rows.items():
+        ran_fp8 = sum(row.fp8_gemms.values()) > 0
+        if row.role in HIGH_PRECISION_ROLES:
+            assert not ran_fp8 and row.precision != "fp8", name
+        if row.role in ("attention_projection", "mlp") and row.fp8_gemms:
+            assert row.fp8_gemms == {"fprop": 1, "dgrad": 1, "wgrad": 1}, name
+    fp8_names = set(fp8_modules(model))
+    expect = {f"layers.{i}.attention.{p}" for i in range(L) for p in ("wq", "wk", "wv", "wo")}
+    assert expect <= fp8_names
+    assert "output" not in fp8_names and "layers.1.feed_forward.router" not in fp8_names
+    assert rows["output"].hp_gemms == {"fprop": 1, "dgrad": 1, "wgrad": 1}
+    assert rows["layers.0.attention.core_attention"].role == "attention_core"
+    assert rows["layers.0.attention_norm"].precision == "fp32"
+    if moe:
+        assert rows["layers.1.feed_forward.router"].precision == "fp32"
+        assert "layers.1.feed_forward.experts.2.w1" in fp8_names
+    n_fp8_gemms = len(fp8_names)
+    assert rep.counts["fp8"] == {"fprop": n_fp8_gemms, "dgrad": n_fp8_gemms, "wgrad": n_fp8_gemms}
+    assert "recipe" in rep.table() and rep.to_dict()["recipe"] == recipe
+
+
+def test_first_last_layers_and_attention_option():
+    model = TinyLlama()
+    pol = PrecisionPolicy(first_layers_bf16=1, last_layers_bf16=1, attention_projections="bf16")
+    convert_model(model, "blockwise", policy=pol)
+    names = set(fp8_modules(model))
+    assert not any(n.startswith(("layers.0.", "layers.3.")) for n in names)
+    assert not any(".attention." in n for n in names)
+    assert {"layers.1.feed_forward.w1", "layers.2.feed_forward.w2"} <= names
+    rows = {r.name: r for r in audit(model).rows}
+    assert "first 1" in rows["layers.0.feed_forward.w1"].reason
+    assert "last 1 of 4" in rows["layers.3.feed_forward.w1"].reason
+
+
+def test_include_exclude_and_strict_audit():
+    model = TinyLlama()
+    pol = PrecisionPolicy(exclude=("layers.2.*",), include=("output",))
+    convert_model(model, "tensorwise", policy=pol)
+    names = set(fp8_modules(model))
+    assert "output" in names and not any(n.startswith("layers.2.") for n in names)
+    step(model)
+    rep = audit(model)
+    assert rep.violations == ["output"]
+    with pytest.raises(PolicyViolation, match="output"):
+        audit(model, strict=True)
+
+
+def test_shape_check_keeps_unaligned_layers_in_bf16_with_reason():
+    model = nn.Sequential()
+    model.add_module("proj", nn.Linear(96, 200))
+    convert_model(model, "blockwise")
+    row = audit(model).rows[0]
+    assert row.precision == "bf16" and "not divisible by 128" in row.reason
+    m2 = nn.Sequential()
+    m2.add_module("proj", nn.Linear(96, 200))
+    convert_model(m2, "tensorwise")  # 96 and 200 are multiples of 8 but 200 is not of 16
+    assert "out_features=200" in audit(m2).rows[0].reason
+
+
+def test_bf16_recipe_converts_nothing_but_audits():
+    model = TinyLlama()
+    convert_model(model, "bf16")
+    assert not fp8_modules(model)
+    step(model)
+    rep = audit(model, strict=True)
+    assert rep.counts["fp8"] == {"fprop": 0, "dgrad": 0, "wgrad": 0}
+    assert rep.counts["high_precision"]["fprop"] == 4 * 7 + 1
+
+
+def test_weight_requantised_only_when_it_changes():
+    model = TinyLlama()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    convert_model(model, "blockwise")
+    lin = model.layers[0].feed_forward.w1
+    step(model, 0)
+    cache1 = lin._wcache
+    step(model, 1)  # second micro-batch, no optimizer step: same FP8 copy
+    assert lin._wcache is cache1
+    opt.step()
+    step(model, 2)
+    assert lin._wcache is not cache1
+
+
+def test_delayed_state_dict_round_trip_is_bit_identical():
+    torch.manual_seed(0)
+    a = TinyLlama()
+    b = TinyLlama()
+    b.load_state_dict(a.state_dict())
+    rec = get_recipe("delayed", amax_history_len=8)
+    convert_model(a, rec)
+    convert_model(b, rec)
+    opt = torch.optim.AdamW(a.parameters(), lr=1e-3)
+    for s in range(3):
+        step(a, s)
+        opt.step()
+        opt.zero_grad()
+    sd = a.state_dict()
+    assert any(k.endswith("fp8_amax_history") for k in sd) and any(k.endswith("fp8_scale") for k in sd)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    b.load_state_dict(torch.load(buf))
+    t = torch.randint(0, V, (2, 64), generator=torch.Generator().manual_seed(7))
+    ya, yb = a(t), b(t)
+    assert torch.equal(ya, yb)
+    la = F.cross_entropy(ya.view(-1, V), t.view(-1))
+    lb = F.cross_entropy(yb.view(-1, V), t.view(-1))
+    la.backward()
+    lb.backward()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(pa.grad, pb.grad), n
+
+
+def test_delayed_history_algo_and_margin():
+    lin = nn.Linear(16, 16, bias=False)
+    rec = get_recipe("delayed", amax_history_len=2, amax_compute_algo="most_recent", margin=1)
+    m = Float8Linear.from_linear(lin, rec, emulate=True)
+    for amp in (4.0, 1.0, 2.0):
+        m(torch.full((16, 16), amp))
+    # 3 forwards: history (most recent first) holds amaxes 1.0 then 4.0 (len 2); the scale
+    # computed at the 3rd forward used most_recent = 1.0 with margin 1: 448/1/2
+    assert m.fp8_amax_history[0].tolist() == [1.0, 4.0]
+    assert m.fp8_scale[0].item() == 224.0
+    assert m.fp8_amax_pending[0].item() == 2.0
+
+
+def test_amax_reduce_hook_is_applied():
+    lin = nn.Linear(16, 16, bias=False)
+    m = Float8Linear.from_linear(lin, get_recipe("delayed"), emulate=True)
+    seen = []
+    m.amax_reduce_fn = lambda t: (seen.append(t.clone()), t * 2)[1]
+    m(torch.ones(16, 16))
+    m(torch.ones(16, 16))
+    assert len(seen) == 1 and m.fp8_amax_history[0, 0].item() == 2.0
+
+
+def test_telemetry_groups():
+    model = TinyLlama(moe=True)
+    convert_model(model, "blockwise")
+    set_telemetry(model, True)
+    step(model)
+    tel = collect_telemetry(model)
+    assert {"fp8/attention/input/amax", "fp8/mlp/weight/scale", "fp8/experts/grad_output/underflow_frac",
+            "fp8/shared_expert/input/saturated_frac"} <= set(tel)
+    assert tel["fp8/attention/input/amax"] > 0 and collect_telemetry(model) == {}
+
+
+# ---- a real Megatron-Core GPTModel (local spec), constructed on CPU ---------------------------
+
+_ok, _why = megatron_available()
+needs_megatron = pytest.mark.skipif(not _ok, reason=_why)
+
+
+@needs_megatron
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_policy_on_real_megatron_gpt_model(moe):
+    from nemo_fp8_recipes.policy import PrecisionPolicy
+
+    model = build_tiny_gpt_model(num_layers=4, hidden_size=128, ffn_hidden_size=256, moe=moe)
+    pol = PrecisionPolicy(first_layers_bf16=1, last_layers_bf16=1, num_layers=4)
+    rec = get_recipe("blockwise")
+    decisions = {n: pol.decide(n, m, recipe=rec) for n, m in model.named_modules() if n}
+    by_role = {}
+    for d in decisions.values():
+        by_role.setdefault(d.role, []).append(d)
+    for role in ("embedding", "output", "norm", "attention_core") + (("router",) if moe else ()):
+        assert by_role.get(role), f"no {role} found in the Megatron tree"
+        assert all(not d.fp8 for d in by_role[role]), role
+    assert decisions["output_layer"].role == "output"
+    assert decisions["decoder.final_layernorm"].role == "norm"
+    assert decisions["decoder.layers.1.self_attention.core_attention"].role == "attention_core"
+    for i in (1, 2):
+        assert decisions[f"decoder.layers.{i}.self_attention.linear_qkv"].fp8
+        assert decisions[f"decoder.layers.{i}.self_attention.linear_proj"].fp8
+        if moe:
+            assert decisions[f"decoder.layers.{i}.mlp.router"].precision == "fp32"
+            assert decisions[f"decoder.layers.{i}.mlp.experts.local_experts.0.linear_fc1"].fp8
+        else:
+            assert decisions[f"decoder.layers.{i}.mlp.linear_fc1"].fp8
+            assert decisions[f"decoder.layers.{i}.mlp.linear_fc2"].fp8
+    for i in (0, 3):
+        assert not decisions[f"decoder.layers.{i}.self_attention.linear_qkv"].fp8
+    # convert_model on the Megatron tree records the decisions and converts no Megatron layer
+    # silently: ColumnParallelLinear is not an nn.Linear, so it is kept and the reason says so
+    convert_model(model, rec, policy=pol)
+    rows = {r.name: r for r in audit(model, strict=True).rows}
+    assert "not an nn.Linear" in rows["decoder.layers.1.self_attention.linear_qkv"].reason

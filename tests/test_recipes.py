@@ -1,0 +1,147 @@
+"""Recipe registry and hardware check (DESIGN §2, §3)."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from nemo_fp8_recipes.recipes import (
+    DeviceInfo,
+    Format,
+    Granularity,
+    ScaleRounding,
+    UnsupportedRecipeError,
+    check_supported,
+    get_recipe,
+    list_recipes,
+    require_supported,
+)
+
+CPU = DeviceInfo("cpu")
+ADA = DeviceInfo("cuda", "NVIDIA L40S", (8, 9), (12, 8))
+H200 = DeviceInfo("cuda", "NVIDIA H200", (9, 0), (13, 0))
+H100_OLD_CUDA = DeviceInfo("cuda", "NVIDIA H100", (9, 0), (12, 4))
+B200 = DeviceInfo("cuda", "NVIDIA B200", (10, 0), (12, 9))
+GB300 = DeviceInfo("cuda", "NVIDIA GB300", (10, 3), (13, 0))
+RTX5090 = DeviceInfo("cuda", "NVIDIA GeForce RTX 5090", (12, 0), (12, 9))
+A100 = DeviceInfo("cuda", "NVIDIA A100", (8, 0), (12, 4))
+
+
+def test_registry_keys_and_order():
+    assert list_recipes() == ["bf16", "delayed", "tensorwise", "blockwise", "mxfp8"]
+
+
+@pytest.mark.parametrize("name", ["bf16", "delayed", "tensorwise", "blockwise", "mxfp8"])
+def test_recipes_are_frozen_and_named(name):
+    r = get_recipe(name)
+    assert r.name == name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.emulate = True
+    assert get_recipe(name.upper()).name == name
+
+
+def test_contract_fields():
+    d = get_recipe("delayed")
+    assert (d.input_format, d.weight_format, d.grad_format) == (Format.E4M3, Format.E4M3, Format.E5M2)
+    assert (d.amax_history_len, d.amax_compute_algo, d.margin) == (1024, "max", 0)
+    assert d.fprop.fast_accum and not d.dgrad.fast_accum and not d.wgrad.fast_accum
+    t = get_recipe("tensorwise")
+    assert t.is_hybrid and t.scale_rounding is ScaleRounding.FP32
+    b = get_recipe("blockwise")
+    assert b.grad_format is Format.E4M3 and b.scale_rounding is ScaleRounding.POW2
+    assert (b.input_granularity, b.weight_granularity, b.grad_granularity) == (
+        Granularity.TILE_1x128, Granularity.BLOCK_128x128, Granularity.TILE_1x128)
+    assert not any(getattr(b, g).fast_accum for g in ("fprop", "dgrad", "wgrad"))
+    m = get_recipe("mxfp8")
+    assert m.input_granularity is Granularity.BLOCK_1x32 and m.scale_rounding is ScaleRounding.E8M0_CEIL
+    assert m.gemm_alignment == 32 and b.gemm_alignment == 128 and t.gemm_alignment == 16
+    assert not get_recipe("bf16").is_fp8
+
+
+def test_overrides_and_string_enums():
+    r = get_recipe("delayed", amax_history_len=16, amax_compute_algo="most_recent", margin=2)
+    assert (r.amax_history_len, r.amax_compute_algo, r.margin) == (16, "most_recent", 2)
+    assert get_recipe("blockwise", scale_rounding="fp32").scale_rounding is ScaleRounding.FP32
+    assert get_recipe("mxfp8", scale_rounding="e8m0_floor").scale_rounding is ScaleRounding.E8M0_FLOOR
+    assert get_recipe("tensorwise", fprop={"fast_accum": False}).fprop.fast_accum is False
+    assert get_recipe("tensorwise", emulate=None).emulate is None
+    assert r.replace(margin=0).margin == 0
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, needle",
+    [
+        (("fp4",), {}, "valid recipes: bf16, delayed, tensorwise, blockwise, mxfp8"),
+        (("delayed",), {"amax_compute_algo": "mean"}, "choose one of: max, most_recent"),
+        (("delayed",), {"amax_history_len": 0}, "amax_history_len must be an integer >= 1"),
+        (("delayed",), {"margin": -1}, "margin must be an integer >= 0"),
+        (("delayed",), {"foo": 1}, "valid options:"),
+        (("blockwise",), {"scale_rounding": "e8m0_ceil"}, "pow2 or fp32"),
+        (("blockwise",), {"scale_rounding": "banana"}, "choose one of: fp32, pow2, e8m0_ceil, e8m0_floor"),
+        (("mxfp8",), {"grad_format": "e5m2"}, "grad_format must be e4m3"),
+        (("blockwise",), {"fprop": {"fast_accum": True}}, "fast_accum must be false"),
+        (("tensorwise",), {"input_granularity": "1x128"}, "must be 'tensor'"),
+        (("tensorwise",), {"emulate": "yes"}, "emulate must be true, false or null"),
+    ],
+)
+def test_bad_values_list_the_valid_ones(args, kwargs, needle):
+    with pytest.raises(ValueError, match=None) as e:
+        get_recipe(*args, **kwargs)
+    assert needle in str(e.value)
+
+
+# (recipe, device, expected ok) — DESIGN §3
+MATRIX = [
+    ("bf16", CPU, True), ("delayed", CPU, True), ("tensorwise", CPU, True),
+    ("blockwise", CPU, True), ("mxfp8", CPU, True),
+    ("delayed", ADA, True), ("tensorwise", ADA, True), ("blockwise", ADA, False), ("mxfp8", ADA, False),
+    ("delayed", H200, True), ("tensorwise", H200, True), ("blockwise", H200, True), ("mxfp8", H200, False),
+    ("blockwise", H100_OLD_CUDA, False),
+    ("delayed", B200, True), ("tensorwise", B200, True), ("blockwise", B200, False), ("mxfp8", B200, True),
+    ("mxfp8", GB300, True),
+    ("tensorwise", RTX5090, True), ("mxfp8", RTX5090, False), ("blockwise", RTX5090, False),
+    ("tensorwise", A100, False), ("bf16", A100, True),
+]
+
+
+@pytest.mark.parametrize("name, dev, ok", MATRIX, ids=[f"{n}-{d}" for n, d, _ in MATRIX])
+def test_hardware_matrix(name, dev, ok):
+    got, reason = check_supported(name, dev)
+    assert got is ok, reason
+    if not ok:
+        # the reason names the recipe, the device found and a way out
+        assert name in reason and str(dev) in reason
+        assert "use " in reason or "upgrade" in reason
+        # emulate=true always makes it runnable (numerics only)
+        assert check_supported(get_recipe(name, emulate=True), dev)[0]
+
+
+def test_error_messages_name_gpu_and_alternative():
+    _, r = check_supported("mxfp8", H200)
+    assert r == ("mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, "
+                 "or emulate=true for numerics only")
+    _, r = check_supported("blockwise", H100_OLD_CUDA)
+    assert "CUDA >= 12.9" in r and "12.4" in r
+    _, r = check_supported("mxfp8", RTX5090)
+    assert "SM100" in r and "SM120" in r and "tensorwise" in r
+    with pytest.raises(UnsupportedRecipeError, match="mxfp8 needs SM100"):
+        require_supported("mxfp8", H200)
+    assert require_supported("mxfp8", CPU).name == "mxfp8"
+
+
+def test_emulate_false_on_cpu_is_an_error():
+    ok, reason = check_supported(get_recipe("tensorwise", emulate=False), CPU)
+    assert not ok and "emulate=false" in reason
+
+
+def test_import_is_light():
+    """Importing the package initialises no CUDA and imports neither TE nor Megatron."""
+    code = (
+        "import sys, torch, nemo_fp8_recipes as n;"
+        "assert not torch.cuda.is_initialized();"
+        "bad=[m for m in sys.modules if m.startswith(('transformer_engine','megatron','hydra','tensorboard'))];"
+        "assert not bad, bad; print(n.list_recipes())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
