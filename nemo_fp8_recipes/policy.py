@@ -130,11 +130,16 @@ def classify(fqn: str, module: Optional[nn.Module] = None) -> Tuple[str, str]:
         return Role.NORM, f"normalisation ({cls or leaf})"
     if "Router" in cls or cls == "MoEGate" or leaf in _ROUTER_NAMES:
         return Role.ROUTER, f"MoE router/gate ({cls or leaf})"
+    if parents & _ROUTER_NAMES:  # e.g. DBRX ffn.router.layer, Switch mlp.router.classifier
+        return Role.ROUTER, f"inside an MoE router/gate ({fqn})"
     if leaf in _ATTN_CORE_NAMES or "DotProductAttention" in cls or "FlashAttention" in cls \
             or cls in {"CoreAttention", "SDPA", "ScaledDotProductAttention"}:
         return Role.ATTENTION_CORE, f"attention core ({cls or leaf})"
-    if leaf in _OUTPUT_NAMES and len(parts) <= 2 and not parents & (_MLP_CONTEXT | _ATTN_CONTEXT):
+    if leaf in _OUTPUT_NAMES and layer_index(fqn) is None and not parents & (_MLP_CONTEXT | _ATTN_CONTEXT):
+        # at any wrapper depth (PEFT base_model.model.lm_head, DDP module.output_layer, ...)
         return Role.OUTPUT, f"output head ({leaf})"
+    if parents & {"shared_head"} and leaf == "head":  # DeepSeek multi-token-prediction head
+        return Role.OUTPUT, "multi-token-prediction output head"
     if not _is_gemm_module(module):
         return Role.OTHER, f"not a GEMM module ({cls})"
     if parents & {"experts", "local_experts", "shared_expert", "shared_experts"}:

@@ -52,6 +52,10 @@ def rel(a, b):
 
 def operands(seed=0):
     x = structured(M, K, seed=seed)
+    # magnitudes that change every 32 columns and every 64 rows, so the scaling-group shape
+    # (1x32 vs 1x128 vs 128x128, along K vs along M) changes the result
+    x = x * torch.tensor([1e-3, 1.0, 30.0, 1e-2])[torch.arange(K) // 32 % 4][None, :]
+    x = x * torch.tensor([1.0, 1e-3])[torch.arange(M) // 64 % 2][:, None]
     w = torch.randn(N, K, generator=torch.Generator().manual_seed(seed + 1)) * 0.02
     w[::17] *= 30.0  # a few outlier output channels
     dy = structured(M, N, seed=seed + 2) * 1e-4
@@ -81,8 +85,16 @@ def test_fprop_dgrad_wgrad_match_contract_reference(name):
     )
     errs = []
     for gemm, g, r, e in zip(("fprop", "dgrad", "wgrad"), got, ref, exact):
-        assert rel(g, r) < 1e-5, f"{name} {gemm}: emulation differs from the contract reference"
+        assert rel(g, r) < 1e-6, f"{name} {gemm}: emulation differs from the contract reference"
         errs.append(rel(g, e.numpy()))
+    # the reference discriminates: every other recipe's contract gives clearly different numbers
+    for other in FP8_RECIPES:
+        if other in (name, "delayed", "tensorwise") and name in ("delayed", "tensorwise"):
+            continue
+        if other == name:
+            continue
+        oref = contract_reference(other, x, w, dy, scales if other == "delayed" else None)
+        assert max(rel(g, r) for g, r in zip(got, oref)) > 1e-5, f"{name} also matches {other}"
     if name != "delayed":
         lines.append(f"{name:<11}" + "".join(f"{v:10.2e}" for v in errs))
 
@@ -100,7 +112,7 @@ def test_delayed_uses_history_through_previous_step():
     }
     ref = contract_reference("delayed", x2, w, dy2, s)
     for g, r in zip(got, ref):
-        assert rel(g, r) < 1e-5
+        assert rel(g, r) < 1e-6
     # once the weight changes, it is re-quantised with the scale from its own history
     with torch.no_grad():
         mod.weight.mul_(1.5)
@@ -112,7 +124,7 @@ def test_delayed_uses_history_through_previous_step():
         "g": scale_for(max(float(dy.abs().max()), float(dy2.abs().max())), "e5m2", "fp32"),
     }
     for g, r in zip(got3, contract_reference("delayed", x2, w3, dy2, s3)):
-        assert rel(g, r) < 1e-5
+        assert rel(g, r) < 1e-6
     exact = (x2.double() @ w.double().T, dy2.double() @ w.double(), dy2.double().T @ x2.double())
     NUMERICS_REPORT["FP8 linear (emulated) vs exact float64 GEMM, structured inputs 1e-3..1e3 (rel. Frobenius error)"].append(
         f"{'delayed':<11}" + "".join(f"{rel(g, e.numpy()):10.2e}" for g, e in zip(got, exact)) + "   (step 2)")

@@ -332,3 +332,47 @@ def test_policy_on_real_megatron_gpt_model(moe):
     convert_model(model, rec, policy=pol)
     rows = {r.name: r for r in audit(model, strict=True).rows}
     assert "not an nn.Linear" in rows["decoder.layers.1.self_attention.linear_qkv"].reason
+
+
+def test_fp8_state_stays_fp32_under_dtype_casts_and_resets():
+    lin = nn.Linear(32, 32, bias=False)
+    m = Float8Linear.from_linear(lin, get_recipe("delayed"), emulate=True)
+    m(torch.randn(8, 32) * 3)
+    m(torch.randn(8, 32))
+    m.bfloat16()
+    assert m.fp8_scale.dtype == torch.float32 and m.fp8_amax_history.dtype == torch.float32
+    assert m.weight.dtype == torch.bfloat16
+    m.float()
+    m.reset_parameters()
+    assert torch.all(m.fp8_scale == 1) and torch.all(m.fp8_amax_history == 0)
+
+
+def test_second_backward_with_retain_graph_and_real_path_on_cpu_errors():
+    lin = nn.Linear(128, 128)
+    m = Float8Linear.from_linear(lin, get_recipe("blockwise"), emulate=True)
+    x = torch.randn(4, 128, requires_grad=True)
+    y = m(x).sum()
+    y.backward(retain_graph=True)
+    g1 = m.weight.grad.clone()
+    y.backward()
+    assert torch.allclose(m.weight.grad, 2 * g1)
+    real = Float8Linear.from_linear(nn.Linear(128, 128), get_recipe("tensorwise"), emulate=False)
+    with pytest.raises(RuntimeError, match="use emulate=True"):
+        real(torch.randn(4, 128))
+
+
+def test_no_wgrad_copy_when_weight_frozen():
+    lin = nn.Linear(128, 128)
+    lin.weight.requires_grad_(False)
+    m = Float8Linear.from_linear(lin, get_recipe("blockwise"), emulate=True)
+    x = torch.randn(4, 128, requires_grad=True)
+    m(x).sum().backward()
+    assert x.grad is not None and m.gemm_counts == {"fprop": 1, "dgrad": 1, "wgrad": 0}
+
+
+def test_delayed_buffers_are_excluded_from_ddp_broadcast():
+    model = TinyLlama()
+    convert_model(model, "delayed")
+    ignored = set(model._ddp_params_and_buffers_to_ignore)
+    assert "layers.0.attention.wq.fp8_amax_history" in ignored
+    assert "layers.0.attention.wq.fp8_scale" in ignored and not any("weight" in n for n in ignored)

@@ -29,6 +29,7 @@ __all__ = [
     "collect_telemetry",
     "set_amax_reduce_fn",
     "reset_gemm_counts",
+    "invalidate_weight_cache",
 ]
 
 _STATE_ATTR = "_nemo_fp8_state"
@@ -108,7 +109,7 @@ def convert_model(
         raise RuntimeError("convert_model was already applied to this model")
     if device is None:
         p = next(iter(model.parameters()), None)
-        device = p.device if p is not None else "cpu"
+        device = p.device if p is not None and p.device.type != "meta" else None
     require_supported(r, device)
     use_emulation = r.is_fp8 and not uses_real_fp8_gemm(r, device)
     policy = (policy or PrecisionPolicy()).with_num_layers(_infer_num_layers(model))
@@ -142,7 +143,22 @@ def convert_model(
         elif decision.role in GEMM_ROLES:
             _install_hp_counter(state, fqn, module)
     object.__setattr__(model, _STATE_ATTR, state)
+    # DDP broadcasts buffers from rank 0 before every forward; the delayed-scaling state is
+    # per-rank until the amax reduction, so keep it out of that broadcast.
+    fp8_buffers = [f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, Float8Linear)
+                   for b, _ in m.named_buffers(recurse=False)]
+    if fp8_buffers:
+        ignore = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        model._ddp_params_and_buffers_to_ignore = ignore + fp8_buffers
     return model
+
+
+def invalidate_weight_cache(model: nn.Module) -> None:
+    """Make every Float8Linear re-quantise its weight at the next forward. Call it after writing
+    weights through ``.data`` (e.g. copying master weights in place), which the version-counter
+    check cannot see; optimizer steps and ``load_state_dict`` need no call."""
+    for m in fp8_modules(model).values():
+        m.invalidate_weight_cache()
 
 
 def fp8_modules(model: nn.Module) -> Dict[str, Float8Linear]:

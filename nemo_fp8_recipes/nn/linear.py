@@ -45,6 +45,27 @@ def _out_dtype_for(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _meta(q: Optional[QuantizedTensor]):
+    if q is None:
+        return None
+    return (q.block, q.fmt, q.scale_e8m0 is not None)
+
+
+def _tensors(q: Optional[QuantizedTensor]):
+    if q is None:
+        return ()
+    return (q.data, q.scale_inv, q.scale_e8m0 if q.scale_e8m0 is not None else q.scale_inv)
+
+
+def _rebuild(meta, tensors) -> Optional[QuantizedTensor]:
+    if meta is None:
+        return None
+    block, fmt, has_e8m0 = meta
+    data, scale_inv, e8m0 = tensors
+    return QuantizedTensor(data=data, scale_inv=scale_inv, block=block, fmt=fmt,
+                           amax=scale_inv, scale_e8m0=e8m0 if has_e8m0 else None)
+
+
 class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype):
@@ -55,21 +76,31 @@ class _Float8LinearFn(torch.autograd.Function):
         pad = (-m) % mod._row_multiple if not mod.emulate else 0
         if pad:
             x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+        if not mod.emulate and x.device.type != "cuda":
+            raise RuntimeError(
+                f"{mod.fqn or 'Float8Linear'} was converted for real FP8 GEMMs but got an input on "
+                f"{x.device}; convert the model on the device it runs on, or use emulate=True"
+            )
         w_fprop, w_dgrad = mod._quantized_weight()
         qx = mod._quantize_operand(_IN, x2, dim=-1)
         y = scaled_matmul(
-            qx, w_fprop, emulate=mod.emulate, out_dtype=out_dtype, fast_accum=r.fprop.fast_accum
+            qx, w_fprop, emulate=mod.emulate, out_dtype=out_dtype, fast_accum=r.fprop.fast_accum,
+            bias=bias,
         )[:m]
-        if bias is not None:
-            y = y + bias.to(y.dtype)
         mod._count("fprop")
-        if r.input_granularity is Granularity.TENSOR:
-            qx_wgrad = qx.t()  # same codes, same scale
-        else:
-            qx_wgrad = quantize(x2, r.input_format, r.input_granularity, r.scale_rounding, dim=0)
+        needs_wgrad = ctx.needs_input_grad[1]
+        qx_wgrad = None
+        if needs_wgrad:
+            if r.input_granularity is Granularity.TENSOR:
+                qx_wgrad = qx.t()  # same codes, same scale
+            else:
+                qx_wgrad = quantize(x2, r.input_format, r.input_granularity, r.scale_rounding, dim=0)
+        # Save only FP8 codes and the scales the GEMMs consume, through save_for_backward so
+        # saved-tensor hooks (offloading, activation checkpointing) see them.
+        ctx.qx_meta = _meta(qx_wgrad)
+        ctx.w_meta = _meta(w_dgrad)
+        ctx.save_for_backward(*_tensors(qx_wgrad), *_tensors(w_dgrad))
         ctx.mod = mod
-        ctx.saved_qx = qx_wgrad
-        ctx.saved_w = w_dgrad
         ctx.has_bias = bias is not None
         ctx.x_dtype = x.dtype
         ctx.in_shape = in_shape
@@ -85,27 +116,30 @@ class _Float8LinearFn(torch.autograd.Function):
         if ctx.pad:
             dy2 = torch.cat([dy2, dy2.new_zeros(ctx.pad, dy2.shape[1])])
         dx = dw = db = None
+        saved = ctx.saved_tensors
+        n_qx = 0 if ctx.qx_meta is None else len(saved) - 3
+        saved_qx = _rebuild(ctx.qx_meta, saved[:n_qx])
+        saved_w = _rebuild(ctx.w_meta, saved[n_qx:])
         qdy = mod._quantize_operand(_GO, dy2, dim=-1)
         if ctx.needs_input_grad[0]:
             dx = scaled_matmul(
-                qdy, ctx.saved_w, emulate=mod.emulate, out_dtype=ctx.x_dtype,
+                qdy, saved_w, emulate=mod.emulate, out_dtype=ctx.x_dtype,
                 fast_accum=r.dgrad.fast_accum,
             )[: ctx.m]
             dx = dx.reshape(ctx.in_shape)
             mod._count("dgrad")
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and saved_qx is not None:
             if r.grad_granularity is Granularity.TENSOR:
                 qdy_wgrad = qdy.t()
             else:
                 qdy_wgrad = quantize(dy2, r.grad_format, r.grad_granularity, r.scale_rounding, dim=0)
             dw = scaled_matmul(
-                qdy_wgrad, ctx.saved_qx, emulate=mod.emulate, out_dtype=torch.float32,
+                qdy_wgrad, saved_qx, emulate=mod.emulate, out_dtype=torch.float32,
                 fast_accum=r.wgrad.fast_accum,
             ).to(ctx.w_dtype)
             mod._count("wgrad")
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy2[: ctx.m].float().sum(0)
-        ctx.saved_qx = ctx.saved_w = None
         return dx, dw, db, None, None
 
 
@@ -129,6 +163,7 @@ class Float8Linear(nn.Linear):
         device=None,
         dtype=None,
     ) -> None:
+        self.recipe = None
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup_fp8(recipe, emulate)
 
@@ -165,6 +200,9 @@ class Float8Linear(nn.Linear):
             self.register_buffer("fp8_amax_history", torch.zeros(3, L, device=dev))
             self.register_buffer("fp8_scale", torch.ones(3, device=dev))
             self.register_buffer("fp8_amax_pending", torch.zeros(3, device=dev))
+            # 1.0 where an operand has an amax waiting to be appended (mirrored in _pending so
+            # the hot path never reads the device)
+            self.register_buffer("fp8_pending", torch.zeros(3, device=dev))
         self._pending = [False, False, False]
 
     def extra_repr(self) -> str:
@@ -172,17 +210,41 @@ class Float8Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe.name}, {mode}"
 
     # ---- delayed scaling ---------------------------------------------------------------------
-    def get_extra_state(self):
-        return {"pending": list(self._pending), "recipe": self.recipe.name}
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        self._wcache_key = self._wcache = None
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if self.recipe.is_delayed and prefix + "fp8_pending" in state_dict:
+            self._pending = [bool(v) for v in state_dict[prefix + "fp8_pending"].tolist()]
 
-    def set_extra_state(self, state) -> None:
-        if state and "pending" in state:
-            self._pending = [bool(p) for p in state["pending"]]
+    def _apply(self, fn, *args, **kwargs):
+        # .to()/.half()/.bfloat16() must not cast the FP32 scaling state
+        out = super()._apply(fn, *args, **kwargs)
+        for name in ("fp8_amax_history", "fp8_scale", "fp8_amax_pending", "fp8_pending"):
+            b = getattr(self, name, None)
+            if b is not None and b.dtype != torch.float32:
+                setattr(self, name, b.float())
+        self._wcache_key = self._wcache = None
+        return out
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        self.reset_fp8_state()
+
+    @torch.no_grad()
+    def reset_fp8_state(self) -> None:
+        """Forget amax histories and scales (scale 1, as at construction) and the FP8 weight."""
+        if getattr(self, "recipe", None) is not None and self.recipe.is_delayed:
+            self.fp8_amax_history.zero_()
+            self.fp8_scale.fill_(1.0)
+            self.fp8_amax_pending.zero_()
+            self.fp8_pending.zero_()
+        self._pending = [False, False, False]
         self._wcache_key = self._wcache = None
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def invalidate_weight_cache(self) -> None:
+        """Force re-quantisation of the FP8 weight at the next forward. Needed only when the
+        weight is written through ``.data`` (which does not bump its version counter)."""
         self._wcache_key = self._wcache = None
-        return super()._load_from_state_dict(*args, **kwargs)
 
     @torch.no_grad()
     def _commit(self, i: int) -> None:
@@ -202,6 +264,7 @@ class Float8Linear(nn.Linear):
         ok = torch.isfinite(amax) & (amax > 0)
         self.fp8_scale[i].copy_(torch.where(ok, new, self.fp8_scale[i]))
         self.fp8_amax_pending[i].zero_()
+        self.fp8_pending[i].zero_()
         self._pending[i] = False
 
     def _quantize_operand(self, i: int, t: torch.Tensor, dim: int) -> QuantizedTensor:
@@ -216,6 +279,7 @@ class Float8Linear(nn.Linear):
         if r.is_delayed:
             with torch.no_grad():
                 self.fp8_amax_pending[i].copy_(q.amax.reshape(()))
+                self.fp8_pending[i].fill_(1.0)
             self._pending[i] = True
         if self.telemetry_enabled:
             src = t if dim in (-1, 1) else t.t()

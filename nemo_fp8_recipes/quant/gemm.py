@@ -31,9 +31,21 @@ def emulated_matmul(
     b: QuantizedTensor,
     out_dtype: torch.dtype = torch.float32,
     compute_dtype: torch.dtype = torch.float32,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``dequant(a) @ dequant(b).T`` computed in ``compute_dtype``."""
-    return (a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).t()).to(out_dtype)
+    """``dequant(a) @ dequant(b).T (+ bias)`` computed in ``compute_dtype``, then cast once.
+
+    TF32 is switched off for the product so the emulation stays exact in FP32 on GPUs where a
+    user enabled it (``torch.backends.cuda.matmul.allow_tf32``)."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        out = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).t()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    if bias is not None:
+        out = out + bias.to(compute_dtype)
+    return out.to(out_dtype)
 
 
 def _pad_rows(t: torch.Tensor, mult: int) -> torch.Tensor:
@@ -75,9 +87,15 @@ def real_matmul(
     b: QuantizedTensor,
     out_dtype: torch.dtype = torch.bfloat16,
     fast_accum: bool = False,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """FP8 GEMM on the tensor cores. ``a``: ``[M, K]``, ``b``: ``[N, K]``, both with contiguous
-    codes and groups along K. Returns ``[M, N]`` in ``out_dtype``."""
+    codes and groups along K. Returns ``[M, N]`` in ``out_dtype`` (+ ``bias``)."""
+    out = _real_matmul(a, b, out_dtype, fast_accum)
+    return out if bias is None else out + bias.to(out.dtype)
+
+
+def _real_matmul(a, b, out_dtype, fast_accum):
     M, K = a.shape
     N, K2 = b.shape
     if K != K2:
@@ -160,8 +178,11 @@ def scaled_matmul(
     out_dtype: torch.dtype,
     fast_accum: bool = False,
     compute_dtype: Optional[torch.dtype] = None,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """``A · Bᵀ``: emulated (exact dequantise + FP32 matmul) or on the FP8 tensor cores."""
+    """``A · Bᵀ (+ bias)``: emulated (exact dequantise + FP32 matmul, bias added in FP32 before
+    the one cast) or on the FP8 tensor cores (bias added in the output dtype)."""
     if emulate:
-        return emulated_matmul(a, b, out_dtype=out_dtype, compute_dtype=compute_dtype or torch.float32)
-    return real_matmul(a, b, out_dtype=out_dtype, fast_accum=fast_accum)
+        return emulated_matmul(a, b, out_dtype=out_dtype,
+                               compute_dtype=compute_dtype or torch.float32, bias=bias)
+    return real_matmul(a, b, out_dtype=out_dtype, fast_accum=fast_accum, bias=bias)

@@ -207,9 +207,8 @@ def quantize_tensorwise(
     """
     fmt = _fmt(fmt)
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    # amax propagates NaN (torch's max does), so a NaN input poisons the scale: no host sync
     amax = x2.float().abs().amax().reshape(1, 1) if x2.numel() else torch.zeros(1, 1, device=x.device)
-    if torch.isnan(x2).any():
-        amax = torch.full_like(amax, float("nan"))
     s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
     data = cast_to_fp8(x2.float() * s, fmt)
     return QuantizedTensor(data=data, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
