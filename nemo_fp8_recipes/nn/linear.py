@@ -323,5 +323,9 @@ class Float8Linear(nn.Linear):
         self._telemetry = {}
         return out
 
+    # Under torch.compile the FP8 linear runs as an eager island (a graph break around it):
+    # the compiler fuses everything else (norms, SwiGLU, attention glue), while quantisation,
+    # delayed-scaling state updates and the audit counters stay exact Python-side.
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _Float8LinearFn.apply(x, self.weight, self.bias, self, _out_dtype_for(x))

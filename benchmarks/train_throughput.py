@@ -1,0 +1,136 @@
+"""Train one model with every recipe through the embedded trainer and tabulate tokens/s and loss.
+
+One command runs the whole sweep in one process tree, so the ratios come from one machine and
+one session:
+
+    python benchmarks/train_throughput.py --model llama3_150m --steps 300 --seq-len 1024 \
+        --micro-batch 8 --compile both --out results/train_throughput.json
+
+Each run is a real ``python -m nemo_fp8_recipes.train`` (mxfp8 with ``recipe.emulate=true`` on
+GPUs without MXFP8). Tokens/s is the median of the trainer's logged ``tokens_per_s`` over the
+second half of the run (warm-up, compilation and the first validation excluded); loss is read
+from the TensorBoard events. ``--smoke`` runs a tiny CPU version for CI (no timing claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RECIPES = ["bf16", "delayed", "tensorwise", "blockwise", "mxfp8"]
+
+
+def read_scalars(run_dir: Path) -> dict:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def run_one(args, recipe: str, compile_: bool, root: Path) -> dict:
+    tag = "compiled" if compile_ else "eager"
+    overrides = [
+        f"recipe={recipe}",
+        f"model={args.model}",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.seq_len={args.seq_len}",
+        f"trainer.micro_batch_size={args.micro_batch}",
+        f"trainer.global_batch_size={args.micro_batch}",
+        f"trainer.compile={str(compile_).lower()}",
+        f"trainer.val_interval={args.steps}",
+        "trainer.ckpt_interval=0",
+        "trainer.progress=false",
+        f"trainer.log_interval={max(1, args.steps // 30)}",
+        f"trainer.telemetry_interval={args.telemetry_interval}",
+        f"run.root={root}",
+        f"run.tag={tag}",
+        "trainer.resume=never",
+    ] + list(args.extra)
+    if recipe == "mxfp8" and args.emulate_mxfp8:
+        overrides.append("recipe.emulate=true")
+    cmd = [sys.executable, "-m", "nemo_fp8_recipes.train", *overrides]
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.time() - t0
+    run_dir = root / args.model / f"{recipe}-{tag}"
+    res = {"recipe": recipe, "compile": compile_, "wall_s": round(wall, 1), "returncode": proc.returncode,
+           "cmd": " ".join(cmd)}
+    if proc.returncode != 0:
+        res["error"] = (proc.stderr or proc.stdout)[-3000:]
+        return res
+    sc = read_scalars(run_dir)
+    tps = [v for s, v in sc.get("tokens_per_s", []) if s > args.steps // 2]
+    loss = sc.get("train/loss", [])
+    val = sc.get("val/loss", [])
+    res.update({
+        "tokens_per_s": statistics.median(tps) if tps else None,
+        "first_loss": loss[0][1] if loss else None,
+        "last_loss": statistics.mean(v for _, v in loss[-3:]) if loss else None,
+        "val_loss": val[-1][1] if val else None,
+        "mfu": statistics.median(v for s, v in sc.get("perf/mfu", []) if s > args.steps // 2)
+        if sc.get("perf/mfu") else None,
+    })
+    return res
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama3_150m")
+    p.add_argument("--recipes", default=",".join(RECIPES), help="comma-separated registry keys")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--micro-batch", type=int, default=8)
+    p.add_argument("--compile", choices=["eager", "compiled", "both"], default="eager")
+    p.add_argument("--telemetry-interval", type=int, default=0)
+    p.add_argument("--emulate-mxfp8", action=argparse.BooleanOptionalAction, default=True,
+                   help="run mxfp8 with recipe.emulate=true (needed on Hopper)")
+    p.add_argument("--root", default="runs/bench")
+    p.add_argument("--out", default=None, help="write results as JSON here")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU run for CI: 3 steps, tiny model")
+    p.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.model, args.steps, args.seq_len, args.micro_batch = "llama3_tiny", 4, 64, 2
+        args.extra = list(args.extra) + ["model.num_layers=1", "data.max_files=20", "trainer.device=cpu"]
+    modes = {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]
+    root = Path(args.root)
+    results = []
+    for compile_ in modes:
+        for recipe in args.recipes.split(","):
+            r = run_one(args, recipe, compile_, root)
+            results.append(r)
+            status = "ok" if r["returncode"] == 0 else "FAILED"
+            print(f"[{status}] {recipe:<11} {'compiled' if compile_ else 'eager':<9} wall {r['wall_s']:>6}s "
+                  f"tok/s {r.get('tokens_per_s') or 0:>10.0f}  loss {r.get('first_loss') or 0:.3f} -> "
+                  f"{r.get('last_loss') or 0:.3f}", flush=True)
+            if r["returncode"] != 0:
+                print(r["error"], file=sys.stderr)
+    base = {c: next((r.get("tokens_per_s") for r in results if r["recipe"] == "bf16" and r["compile"] == c), None)
+            for c in (False, True)}
+    print(f"\n| recipe | mode | tokens/s | vs bf16 | MFU | loss first -> last | val loss |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        t = r.get("tokens_per_s")
+        b = base[r["compile"]]
+        ratio = f"{t / b:.2f}x" if t and b else "-"
+        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        print(f"| {r['recipe']}{' (emulated)' if r['recipe'] == 'mxfp8' and args.emulate_mxfp8 else ''} | "
+              f"{'compiled' if r['compile'] else 'eager'} | {t or 0:.0f} | {ratio} | {mfu} | "
+              f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
+              f"{r.get('val_loss') or float('nan'):.3f} |")
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+    return 0 if all(r["returncode"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
