@@ -228,6 +228,32 @@ def _load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], fo
         )
 
 
+def _fp8_state_snapshot(model: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
+    """Copy of every FP8 module's non-parameter state (scaling buffers, extra state)."""
+    from .nn import fp8_modules
+
+    snap = {}
+    for name, m in fp8_modules(model).items():
+        params = {n for n, _ in m.named_parameters(recurse=False)}
+        snap[name] = {
+            k: (v.detach().clone() if torch.is_tensor(v) else v)
+            for k, v in m.state_dict().items() if k not in params
+        }
+    return snap
+
+
+def _fp8_state_restore(model: torch.nn.Module, snap: Dict[str, Dict[str, Any]]) -> None:
+    """Put back a :func:`_fp8_state_snapshot` (through ``load_state_dict``, which also drops any
+    cached FP8 weight copies, as a resumed run starts without them)."""
+    from .nn import fp8_modules
+
+    for name, m in fp8_modules(model).items():
+        if name in snap:
+            result = m.load_state_dict(snap[name], strict=False)
+            if result.unexpected_keys:  # pragma: no cover - a snapshot always matches its module
+                raise RuntimeError(f"FP8 state restore of {name}: unexpected {result.unexpected_keys}")
+
+
 # ---- the run -------------------------------------------------------------------------------
 def _resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Path]:
     if tcfg.resume == "never":
@@ -375,7 +401,8 @@ def train(cfg) -> TrainResult:
     start_step, tokens_seen, skipped = 0, 0, 0
     last_ckpt: Optional[Path] = None
     if resume_path is not None:
-        ckpt = load_checkpoint(resume_path, map_location=device)
+        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest.
+        ckpt = load_checkpoint(resume_path, map_location="cpu")
         forced = _check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint)
         _load_model_state(raw_model, ckpt["model"], forced)
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -443,14 +470,22 @@ def train(cfg) -> TrainResult:
 
     @torch.no_grad()
     def validate() -> float:
+        # Evaluation must not steer training: the FP8 scaling state (delayed-scaling amax
+        # histories, pending amaxes, cached weight quantisations) is restored afterwards, so a
+        # run with validation follows the same trajectory as one without, and a checkpoint
+        # written right after validation resumes exactly.
+        snapshot = _fp8_state_snapshot(raw_model)
         model.eval()
         total, n = 0.0, 0
-        for x, y in val_batches.iter(device):
-            with autocast_ctx():
-                out = model(x, y)
-            total += float(out.ce_loss)
-            n += 1
-        model.train()
+        try:
+            for x, y in val_batches.iter(device):
+                with autocast_ctx():
+                    out = model(x, y)
+                total += float(out.ce_loss)
+                n += 1
+        finally:
+            model.train()
+            _fp8_state_restore(raw_model, snapshot)
         return total / max(1, n)
 
     from tqdm.auto import tqdm
@@ -479,7 +514,7 @@ def train(cfg) -> TrainResult:
                             out = model(x, y)
                         (out.loss / tcfg.grad_accum).backward()
                     except Exception as e:
-                        if tcfg.compile and "torch._dynamo" in type(e).__module__ + str(type(e)):
+                        if tcfg.compile and type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
                             raise TrainingError(
                                 f"torch.compile failed for recipe {recipe.name}: {str(e).splitlines()[0]}; "
                                 "run with trainer.compile=false"
@@ -573,13 +608,13 @@ def train(cfg) -> TrainResult:
                     result.val.append((step, vl))
                     writer.scalars({"val/loss": vl}, step)
                     log.info("step %d | val/loss %.4f", step, vl)
-                if (tcfg.ckpt_interval and step % tcfg.ckpt_interval == 0) or last:
+                if tcfg.checkpoint and ((tcfg.ckpt_interval and step % tcfg.ckpt_interval == 0) or last):
                     save(step)
                 writer.flush()
     except KeyboardInterrupt:
         bar.close()
-        log.warning("interrupted at step %d; saving a checkpoint", step)
-        if step > start_step:
+        log.warning("interrupted at step %d", step)
+        if step > start_step and tcfg.checkpoint:
             save(step)
         writer.close()
         raise
@@ -591,7 +626,8 @@ def train(cfg) -> TrainResult:
     result.skipped_steps = skipped
     result.tokens_per_s = tokens_per_step * steps_timed / step_time_total if step_time_total else None
     result.wall_s = time.perf_counter() - t_start
-    final_train = float(np.mean([h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):]]))
+    tail = [h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):] if math.isfinite(h["loss"])]
+    final_train = float(np.mean(tail)) if tail else float("nan")
     (run_dir / "summary.json").write_text(json.dumps({
         "model": mcfg.name, "recipe": recipe.name, "mode": mode, "params": n_params,
         "steps": step, "final_train_loss": final_train,
@@ -599,13 +635,11 @@ def train(cfg) -> TrainResult:
         "tokens_per_s": result.tokens_per_s, "skipped_steps": skipped,
         "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
     }, indent=2) + "\n", encoding="utf-8")
-    logdir = run_dir.parent
     log.info(
-        "done: %d steps in %s | train loss %.4f%s | %s tok/s\n"
-        "  run dir:     %s\n  checkpoint:  %s\n  TensorBoard: tensorboard --logdir %s",
+        "done: %d steps in %s | train loss %.4f%s | %s tok/s | run dir %s",
         step - start_step, format_duration(result.wall_s), final_train,
         f" | val loss {result.val[-1][1]:.4f}" if result.val else "",
-        format_count(result.tokens_per_s or 0), run_dir, result.checkpoint, logdir,
+        format_count(result.tokens_per_s or 0), run_dir,
     )
     return result
 
@@ -628,12 +662,13 @@ def _run_cli(cfg) -> None:
         print(f"nemo-fp8-train: error: {e}", file=sys.stderr)
         sys.exit(code)
     except KeyboardInterrupt:
-        print("nemo-fp8-train: interrupted (checkpoint saved; trainer.resume=auto continues)", file=sys.stderr)
+        print("nemo-fp8-train: interrupted; trainer.resume=auto continues from the last checkpoint", file=sys.stderr)
         sys.exit(130)
     print(
-        f"\nRun directory: {result.run_dir}\n"
+        f"\nRun directory:    {result.run_dir}  (config.yaml, audit.txt, summary.json)\n"
+        f"Checkpoint:       {result.checkpoint or 'none'}\n"
         f"TensorBoard logs: {result.run_dir}\n"
-        f"  tensorboard --logdir {result.run_dir.parent}"
+        f"  tensorboard --logdir {result.run_dir.parent}   # overlays every recipe of {result.run_dir.parent.name}"
     )
 
 

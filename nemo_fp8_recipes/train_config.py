@@ -76,6 +76,7 @@ class TrainerConfig:
     telemetry_interval: int
     ckpt_interval: int
     ckpt_keep: int
+    checkpoint: bool
     resume: str
     force_resume: bool
     nan_policy: str

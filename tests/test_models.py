@@ -1,0 +1,265 @@
+"""Models: published sizes (on the meta device), Llama 3 components, the DeepSeek-style MoE and
+the module names the precision policy relies on."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nemo_fp8_recipes.models import (
+    ModelConfig,
+    MoE,
+    RMSNorm,
+    Transformer,
+    build_model,
+    list_model_configs,
+    load_model_config,
+)
+from nemo_fp8_recipes.models.llama import Attention, FeedForward, apply_rope, precompute_rope
+from nemo_fp8_recipes.nn import Float8Linear, audit, convert_model
+from nemo_fp8_recipes.policy import PrecisionPolicy, Role
+from nemo_fp8_recipes.recipes import get_recipe
+
+SMALL = dict(dim=128, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=256, vocab_size=512, max_seq_len=128)
+SMALL_MOE = dict(SMALL, num_experts=4, moe_top_k=2, moe_ffn_dim=128, num_shared_experts=1, first_k_dense=1)
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9), ("llama31_405b", 405.9e9)],
+)
+def test_published_parameter_counts_on_meta_device(name, published):
+    cfg = load_model_config(name)
+    model = build_model(cfg, device="meta")
+    assert all(p.is_meta for p in model.parameters())  # nothing allocated
+    n = model.num_params()
+    assert abs(n - published) / published < 0.01, f"{name}: {n / 1e9:.3f}B vs {published / 1e9}B"
+    assert n == cfg.num_params()  # the analytic count the MFU estimate uses agrees
+
+
+def test_published_shapes():
+    c = load_model_config("llama3_8b")
+    assert (c.num_layers, c.dim, c.ffn_dim, c.num_heads, c.num_kv_heads, c.vocab_size) == (
+        32, 4096, 14336, 32, 8, 128256)
+    c = load_model_config("llama3_70b")
+    assert (c.num_layers, c.dim, c.ffn_dim, c.num_heads, c.num_kv_heads) == (80, 8192, 28672, 64, 8)
+    c = load_model_config("llama31_405b")
+    assert (c.num_layers, c.dim, c.ffn_dim, c.num_heads, c.num_kv_heads) == (126, 16384, 53248, 128, 8)
+    assert c.rope_theta == 500000.0 and c.rope_scaling_factor == 8.0
+    small = load_model_config("llama3_150m")
+    assert 125e6 <= small.num_params() <= 350e6
+
+
+def test_every_packaged_config_builds_on_meta():
+    for name in list_model_configs():
+        model = build_model(name, device="meta")
+        assert isinstance(model, Transformer)
+
+
+def test_layer_override_keeps_layer_shapes():
+    model = build_model("llama31_405b", device="meta", num_layers=2, vocab_size=512)
+    assert len(model.layers) == 2
+    attn = model.layers[1].attention
+    assert attn.wq.weight.shape == (16384, 16384)
+    assert attn.wk.weight.shape == (8 * 128, 16384)
+    assert model.layers[0].feed_forward.w1.weight.shape == (53248, 16384)
+
+
+def test_unknown_names_and_bad_shapes_are_explained():
+    with pytest.raises(ValueError, match="llama3_8b"):
+        load_model_config("llama3_9b")
+    with pytest.raises(ValueError, match="num_layers"):
+        load_model_config("llama3_tiny", num_layer=3)
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(vocab_size=512, dim=100, num_layers=1, num_heads=3, num_kv_heads=1, ffn_dim=64)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        ModelConfig(vocab_size=512, dim=128, num_layers=1, num_heads=4, num_kv_heads=3, ffn_dim=64)
+    with pytest.raises(ValueError, match="moe_top_k"):
+        ModelConfig(arch="moe", vocab_size=512, dim=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                    ffn_dim=64, num_experts=2, moe_top_k=3, moe_ffn_dim=64)
+
+
+def test_module_names_match_the_policy_roles():
+    model = build_model(ModelConfig(arch="moe", **SMALL_MOE))
+    names = dict(model.named_modules())
+    policy = PrecisionPolicy()
+    expect = {
+        "tok_embeddings": Role.EMBEDDING,
+        "layers.0.attention_norm": Role.NORM,
+        "layers.0.attention.wq": Role.ATTENTION_PROJECTION,
+        "layers.0.attention.wk": Role.ATTENTION_PROJECTION,
+        "layers.0.attention.wv": Role.ATTENTION_PROJECTION,
+        "layers.0.attention.wo": Role.ATTENTION_PROJECTION,
+        "layers.0.ffn_norm": Role.NORM,
+        "layers.0.feed_forward.w1": Role.MLP,
+        "layers.0.feed_forward.w2": Role.MLP,
+        "layers.0.feed_forward.w3": Role.MLP,
+        "layers.1.feed_forward.router": Role.ROUTER,
+        "layers.1.feed_forward.experts.0.w1": Role.MLP,
+        "layers.1.feed_forward.experts.3.w2": Role.MLP,
+        "layers.1.feed_forward.shared_expert.w3": Role.MLP,
+        "norm": Role.NORM,
+        "output": Role.OUTPUT,
+    }
+    for fqn, role in expect.items():
+        assert fqn in names, fqn
+        assert policy.decide(fqn, names[fqn]).role == role, fqn
+    assert isinstance(names["tok_embeddings"], nn.Embedding)
+    assert isinstance(names["output"], nn.Linear) and names["output"].weight is not names["tok_embeddings"].weight
+    for leaf in ("wq", "wk", "wv", "wo"):
+        assert names[f"layers.0.attention.{leaf}"].bias is None
+
+
+def test_forward_shapes_dtypes_and_initial_loss():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(**SMALL))
+    x = torch.randint(0, 259, (2, 32))
+    out = model(x, x)
+    assert out.logits.shape == (2, 32, 512) and out.logits.dtype == torch.float32
+    assert abs(out.ce_loss.item() - math.log(512)) < 0.3  # near-uniform at init
+    assert out.aux_loss.item() == 0.0 and torch.equal(out.loss, out.ce_loss)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, x)
+    assert out.logits.dtype == torch.float32  # FP32 logits for the loss under autocast too
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_attention_is_causal_gqa_through_sdpa():
+    torch.manual_seed(0)
+    cfg = ModelConfig(**SMALL)
+    attn = Attention(cfg)
+    x = torch.randn(2, 16, cfg.dim)
+    rope = precompute_rope(cfg)[:16]
+    with torch.profiler.profile() as prof:
+        y = attn(x, rope)
+    assert any("scaled_dot_product" in e.key for e in prof.key_averages())
+    # reference: K/V repeated per query head, explicit causal softmax
+    b, t, h, kv, hd = 2, 16, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    q = apply_rope(attn.wq(x).view(b, t, h, hd), rope).transpose(1, 2)
+    k = apply_rope(attn.wk(x).view(b, t, kv, hd), rope).transpose(1, 2).repeat_interleave(h // kv, 1)
+    v = attn.wv(x).view(b, t, kv, hd).transpose(1, 2).repeat_interleave(h // kv, 1)
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    ref = attn.wo((s.softmax(-1) @ v).transpose(1, 2).reshape(b, t, h * hd))
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    # causality: changing a later token leaves earlier outputs alone
+    x2 = x.clone()
+    x2[:, 10] += 1.0
+    torch.testing.assert_close(attn(x2, rope)[:, :10], y[:, :10])
+
+
+def test_rope_theta_and_relative_positions():
+    cfg = ModelConfig(**SMALL)
+    table = precompute_rope(cfg)
+    hd = cfg.head_dim
+    i = torch.arange(hd // 2, dtype=torch.float64)
+    expected = 1.0 / (500000.0 ** (2 * i / hd))
+    angle1 = torch.atan2(table[1, :, 1].double(), table[1, :, 0].double())
+    torch.testing.assert_close(angle1, expected, rtol=1e-5, atol=1e-6)
+    # <R_m q, R_n k> depends only on m - n
+    q = torch.randn(1, 1, 1, hd).expand(1, 64, 1, hd)
+    k = torch.randn(1, 1, 1, hd).expand(1, 64, 1, hd)
+    rq, rk = apply_rope(q, table[:64]), apply_rope(k, table[:64])
+    d1 = (rq[0, 10, 0] * rk[0, 7, 0]).sum()
+    d2 = (rq[0, 40, 0] * rk[0, 37, 0]).sum()
+    torch.testing.assert_close(d1, d2, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm(dim=-1))
+
+
+def test_llama31_rope_scaling_changes_only_low_frequencies():
+    base = load_model_config("llama31_405b", max_seq_len=4, rope_scaling_factor=None)
+    scaled = load_model_config("llama31_405b", max_seq_len=4)
+    a = torch.atan2(precompute_rope(base)[1, :, 1], precompute_rope(base)[1, :, 0])
+    b = torch.atan2(precompute_rope(scaled)[1, :, 1], precompute_rope(scaled)[1, :, 0])
+    assert torch.allclose(a[:8], b[:8])  # high frequencies untouched
+    torch.testing.assert_close(b[-1], a[-1] / 8.0, rtol=1e-4, atol=0)  # lowest divided by factor
+
+
+def test_rmsnorm_computes_in_fp32():
+    norm = RMSNorm(64)
+    x = (torch.randn(4, 64) * 300).bfloat16()
+    y = norm(x)
+    assert y.dtype == torch.bfloat16
+    x32 = x.float()
+    ref = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(y, ref.bfloat16())
+
+
+def test_router_runs_in_fp32_under_autocast():
+    torch.manual_seed(0)
+    moe = MoE(ModelConfig(arch="moe", **SMALL_MOE))
+    x = torch.randn(10, SMALL["dim"]).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        w, idx, scores = moe.route(x)
+    assert w.dtype == scores.dtype == torch.float32
+    ref_scores = (x.float() @ moe.router.weight.t()).sigmoid() if moe.score_func == "sigmoid" else \
+        (x.float() @ moe.router.weight.t()).softmax(-1)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-6, atol=1e-6)
+    assert idx.shape == (10, 2) and torch.allclose(w.sum(-1), torch.ones(10))
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_moe_matches_a_per_token_reference(score):
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="moe", router_score=score, **SMALL_MOE)
+    moe = MoE(cfg)
+    x = torch.randn(2, 5, cfg.dim)
+    y, aux = moe(x)
+    xf = x.reshape(-1, cfg.dim)
+    w, idx, _ = moe.route(xf)
+    ref = torch.stack([
+        sum(w[t, s] * moe.experts[int(idx[t, s])](xf[t]) for s in range(cfg.moe_top_k))
+        + moe.shared_expert(xf[t])
+        for t in range(xf.shape[0])
+    ]).view_as(x)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert aux.item() == 0.0  # aux_loss_coef = 0 in SMALL_MOE
+
+
+def test_moe_first_layers_dense_and_aux_loss():
+    cfg = ModelConfig(arch="moe", **dict(SMALL_MOE, num_layers=3, aux_loss_coef=0.01))
+    model = build_model(cfg)
+    assert isinstance(model.layers[0].feed_forward, FeedForward)
+    assert all(isinstance(model.layers[i].feed_forward, MoE) for i in (1, 2))
+    x = torch.randint(0, 259, (2, 16))
+    out = model(x, x)
+    assert out.aux_loss.item() > 0  # two MoE layers, each ~1 when balanced
+    torch.testing.assert_close(out.loss, out.ce_loss + 0.01 * out.aux_loss)
+    out.loss.backward()
+    assert model.layers[1].feed_forward.router.weight.grad is not None
+    model.eval()
+    assert model(x, x).aux_loss.item() == 0.0
+
+
+def test_moe_tiny_converts_with_router_and_head_out_of_fp8():
+    cfg = load_model_config("moe_tiny", num_layers=2)
+    model = build_model(cfg)
+    convert_model(model, get_recipe("blockwise"))
+    moe = model.layers[1].feed_forward
+    assert type(moe.router) is nn.Linear  # FP32 gate, not converted
+    assert isinstance(moe.experts[0].w1, Float8Linear)
+    assert isinstance(moe.shared_expert.w2, Float8Linear)
+    assert type(model.output) is nn.Linear
+    x = torch.randint(0, 259, (2, 32))
+    model(x, x).loss.backward()
+    report = audit(model, strict=True)
+    rows = {r.name: r for r in report.rows}
+    assert rows["layers.1.feed_forward.router"].precision == "fp32"
+    assert rows["layers.1.feed_forward.router"].hp_gemms["fprop"] == 1  # ran, in high precision
+    assert report.counts["fp8"]["fprop"] > 0
+
+
+def test_init_weights_materialises_a_meta_model():
+    cfg = ModelConfig(**SMALL)
+    model = build_model(cfg, device="meta")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert torch.isfinite(model.layers[0].attention.wq.weight).all()
+    torch.testing.assert_close(model.rope_cache, precompute_rope(cfg))
+    x = torch.randint(0, 259, (1, 8))
+    assert torch.isfinite(model(x).logits).all()

@@ -1,0 +1,314 @@
+"""The embedded trainer end to end on CPU: every recipe trains and logs, resume is exact,
+checkpoints survive interrupted writes, and bad situations stop with clear messages."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from nemo_fp8_recipes import recipes as recipes_mod
+from nemo_fp8_recipes.checkpoint import CheckpointError, CheckpointManager, load_checkpoint, save_checkpoint
+from nemo_fp8_recipes.recipes import DeviceInfo, check_supported, list_recipes
+from nemo_fp8_recipes.train import NonFiniteLossError, main, train
+from nemo_fp8_recipes.train_config import compose_config
+
+# A 2-layer model whose GEMM dims are multiples of 128, so every projection is FP8 under every
+# recipe (blockwise needs 128), with GQA (4 heads, 2 KV heads); 256 tokens per step.
+TINY = [
+    "model.num_layers=2", "model.dim=256", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.ffn_dim=256", "trainer.seq_len=64", "trainer.micro_batch_size=4",
+    "trainer.global_batch_size=4", "trainer.warmup_steps=5", "trainer.val_steps=2",
+    "trainer.progress=false", "trainer.device=cpu", "data.max_files=40",
+]
+
+
+@pytest.fixture(scope="session")
+def token_cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("token_cache"))
+
+
+def _cfg(tmp_path, token_cache, *extra):
+    return compose_config(TINY + [f"run.root={tmp_path / 'runs'}", f"data.cache_dir={token_cache}", *extra])
+
+
+def _events(run_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+@pytest.mark.parametrize("recipe", list_recipes())
+def test_30_step_run_writes_events_and_lowers_the_loss(recipe, tmp_path, token_cache):
+    cfg = _cfg(tmp_path, token_cache, f"recipe={recipe}", "trainer.max_steps=30",
+               "trainer.log_interval=5", "trainer.val_interval=15", "trainer.telemetry_interval=10",
+               "trainer.ckpt_interval=0")
+    result = train(cfg)
+    run_dir = tmp_path / "runs" / "llama3_tiny" / recipe
+    assert result.run_dir == run_dir and result.final_step == 30
+    assert (run_dir / "config.yaml").is_file() and f"name: {recipe}" in (run_dir / "config.yaml").read_text()
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    acc = _events(run_dir)
+    scalars = set(acc.Tags()["scalars"])
+    assert {"train/loss", "val/loss", "lr", "grad_norm", "tokens_per_s"} <= scalars
+    loss = [e.value for e in acc.Scalars("train/loss")]
+    assert [e.step for e in acc.Scalars("train/loss")] == [5, 10, 15, 20, 25, 30]
+    assert loss[-1] < loss[0] - 1.0, loss
+    val = acc.Scalars("val/loss")
+    assert [e.step for e in val] == [15, 30] and val[1].value < val[0].value
+    assert "fp8/audit/text_summary" in acc.Tags()["tensors"]
+    if recipe == "bf16":
+        assert not any(t.startswith("fp8/") for t in scalars)
+        assert "no FP8" in result.audit_table
+    else:
+        for stat in ("amax", "scale", "underflow_frac", "saturated_frac"):
+            assert f"fp8/attention/input/{stat}" in scalars
+            assert f"fp8/mlp/weight/{stat}" in scalars
+        assert [e.step for e in acc.Scalars("fp8/mlp/grad_output/amax")] == [10, 20, 30]
+        # every projection ran in FP8, the head did not
+        assert "GEMMs run in FP8 fprop/dgrad/wgrad = 14/14/14" in result.audit_table
+    assert (run_dir / "checkpoints" / "step_00000030.pt").is_file()  # always saved at the end
+
+
+def test_moe_tiny_trains_with_the_router_in_fp32(tmp_path, token_cache):
+    cfg = compose_config([
+        "model=moe_tiny", "model.num_layers=2", "model.num_experts=4", "trainer.seq_len=64",
+        "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.max_steps=12",
+        "trainer.warmup_steps=3", "trainer.log_interval=4", "trainer.val_interval=0", "trainer.telemetry_interval=4",
+        "trainer.progress=false", "trainer.device=cpu", "data.max_files=40", f"data.cache_dir={token_cache}",
+        f"run.root={tmp_path}",
+    ])
+    result = train(cfg)
+    assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
+    router = [line for line in result.audit_table.splitlines() if "feed_forward.router" in line]
+    assert router and "fp32" in router[0] and "2/2/2" in router[0]  # ran twice (grad accum 2), high precision
+    acc = _events(result.run_dir)
+    assert "train/aux_loss" in acc.Tags()["scalars"]
+    assert "fp8/experts/input/amax" in acc.Tags()["scalars"]
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(recipe, tmp_path, token_cache):
+    common = [f"recipe={recipe}", "trainer.max_steps=12", "trainer.log_interval=2", "trainer.val_interval=6",
+              "trainer.telemetry_interval=4", "trainer.ckpt_interval=6", "trainer.ckpt_keep=5"]
+    full = train(_cfg(tmp_path / "a", token_cache, *common))
+    ckpt6 = full.run_dir / "checkpoints" / "step_00000006.pt"
+    assert ckpt6.is_file()
+    # a second process state: a fresh model/optimizer/data pipeline, restored from step 6
+    resumed = train(_cfg(tmp_path / "b", token_cache, *common, f"trainer.resume={ckpt6}"))
+    assert resumed.start_step == 6 and resumed.final_step == 12
+    want = {s: l for s, l in full.losses.items() if s > 6}
+    assert resumed.losses == want  # bit-exact float equality, step by step
+    assert resumed.val[-1] == full.val[-1]
+    a = load_checkpoint(full.run_dir / "checkpoints" / "step_00000012.pt")
+    b = load_checkpoint(resumed.run_dir / "checkpoints" / "step_00000012.pt")
+    for key, t in a["model"].items():
+        if torch.is_tensor(t):
+            assert torch.equal(t, b["model"][key]), key  # weights and FP8 scaling state
+    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(pa[k], pb[k]) for k in pa)
+    # TensorBoard of the resumed run continues the curve without a doubled segment
+    steps = [e.step for e in _events(resumed.run_dir).Scalars("train/loss")]
+    assert steps == [8, 10, 12]
+    # validation does not steer training (delayed scaling: eval amaxes stay out of the history)
+    no_val = train(_cfg(tmp_path / "c", token_cache, *common, "trainer.val_interval=0"))
+    assert no_val.losses == full.losses
+
+
+def test_auto_resume_continues_and_a_finished_run_is_a_no_op(tmp_path, token_cache):
+    base = ["recipe=tensorwise", "trainer.log_interval=2", "trainer.val_interval=0", "trainer.ckpt_interval=2"]
+    first = train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=4"))
+    again = train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=4"))
+    assert again.start_step == 4 and again.history == []
+    longer = train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=6"))
+    assert longer.start_step == 4 and longer.final_step == 6
+    assert first.run_dir == longer.run_dir
+    with pytest.raises(CheckpointError, match="trainer.resume=never"):
+        train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=6", "trainer.resume=never"))
+
+
+def test_checkpoint_from_another_recipe_is_refused_unless_forced(tmp_path, token_cache):
+    src = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=2", "trainer.val_interval=0"))
+    ckpt = src.checkpoint
+    with pytest.raises(CheckpointError, match="recipe 'delayed'.*force_resume=true"):
+        train(_cfg(tmp_path, token_cache, "recipe=blockwise", "trainer.max_steps=4", "trainer.val_interval=0",
+                   f"trainer.resume={ckpt}"))
+    forced = train(_cfg(tmp_path, token_cache, "recipe=blockwise", "trainer.max_steps=4", "trainer.val_interval=0",
+                        f"trainer.resume={ckpt}", "trainer.force_resume=true"))
+    assert forced.start_step == 2 and forced.final_step == 4
+    with pytest.raises(CheckpointError, match="another model shape"):
+        train(_cfg(tmp_path, token_cache, "recipe=delayed", "model.ffn_dim=384", "trainer.max_steps=4",
+                   f"trainer.resume={ckpt}", "run.tag=other"))
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, token_cache):
+    result = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=4",
+                        "trainer.ckpt_interval=2", "trainer.val_interval=0"))
+    mgr = CheckpointManager(result.run_dir / "checkpoints", keep=2)
+    good = mgr.latest()
+    before = good.read_bytes()
+    state = load_checkpoint(good)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("disk full (simulated by an object that cannot be pickled)")
+
+    # overwrite of the same step and a new step: both fail half way through torch.save
+    for target in (good, mgr.path_for(6)):
+        with pytest.raises(RuntimeError, match="disk full"):
+            save_checkpoint({**state, "zz_bad": Unpicklable()}, target)
+    assert good.read_bytes() == before
+    assert mgr.latest() == good and not mgr.path_for(6).exists()
+    assert not [p for p in good.parent.iterdir() if p.name.startswith(".tmp-")]
+    assert load_checkpoint(good)["step"] == 4
+
+
+def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, token_cache):
+    result = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=4",
+                        "trainer.ckpt_interval=2", "trainer.val_interval=0"))
+    ckpt_dir = result.run_dir / "checkpoints"
+    # A child process starts writing step 6 and dies inside torch.save (os._exit: no cleanup,
+    # no exception handling), exactly like a kill -9 or a node failure mid-write.
+    script = textwrap.dedent(f"""
+        import os, torch
+        from nemo_fp8_recipes.checkpoint import load_checkpoint, save_checkpoint
+        state = load_checkpoint({str(ckpt_dir / 'step_00000004.pt')!r})
+        class Die:
+            def __reduce__(self):
+                os._exit(9)
+        state["model"]["zz_die"] = Die()
+        save_checkpoint(state, {str(ckpt_dir / 'step_00000006.pt')!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 9, proc.stderr
+    leftovers = [p for p in ckpt_dir.iterdir() if p.name.startswith(".tmp-")]
+    assert leftovers, "the killed writer should have left its temporary file behind"
+    mgr = CheckpointManager(ckpt_dir)
+    assert mgr.latest().name == "step_00000004.pt"
+    assert load_checkpoint(mgr.latest())["step"] == 4
+    # the trainer resumes from it and the next successful save clears the debris
+    cont = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=6",
+                      "trainer.ckpt_interval=2", "trainer.val_interval=0"))
+    assert cont.start_step == 4
+    assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".tmp-")]
+
+
+NAN = ["recipe=bf16", "trainer.lr=1e30", "trainer.min_lr=1e30", "trainer.warmup_steps=0", "trainer.grad_clip=0",
+       "trainer.max_steps=6", "trainer.ckpt_interval=1", "trainer.val_interval=0"]
+
+
+def test_nan_loss_stops_with_the_step_and_last_good_checkpoint(tmp_path, token_cache):
+    with pytest.raises(NonFiniteLossError) as info:
+        train(_cfg(tmp_path, token_cache, *NAN))
+    err = info.value
+    assert err.step == 2 and err.last_checkpoint.name == "step_00000001.pt"
+    assert "at step 2" in str(err) and "step_00000001.pt" in str(err)
+
+
+def test_nan_skip_policy_counts_skipped_batches(tmp_path, token_cache):
+    with pytest.raises(NonFiniteLossError):
+        train(_cfg(tmp_path, token_cache, *NAN, "trainer.nan_policy=skip", "trainer.max_skipped_steps=2",
+                   "trainer.ckpt_interval=0"))
+    ok = train(_cfg(tmp_path, token_cache, *NAN, "trainer.nan_policy=skip", "trainer.max_skipped_steps=10",
+                    "trainer.log_interval=1", "trainer.ckpt_interval=0", "run.tag=skip"))
+    assert ok.skipped_steps == 5 and [h["skipped"] for h in ok.history] == [False] + [True] * 5
+    skipped = [e.value for e in _events(ok.run_dir).Scalars("train/skipped_steps")]
+    assert skipped[-1] == 5
+
+
+def test_cli_errors_are_clean_and_name_the_fix(tmp_path, token_cache, capsys, monkeypatch):
+    base = TINY + [f"run.root={tmp_path}", f"data.cache_dir={token_cache}"]
+    # NaN: exit code 3, step and checkpoint named, no traceback
+    assert main(base + NAN) == 3
+    err = capsys.readouterr().err
+    assert "non-finite" in err and "at step 2" in err and "step_00000001.pt" in err and "Traceback" not in err
+    # missing data
+    assert main(base + ["data=text", f"data.paths=[{tmp_path / 'nowhere'}]"]) == 2
+    err = capsys.readouterr().err
+    assert "data path not found" in err and "Traceback" not in err
+    # mxfp8 on a Hopper GPU without emulation: the core's check surfaces as one clean line
+    hopper = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), cuda_version=(12, 9))
+    monkeypatch.setattr(recipes_mod, "describe_device", lambda device=None: hopper)
+    assert main(base + ["recipe=mxfp8"]) == 2
+    err = capsys.readouterr().err
+    assert "mxfp8 needs SM100" in err and "emulate=true" in err and "Traceback" not in err
+
+
+def test_console_script_trains_and_prints_the_tensorboard_command(tmp_path, token_cache):
+    exe = shutil.which("nemo-fp8-train")
+    cmd = [exe] if exe else [sys.executable, "-m", "nemo_fp8_recipes.train"]
+    args = TINY + [f"run.root={tmp_path}", f"data.cache_dir={token_cache}", "recipe=tensorwise",
+                   "trainer.max_steps=3", "trainer.val_interval=0"]
+    proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout + proc.stderr
+    run_dir = tmp_path / "llama3_tiny" / "tensorwise"
+    assert f"tensorboard --logdir {tmp_path / 'llama3_tiny'}" in out
+    assert (run_dir / ".hydra" / "config.yaml").is_file()  # Hydra's own copy lands in the run dir
+    assert (run_dir / "config.yaml").is_file() and list(run_dir.glob("events.out.tfevents.*"))
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.slow
+def test_compile_trains_like_eager(tmp_path, token_cache):
+    args = ["recipe=bf16", "trainer.max_steps=6", "trainer.log_interval=2", "trainer.val_interval=3",
+            "trainer.val_steps=1"]
+    eager = train(_cfg(tmp_path / "eager", token_cache, *args))
+    compiled = train(_cfg(tmp_path / "compiled", token_cache, *args, "trainer.compile=true"))
+    for step, loss in eager.losses.items():
+        assert abs(compiled.losses[step] - loss) < 1e-3 * abs(loss)
+    assert compiled.history[-1]["loss"] < compiled.history[0]["loss"]
+
+
+# ---- GPU (run on the device machine; skipped on CPU with the reason) -------------------------
+def _gpu_reason(recipe: str):
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    ok, reason = check_supported(recipe, "cuda")
+    return None if ok else reason
+
+
+GPU_MODEL = ["model=llama3_tiny", "trainer.seq_len=256", "trainer.micro_batch_size=8",
+             "trainer.global_batch_size=8", "trainer.warmup_steps=5", "trainer.progress=false",
+             "trainer.device=cuda", "data.max_files=100", "trainer.val_steps=2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", list_recipes())
+def test_gpu_run_uses_real_fp8_gemms(recipe, tmp_path, token_cache):
+    reason = _gpu_reason(recipe)
+    if reason:
+        pytest.skip(reason)
+    cfg = compose_config(GPU_MODEL + [f"recipe={recipe}", "trainer.max_steps=40", "trainer.log_interval=10",
+                                      "trainer.val_interval=20", "trainer.telemetry_interval=10",
+                                      f"run.root={tmp_path}", f"data.cache_dir={token_cache}"])
+    result = train(cfg)
+    assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
+    if recipe != "bf16":
+        assert "(real FP8 GEMMs)" in result.audit_table
+    acc = _events(result.run_dir)
+    assert "perf/mfu" in acc.Tags()["scalars"]  # the H100/H200 peaks are known
+
+
+@pytest.mark.gpu
+def test_gpu_mxfp8_on_hopper_needs_emulate(tmp_path, token_cache, capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs a Hopper GPU (SM90)")
+    base = GPU_MODEL + [f"run.root={tmp_path}", f"data.cache_dir={token_cache}", "recipe=mxfp8",
+                        "trainer.max_steps=20", "trainer.val_interval=0", "trainer.log_interval=5"]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "mxfp8 needs SM100" in err and "emulate=true" in err and "Traceback" not in err
+    result = train(compose_config(base + ["recipe.emulate=true"]))
+    assert "(emulated)" in result.audit_table
+    assert result.history[-1]["loss"] < result.history[0]["loss"]
