@@ -22,6 +22,7 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 import torch
+from ._io import fsync_dir as _fsync_dir
 
 __all__ = [
     "CheckpointError",
@@ -40,19 +41,6 @@ _TMP_PREFIX = ".tmp-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked (missing, unreadable, or from another run)."""
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> Path:

@@ -37,6 +37,7 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 
 from .tokenizer import ByteTokenizer
+from .._io import fsync_dir as _fsync_dir
 
 __all__ = [
     "DataConfig",
@@ -273,19 +274,6 @@ def _fingerprint(cfg: DataConfig, files: Sequence[SourceFile], tokenizer: ByteTo
         "files": listing,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # e.g. platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _write_split(cfg, files, tokenizer, out_dir: Path, tag: str, force_val: Optional[str]) -> Dict[str, Any]:
