@@ -1,7 +1,14 @@
 """Shared pytest set-up: the ``gpu`` marker skips with the hardware check's own reason."""
 
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run under Triton's CPU interpreter (tests/test_triton_kernels.py).
+# The variable is read when Triton is imported, so it is set before any test imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def gpu_skip_reason():

@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 
 from ..quant.gemm import scaled_matmul
-from ..quant.reference import QuantizedTensor, STAT_NAMES, amax_to_scale, quantization_stats, quantize
+from ..quant.dispatch import quantize_auto as quantize
+from ..quant.reference import QuantizedTensor, STAT_NAMES, amax_to_scale, quantization_stats
 from ..recipes import Granularity, Recipe
 
 __all__ = ["Float8Linear", "OPERANDS"]

@@ -1,0 +1,92 @@
+"""FP8 linear fwd+bwd vs BF16 at Llama 3 MLP shapes (8192 tokens), quantisation included.
+
+    python benchmarks/linear_fwd_bwd.py --sizes 8b,70b,405b --out results/linear.json
+
+For each size the up-projection (d -> ffn) and down-projection (ffn -> d) GEMMs run forward and
+backward: BF16 ``nn.Linear`` under autocast vs ``Float8Linear`` per recipe (real FP8 GEMMs, the
+weight quantised once and cached as in training between optimizer steps). One process, CUDA
+events, median, inputs rotated, ratios from the same run; peak memory per variant.
+``--smoke``: tiny emulated CPU run for CI (no timing claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import bench, table  # noqa: E402
+
+from nemo_fp8_recipes.nn import Float8Linear  # noqa: E402
+from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
+
+SHAPES = {"8b": (4096, 14336), "70b": (8192, 28672), "405b": (16384, 53248)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="8b,70b,405b")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--recipes", default="tensorwise,delayed,blockwise")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    shapes = {k: SHAPES[k] for k in a.sizes.split(",")}
+    if a.smoke:
+        shapes, a.tokens, a.iters = {"tiny": (256, 512)}, 256, 2
+    res = []
+    for size, (d, f) in shapes.items():
+        dt = torch.bfloat16 if dev == "cuda" else torch.float32
+        xs = [torch.randn(a.tokens, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3)]
+        dys = [torch.randn(a.tokens, d, device=dev, dtype=dt) * 1e-3 for _ in range(3)]
+
+        def make(recipe):
+            up = torch.nn.Linear(d, f, bias=False, device=dev)
+            down = torch.nn.Linear(f, d, bias=False, device=dev)
+            if recipe is None:
+                return up, down
+            r = get_recipe(recipe)
+            emulate = not check_supported(r, dev)[0] or dev == "cpu"
+            return (Float8Linear.from_linear(up, r, emulate=emulate),
+                    Float8Linear.from_linear(down, r, emulate=emulate))
+
+        base_ms = None
+        for recipe in [None] + a.recipes.split(","):
+            up, down = make(recipe)
+
+            def step(i):
+                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                    y = down(torch.relu(up(xs[i])))
+                y.backward(dys[i])
+
+            if dev == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            ms = bench(step, 3, iters=a.iters)
+            peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
+            flops = 3 * 2 * 2 * a.tokens * d * f
+            name = recipe or "bf16"
+            base_ms = ms if recipe is None else base_ms
+            res.append({"size": size, "recipe": name, "ms": ms, "tflops": flops / ms / 1e9,
+                        "speedup": base_ms / ms, "peak_gib": peak})
+            del up, down
+    rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
+             f"{r['peak_gib']:.1f}") for r in res]
+    name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke)"
+    print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd\n")
+    print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16", "peak GiB"], rows))
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        json.dump({"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res},
+                  open(a.out, "w"), indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+"""Pick the quantiser for a tensor: the fused Triton kernels on CUDA, the reference elsewhere.
+
+Both produce bit-identical codes and scales (checked by tests/test_triton_kernels.py on the GPU
+and under Triton's CPU interpreter), so this choice never changes the numbers — only the speed.
+Set ``NEMO_FP8_TRITON=0`` to force the reference quantisers on CUDA (debugging, A/B timing).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+from ..recipes import Granularity, ScaleRounding
+from .reference import QuantizedTensor, quantize
+
+__all__ = ["quantize_auto", "triton_enabled"]
+
+
+def triton_enabled(x: torch.Tensor) -> bool:
+    """True when ``x`` is on CUDA, Triton imports, and NEMO_FP8_TRITON is not 0."""
+    if x.device.type != "cuda" or os.environ.get("NEMO_FP8_TRITON", "1") == "0":
+        return False
+    from . import triton_kernels
+
+    return triton_kernels.HAVE_TRITON
+
+
+def quantize_auto(
+    x: torch.Tensor,
+    fmt,
+    granularity,
+    rounding=ScaleRounding.FP32,
+    dim: int = -1,
+    scale: Optional[torch.Tensor] = None,
+) -> QuantizedTensor:
+    """Same contract as :func:`nemo_fp8_recipes.quant.reference.quantize`."""
+    if not triton_enabled(x):
+        return quantize(x, fmt, granularity, rounding, dim=dim, scale=scale)
+    from . import triton_kernels as tk
+
+    g = Granularity(granularity)
+    along_cols = dim in (0, -2)
+    if g is Granularity.TENSOR:
+        q = tk.quantize_tensor(x, fmt, rounding, scale=scale)
+        return q.t() if along_cols else q
+    if scale is not None:
+        raise ValueError("an explicit scale (delayed scaling) is only defined per tensor")
+    if g is Granularity.BLOCK_128x128:
+        q = tk.quantize_blocks128(x, fmt, rounding)
+        return q.t() if along_cols else q
+    group = g.block[1]
+    if along_cols:
+        return tk.quantize_cols_t(x, fmt, group, rounding)
+    return tk.quantize_rows(x, fmt, group, rounding)

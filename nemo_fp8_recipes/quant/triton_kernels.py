@@ -1,0 +1,299 @@
+"""Fused Triton quantisers, bit-identical to the reference quantisers in ``reference.py``.
+
+One read of the source, one write of the FP8 codes and the scales, no intermediate tensors:
+
+* :func:`quantize_rows`     — groups of ``GROUP`` (32 or 128) consecutive elements along each row
+  (1x128 activations/gradients, 1x32 MXFP8), scales in FP32 (``fp32``/``pow2``) or E8M0.
+* :func:`quantize_cols_t`   — groups of ``GROUP`` consecutive elements down each column, written
+  *transposed* (``[cols, rows]``): the wgrad copy, fused with the transpose.
+* :func:`quantize_blocks128` — 128x128 weight blocks.
+* :func:`quantize_tensor`   — per-tensor: a partial-amax kernel, the scale from the amax on the
+  device (no host sync), and a cast kernel that reads the scale from memory (also serves delayed
+  scaling, where the scale comes from the amax history).
+
+Scales follow the exact rules of the reference (pow-2 by dropping mantissa bits, E8M0 from the
+amax's binary exponent). The FP8 rounding is done explicitly (round-to-nearest-even on the FP32
+bits, saturation, NaN kept) before the final cast of an exactly representable value, so the
+codes do not depend on the conversion instruction — and the kernels give the same bits under
+Triton's CPU interpreter (``TRITON_INTERPRET=1``), which CI uses to check them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is optional: GPU machines have it; CPU CI may install it for the interpreter.
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+from ..recipes import Format, ScaleRounding
+from .reference import QuantizedTensor
+
+__all__ = [
+    "HAVE_TRITON",
+    "quantize_rows",
+    "quantize_cols_t",
+    "quantize_blocks128",
+    "quantize_tensor",
+]
+
+_MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _round_fp8(y, FMAX: tl.constexpr, IS_E4M3: tl.constexpr):
+        """Saturating RNE of FP32 ``y`` onto the FP8 grid (values stay FP32, exactly on the grid)."""
+        nan = y != y
+        inf = (y == float("inf")) | (y == float("-inf"))
+        yc = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
+        bits = yc.to(tl.int32, bitcast=True)
+        if IS_E4M3:
+            # normals (|y| >= 2^-6): keep 3 mantissa bits, RNE on the dropped 20 bits
+            lsb = (bits >> 20) & 1
+            rb = (bits + 0x7FFFF + lsb) & -1048576  # ~0xFFFFF
+            # subnormals: multiples of 2^-9, RNE by the magic-number add on |y| (ulp(2^14) = 2^-9)
+            ay = tl.abs(yc)
+            sub = (ay + 16384.0) - 16384.0
+            small = tl.abs(yc) < 0.015625
+        else:
+            lsb = (bits >> 21) & 1
+            rb = (bits + 0xFFFFF + lsb) & -2097152  # ~0x1FFFFF
+            ay = tl.abs(yc)
+            sub = (ay + 128.0) - 128.0
+            small = tl.abs(yc) < 6.103515625e-05
+        sub = tl.where(yc < 0, -sub, sub)
+        r = tl.where(small, sub, rb.to(tl.float32, bitcast=True))
+        if IS_E4M3:
+            r = tl.where(inf, float("nan"), r)
+        else:
+            r = tl.where(inf, y, r)
+        return tl.where(nan, y, r)
+
+    @triton.jit
+    def _scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr):
+        """(scale s, scale_inv, e8m0 biased exponent) per group, same rules as reference.py."""
+        if MODE < 2:
+            s = FMAX / amax
+            s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
+            if MODE == 1:
+                sb = s.to(tl.int32, bitcast=True)
+                p2 = (sb & -8388608).to(tl.float32, bitcast=True)  # keep sign+exponent
+                s = tl.where((s > 0) & (s < float("inf")), p2, s)
+            s = tl.where(amax == 0, 1.0, s)
+            return s, 1.0 / s, tl.zeros_like(amax).to(tl.int32)
+        else:
+            ab = amax.to(tl.int32, bitcast=True)
+            ebits = (ab >> 23) & 0xFF
+            mant = ab & 0x7FFFFF
+            floor_log2 = ebits - 127
+            e = floor_log2 - EMAX
+            if MODE == 2:
+                e = e + (mant > TOP_MANT).to(tl.int32)
+            e = tl.where(e < -127, -127, tl.where(e > 127, 127, e))
+            e = tl.where(amax == 0, 0, e)
+            bad = (amax != amax) | (amax == float("inf"))
+            # 2^-e and 2^e from exponent bits (2^-127 is subnormal: bit 22)
+            s = tl.where(e == 127, (tl.zeros_like(e) + 4194304).to(tl.float32, bitcast=True),
+                         ((127 - e) << 23).to(tl.float32, bitcast=True))
+            si = tl.where(e == -127, (tl.zeros_like(e) + 4194304).to(tl.float32, bitcast=True),
+                          ((127 + e) << 23).to(tl.float32, bitcast=True))
+            s = tl.where(bad, float("nan"), s)
+            si = tl.where(bad, float("nan"), si)
+            return s, si, tl.where(bad, 255, e + 127)
+
+    @triton.jit
+    def _quant_rows_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
+                           GROUP: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
+                           FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
+                           IS_E4M3: tl.constexpr):
+        pr = tl.program_id(0)
+        pg = tl.program_id(1)
+        rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = pg * GROUP + tl.arange(0, GROUP)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        amax = tl.max(a, axis=1)
+        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        amax = tl.where(has_nan, float("nan"), amax)
+        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
+        q = _round_fp8(x * s[:, None], FMAX, IS_E4M3)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        rm = rows < R
+        tl.store(si_ptr + rows * G + pg, si, mask=rm)
+        if MODE >= 2:
+            tl.store(e8_ptr + rows * G + pg, e8.to(tl.uint8), mask=rm)
+
+    @triton.jit
+    def _quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
+                             GROUP: tl.constexpr, BLOCK_C: tl.constexpr, MODE: tl.constexpr,
+                             FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
+                             IS_E4M3: tl.constexpr):
+        # groups of GROUP rows down each column; output is x.T quantised along its rows: [C, R]
+        pg = tl.program_id(0)
+        pc = tl.program_id(1)
+        rows = pg * GROUP + tl.arange(0, GROUP)
+        cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        xt = tl.trans(x)  # [BLOCK_C, GROUP]
+        amax = tl.max(tl.abs(xt), axis=1)
+        has_nan = tl.max((xt != xt).to(tl.int32), axis=1) > 0
+        amax = tl.where(has_nan, float("nan"), amax)
+        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
+        q = _round_fp8(xt * s[:, None], FMAX, IS_E4M3)
+        mt = (cols[:, None] < C) & (rows[None, :] < R)
+        tl.store(q_ptr + cols[:, None] * R + rows[None, :], q.to(q_ptr.dtype.element_ty), mask=mt)
+        cm = cols < C
+        tl.store(si_ptr + cols * G + pg, si, mask=cm)
+        if MODE >= 2:
+            tl.store(e8_ptr + cols * G + pg, e8.to(tl.uint8), mask=cm)
+
+    @triton.jit
+    def _quant_block_kernel(x_ptr, q_ptr, si_ptr, R, C, GC, stride_x,
+                            BLOCK: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr,
+                            IS_E4M3: tl.constexpr):
+        pr = tl.program_id(0)
+        pc = tl.program_id(1)
+        rows = pr * BLOCK + tl.arange(0, BLOCK)
+        cols = pc * BLOCK + tl.arange(0, BLOCK)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+        has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
+        amax = tl.where(has_nan, float("nan"), amax)
+        s, si, e8 = _scale_from_amax(amax, FMAX, 0, 0, MODE)
+        q = _round_fp8(x * s, FMAX, IS_E4M3)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(si_ptr + pr * GC + pc, si)
+
+    @triton.jit
+    def _amax_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(x), axis=0)
+        has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
+        tl.store(out_ptr + pid, tl.where(has_nan, float("nan"), amax))
+
+    @triton.jit
+    def _cast_kernel(x_ptr, s_ptr, q_ptr, N, BLOCK: tl.constexpr, FMAX: tl.constexpr, IS_E4M3: tl.constexpr):
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        s = tl.load(s_ptr)
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        q = _round_fp8(x * s, FMAX, IS_E4M3)
+        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+
+
+def _require_triton():
+    if not HAVE_TRITON:
+        raise RuntimeError("Triton is not installed: `pip install triton` (GPU machines ship it)")
+
+
+def _fmt(fmt) -> Format:
+    return fmt if isinstance(fmt, Format) else Format(str(fmt).lower())
+
+
+def _top_mant(fmt: Format) -> int:
+    # ceil rule: bump the exponent when amax's significand 1.m exceeds fmax / 2^emax (1.75 E4M3)
+    top = fmt.max / float(2**fmt.emax)
+    return int(round((top - 1.0) * (1 << 23)))
+
+
+def _e8m0_view(e8: torch.Tensor) -> torch.Tensor:
+    return e8.view(torch.float8_e8m0fnu)
+
+
+def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor:
+    """Groups of ``group`` along each row of a 2-D tensor (same result as
+    ``reference.quantize_blocks(x, fmt, (1, group), rounding)``)."""
+    _require_triton()
+    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, C = x.shape
+    G = -(-C // group)
+    q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
+    si = torch.empty((R, G), dtype=torch.float32, device=x.device)
+    e8 = torch.empty((R, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
+    block_r = 32 if group == 128 else 64
+    grid = (triton.cdiv(R, block_r), G)
+    _quant_rows_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, BLOCK_R=block_r,
+                             MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
+                             TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
+    return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
+                           scale_e8m0=_e8m0_view(e8) if _MODE[rounding] >= 2 else None)
+
+
+def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor:
+    """Groups of ``group`` down each column, returned for ``x.T`` (``[cols, rows]``, groups along
+    its rows) — the wgrad operand, quantised and transposed in one pass (same result as
+    ``reference.quantize(x, fmt, ..., dim=0)``)."""
+    _require_triton()
+    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, C = x.shape
+    G = -(-R // group)
+    q = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
+    si = torch.empty((C, G), dtype=torch.float32, device=x.device)
+    e8 = torch.empty((C, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
+    block_c = 64
+    grid = (G, triton.cdiv(C, block_c))
+    _quant_cols_t_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, BLOCK_C=block_c,
+                               MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
+                               TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
+    return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
+                           scale_e8m0=_e8m0_view(e8) if _MODE[rounding] >= 2 else None)
+
+
+def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
+    """128x128 blocks (blockwise weights); FP32 scales (``fp32`` or ``pow2``)."""
+    _require_triton()
+    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    if _MODE[rounding] >= 2:
+        raise ValueError("128x128 blocks take fp32 or pow2 scales")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, C = x.shape
+    GR, GC = -(-R // 128), -(-C // 128)
+    q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
+    si = torch.empty((GR, GC), dtype=torch.float32, device=x.device)
+    _quant_block_kernel[(GR, GC)](x, q, si, R, C, GC, x.stride(0), BLOCK=128, MODE=_MODE[rounding],
+                                  FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3)
+    return QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
+
+
+def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None) -> QuantizedTensor:
+    """Per-tensor: amax (partial maxima in a kernel, final max on the device), scale from it
+    (or the given delayed-scaling ``scale``), then one cast pass. No host synchronisation."""
+    _require_triton()
+    from .reference import amax_to_scale
+
+    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    n = x2.numel()
+    block = 8192
+    nb = max(1, triton.cdiv(n, block))
+    part = torch.empty(nb, dtype=torch.float32, device=x.device)
+    if n:
+        _amax_kernel[(nb,)](x2, part, n, BLOCK=block)
+    else:
+        part.zero_()
+    amax = part.amax().reshape(1, 1)
+    s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
+    q = torch.empty(x2.shape, dtype=fmt.dtype, device=x.device)
+    if n:
+        _cast_kernel[(nb,)](x2, s, q, n, BLOCK=block, FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3)
+    return QuantizedTensor(data=q, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
