@@ -258,14 +258,18 @@ def test_console_script_trains_and_prints_the_tensorboard_command(tmp_path, toke
 
 
 @pytest.mark.slow
-def test_compile_trains_like_eager(tmp_path, token_cache):
-    args = ["recipe=bf16", "trainer.max_steps=6", "trainer.log_interval=2", "trainer.val_interval=3",
-            "trainer.val_steps=1"]
+@pytest.mark.parametrize("recipe", list_recipes())
+def test_compile_trains_like_eager(recipe, tmp_path, token_cache):
+    args = [f"recipe={recipe}", "trainer.max_steps=4", "trainer.log_interval=2", "trainer.val_interval=2",
+            "trainer.val_steps=1", "trainer.telemetry_interval=2"]
     eager = train(_cfg(tmp_path / "eager", token_cache, *args))
     compiled = train(_cfg(tmp_path / "compiled", token_cache, *args, "trainer.compile=true"))
+    # FP8 rounding can flip on ULP-level differences of the compiled non-FP8 ops: loose tolerance
+    tol = 1e-3 if recipe == "bf16" else 1e-2
     for step, loss in eager.losses.items():
-        assert abs(compiled.losses[step] - loss) < 1e-3 * abs(loss)
+        assert abs(compiled.losses[step] - loss) < tol * abs(loss), (step, loss, compiled.losses[step])
     assert compiled.history[-1]["loss"] < compiled.history[0]["loss"]
+    assert compiled.audit_table.splitlines()[-1] == eager.audit_table.splitlines()[-1]  # same GEMMs in FP8
 
 
 # ---- GPU (run on the device machine; skipped on CPU with the reason) -------------------------

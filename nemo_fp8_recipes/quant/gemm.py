@@ -118,8 +118,14 @@ def _real_matmul(a, b, out_dtype, fast_accum):
         sa = _pad_rows(a.scale_inv.float(), 128)
         sa[M:] = 1.0
         if bb == (128, 128):
-            # 128x128 weight blocks: the transpose of b's contiguous (N/128, K/128) grid
-            sb = b.scale_inv.float().contiguous().t()
+            # 128x128 weight blocks: shape (L4, N/128) with strides (1, L4), L4 = K/128 rounded
+            # up to a multiple of 4 — the transpose of a contiguous (N/128, L4) grid
+            sw = b.scale_inv.float()
+            kb = sw.shape[1]
+            l4 = -(-kb // 4) * 4
+            if l4 != kb:
+                sw = torch.cat([sw, sw.new_ones(sw.shape[0], l4 - kb)], dim=1)
+            sb = sw.contiguous().t()
             recipe_b = "BlockWise128x128"
         else:
             # 1x128 x 1x128 (wgrad): scale_b shape (N, K/128), outer-dim major like scale_a

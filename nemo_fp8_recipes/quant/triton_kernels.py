@@ -80,14 +80,15 @@ if HAVE_TRITON:
     def _scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr):
         """(scale s, scale_inv, e8m0 biased exponent) per group, same rules as reference.py."""
         if MODE < 2:
-            s = FMAX / amax
+            # IEEE round-to-nearest division (Triton's plain `/` may be approximate on GPU)
+            s = tl.math.div_rn(tl.zeros_like(amax) + FMAX, amax)
             s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
             if MODE == 1:
                 sb = s.to(tl.int32, bitcast=True)
                 p2 = (sb & -8388608).to(tl.float32, bitcast=True)  # keep sign+exponent
                 s = tl.where((s > 0) & (s < float("inf")), p2, s)
             s = tl.where(amax == 0, 1.0, s)
-            return s, 1.0 / s, tl.zeros_like(amax).to(tl.int32)
+            return s, tl.math.div_rn(tl.zeros_like(s) + 1.0, s), tl.zeros_like(amax).to(tl.int32)
         else:
             ab = amax.to(tl.int32, bitcast=True)
             ebits = (ab >> 23) & 0xFF
