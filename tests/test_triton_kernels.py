@@ -80,3 +80,23 @@ def test_nan_inf_groups(tk, fmt, group, rounding):
     deq = a.dequantize()
     assert not torch.isfinite(deq[3, 5]) and not torch.isfinite(deq[150, 7])
     assert torch.isfinite(deq[100:140]).all()
+
+
+@pytest.mark.parametrize("fmt, group, rounding", CASES)
+@pytest.mark.parametrize("shape", [(256, 384), (200, 300)], ids=["aligned", "ragged"])
+def test_both_copies_from_one_read(tk, fmt, group, rounding, shape):
+    x = structured(*shape, seed=9).to(DEV, torch.bfloat16)
+    a, b = tk.quantize_dual(x, fmt, group, rounding)
+    _same(a, quantize(x, fmt, f"1x{group}", rounding))
+    _same(b, quantize(x, fmt, f"1x{group}", rounding, dim=0))
+    assert b.data.is_contiguous() and b.data.shape == (shape[1], shape[0])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_per_tensor_codes_and_transpose_from_one_read(tk, fmt):
+    x = structured(200, 300, seed=10).to(DEV, torch.bfloat16)
+    for scale in (None, torch.tensor(2.5, device=DEV)):
+        a, b = tk.quantize_tensor_dual(x, fmt, scale=scale)
+        ref = quantize(x, fmt, "tensor", scale=scale)
+        _same(a, ref)
+        assert torch.equal(b.data.float(), ref.data.float().t()) and b.data.is_contiguous()

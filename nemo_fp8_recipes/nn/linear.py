@@ -31,6 +31,7 @@ import torch.nn as nn
 
 from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
+from ..quant.dispatch import quantize_pair_auto
 from ..quant.reference import QuantizedTensor, STAT_NAMES, amax_to_scale, quantization_stats
 from ..recipes import Granularity, Recipe
 
@@ -83,19 +84,16 @@ class _Float8LinearFn(torch.autograd.Function):
                 f"{x.device}; convert the model on the device it runs on, or use emulate=True"
             )
         w_fprop, w_dgrad = mod._quantized_weight()
-        qx = mod._quantize_operand(_IN, x2, dim=-1)
+        needs_wgrad = ctx.needs_input_grad[1]
+        if needs_wgrad:  # both copies of X from one read (fprop rows, wgrad columns)
+            qx, qx_wgrad = mod._quantize_operand(_IN, x2, pair=True)
+        else:
+            qx, qx_wgrad = mod._quantize_operand(_IN, x2), None
         y = scaled_matmul(
             qx, w_fprop, emulate=mod.emulate, out_dtype=out_dtype, fast_accum=r.fprop.fast_accum,
             bias=bias,
         )[:m]
         mod._count("fprop")
-        needs_wgrad = ctx.needs_input_grad[1]
-        qx_wgrad = None
-        if needs_wgrad:
-            if r.input_granularity is Granularity.TENSOR:
-                qx_wgrad = qx.t()  # same codes, same scale
-            else:
-                qx_wgrad = quantize(x2, r.input_format, r.input_granularity, r.scale_rounding, dim=0)
         # Save only FP8 codes and the scales the GEMMs consume, through save_for_backward so
         # saved-tensor hooks (offloading, activation checkpointing) see them.
         ctx.qx_meta = _meta(qx_wgrad)
@@ -121,7 +119,11 @@ class _Float8LinearFn(torch.autograd.Function):
         n_qx = 0 if ctx.qx_meta is None else len(saved) - 3
         saved_qx = _rebuild(ctx.qx_meta, saved[:n_qx])
         saved_w = _rebuild(ctx.w_meta, saved[n_qx:])
-        qdy = mod._quantize_operand(_GO, dy2, dim=-1)
+        need_w = ctx.needs_input_grad[1] and saved_qx is not None
+        if need_w:
+            qdy, qdy_wgrad = mod._quantize_operand(_GO, dy2, pair=True)
+        else:
+            qdy, qdy_wgrad = mod._quantize_operand(_GO, dy2), None
         if ctx.needs_input_grad[0]:
             dx = scaled_matmul(
                 qdy, saved_w, emulate=mod.emulate, out_dtype=ctx.x_dtype,
@@ -129,11 +131,7 @@ class _Float8LinearFn(torch.autograd.Function):
             )[: ctx.m]
             dx = dx.reshape(ctx.in_shape)
             mod._count("dgrad")
-        if ctx.needs_input_grad[1] and saved_qx is not None:
-            if r.grad_granularity is Granularity.TENSOR:
-                qdy_wgrad = qdy.t()
-            else:
-                qdy_wgrad = quantize(dy2, r.grad_format, r.grad_granularity, r.scale_rounding, dim=0)
+        if need_w:
             dw = scaled_matmul(
                 qdy_wgrad, saved_qx, emulate=mod.emulate, out_dtype=torch.float32,
                 fast_accum=r.wgrad.fast_accum,
@@ -268,7 +266,10 @@ class Float8Linear(nn.Linear):
         self.fp8_pending[i].zero_()
         self._pending[i] = False
 
-    def _quantize_operand(self, i: int, t: torch.Tensor, dim: int) -> QuantizedTensor:
+    def _quantize_operand(self, i: int, t: torch.Tensor, pair: bool = False):
+        """Quantise operand ``i`` (input, weight, grad_output) of 2-D ``t`` along its last dim;
+        with ``pair=True`` also along its first dim (the wgrad copy), from one read on CUDA.
+        Delayed scaling: commit the pending amax, use the scale, record this amax."""
         r = self.recipe
         fmt = (r.input_format, r.weight_format, r.grad_format)[i]
         gran = (r.input_granularity, r.weight_granularity, r.grad_granularity)[i]
@@ -276,16 +277,18 @@ class Float8Linear(nn.Linear):
         if r.is_delayed:
             self._commit(i)
             scale = self.fp8_scale[i]
-        q = quantize(t, fmt, gran, r.scale_rounding, dim=dim, scale=scale)
+        if pair:
+            q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale)
+        else:
+            q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale), None
         if r.is_delayed:
             with torch.no_grad():
                 self.fp8_amax_pending[i].copy_(q.amax.reshape(()))
                 self.fp8_pending[i].fill_(1.0)
             self._pending[i] = True
         if self.telemetry_enabled:
-            src = t if dim in (-1, 1) else t.t()
-            self._telemetry.setdefault(i, []).append(quantization_stats(src.detach(), q))
-        return q
+            self._telemetry.setdefault(i, []).append(quantization_stats(t.detach(), q))
+        return (q, qt) if pair else q
 
     # ---- weight cache ------------------------------------------------------------------------
     def _quantized_weight(self):
@@ -297,11 +300,11 @@ class Float8Linear(nn.Linear):
             return self._wcache
         r = self.recipe
         wd = w.detach()
-        q = self._quantize_operand(_W, wd, dim=-1)
-        if r.weight_granularity in (Granularity.TENSOR, Granularity.BLOCK_128x128):
-            qt = q.t()  # per-tensor and 128x128 groups are symmetric: transpose the codes
-        else:
-            qt = quantize(wd, r.weight_format, r.weight_granularity, r.scale_rounding, dim=0)
+        if r.weight_granularity is Granularity.BLOCK_128x128:
+            q = self._quantize_operand(_W, wd)
+            qt = q.t()  # 128x128 groups are symmetric: transpose the codes and the scale grid
+        else:  # per-tensor (same scale) or 1xN groups along N for dgrad
+            q, qt = self._quantize_operand(_W, wd, pair=True)
         if not self.emulate:
             q.data, qt.data = q.data.contiguous(), qt.data.contiguous()
         self._wcache_key, self._wcache = key, (q, qt)

@@ -15,7 +15,7 @@ import torch
 from ..recipes import Granularity, ScaleRounding
 from .reference import QuantizedTensor, quantize
 
-__all__ = ["quantize_auto", "triton_enabled"]
+__all__ = ["quantize_auto", "quantize_pair_auto", "triton_enabled"]
 
 
 def triton_enabled(x: torch.Tensor) -> bool:
@@ -54,3 +54,23 @@ def quantize_auto(
     if along_cols:
         return tk.quantize_cols_t(x, fmt, group, rounding)
     return tk.quantize_rows(x, fmt, group, rounding)
+
+
+def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding.FP32,
+                       scale: Optional[torch.Tensor] = None):
+    """``(quantize(x, dim=-1), quantize(x, dim=0))`` — the operand for the GEMM contracting over
+    ``x``'s last dim and the one contracting over its first dim (the wgrad copy). On CUDA both
+    come from one read of ``x`` (the wgrad copy written already transposed and contiguous)."""
+    g = Granularity(granularity)
+    if not triton_enabled(x) or g is Granularity.BLOCK_128x128:
+        a = quantize(x, fmt, g, rounding, dim=-1, scale=scale)
+        b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(
+            x, fmt, g, rounding, dim=0)
+        return a, b
+    from . import triton_kernels as tk
+
+    if g is Granularity.TENSOR:
+        return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale)
+    if scale is not None:
+        raise ValueError("an explicit scale (delayed scaling) is only defined per tensor")
+    return tk.quantize_dual(x, fmt, g.block[1], rounding)

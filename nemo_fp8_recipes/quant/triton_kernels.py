@@ -41,6 +41,8 @@ __all__ = [
     "quantize_cols_t",
     "quantize_blocks128",
     "quantize_tensor",
+    "quantize_dual",
+    "quantize_tensor_dual",
 ]
 
 _MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
@@ -194,6 +196,66 @@ if HAVE_TRITON:
         q = _round_fp8(x * s, FMAX, IS_E4M3)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
+    @triton.jit
+    def _quant_dual_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, qt_ptr, sit_ptr, e8t_ptr, R, C, G_row, G_col,
+                           stride_x, GROUP: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr,
+                           FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
+                           IS_E4M3: tl.constexpr):
+        # One read of a TILE x TILE tile; writes the row-grouped codes [R, C] and the
+        # column-grouped codes transposed [C, R] (GROUP divides TILE).
+        pr = tl.program_id(0)
+        pc = tl.program_id(1)
+        rows = pr * TILE + tl.arange(0, TILE)
+        cols = pc * TILE + tl.arange(0, TILE)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        NG: tl.constexpr = TILE // GROUP
+        # row-wise groups: [TILE, NG, GROUP]
+        xr = tl.reshape(x, (TILE, NG, GROUP))
+        amax = tl.max(tl.abs(xr), axis=2)
+        nan_r = tl.max((xr != xr).to(tl.int32), axis=2) > 0
+        amax = tl.where(nan_r, float("nan"), amax)
+        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
+        q = _round_fp8(xr * s[:, :, None], FMAX, IS_E4M3)
+        q = tl.reshape(q, (TILE, TILE))
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        gcol = pc * NG + tl.arange(0, NG)
+        ms = (rows[:, None] < R) & (gcol[None, :] < G_row)
+        tl.store(si_ptr + rows[:, None] * G_row + gcol[None, :], si, mask=ms)
+        if MODE >= 2:
+            tl.store(e8_ptr + rows[:, None] * G_row + gcol[None, :], e8.to(tl.uint8), mask=ms)
+        # column-wise groups, transposed: [TILE(cols), NG, GROUP(rows)]
+        xt = tl.reshape(tl.trans(x), (TILE, NG, GROUP))
+        amax_t = tl.max(tl.abs(xt), axis=2)
+        nan_t = tl.max((xt != xt).to(tl.int32), axis=2) > 0
+        amax_t = tl.where(nan_t, float("nan"), amax_t)
+        st, sit, e8t = _scale_from_amax(amax_t, FMAX, EMAX, TOP_MANT, MODE)
+        qt = _round_fp8(xt * st[:, :, None], FMAX, IS_E4M3)
+        qt = tl.reshape(qt, (TILE, TILE))
+        mt = (cols[:, None] < C) & (rows[None, :] < R)
+        tl.store(qt_ptr + cols[:, None] * R + rows[None, :], qt.to(qt_ptr.dtype.element_ty), mask=mt)
+        grow = pr * NG + tl.arange(0, NG)
+        mst = (cols[:, None] < C) & (grow[None, :] < G_col)
+        tl.store(sit_ptr + cols[:, None] * G_col + grow[None, :], sit, mask=mst)
+        if MODE >= 2:
+            tl.store(e8t_ptr + cols[:, None] * G_col + grow[None, :], e8t.to(tl.uint8), mask=mst)
+
+    @triton.jit
+    def _cast_dual_kernel(x_ptr, s_ptr, q_ptr, qt_ptr, R, C, stride_x, TILE: tl.constexpr,
+                          FMAX: tl.constexpr, IS_E4M3: tl.constexpr):
+        # per-tensor scale: the codes and their transpose from one read
+        pr = tl.program_id(0)
+        pc = tl.program_id(1)
+        rows = pr * TILE + tl.arange(0, TILE)
+        cols = pc * TILE + tl.arange(0, TILE)
+        m = (rows[:, None] < R) & (cols[None, :] < C)
+        s = tl.load(s_ptr)
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        q = _round_fp8(x * s, FMAX, IS_E4M3)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        mt = (cols[:, None] < C) & (rows[None, :] < R)
+        tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty), mask=mt)
+
 
 def _require_triton():
     if not HAVE_TRITON:
@@ -298,3 +360,63 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     if n:
         _cast_kernel[(nb,)](x2, s, q, n, BLOCK=block, FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3)
     return QuantizedTensor(data=q, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
+
+
+def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
+    """Both copies from one read: ``(quantize_rows(x), quantize_cols_t(x))`` — the fprop/dgrad
+    operand grouped along rows and the wgrad operand grouped down columns, transposed."""
+    _require_triton()
+    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    R, C = x.shape
+    Gr, Gc = -(-C // group), -(-R // group)
+    dev = x.device
+    q = torch.empty((R, C), dtype=fmt.dtype, device=dev)
+    qt = torch.empty((C, R), dtype=fmt.dtype, device=dev)
+    si = torch.empty((R, Gr), dtype=torch.float32, device=dev)
+    sit = torch.empty((C, Gc), dtype=torch.float32, device=dev)
+    mx = _MODE[rounding] >= 2
+    e8 = torch.empty((R, Gr), dtype=torch.uint8, device=dev) if mx else si
+    e8t = torch.empty((C, Gc), dtype=torch.uint8, device=dev) if mx else sit
+    tile = 128 if group == 128 else 64
+    grid = (triton.cdiv(R, tile), triton.cdiv(C, tile))
+    _quant_dual_kernel[grid](x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), GROUP=group,
+                             TILE=tile, MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
+                             TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
+    a = QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
+                        scale_e8m0=_e8m0_view(e8) if mx else None)
+    b = QuantizedTensor(data=qt, scale_inv=sit, block=(1, group), fmt=fmt, amax=sit,
+                        scale_e8m0=_e8m0_view(e8t) if mx else None)
+    return a, b
+
+
+def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None):
+    """Per-tensor codes and their transpose (contiguous) from one read of ``x`` after the amax
+    pass: ``(q, q_t)`` with the same scale."""
+    _require_triton()
+    from .reference import amax_to_scale
+
+    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    x2 = x if x.stride(-1) == 1 else x.contiguous()
+    R, C = x2.shape
+    n = x2.numel()
+    block = 8192
+    nb = max(1, triton.cdiv(n, block))
+    part = torch.zeros(nb, dtype=torch.float32, device=x.device)
+    if n and x2.is_contiguous():
+        _amax_kernel[(nb,)](x2, part, n, BLOCK=block)
+    elif n:
+        part = x2.float().abs().amax().reshape(1)
+    amax = part.amax().reshape(1, 1)
+    s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
+    q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
+    qt = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
+    if n:
+        grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
+        _cast_dual_kernel[grid](x2, s, q, qt, R, C, x2.stride(0), TILE=64, FMAX=fmt.max,
+                                IS_E4M3=fmt is Format.E4M3)
+    si = 1.0 / s
+    a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
+    b = QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax)
+    return a, b
