@@ -19,6 +19,9 @@ from .nn import (
     set_amax_reduce_fn,
     set_telemetry,
 )
+from .integrations.megatron import megatron_config
+from .integrations.te import to_te_recipe
+from .integrations.validate import validate
 from .policy import Decision, PrecisionPolicy
 from .recipes import (
     Recipe,
@@ -47,7 +50,10 @@ __all__ = [
     "convert_model",
     "get_recipe",
     "list_recipes",
+    "megatron_config",
     "require_supported",
     "set_amax_reduce_fn",
     "set_telemetry",
+    "to_te_recipe",
+    "validate",
 ]

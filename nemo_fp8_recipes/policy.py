@@ -126,7 +126,8 @@ def classify(fqn: str, module: Optional[nn.Module] = None) -> Tuple[str, str]:
 
     if isinstance(module, nn.Embedding) or "Embedding" in cls or leaf in _EMBED_NAMES:
         return Role.EMBEDDING, f"embedding ({cls or leaf})"
-    if "Norm" in cls or leaf.endswith(_NORM_SUFFIXES):
+    # TE's fused TELayerNormColumnParallelLinear is a GEMM (QKV / FC1 under the TE spec), not a norm
+    if ("Norm" in cls and not cls.endswith("Linear")) or leaf.endswith(_NORM_SUFFIXES):
         return Role.NORM, f"normalisation ({cls or leaf})"
     if "Router" in cls or cls == "MoEGate" or leaf in _ROUTER_NAMES:
         return Role.ROUTER, f"MoE router/gate ({cls or leaf})"

@@ -128,6 +128,12 @@ def test_classify_names_from_all_ecosystems():
     }
     for name, role in cases.items():
         assert classify(name)[0] == role, name
+    class TELayerNormColumnParallelLinear(nn.Linear):
+        pass
+
+    fused = TELayerNormColumnParallelLinear(8, 8)
+    assert classify("decoder.layers.0.self_attention.linear_qkv", fused)[0] == "attention_projection"
+    assert classify("decoder.layers.0.mlp.linear_fc1", fused)[0] == "mlp"
     assert layer_index("decoder.layers.17.mlp.linear_fc1") == 17
     assert layer_index("model.layers.3.self_attn") == 3 and layer_index("output") is None
 
