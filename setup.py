@@ -21,22 +21,26 @@ setup(
         "numpy",
         "pyyaml",
         "tqdm",
+        # the embedded trainer (nemo-fp8-train) is the main job: its config and logging stack
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3",
+        "tensorboard>=2.14",
     ],
     extras_require={
         "dev": [
             "pytest>=7",
-            "hydra-core>=1.3,<1.4",
-            "omegaconf>=2.3",
-            "tensorboard>=2.14",
             "matplotlib>=3.7",
+            # Triton: real kernels on GPU; on CPU its interpreter checks the kernels bit-exactly
+            "triton>=3.2; platform_system == 'Linux'",
         ],
-        "megatron": ["megatron-core>=0.13,<=0.16.1"],
+        "megatron": ["megatron-core>=0.13"],
         # Transformer Engine needs CUDA + cuDNN; documented, never installed in CI.
         "te": ["transformer_engine[pytorch]>=2.9"],
     },
     entry_points={
         "console_scripts": [
             "nemo-fp8-train=nemo_fp8_recipes.train:main",
+            "nemo-fp8-check=nemo_fp8_recipes.integrations.validate:main",
         ]
     },
     classifiers=[
