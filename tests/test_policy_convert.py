@@ -382,3 +382,27 @@ def test_delayed_buffers_are_excluded_from_ddp_broadcast():
     ignored = set(model._ddp_params_and_buffers_to_ignore)
     assert "layers.0.attention.wq.fp8_amax_history" in ignored
     assert "layers.0.attention.wq.fp8_scale" in ignored and not any("weight" in n for n in ignored)
+
+
+@pytest.mark.parametrize("opt_kwargs", [{"fused": True}, {"foreach": True}, {"foreach": False}],
+                         ids=["fused", "foreach", "for-loop"])
+def test_fp8_weight_follows_every_optimizer_implementation(opt_kwargs):
+    """Fused optimizers do not bump Tensor._version: the cached FP8 weight must still be
+    refreshed after each optimizer step (and reused between micro-batches)."""
+    from nemo_fp8_recipes.quant.reference import quantize
+
+    torch.manual_seed(0)
+    model = TinyLlama()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **opt_kwargs)
+    convert_model(model, "tensorwise")
+    lin = model.layers[0].feed_forward.w1
+    for s in range(3):
+        step(model, s)
+        cached = lin._wcache
+        step(model, s + 10)  # a second micro-batch reuses the FP8 copy
+        assert lin._wcache is cached
+        opt.step()
+        opt.zero_grad()
+    step(model, 99)
+    fresh = quantize(lin.weight.detach(), "e4m3", "tensor")
+    assert torch.equal(lin._wcache[0].data.float(), fresh.data.float())

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
@@ -39,6 +40,19 @@ __all__ = ["Float8Linear", "OPERANDS"]
 
 OPERANDS = ("input", "weight", "grad_output")
 _IN, _W, _GO = 0, 1, 2
+
+# Every optimizer step, of any optimizer, bumps this generation; the FP8 weight cache is keyed on
+# it as well as on the weight's version counter, because fused and foreach optimizers (e.g.
+# ``AdamW(fused=True)``) update parameters without bumping ``Tensor._version``. Between steps
+# (gradient-accumulation micro-batches) the cached FP8 weight is reused.
+_OPTIMIZER_GENERATION = [0]
+
+
+def _bump_generation(optimizer, args, kwargs) -> None:
+    _OPTIMIZER_GENERATION[0] += 1
+
+
+register_optimizer_step_post_hook(_bump_generation)
 
 
 def _out_dtype_for(x: torch.Tensor) -> torch.dtype:
@@ -295,7 +309,7 @@ class Float8Linear(nn.Linear):
         """(W quantised along K as [N, K], W quantised along N as [K, N]) — cached until the
         weight changes."""
         w = self.weight
-        key = (w._version, w.data_ptr(), w.dtype, w.device)
+        key = (w._version, _OPTIMIZER_GENERATION[0], w.data_ptr(), w.dtype, w.device)
         if self._wcache_key == key and self._wcache is not None:
             return self._wcache
         r = self.recipe
