@@ -407,6 +407,12 @@ def train(cfg) -> TrainResult:
         _load_model_state(raw_model, ckpt["model"], forced)
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
+        # The checkpoint restores the *old* hyperparameters (LambdaLR's base_lrs, AdamW's
+        # weight_decay/betas/eps); the current config wins, e.g. a lower lr after a divergence.
+        scheduler.base_lrs = [tcfg.lr for _ in optimizer.param_groups]
+        for group, wd in zip(optimizer.param_groups, (tcfg.weight_decay, 0.0)):
+            group.update(weight_decay=wd, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps,
+                         lr=lr_at(int(ckpt["step"]), tcfg))
         restore_rng_state(ckpt["rng"])
         start_step = int(ckpt["step"])
         tokens_seen = int(ckpt.get("tokens_seen", 0))
@@ -498,9 +504,11 @@ def train(cfg) -> TrainResult:
     step_time_total, steps_timed = 0.0, 0
     step = start_step
     model.train()
+    mid_step = False
     try:
         with logging_redirect_tqdm():
             while step < tcfg.max_steps:
+                mid_step = True  # weights, counters and FP8 state may disagree until the step ends
                 t0 = time.perf_counter()
                 tele_now = telemetry_on and (step + 1) % tcfg.telemetry_interval == 0
                 if tele_now:
@@ -546,6 +554,7 @@ def train(cfg) -> TrainResult:
                 scheduler.step()
                 step += 1
                 tokens_seen += tokens_per_step
+                mid_step = False
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
@@ -604,7 +613,9 @@ def train(cfg) -> TrainResult:
 
                 last = step == tcfg.max_steps
                 if val_batches is not None and (step % tcfg.val_interval == 0 or last):
+                    mid_step = True  # validation swaps the FP8 state out and back
                     vl = validate()
+                    mid_step = False
                     result.val.append((step, vl))
                     writer.scalars({"val/loss": vl}, step)
                     log.info("step %d | val/loss %.4f", step, vl)
@@ -613,9 +624,15 @@ def train(cfg) -> TrainResult:
                 writer.flush()
     except KeyboardInterrupt:
         bar.close()
-        log.warning("interrupted at step %d", step)
-        if step > start_step and tcfg.checkpoint:
-            save(step)
+        if mid_step:
+            # A half-finished step (e.g. optimizer updated, counters not) must not be saved
+            # under a completed step's name.
+            log.warning("interrupted inside step %d; not saving a partial step. Last checkpoint: %s",
+                        step + 1, last_ckpt or "none")
+        else:
+            log.warning("interrupted after step %d", step)
+            if step > start_step and tcfg.checkpoint:
+                save(step)
         writer.close()
         raise
     finally:

@@ -135,6 +135,27 @@ def test_auto_resume_continues_and_a_finished_run_is_a_no_op(tmp_path, token_cac
         train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=6", "trainer.resume=never"))
 
 
+def test_resume_applies_the_current_hyperparameters(tmp_path, token_cache):
+    """A resumed run uses the *current* lr schedule and AdamW settings, not the checkpoint's
+    (e.g. resuming with a lower lr after a divergence must lower it)."""
+    from nemo_fp8_recipes.train import lr_at
+
+    base = ["recipe=tensorwise", "trainer.log_interval=1", "trainer.val_interval=0", "trainer.ckpt_interval=4"]
+    train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=4", "trainer.lr=3e-3"))
+    new = ["trainer.max_steps=8", "trainer.lr=1e-3", "trainer.min_lr=1e-4", "trainer.weight_decay=0.0"]
+    cfg = _cfg(tmp_path, token_cache, *base, *new)
+    resumed = train(cfg)
+    assert resumed.start_step == 4
+    from nemo_fp8_recipes.train_config import trainer_config
+
+    tcfg = trainer_config(cfg)
+    lrs = [h["lr"] for h in resumed.history]
+    want = [lr_at(s, tcfg) for s in range(4, 8)]
+    assert lrs == pytest.approx(want, rel=1e-12)
+    ck = load_checkpoint(resumed.checkpoint)
+    assert all(g["weight_decay"] == 0.0 for g in ck["optimizer"]["param_groups"])
+
+
 def test_checkpoint_from_another_recipe_is_refused_unless_forced(tmp_path, token_cache):
     src = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=2", "trainer.val_interval=0"))
     ckpt = src.checkpoint
