@@ -25,15 +25,17 @@ setup(
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3",
         "tensorboard>=2.14",
+        "matplotlib>=3.7",  # nemo-fp8-compare plots
     ],
     extras_require={
         "dev": [
             "pytest>=7",
-            "matplotlib>=3.7",
             # Triton: real kernels on GPU; on CPU its interpreter checks the kernels bit-exactly
             "triton>=3.2; platform_system == 'Linux'",
         ],
         "megatron": ["megatron-core>=0.13"],
+        # Hydra's submitit launcher for users who prefer `hydra/launcher=submitit_slurm`
+        "slurm": ["hydra-submitit-launcher>=1.2"],
         # Transformer Engine needs CUDA + cuDNN; documented, never installed in CI.
         "te": ["transformer_engine[pytorch]>=2.9"],
     },
@@ -41,6 +43,8 @@ setup(
         "console_scripts": [
             "nemo-fp8-train=nemo_fp8_recipes.train:main",
             "nemo-fp8-check=nemo_fp8_recipes.integrations.validate:main",
+            "nemo-fp8-submit=nemo_fp8_recipes.launch.submit:main",
+            "nemo-fp8-compare=nemo_fp8_recipes.compare:main",
         ]
     },
     classifiers=[

@@ -85,6 +85,11 @@ class MetricsWriter:
                 "(or run with run.tensorboard=false)"
             ) from e
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+        # TensorBoard's Custom Scalars tab: every run's train/val loss overlaid, and the deviation
+        # chart that nemo-fp8-compare fills (nemo_fp8_recipes.compare.tensorboard_layout).
+        from .compare import tensorboard_layout
+
+        self._writer.add_custom_scalars(tensorboard_layout())
 
     @property
     def enabled(self) -> bool:

@@ -1,0 +1,560 @@
+"""SLURM batch scripts: validated job specs, rendering, ``sbatch`` submission and job polling.
+
+This module knows SLURM and the shell, nothing about Hydra: :mod:`nemo_fp8_recipes.launch.submit`
+turns a composed config into a :class:`SlurmJob` and calls :func:`render_sbatch` /
+:func:`submit_script` / :func:`wait_for_job`.
+
+A rendered script has four parts, in this order (see :func:`render_sbatch`):
+
+1. the ``#SBATCH`` header: job name, nodes, tasks per node (always 1: ``torchrun`` starts the
+   per-GPU processes), GPUs per node (left out for CPU jobs), partition, account, QoS, time,
+   memory, exclusive, working directory and the log file ``<run dir>/slurm-%j.out``;
+2. a usage comment (how it was made and how to re-submit it);
+3. a ``CONFIG`` block: shell variables (run directory, container image and mounts, rendezvous
+   port, Megatron-Bridge checkout) and the exported NCCL / Transformer Engine / PyTorch
+   environment;
+4. the launch line: ``srun --ntasks-per-node=1 [pyxis container flags] <command>``.
+
+Safety: every value that reaches the shell is quoted with :func:`shlex.quote`; values that
+reach ``#SBATCH`` lines (which ``sbatch`` parses itself, not the shell) or that pyxis splits
+(mount lists) must match strict patterns, and a value with a quote, a newline or another
+character outside its pattern is rejected with :class:`SlurmSpecError` naming what is allowed —
+never escaped into something that might still be interpreted. The only unquoted pieces of the
+launch line are the SLURM/rendezvous variables this module writes itself
+(``$SLURM_NNODES``, ``$MASTER_ADDR``, ``$MASTER_PORT``, ``$SLURM_JOB_ID``, ``$BRIDGE_DIR``,
+``$CONTAINER_*``), marked :class:`ShellExpr`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+from ..train_config import ConfigError
+
+__all__ = [
+    "SlurmSpecError",
+    "SbatchError",
+    "ShellExpr",
+    "ContainerSpec",
+    "SlurmJob",
+    "JobState",
+    "TERMINAL_STATES",
+    "check_job_name",
+    "check_partition",
+    "check_account",
+    "check_time",
+    "check_path",
+    "check_env",
+    "check_mount",
+    "render_sbatch",
+    "render_command",
+    "torchrun_args",
+    "parse_job_id",
+    "submit_script",
+    "job_state",
+    "wait_for_job",
+]
+
+
+class SlurmSpecError(ConfigError):
+    """A value that cannot go into an sbatch script; the message says what is allowed."""
+
+
+class SbatchError(RuntimeError):
+    """``sbatch`` (or ``scontrol``/``sacct``) failed or is missing; the message has its output."""
+
+
+class ShellExpr(str):
+    """A piece of shell this module writes itself (a ``$VAR`` reference): rendered unquoted.
+
+    Everything else in a command is a literal and is quoted with :func:`shlex.quote`.
+    """
+
+
+# ---- validation ----------------------------------------------------------------------------------
+_JOB_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,127}")
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_PARTITION_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(,[A-Za-z0-9][A-Za-z0-9._-]*)*")
+_TIME_RE = re.compile(r"(\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE")
+_MEM_RE = re.compile(r"\d+[KMGT]?")
+_PATH_RE = re.compile(r"[A-Za-z0-9._/+@=~-]+")
+_IMAGE_RE = re.compile(r"[A-Za-z0-9._/:@#+-]+")
+_MOUNT_FLAGS_RE = re.compile(r"[a-z]+(\+[a-z]+)*")
+_ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_SBATCH_OPT_RE = re.compile(r"[a-z][a-z0-9-]*")
+_SBATCH_VALUE_RE = re.compile(r"[A-Za-z0-9._:,=/@+%-]*")
+_WORD_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+_PATH_CHARS = "letters, digits and . _ / + @ = ~ - (no spaces, quotes, commas, colons, $ or newlines)"
+
+
+def _describe(value) -> str:
+    return repr(value)
+
+
+def _need(pattern: re.Pattern, value, key: str, allowed: str) -> str:
+    text = "" if value is None else str(value)
+    if not pattern.fullmatch(text):
+        raise SlurmSpecError(
+            f"{key}={_describe(value)} is not allowed: {allowed}. Values are checked, not escaped, "
+            "so a quote, space or newline can never reach the sbatch script"
+        )
+    return text
+
+
+def check_job_name(name: str, key: str = "cluster.job_name") -> str:
+    """A SLURM job name: 1-128 of ``[A-Za-z0-9._+-]``, starting with a letter or digit."""
+    return _need(_JOB_NAME_RE, name, key,
+                 "use 1-128 characters from letters, digits and . _ + -, starting with a letter or digit")
+
+
+def check_partition(value: str, key: str = "cluster.partition") -> str:
+    """One partition or a comma-separated list, each ``[A-Za-z0-9][A-Za-z0-9._-]*``."""
+    return _need(_PARTITION_RE, value, key,
+                 "use a partition name (letters, digits, . _ -) or a comma-separated list of them")
+
+
+def check_account(value: str, key: str = "cluster.account") -> str:
+    """An account or QoS name: ``[A-Za-z0-9][A-Za-z0-9._-]*`` (at most 128 characters)."""
+    return _need(_NAME_RE, value, key, "use 1-128 characters from letters, digits and . _ -")
+
+
+def check_time(value, key: str = "cluster.time") -> str:
+    """A SLURM time limit: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``."""
+    return _need(_TIME_RE, value, key,
+                 "use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 2-00:00:00)")
+
+
+def check_path(value, key: str) -> str:
+    """A filesystem path that is safe on an ``#SBATCH`` line and in pyxis mount lists."""
+    return _need(_PATH_RE, value, key, f"use a path made of {_PATH_CHARS}")
+
+
+def check_env(env: Mapping[str, object], key: str = "cluster.env") -> Dict[str, str]:
+    """Environment variables: names ``[A-Za-z_][A-Za-z0-9_]*``; values any text without a newline
+    or NUL (they are quoted with :func:`shlex.quote` when exported). ``None`` values are dropped."""
+    out: Dict[str, str] = {}
+    for k, v in env.items():
+        _need(_ENV_KEY_RE, k, f"{key} name", "use letters, digits and _, not starting with a digit")
+        if v is None:
+            continue
+        if isinstance(v, bool):
+            v = "1" if v else "0"
+        text = str(v)
+        if "\n" in text or "\r" in text or "\0" in text:
+            raise SlurmSpecError(f"{key}.{k}={text!r} is not allowed: values must be one line (no newline or NUL)")
+        out[str(k)] = text
+    return out
+
+
+def check_mount(mount: str, key: str = "cluster.container.mounts") -> str:
+    """A pyxis mount ``SRC[:DST[:FLAGS]]``; paths as :func:`check_path`, flags like ``ro``."""
+    text = str(mount)
+    parts = text.split(":")
+    ok = 1 <= len(parts) <= 3 and all(_PATH_RE.fullmatch(p) for p in parts[:2]) and (
+        len(parts) < 3 or _MOUNT_FLAGS_RE.fullmatch(parts[2]) is not None)
+    if not ok:
+        raise SlurmSpecError(
+            f"{key} entry {text!r} is not allowed: use SRC[:DST[:FLAGS]] with paths made of {_PATH_CHARS} "
+            "and FLAGS like ro or rw (pyxis splits the list on commas and colons)"
+        )
+    return text
+
+
+def _check_word(value, key: str, what: str) -> str:
+    return _need(_WORD_RE, value, key, f"use {what}: letters, digits and _ . - (starting with a letter, digit or _)")
+
+
+def _check_arg(value, key: str) -> str:
+    text = str(value)
+    if "\n" in text or "\r" in text or "\0" in text:
+        raise SlurmSpecError(f"{key} {text!r} is not allowed: arguments must be one line (no newline or NUL)")
+    return text
+
+
+# ---- the job -------------------------------------------------------------------------------------
+# Options render_sbatch writes itself; cluster.sbatch_args may not set them behind its back.
+_OWN_SBATCH_OPTIONS = {
+    "job-name": "cluster.job_name", "nodes": "cluster.nodes", "ntasks-per-node": "(always 1)",
+    "gpus-per-node": "cluster.gpus_per_node", "partition": "cluster.partition",
+    "account": "cluster.account", "qos": "cluster.qos", "time": "cluster.time", "mem": "cluster.mem",
+    "cpus-per-task": "cluster.cpus_per_task", "exclusive": "cluster.exclusive",
+    "output": "(the run directory)", "error": "(the run directory)", "chdir": "cluster.chdir",
+}
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    """pyxis/enroot container settings. ``image=None``: no container flags at all."""
+
+    image: Optional[str] = None
+    mounts: Tuple[str, ...] = ()
+    workdir: Optional[str] = None
+    mount_home: bool = False
+
+    def validate(self) -> "ContainerSpec":
+        """Check every field (raises :class:`SlurmSpecError`)."""
+        if self.image is not None:
+            _need(_IMAGE_RE, self.image, "cluster.container.image",
+                  "use an image reference made of letters, digits and . _ / : @ # + - "
+                  "(e.g. nvcr.io#nvidia/nemo:25.04 or /shared/images/nemo.sqsh)")
+        for m in self.mounts:
+            check_mount(m)
+        if self.workdir is not None:
+            check_path(self.workdir, "cluster.container.workdir")
+        return self
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """Everything an sbatch script needs. Build it, call :meth:`validate`, then :func:`render_sbatch`.
+
+    ``command`` is the program ``srun`` starts on every node (one task per node): a list of
+    literals (quoted) and :class:`ShellExpr` pieces (not quoted). ``run_dir`` receives the script
+    and the log ``slurm-<jobid>.out``.
+    """
+
+    job_name: str
+    run_dir: str
+    command: Tuple[str, ...]
+    nodes: int = 1
+    gpus_per_node: int = 0
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: Optional[str] = None
+    mem: Optional[str] = None
+    cpus_per_task: Optional[int] = None
+    exclusive: bool = False
+    chdir: Optional[str] = None
+    sbatch_args: Mapping[str, object] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+    container: ContainerSpec = field(default_factory=ContainerSpec)
+    master_port: int = 29500
+    variables: Mapping[str, str] = field(default_factory=dict)
+    comment: Tuple[str, ...] = ()
+
+    @property
+    def log_pattern(self) -> str:
+        """The ``--output`` path (``%j`` = job id)."""
+        return f"{self.run_dir}/slurm-%j.out"
+
+    def log_path(self, job_id: str) -> Path:
+        """The log file of submitted job ``job_id``."""
+        return Path(self.log_pattern.replace("%j", str(job_id)))
+
+    def validate(self) -> "SlurmJob":
+        """Check every field; raises :class:`SlurmSpecError` naming the key and what is allowed."""
+        check_job_name(self.job_name)
+        check_path(self.run_dir, "run.dir (absolute)")
+        if not isinstance(self.nodes, int) or self.nodes < 1:
+            raise SlurmSpecError(f"cluster.nodes must be an integer >= 1, got {self.nodes!r}")
+        if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 0:
+            raise SlurmSpecError(f"cluster.gpus_per_node must be an integer >= 0 (0 = CPU job), got {self.gpus_per_node!r}")
+        if self.cpus_per_task is not None and (not isinstance(self.cpus_per_task, int) or self.cpus_per_task < 1):
+            raise SlurmSpecError(f"cluster.cpus_per_task must be null or an integer >= 1, got {self.cpus_per_task!r}")
+        if not isinstance(self.master_port, int) or not 1024 <= self.master_port <= 65535:
+            raise SlurmSpecError(f"cluster.master_port must be an integer in 1024..65535, got {self.master_port!r}")
+        if self.partition is not None:
+            check_partition(self.partition)
+        if self.account is not None:
+            check_account(self.account)
+        if self.qos is not None:
+            check_account(self.qos, "cluster.qos")
+        if self.time is not None:
+            check_time(self.time)
+        if self.mem is not None:
+            _need(_MEM_RE, self.mem, "cluster.mem", "use an integer with an optional K, M, G or T suffix (0 = all)")
+        if self.chdir is not None:
+            check_path(self.chdir, "cluster.chdir")
+        for opt, value in self.sbatch_args.items():
+            _need(_SBATCH_OPT_RE, opt, "cluster.sbatch_args option",
+                  "use the long option name without dashes, e.g. reservation or constraint")
+            if opt in _OWN_SBATCH_OPTIONS:
+                raise SlurmSpecError(
+                    f"cluster.sbatch_args.{opt} is rendered from {_OWN_SBATCH_OPTIONS[opt]}; set that instead")
+            if not isinstance(value, bool):
+                _need(_SBATCH_VALUE_RE, value, f"cluster.sbatch_args.{opt}",
+                      "use letters, digits and . _ : , = / @ + % - (or true for a flag)")
+        check_env(self.env)
+        for k, v in self.variables.items():
+            _need(_ENV_KEY_RE, k, "script variable", "use letters, digits and _")
+            _check_arg(v, f"script variable {k}")
+        for a in self.command:
+            if not isinstance(a, ShellExpr):
+                _check_arg(a, "launch argument")
+        if not self.command:
+            raise SlurmSpecError("the launch command is empty")
+        for c in self.comment:
+            _check_arg(c, "script comment (an override?)")
+        self.container.validate()
+        return self
+
+
+# ---- rendering -----------------------------------------------------------------------------------
+def render_command(args: Sequence[str]) -> str:
+    """Join a command for the shell: literals quoted with :func:`shlex.quote`, :class:`ShellExpr`
+    pieces as they are."""
+    return " ".join(a if isinstance(a, ShellExpr) else shlex.quote(str(a)) for a in args)
+
+
+def torchrun_args(torchrun: str, gpus_per_node: int) -> List[str]:
+    """``torchrun`` with a c10d rendezvous on the first node of the allocation (every node runs
+    the same line; ``$MASTER_ADDR``/``$MASTER_PORT`` are set by the script's CONFIG block)."""
+    return [
+        torchrun,
+        ShellExpr("--nnodes=$SLURM_NNODES"),
+        f"--nproc-per-node={gpus_per_node}",
+        "--rdzv-backend=c10d",
+        ShellExpr("--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"),
+        ShellExpr("--rdzv-id=$SLURM_JOB_ID"),
+    ]
+
+
+def _wrap(line: str, width: int = 100, indent: str = "  ") -> str:
+    """Break a long shell command at argument boundaries with backslash continuations."""
+    words = _split_top_level(line)
+    out, cur = [], ""
+    for w in words:
+        if cur and len(cur) + 1 + len(w) > width:
+            out.append(cur + " \\")
+            cur = indent + w
+        else:
+            cur = f"{cur} {w}" if cur else w
+    out.append(cur)
+    return "\n".join(out)
+
+
+def _split_top_level(line: str) -> List[str]:
+    """Split on spaces that are outside single/double quotes (quoting produced by shlex.quote)."""
+    words, cur, quote = [], [], None
+    for ch in line:
+        if quote:
+            cur.append(ch)
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+            cur.append(ch)
+        elif ch == " ":
+            if cur:
+                words.append("".join(cur))
+                cur = []
+        else:
+            cur.append(ch)
+    if cur:
+        words.append("".join(cur))
+    return words
+
+
+def render_sbatch(job: SlurmJob) -> str:
+    """The complete sbatch script for ``job`` (validated first). Pure: no file, no subprocess."""
+    job.validate()
+    sb = [f"#SBATCH --job-name={job.job_name}", f"#SBATCH --nodes={job.nodes}", "#SBATCH --ntasks-per-node=1"]
+    if job.gpus_per_node > 0:
+        sb.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
+    if job.cpus_per_task is not None:
+        sb.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
+    for opt, value in (("partition", job.partition), ("account", job.account), ("qos", job.qos),
+                       ("time", job.time), ("mem", job.mem)):
+        if value is not None:
+            sb.append(f"#SBATCH --{opt}={value}")
+    if job.exclusive:
+        sb.append("#SBATCH --exclusive")
+    if job.chdir is not None:
+        sb.append(f"#SBATCH --chdir={job.chdir}")
+    sb.append(f"#SBATCH --output={job.log_pattern}")
+    sb.append(f"#SBATCH --error={job.log_pattern}")
+    for opt, value in job.sbatch_args.items():
+        if isinstance(value, bool):
+            if value:
+                sb.append(f"#SBATCH --{opt}")
+        else:
+            sb.append(f"#SBATCH --{opt}={value}")
+
+    lines = ["#!/bin/bash", *sb, "#"]
+    lines += [f"# {c}" if c else "#" for c in job.comment]
+    lines += [
+        "#",
+        f"# Usage: sbatch {job.run_dir}/submit.sbatch   (re-render with nemo-fp8-submit rather than edit)",
+        "",
+        "set -euo pipefail",
+        "",
+        "# ---- CONFIG ----",
+        f"RUN_DIR={shlex.quote(job.run_dir)}",
+    ]
+    if job.container.image is not None:
+        lines.append(f"CONTAINER_IMAGE={shlex.quote(job.container.image)}")
+        lines.append(f"CONTAINER_MOUNTS={shlex.quote(','.join(job.container.mounts))}")
+    for k, v in job.variables.items():
+        lines.append(f"{k}={shlex.quote(v)}")
+    lines.append(f"MASTER_PORT={job.master_port}")
+    lines.append('MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)" || true')
+    lines.append(': "${MASTER_ADDR:?cannot resolve the first node of $SLURM_JOB_NODELIST with scontrol}"')
+    lines.append("export MASTER_ADDR MASTER_PORT")
+    for k, v in job.env.items():
+        lines.append(f"export {k}={shlex.quote(v)}")
+
+    srun: List[str] = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    if job.container.image is not None:
+        srun.append(ShellExpr('--container-image="$CONTAINER_IMAGE"'))
+        if job.container.mounts:
+            srun.append(ShellExpr('--container-mounts="$CONTAINER_MOUNTS"'))
+        if job.container.workdir is not None:
+            srun.append(f"--container-workdir={job.container.workdir}")
+        if not job.container.mount_home:
+            srun.append("--no-container-mount-home")
+    launch = render_command(srun + list(job.command))
+    lines += [
+        "",
+        'echo "[$(date -u +%FT%TZ)] job $SLURM_JOB_ID on $SLURM_JOB_NUM_NODES node(s) ($SLURM_JOB_NODELIST), '
+        'rendezvous $MASTER_ADDR:$MASTER_PORT, run dir $RUN_DIR"',
+        "",
+        "# ---- LAUNCH ----",
+        _wrap(launch),
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# ---- sbatch / scontrol ---------------------------------------------------------------------------
+_JOB_ID_RE = re.compile(r"(\d+)(?:;[A-Za-z0-9._-]+)?")
+
+
+def parse_job_id(output: str) -> str:
+    """The job id from ``sbatch --parsable`` (``123`` or ``123;cluster``) or plain ``sbatch``
+    (``Submitted batch job 123``) output."""
+    text = output.strip()
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        m = _JOB_ID_RE.fullmatch(line) or re.search(r"Submitted batch job (\d+)", line)
+        if m:
+            return m.group(1)
+    raise SbatchError(f"could not read a job id from sbatch's output: {text!r}")
+
+
+def _run(cmd: Sequence[str], *, timeout: float = 60.0, env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
+                              env=dict(env) if env is not None else None)
+    except FileNotFoundError:
+        raise SbatchError(
+            f"'{cmd[0]}' not found: run on a SLURM login node (or set submit.sbatch to its path); "
+            "submit.dry_run=true prints the script without submitting"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise SbatchError(f"'{' '.join(cmd)}' did not answer within {timeout:.0f} s (is slurmctld up?)") from None
+
+
+def submit_script(script: Union[str, Path], *, sbatch: str = "sbatch", env: Optional[Mapping[str, str]] = None) -> str:
+    """Submit ``script`` with ``sbatch --parsable``; return the job id. Raises :class:`SbatchError`
+    with sbatch's own message when it refuses the job."""
+    proc = _run([sbatch, "--parsable", str(script)], env=env)
+    if proc.returncode != 0:
+        raise SbatchError(f"sbatch refused {script} (exit {proc.returncode}): {(proc.stderr or proc.stdout).strip()}")
+    return parse_job_id(proc.stdout)
+
+
+#: SLURM job states after which the job will not run again.
+TERMINAL_STATES = frozenset({
+    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+    "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT",
+})
+
+
+@dataclass(frozen=True)
+class JobState:
+    """A job's state as SLURM reports it: ``state`` (e.g. ``RUNNING``, ``COMPLETED``), the exit
+    code ``exit_code`` (``"0:0"`` = code:signal) and where the answer came from."""
+
+    job_id: str
+    state: str
+    exit_code: Optional[str] = None
+    reason: Optional[str] = None
+    source: str = "scontrol"
+
+    @property
+    def done(self) -> bool:
+        """Whether the job has finished (successfully or not)."""
+        return self.state in TERMINAL_STATES
+
+    @property
+    def ok(self) -> bool:
+        """Finished with state COMPLETED and exit code 0."""
+        return self.state == "COMPLETED" and (self.exit_code in (None, "0:0", "0"))
+
+
+def _scontrol_state(job_id: str, env) -> Optional[JobState]:
+    proc = _run(["scontrol", "show", "job", "-o", str(job_id)], env=env, timeout=30)
+    if proc.returncode != 0 or "JobState=" not in proc.stdout:
+        return None
+    fields = dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
+    return JobState(job_id=str(job_id), state=fields.get("JobState", "UNKNOWN").rstrip("+"),
+                    exit_code=fields.get("ExitCode"), reason=fields.get("Reason"), source="scontrol")
+
+
+def _sacct_state(job_id: str, env) -> Optional[JobState]:
+    try:
+        proc = _run(["sacct", "-n", "-X", "-P", "-o", "State,ExitCode", "-j", str(job_id)], env=env, timeout=30)
+    except SbatchError:
+        return None
+    if proc.returncode != 0:
+        return None
+    for line in proc.stdout.splitlines():
+        parts = line.strip().split("|")
+        if len(parts) >= 2 and parts[0]:
+            state = parts[0].split()[0].rstrip("+")  # "CANCELLED by 0" -> CANCELLED
+            return JobState(job_id=str(job_id), state=state, exit_code=parts[1], source="sacct")
+    return None
+
+
+def job_state(job_id: str, *, env: Optional[Mapping[str, str]] = None) -> JobState:
+    """Ask ``scontrol show job`` (live and recently finished jobs), then ``sacct`` (accounting,
+    if the cluster has it). ``state='UNKNOWN'`` when neither knows the job."""
+    return (_scontrol_state(job_id, env) or _sacct_state(job_id, env)
+            or JobState(job_id=str(job_id), state="UNKNOWN", source="none"))
+
+
+def wait_for_job(job_id: str, *, timeout_s: float = 0.0, poll_s: float = 2.0,
+                 env: Optional[Mapping[str, str]] = None, on_change=None) -> JobState:
+    """Poll :func:`job_state` until the job reaches a terminal state; return it.
+
+    ``timeout_s=0`` waits forever; otherwise :class:`TimeoutError` names the last state.
+    ``on_change(state)`` is called whenever the state changes (progress printing).
+    """
+    deadline = time.monotonic() + timeout_s if timeout_s and timeout_s > 0 else None
+    last: Optional[str] = None
+    unknown_since: Optional[float] = None
+    while True:
+        st = job_state(job_id, env=env)
+        if st.state != last:
+            last = st.state
+            if on_change is not None:
+                on_change(st)
+        if st.done:
+            return st
+        if st.state == "UNKNOWN":
+            unknown_since = unknown_since or time.monotonic()
+            if time.monotonic() - unknown_since > 60:
+                raise SbatchError(f"job {job_id} is unknown to scontrol and sacct (purged, or another cluster?)")
+        else:
+            unknown_since = None
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"job {job_id} still {st.state} after {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def write_json(path: Union[str, Path], data) -> None:
+    """Write ``data`` as indented JSON (atomically: temp file + rename)."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str) + "\n", encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,585 @@
+"""``nemo-fp8-submit``: render an sbatch script from the trainer's config tree and submit it.
+
+Same Hydra config tree and overrides as ``nemo-fp8-train``, with ``cluster=slurm`` by default::
+
+    nemo-fp8-submit recipe=blockwise model=llama3_8b cluster.nodes=4 cluster.partition=batch \\
+        cluster.account=llm cluster.container.image=nvcr.io#nvidia/nemo:25.04
+    nemo-fp8-submit -m recipe=bf16,tensorwise,blockwise model=llama3_8b    # one job per recipe
+    nemo-fp8-submit submit.dry_run=true ...                                 # print the script only
+
+For every job (one, or one per combination of a ``-m`` sweep) it:
+
+1. composes the config exactly like the trainer and validates it (unknown keys and bad values
+   fail with the valid choices, before anything is written);
+2. builds a :class:`~nemo_fp8_recipes.launch.slurm.SlurmJob` from ``cluster.*`` (resources,
+   container, environment) and the launch line from ``backend.name``:
+
+   - ``native``: ``srun`` + ``torchrun --nnodes=$SLURM_NNODES --nproc-per-node=<gpus>
+     --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT -m nemo_fp8_recipes.train
+     <your overrides> cluster=local run.root=<absolute run root>``; with ``gpus_per_node=0`` (CPU
+     jobs) plain ``python -m nemo_fp8_recipes.train ...`` instead of torchrun;
+   - ``megatron_bridge`` (``submit.bridge.entry=nemo_fp8``, the default): ``srun`` + ``torchrun ...
+     -m nemo_fp8_recipes.integrations.bridge <your overrides> logger.tensorboard_dir=<run dir>
+     checkpoint.save=<run dir>/checkpoints`` — Bridge's pretraining recipe for ``model=`` with our
+     recipe applied in full through ``mixed_precision`` (keys that are not ours, ``train.*``,
+     ``optimizer.*``, ``dataset.*``..., pass through to Bridge); the pre-launch validator
+     (``nemo-fp8-check``) runs here first, for ``cluster.gpu_type``, and refuses the job on an
+     error. ``submit.bridge.entry=run_recipe``: Bridge's own ``scripts/training/run_recipe.py
+     --recipe <fn> mixed_precision=<preset of the recipe>`` instead (the preset's FP8 settings);
+
+3. writes ``<run dir>/submit.sbatch``, runs ``sbatch`` and prints the job id, the log
+   ``<run dir>/slurm-<jobid>.out`` and the run directory; ``<run dir>/submit.json`` records it.
+
+The job's run directory is the trainer's own (``runs/<model>/<recipe>[-<tag>]``), so the jobs of
+a recipe sweep land side by side and ``nemo-fp8-compare runs/<model>`` compares them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import itertools
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from ..train_config import ConfigError, _typed, compose_config, run_name, validate_overrides
+from .slurm import (
+    ContainerSpec,
+    SbatchError,
+    ShellExpr,
+    SlurmJob,
+    SlurmSpecError,
+    check_job_name,
+    check_path,
+    render_command,
+    render_sbatch,
+    submit_script,
+    torchrun_args,
+    wait_for_job,
+    write_json,
+    _check_arg,
+    _check_word,
+)
+
+__all__ = [
+    "SlurmClusterConfig",
+    "ContainerConfig",
+    "SubmitConfig",
+    "BridgeLaunchConfig",
+    "PlannedJob",
+    "BRIDGE_PRESETS",
+    "expand_sweep",
+    "plan_job",
+    "plan_jobs",
+    "trainer_overrides",
+    "main",
+]
+
+PROG = "nemo-fp8-submit"
+BACKENDS = ("native", "megatron_bridge")
+
+BRIDGE_ENTRIES = ("nemo_fp8", "run_recipe")
+#: Megatron-Bridge mixed-precision preset per recipe key (DESIGN §5), for ``entry=run_recipe``.
+BRIDGE_PRESETS = {
+    "bf16": "bf16_mixed",
+    "delayed": "bf16_with_fp8_delayed_scaling_mixed",
+    "tensorwise": "bf16_with_fp8_current_scaling_mixed",
+    "blockwise": "bf16_with_fp8_subchannel_scaling_mixed",
+    "mxfp8": "bf16_with_mxfp8_mixed",
+}
+
+
+# ---- typed config blocks ----------------------------------------------------------------------
+@dataclass
+class ContainerConfig:
+    """``cluster.container``: pyxis image, mounts and working directory."""
+
+    image: Optional[str] = None
+    mounts: List[str] = field(default_factory=list)
+    auto_mounts: bool = True
+    workdir: Optional[str] = None
+    mount_home: bool = False
+
+
+@dataclass
+class SlurmClusterConfig:
+    """The ``cluster`` block of ``configs/cluster/slurm.yaml`` (see the comments there)."""
+
+    name: str
+    nodes: int
+    gpus_per_node: int
+    gpu_type: str
+    cpus_per_task: Optional[int]
+    mem: Optional[str]
+    partition: Optional[str]
+    account: Optional[str]
+    qos: Optional[str]
+    time: Optional[str]
+    exclusive: bool
+    job_name: Optional[str]
+    chdir: Optional[str]
+    python: Optional[str]
+    torchrun: Optional[str]
+    master_port: int
+    sbatch_args: Dict[str, Any]
+    container: ContainerConfig
+    env: Dict[str, Optional[str]]
+
+
+@dataclass
+class BridgeLaunchConfig:
+    """``submit.bridge``: how the ``backend=megatron_bridge`` launch line is built."""
+
+    entry: str = "nemo_fp8"
+    dir: str = "/opt/Megatron-Bridge"
+    mixed_precision: Optional[str] = None
+    dataset: str = "llm-pretrain-mock"
+
+
+@dataclass
+class SubmitConfig:
+    """The ``submit`` block of ``train.yaml`` (see the comments there)."""
+
+    dry_run: bool
+    sbatch: str
+    wait: bool
+    wait_timeout_s: float
+    bridge: BridgeLaunchConfig
+
+
+@dataclass
+class PlannedJob:
+    """One job ready to submit: the spec, the rendered script and where it goes."""
+
+    job: SlurmJob
+    script: str
+    run_dir: Path
+    overrides: List[str]
+    backend: str
+    submit: SubmitConfig
+    warnings: List[str] = field(default_factory=list)
+
+    @property
+    def script_path(self) -> Path:
+        """``<run dir>/submit.sbatch``."""
+        return self.run_dir / "submit.sbatch"
+
+
+# ---- overrides ------------------------------------------------------------------------------------
+def _parse(overrides: Sequence[str]):
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    try:
+        return OverridesParser.create().parse_overrides(overrides=list(overrides))
+    except OverrideParseException as e:
+        first = str(e).splitlines()[0] if str(e) else "could not parse the overrides"
+        raise ConfigError(
+            f"{first}\nHydra override syntax: quote a value that has special characters (# , = spaces "
+            "quotes), inside shell quotes, e.g. \"cluster.container.image='nvcr.io#nvidia/nemo:25.04'\""
+        ) from None
+
+
+def expand_sweep(overrides: Sequence[str], multirun: bool) -> List[List[str]]:
+    """Overrides -> one override list per job (Hydra's basic-sweeper semantics: the cartesian
+    product of every ``key=a,b,c`` / ``range()`` / ``choice()`` sweep, in the order given).
+
+    Without ``multirun`` a sweep is an error that says to add ``-m``.
+    """
+    lists: List[List[str]] = []
+    for o in _parse(overrides):
+        key = o.get_key_element()
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            if not multirun:
+                raise ConfigError(
+                    f"'{o.input_line}' sweeps {len(values)} values; add -m to submit one job per value "
+                    f"({PROG} -m {o.input_line} ...)"
+                )
+            lists.append([f"{key}={v}" for v in values])
+        else:
+            lists.append([o.input_line])
+    return [list(combo) for combo in itertools.product(*lists)] if lists else [[]]
+
+
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def trainer_overrides(overrides: Sequence[str], run_root: Path, run_dir_overridden: Optional[Path]) -> List[str]:
+    """The overrides the trainer gets on the nodes: yours, minus ``cluster*``, ``submit*``,
+    ``hydra*`` and ``run.root``/``run.dir``, plus ``cluster=local`` (each process trains on its
+    node) and the absolute ``run.root`` (and ``run.dir`` if you set it), so the job writes exactly
+    where this command said it would, whatever its working directory."""
+    out = []
+    for o in overrides:
+        key = _override_key(o)
+        head = key.split(".", 1)[0].split("/", 1)[0]
+        if head in ("cluster", "submit", "hydra") or key in ("run.root", "run.dir"):
+            continue
+        out.append(o)
+    out.append("cluster=local")
+    out.append(f"run.root={run_root}")
+    if run_dir_overridden is not None:
+        out.append(f"run.dir={run_dir_overridden}")
+    return out
+
+
+# ---- planning --------------------------------------------------------------------------------------
+def _default_torchrun(python: str) -> str:
+    sibling = Path(python).with_name("torchrun")
+    return str(sibling) if sibling.is_file() and os.access(sibling, os.X_OK) else "torchrun"
+
+
+def _absolute(path: str, base: Path) -> Path:
+    p = Path(os.path.expanduser(path))
+    return Path(os.path.normpath(p if p.is_absolute() else base / p))
+
+
+def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str] = (),
+             cwd: Optional[Path] = None) -> PlannedJob:
+    """Turn one composed config (+ the overrides that made it, and for ``backend=megatron_bridge``
+    the pass-through overrides that are Bridge's) into a :class:`PlannedJob`.
+
+    Pure apart from reading the config: nothing is written or submitted. Raises
+    :class:`~nemo_fp8_recipes.train_config.ConfigError` (incl. :class:`SlurmSpecError`) with the
+    key and what is allowed.
+    """
+    from ..train import build_recipe
+    from ..train_config import run_config, trainer_config
+
+    cwd = Path(cwd or os.getcwd())
+    if cfg.cluster.get("name") != "slurm":
+        raise ConfigError(
+            f"{PROG} submits to SLURM, but cluster={cfg.cluster.get('name')}; use cluster=slurm "
+            "(the default here), or nemo-fp8-train to train on this machine"
+        )
+    cl: SlurmClusterConfig = _typed(cfg.get("cluster"), SlurmClusterConfig, "cluster")
+    sub: SubmitConfig = _typed(cfg.get("submit"), SubmitConfig, "submit")
+    trainer_config(cfg)
+    rcfg = run_config(cfg)
+    recipe = build_recipe(cfg.recipe)  # validates the recipe; the hardware check runs on the nodes
+    backend = str(cfg.backend.name)
+    if backend not in BACKENDS:
+        raise ConfigError(f"{PROG} launches backend=native or backend=megatron_bridge, got backend={backend}")
+    if framework_overrides and backend != "megatron_bridge":
+        raise ConfigError(f"overrides {list(framework_overrides)} are not nemo-fp8-train keys (they pass "
+                          "through to Megatron-Bridge only with backend=megatron_bridge)")
+
+    run_dir = _absolute(rcfg.dir, cwd)
+    run_root = _absolute(rcfg.root, cwd)
+    run_dir_overridden = run_dir if any(_override_key(o) == "run.dir" for o in overrides) else None
+    chdir = _absolute(cl.chdir, cwd) if cl.chdir else cwd
+    model = cfg.model.name
+    gpu_type = _check_word(cl.gpu_type, "cluster.gpu_type", "a GPU name such as H100")
+    check_path(str(run_dir), "run.dir (made from run.root, model, recipe and run.tag)")
+    if cl.job_name:
+        job_name = check_job_name(str(cl.job_name))
+    else:
+        size = f"{cl.nodes * cl.gpus_per_node}x{gpu_type}" if cl.gpus_per_node > 0 else f"{cl.nodes}xcpu"
+        job_name = check_job_name(f"{model}-{size}-{run_name(recipe.name, rcfg.tag)}",
+                                  "the job name derived from model, GPUs, recipe and run.tag (or set cluster.job_name)")
+
+    image = cl.container.image
+    python = cl.python or ("python" if image else sys.executable)
+    check_path(python, "cluster.python")
+    torchrun = cl.torchrun or ("torchrun" if image else _default_torchrun(python))
+    check_path(torchrun, "cluster.torchrun")
+
+    env = {str(k): v for k, v in (cl.env or {}).items()}
+    if backend == "megatron_bridge":
+        from ..integrations.te import te_env
+
+        # Transformer Engine reads these once, at import (DESIGN §5); the native backend has no TE.
+        for k, v in te_env(recipe).items():
+            if env.get(k) is not None and str(env[k]) != v:
+                raise SlurmSpecError(
+                    f"cluster.env.{k}={env[k]!r} contradicts recipe {recipe.name} "
+                    f"(scale_rounding={recipe.scale_rounding.value} needs {k}={v}); drop it or set "
+                    "recipe.scale_rounding instead"
+                )
+            env[k] = v
+
+    if cl.gpus_per_node == 0 and cl.cpus_per_task and env.get("OMP_NUM_THREADS") is None:
+        # CPU jobs: PyTorch would start a thread per core of the node and oversubscribe the CPUs
+        # SLURM gave this job (torchrun does the same for multi-process GPU jobs).
+        env["OMP_NUM_THREADS"] = str(cl.cpus_per_task)
+    warnings: List[str] = []
+    variables: Dict[str, str] = {}
+    comment = [
+        f"Rendered by {PROG} on {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC from:",
+        "  " + " ".join([PROG, *overrides, *framework_overrides]),
+        f"model {model}, recipe {recipe.name}, backend {backend}, "
+        f"{cl.nodes} node(s) x {cl.gpus_per_node} GPU(s)",
+    ]
+    if backend == "native":
+        args = trainer_overrides(overrides, run_root, run_dir_overridden)
+        if cl.gpus_per_node == 0:
+            command = [python, "-m", "nemo_fp8_recipes.train", *args]
+            comment.append("CPU job: one plain python process per node (no torchrun, no GPUs)")
+        else:
+            command = [*torchrun_args(torchrun, cl.gpus_per_node), "-m", "nemo_fp8_recipes.train", *args]
+            if cl.nodes * cl.gpus_per_node > 1:
+                warnings.append(
+                    f"the embedded trainer (backend=native) trains one model per process and does not "
+                    f"set up torch.distributed: the {cl.nodes * cl.gpus_per_node} processes torchrun starts "
+                    "would each train a full copy into the same run directory. Use cluster.nodes=1 "
+                    "cluster.gpus_per_node=1 for the embedded trainer, or backend=megatron_bridge"
+                )
+    else:
+        args, bridge_warnings = _bridge_command(cfg, recipe, sub.bridge, framework_overrides, overrides,
+                                                run_dir, cl, env, variables, comment)
+        warnings += bridge_warnings
+        command = [*torchrun_args(torchrun, cl.gpus_per_node), *args]
+    comment += [f"WARNING: {w}" for w in warnings]
+    mounts = list(cl.container.mounts)
+    if image and cl.container.auto_mounts:
+        for p in (str(run_root), str(chdir)):
+            if not any(m.split(":")[0] == p for m in mounts):
+                mounts.append(p)
+    container = ContainerSpec(image=image, mounts=tuple(mounts),
+                              workdir=cl.container.workdir or (str(chdir) if image else None),
+                              mount_home=cl.container.mount_home)
+    job = SlurmJob(
+        job_name=job_name, run_dir=str(run_dir), command=tuple(command), nodes=cl.nodes,
+        gpus_per_node=cl.gpus_per_node, partition=cl.partition, account=cl.account, qos=cl.qos,
+        time=cl.time, mem=cl.mem, cpus_per_task=cl.cpus_per_task, exclusive=cl.exclusive,
+        chdir=str(chdir), sbatch_args=dict(cl.sbatch_args or {}), env=env, container=container,
+        master_port=cl.master_port, variables=variables, comment=tuple(comment),
+    )
+    script = render_sbatch(job)
+    return PlannedJob(job=job, script=script, run_dir=run_dir, overrides=list(args), backend=backend,
+                      submit=sub, warnings=warnings)
+
+
+def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], overrides: Sequence[str],
+                    run_dir: Path, cl: SlurmClusterConfig, env: Dict[str, str], variables: Dict[str, str],
+                    comment: List[str]) -> Tuple[List[str], List[str]]:
+    """The program + arguments torchrun starts for ``backend=megatron_bridge``, and warnings.
+    Runs the pre-launch validator for ``cluster.gpu_type`` (errors refuse the job)."""
+    from ..integrations.bridge import bridge_recipe_name
+    from ..integrations.validate import parse_gpu, validate_config
+
+    if cl.gpus_per_node < 1:
+        raise ConfigError("backend=megatron_bridge needs GPUs: set cluster.gpus_per_node >= 1")
+    if br.entry not in BRIDGE_ENTRIES:
+        raise ConfigError(f"submit.bridge.entry={br.entry!r} is not valid; choose one of: {', '.join(BRIDGE_ENTRIES)}")
+    try:
+        fn = bridge_recipe_name(str(cfg.model.name), cfg.backend.get("recipe_fn"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    _check_word(fn, "backend.recipe_fn", "a recipe function name of megatron.bridge.recipes")
+    for o in theirs:
+        _check_arg(o, "Megatron-Bridge override")
+
+    # The validator of nemo-fp8-check, for the GPUs the job asks for (not this machine).
+    try:
+        device = parse_gpu(cl.gpu_type)
+    except ValueError:
+        device = None
+    report = validate_config(cfg, list(theirs), device=device, te_version=None, environ=env)
+    if report.errors:
+        raise ConfigError(f"the pre-launch check refuses this job (cluster.gpu_type={cl.gpu_type}):\n"
+                          + report.table())
+    warnings = [f"pre-launch check: {f.message}" for f in report.warnings
+                if device is not None or "hardware" not in str(getattr(f, "code", ""))]
+    if device is None:
+        warnings.append(f"cluster.gpu_type={cl.gpu_type} is not a GPU the pre-launch check knows; set it to e.g. "
+                        "H100, H200 or B200 so the recipe is checked against the nodes' GPUs")
+
+    given = {o.split("=", 1)[0].lstrip("+~") for o in theirs}
+    dirs = [a for k, a in (("logger.tensorboard_dir", f"logger.tensorboard_dir={run_dir}"),
+                           ("checkpoint.save", f"checkpoint.save={run_dir}/checkpoints")) if k not in given]
+    if br.entry == "nemo_fp8":
+        ours = [o for o in overrides if _override_key(o).split(".", 1)[0].split("/", 1)[0]
+                not in ("cluster", "submit", "hydra", "run")]
+        if not any(_override_key(o) == "backend" for o in ours):
+            ours.append("backend=megatron_bridge")
+        comment.append(f"Megatron-Bridge recipe {fn} with recipe {recipe.name} applied through mixed_precision "
+                       "(nemo_fp8_recipes.integrations.bridge)")
+        return ["-m", "nemo_fp8_recipes.integrations.bridge", *ours, *theirs, *dirs], warnings
+
+    preset = br.mixed_precision or BRIDGE_PRESETS[recipe.name]
+    _check_word(preset, "submit.bridge.mixed_precision", "a mixed-precision preset name")
+    _check_word(br.dataset, "submit.bridge.dataset", "a run_recipe.py --dataset choice")
+    variables["BRIDGE_DIR"] = check_path(br.dir, "submit.bridge.dir")
+    warnings.append(
+        f"submit.bridge.entry=run_recipe runs Bridge's preset {preset} with its own FP8 settings (e.g. amax "
+        "history 1 for delayed); recipe.* tunables and policy.* are not applied. submit.bridge.entry=nemo_fp8 "
+        "applies them"
+    )
+    comment.append(f"Megatron-Bridge run_recipe.py: recipe {fn}, mixed precision preset {preset}")
+    return [ShellExpr('"$BRIDGE_DIR/scripts/training/run_recipe.py"'), "--recipe", fn, "--dataset", br.dataset,
+            f"mixed_precision={preset}", *dirs, *theirs], warnings
+
+
+def _with_cluster_default(overrides: Sequence[str]) -> List[str]:
+    if any(_override_key(o) == "cluster" for o in overrides):
+        return list(overrides)
+    return ["cluster=slurm", *overrides]
+
+
+def _backend_of(overrides: Sequence[str]) -> str:
+    for o in overrides:
+        if _override_key(o) == "backend" and "=" in o:
+            return o.split("=", 1)[1]
+    return "native"
+
+
+def plan_jobs(overrides: Sequence[str], *, multirun: bool = False, cwd: Optional[Path] = None) -> List[PlannedJob]:
+    """Compose and plan every job of ``overrides`` (``cluster=slurm`` unless given; a ``-m`` sweep
+    gives one job per combination). Raises ConfigError before anything is written."""
+    for o in overrides:
+        _check_arg(o, "override")
+        key = _override_key(o)
+        if key.startswith("hydra"):
+            raise ConfigError(
+                f"'{o}': {PROG} renders its own sbatch scripts and takes no hydra.* overrides. For Hydra's "
+                "submitit launcher use the trainer: nemo-fp8-train -m hydra/launcher=submitit_nemo ..."
+            )
+    combos = expand_sweep(_with_cluster_default(overrides), multirun)
+    jobs = []
+    for combo in combos:
+        ours, theirs = list(combo), []
+        if _backend_of(combo) == "megatron_bridge":
+            from ..integrations.validate import split_overrides
+
+            ours, theirs = split_overrides(combo, backend="megatron_bridge")
+        problem = validate_overrides(ours)
+        if problem:
+            raise ConfigError(problem)
+        jobs.append(plan_job(compose_config(ours), ours, framework_overrides=theirs, cwd=cwd))
+    dirs = [j.run_dir for j in jobs]
+    dup = sorted({str(d) for d in dirs if dirs.count(d) > 1})
+    if dup:
+        raise ConfigError(
+            f"several jobs of this sweep would share a run directory ({', '.join(dup)}); sweep over "
+            "run.tag too (e.g. run.tag=a,b) so every job gets its own"
+        )
+    return jobs
+
+
+# ---- command line ----------------------------------------------------------------------------------
+HELP = f"""usage: {PROG} [-m] [OVERRIDE ...]
+
+Render an sbatch script from the nemo-fp8-train config tree and submit it to SLURM.
+OVERRIDEs are the trainer's Hydra overrides (recipe=, model=, trainer.*, data.*, policy.*,
+run.tag=) plus the SLURM settings cluster.* (configs/cluster/slurm.yaml; cluster=slurm is the
+default here) and submit.* (train.yaml). The script goes to <run dir>/submit.sbatch, its log to
+<run dir>/slurm-<jobid>.out, and the job trains with the same overrides and cluster=local.
+
+options:
+  -m, --multirun   one job per combination of the sweeps (recipe=bf16,tensorwise,blockwise)
+  -h, --help       this help
+
+common overrides:
+  cluster.nodes=N cluster.gpus_per_node=G cluster.partition=P cluster.account=A cluster.time=HH:MM:SS
+  "cluster.container.image='nvcr.io#nvidia/nemo:25.04'" cluster.container.mounts=[/lustre:/lustre]
+  cluster.env.NCCL_DEBUG=INFO   +cluster.sbatch_args.reservation=R   cluster.job_name=NAME
+  submit.dry_run=true (print only)   submit.wait=true (wait, exit 1 if a job fails)
+  cluster.gpu_type=H100 (job name; the GPU the Megatron-Bridge pre-launch check targets)
+  backend=megatron_bridge model=llama3_8b train.train_iters=1000   (Bridge keys pass through)
+  submit.bridge.entry=run_recipe   (Megatron-Bridge's run_recipe.py with the recipe's preset)
+
+examples:
+  {PROG} recipe=blockwise model=llama3_8b cluster.nodes=4 cluster.partition=batch submit.dry_run=true
+  {PROG} -m recipe=bf16,tensorwise,blockwise model=llama3_8b cluster.nodes=2 cluster.account=llm
+  nemo-fp8-compare runs/llama3_8b           # once the jobs have written their TensorBoard events
+
+exit status: 0 submitted (or printed); 1 a waited-for job did not complete; 2 bad config;
+3 sbatch/scontrol failed.
+"""
+
+
+def _tail(path: Path, n: int = 20) -> str:
+    try:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    return "\n".join("    " + line for line in lines[-n:])
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Console entry point ``nemo-fp8-submit`` (also ``python -m nemo_fp8_recipes.launch.submit``)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    multirun = False
+    overrides = []
+    for a in args:
+        if a in ("-h", "--help"):
+            print(HELP)
+            return 0
+        if a in ("-m", "--multirun"):
+            multirun = True
+        elif a.startswith("-"):
+            print(f"{PROG}: unknown option {a!r}; options are -m/--multirun and -h/--help; everything "
+                  "else is a Hydra override (key=value)", file=sys.stderr)
+            return 2
+        else:
+            overrides.append(a)
+    try:
+        jobs = plan_jobs(overrides, multirun=multirun)
+    except ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
+
+    sub = jobs[0].submit  # submit.* is the same for every job of a sweep unless swept itself
+    if sub.dry_run:
+        for j in jobs:
+            if len(jobs) > 1:
+                print(f"# ===== {j.script_path} =====")
+            print(j.script)
+            for w in j.warnings:
+                print(f"{PROG}: warning: {w}", file=sys.stderr)
+        return 0
+
+    submitted: List[Tuple[PlannedJob, str]] = []
+    for j in jobs:
+        for w in j.warnings:
+            print(f"{PROG}: warning: {w}", file=sys.stderr)
+        j.run_dir.mkdir(parents=True, exist_ok=True)
+        j.script_path.write_text(j.script, encoding="utf-8")
+        try:
+            job_id = submit_script(j.script_path, sbatch=str(j.submit.sbatch))
+        except SbatchError as e:
+            print(f"{PROG}: error: {e}", file=sys.stderr)
+            return 3
+        log = j.job.log_path(job_id)
+        write_json(j.run_dir / "submit.json", {
+            "job_id": job_id, "job_name": j.job.job_name, "script": str(j.script_path), "log": str(log),
+            "run_dir": str(j.run_dir), "backend": j.backend, "nodes": j.job.nodes,
+            "gpus_per_node": j.job.gpus_per_node, "command": render_command(j.job.command),
+            "submitted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        })
+        submitted.append((j, job_id))
+        print(f"Submitted job {job_id} ({j.job.job_name})\n"
+              f"  script:  {j.script_path}\n"
+              f"  log:     {log}\n"
+              f"  run dir: {j.run_dir}\n"
+              f"  watch:   squeue -j {job_id}; tail -f {log}", flush=True)
+    if len(submitted) > 1:
+        dirs = " ".join(str(j.run_dir) for j, _ in submitted)
+        print(f"\n{len(submitted)} jobs submitted; when they are done: nemo-fp8-compare {dirs}")
+
+    if not any(j.submit.wait for j in jobs):
+        return 0
+    timeout = float(sub.wait_timeout_s or 0)
+    failed = 0
+    for j, job_id in submitted:
+        def show(st, job_id=job_id):
+            print(f"  job {job_id}: {st.state}", flush=True)
+        try:
+            st = wait_for_job(job_id, timeout_s=timeout, on_change=show)
+        except (TimeoutError, SbatchError) as e:
+            print(f"{PROG}: {e}", file=sys.stderr)
+            return 1 if isinstance(e, TimeoutError) else 3
+        if not st.ok:
+            failed += 1
+            print(f"{PROG}: job {job_id} ended {st.state} (exit {st.exit_code}); last lines of "
+                  f"{j.job.log_path(job_id)}:\n{_tail(j.job.log_path(job_id))}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,311 @@
+"""nemo-fp8-compare on real event files from short CPU runs of the embedded trainer.
+
+The event files are written once per session by three real training runs (bf16, tensorwise,
+blockwise). Every number of the compare tool's table is checked against a computation done here
+independently: the events are read with TensorBoard's raw record loader (not the
+EventAccumulator the tool uses) and the statistics are recomputed with numpy.
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nemo_fp8_recipes.compare import (
+    DEVIATION_TAG,
+    Comparison,
+    CompareError,
+    compare_runs,
+    load_runs,
+    main,
+    moving_average,
+    plot,
+    tensorboard_layout,
+)
+from nemo_fp8_recipes.train import train
+from nemo_fp8_recipes.train_config import compose_config
+
+RECIPES = ("bf16", "tensorwise", "blockwise")
+STEPS, LOG_EVERY = 30, 2
+# One layer, every GEMM dim a multiple of 128 (so blockwise converts every projection), 64 tokens
+# per step: each run takes about a second on 2 CPU cores.
+TINY = [
+    "model.num_layers=1", "model.dim=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_dim=128",
+    "trainer.seq_len=32", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
+    "trainer.warmup_steps=4", f"trainer.max_steps={STEPS}", f"trainer.log_interval={LOG_EVERY}",
+    "trainer.val_interval=10", "trainer.val_steps=1", "trainer.progress=false", "trainer.device=cpu",
+    "trainer.checkpoint=false", "trainer.telemetry_interval=0", "data.max_files=20",
+]
+
+
+@pytest.fixture(scope="session")
+def sweep(tmp_path_factory):
+    """Three real CPU training runs side by side: <root>/llama3_tiny/{bf16,tensorwise,blockwise}."""
+    root = tmp_path_factory.mktemp("compare_runs")
+    cache = tmp_path_factory.mktemp("compare_token_cache")
+    results = {}
+    for recipe in RECIPES:
+        cfg = compose_config(TINY + [f"recipe={recipe}", f"run.root={root}", f"data.cache_dir={cache}"])
+        results[recipe] = train(cfg)
+    parent = root / "llama3_tiny"
+    assert sorted(p.name for p in parent.iterdir()) == sorted(RECIPES)
+    return parent, results
+
+
+def raw_scalars(run_dir: Path, tag: str) -> dict:
+    """{step: value} of a scalar, read record by record (TensorBoard's legacy loader keeps the raw
+    ``simple_value``): independent of the EventAccumulator the compare tool uses."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+
+    out = {}
+    for path in sorted(glob.glob(str(run_dir / "events.out.tfevents.*"))):
+        for event in LegacyEventFileLoader(path).Load():
+            for v in event.summary.value:
+                if v.tag == tag and v.WhichOneof("value") == "simple_value":
+                    out[int(event.step)] = float(v.simple_value)
+    return out
+
+
+def expected_stats(parent: Path, last: int, smooth: int = 1, baseline: str = "bf16", tag: str = "train/loss"):
+    """The table, computed here with numpy from the raw records."""
+    curves, tps = {}, {}
+    for r in RECIPES:
+        raw = raw_scalars(parent / r, tag)
+        steps = np.array(sorted(raw))
+        vals = np.array([raw[s] for s in steps], dtype=np.float64)
+        if smooth > 1:  # trailing moving average, shorter window at the start
+            vals = np.array([vals[max(0, i - smooth + 1): i + 1].mean() for i in range(len(vals))])
+        curves[r] = (steps, vals)
+        tps[r] = float(np.median(list(raw_scalars(parent / r, "tokens_per_s").values())))
+    out = {}
+    b_steps, b_vals = curves[baseline]
+
+    def final(steps, vals):
+        return float(vals[steps > steps[-1] - last].mean())
+
+    for r in RECIPES:
+        steps, vals = curves[r]
+        row = {"final_loss": final(steps, vals), "tokens_per_s": tps[r], "speedup": tps[r] / tps[baseline]}
+        if r != baseline:
+            common, i_r, i_b = np.intersect1d(steps, b_steps, return_indices=True)
+            dev = (vals[i_r] - b_vals[i_b]) / b_vals[i_b]
+            window = common > common[-1] - last
+            row.update(max_rel_dev=float(np.abs(dev).max()), mean_rel_dev=float(np.abs(dev).mean()),
+                       gate_rel_dev=float(np.abs(dev[window]).max()),
+                       final_vs_baseline=(row["final_loss"] - final(b_steps, b_vals)) / final(b_steps, b_vals),
+                       steps=common, dev=dev)
+        out[r] = row
+    return out
+
+
+def read_csv(path: Path) -> dict:
+    rows = list(csv.DictReader(io.StringIO(path.read_text())))
+    return {row["run"]: row for row in rows}
+
+
+def test_events_come_from_the_training_runs(sweep):
+    """Sanity check of the fixture: the logged train/loss is the trainer's window mean."""
+    parent, results = sweep
+    for r in RECIPES:
+        raw = raw_scalars(parent / r, "train/loss")
+        assert sorted(raw) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+        hist = results[r].losses
+        for s, v in raw.items():
+            window = [hist[k] for k in range(s - LOG_EVERY + 1, s + 1)]
+            assert v == pytest.approx(np.mean(window), rel=1e-6)
+
+
+@pytest.mark.parametrize("last", [10, STEPS])
+def test_table_matches_an_independent_computation(sweep, tmp_path, capsys, last):
+    parent, _ = sweep
+    out = tmp_path / "out"
+    code = main([str(parent / r) for r in RECIPES] + ["--last", str(last), "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    exp = expected_stats(parent, last)
+    rows = read_csv(out / "compare.csv")
+    assert list(rows) == ["bf16", "tensorwise", "blockwise"]  # baseline first
+    assert rows["bf16"]["baseline"] == "True" and rows["bf16"]["max_rel_dev"] == ""
+    for r in RECIPES:
+        row, e = rows[r], exp[r]
+        assert float(row["final_loss"]) == pytest.approx(e["final_loss"], rel=1e-12)
+        assert float(row["tokens_per_s"]) == pytest.approx(e["tokens_per_s"], rel=1e-12)
+        assert float(row["speedup"]) == pytest.approx(e["speedup"], rel=1e-12)
+        if r == "bf16":
+            continue
+        for k in ("max_rel_dev", "mean_rel_dev", "gate_rel_dev", "final_vs_baseline"):
+            assert float(row[k]) == pytest.approx(e[k], rel=1e-9, abs=1e-15), k
+        assert int(row["aligned_steps"]) == STEPS // LOG_EVERY
+        assert int(row["gate_last_step"]) == STEPS
+        assert int(row["gate_first_step"]) == min(s for s in e["steps"] if s > STEPS - last)
+        # the Markdown table shows the same numbers, rounded
+        md_row = next(line for line in (out / "compare.md").read_text().splitlines() if line.startswith(f"| {r} |"))
+        assert f"{e['final_loss']:.4f}" in md_row and f"{100 * e['max_rel_dev']:.3f}%" in md_row
+        assert f"{e['speedup']:.2f}×" in md_row
+    assert "| bf16 (baseline) |" in printed and "baseline **bf16**" in printed
+
+
+def test_smoothing_is_a_trailing_moving_average(sweep, tmp_path):
+    parent, _ = sweep
+    assert moving_average([1, 2, 3, 4, 5], 3) == [1.0, 1.5, 2.0, 3.0, 4.0]
+    assert main([str(parent), "--smooth", "3", "--last", "10", "--out", str(tmp_path), "--no-png", "--no-events"]) == 0
+    rows = read_csv(tmp_path / "compare.csv")
+    exp = expected_stats(parent, last=10, smooth=3)
+    for r in RECIPES:
+        assert float(rows[r]["final_loss"]) == pytest.approx(exp[r]["final_loss"], rel=1e-12)
+        if r != "bf16":
+            assert float(rows[r]["max_rel_dev"]) == pytest.approx(exp[r]["max_rel_dev"], rel=1e-9)
+
+
+def test_png_has_one_curve_per_run(sweep, tmp_path):
+    import matplotlib.colors as mcolors
+    import matplotlib.image as mimage
+
+    parent, _ = sweep
+    assert main([str(parent), "--last", "10", "--out", str(tmp_path)]) == 0
+    png = tmp_path / "compare.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    comparison = compare_runs(load_runs([str(parent)]), last=10)
+    fig = plot(comparison)
+    ax_loss, ax_dev = fig.axes[:2]
+    lines = ax_loss.get_lines()
+    assert sorted(line.get_label() for line in lines) == sorted(["bf16 (baseline)", "tensorwise", "blockwise"])
+    for line in lines:  # each curve is the run's loss curve
+        name = line.get_label().replace(" (baseline)", "")
+        assert list(line.get_xdata()) == comparison.curve(name)[0]
+    assert sorted(line.get_label() for line in ax_dev.get_lines() if not line.get_label().startswith("_")) == [
+        "blockwise", "tensorwise"]
+    # and every curve's colour is really drawn in the PNG file
+    img = mimage.imread(str(png))[..., :3]
+    for line in lines:
+        rgb = np.array(mcolors.to_rgb(line.get_color()))
+        assert (np.abs(img - rgb).max(axis=-1) < 0.02).sum() > 50, line.get_label()
+
+
+def test_gate_fails_exactly_when_a_run_exceeds_the_threshold(sweep, tmp_path, capsys):
+    parent, _ = sweep
+    exp = expected_stats(parent, last=10)
+    worst = max(("tensorwise", "blockwise"), key=lambda r: exp[r]["gate_rel_dev"])
+    best = min(("tensorwise", "blockwise"), key=lambda r: exp[r]["gate_rel_dev"])
+    assert exp[worst]["gate_rel_dev"] > 0
+    args = [str(parent), "--last", "10", "--out", str(tmp_path), "--no-png", "--no-events"]
+
+    threshold = 0.5 * (exp[worst]["gate_rel_dev"] + exp[best]["gate_rel_dev"])  # between the two runs
+    assert main(args + ["--max-rel-dev", repr(threshold)]) == 1
+    err = capsys.readouterr().err
+    assert "GATE FAILED" in err and worst in err and best not in err
+    rows = read_csv(tmp_path / "compare.csv")
+    assert rows[worst]["passed"] == "False" and rows[best]["passed"] == "True"
+
+    assert main(args + ["--max-rel-dev", repr(exp[worst]["gate_rel_dev"] * 1.001)]) == 0
+    assert "gate passed" in capsys.readouterr().out
+    assert main(args + ["--max-rel-dev", repr(exp[best]["gate_rel_dev"] * 0.999)]) == 1
+    # the gate looks only at the window: a threshold above the window's max but below the
+    # whole-run max passes when the largest deviation is earlier
+    for r in ("tensorwise", "blockwise"):
+        assert exp[r]["gate_rel_dev"] <= exp[r]["max_rel_dev"]
+
+
+def test_json_export_reimports(sweep, tmp_path, capsys):
+    parent, _ = sweep
+    out = tmp_path / "first"
+    assert main([str(parent), "--last", "10", "--max-rel-dev", "0.5", "--out", str(out)]) == 0
+    data = json.loads((out / "compare.json").read_text())
+    assert data["settings"] == {"tag": "train/loss", "tokens_tag": "tokens_per_s", "baseline": "bf16",
+                                "smooth": 1, "last": 10, "max_rel_dev": 0.5}
+    assert {r["name"] for r in data["runs"]} == set(RECIPES) and data["passed"] is True
+
+    again = Comparison.from_json((out / "compare.json").read_text())
+    assert json.loads(again.to_json()) == data
+    assert again.to_markdown() == (out / "compare.md").read_text()
+
+    # re-render with other settings, from the JSON alone (no event files needed)
+    out2 = tmp_path / "second"
+    capsys.readouterr()
+    assert main(["--from-json", str(out / "compare.json"), "--last", str(STEPS), "--baseline", "tensorwise",
+                 "--out", str(out2)]) == 0
+    rows = read_csv(out2 / "compare.csv")
+    assert rows["tensorwise"]["baseline"] == "True"
+    direct = compare_runs(load_runs([str(parent)]), last=STEPS, baseline="tensorwise", max_rel_dev=0.5)
+    assert (out2 / "compare.csv").read_text() == direct.to_csv()
+    assert (out2 / "compare.png").is_file()
+
+
+def test_deviation_runs_and_layout_for_tensorboard(sweep, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    parent, _ = sweep
+    assert main([str(parent), "--last", "10", "--out", str(tmp_path), "--no-png"]) == 0
+    exp = expected_stats(parent, last=10)
+    for r in ("tensorwise", "blockwise"):
+        acc = EventAccumulator(str(tmp_path / "deviation" / r))
+        acc.Reload()
+        events = acc.Scalars(DEVIATION_TAG)
+        assert [e.step for e in events] == list(exp[r]["steps"])
+        assert [e.value for e in events] == pytest.approx(list(exp[r]["dev"]), rel=1e-6, abs=1e-9)
+
+    # every training run carries the custom-scalars layout TensorBoard reads
+    acc = EventAccumulator(str(parent / "bf16"))
+    acc.Reload()
+    proto = acc.Tensors("custom_scalars__config__")[0].tensor_proto
+    layout = layout_pb2.Layout.FromString(proto.string_val[0])
+    charts = {c.title: list(c.multiline.tag) for cat in layout.category for c in cat.chart}
+    assert charts["train/loss"] == [r"^train/loss$"] and charts["val/loss"] == [r"^val/loss$"]
+    assert any(tags == [f"^{DEVIATION_TAG}$"] for tags in charts.values())
+    assert {cat.title for cat in layout.category} == set(tensorboard_layout())
+
+
+def test_a_parent_directory_stands_for_its_runs_and_outputs_are_not_runs(sweep, tmp_path, capsys):
+    parent, _ = sweep
+    out = parent / "compare"  # the default output directory, inside the parent
+    assert main([str(parent), "--last", "10"]) == 0
+    assert (out / "compare.json").is_file() and (out / "deviation" / "tensorwise").is_dir()
+    capsys.readouterr()
+    assert main([str(parent), "--last", "10"]) == 0  # second time: compare/ is not taken for runs
+    rows = read_csv(out / "compare.csv")
+    assert sorted(rows) == sorted(RECIPES)
+
+
+def test_errors_list_what_is_available(sweep, tmp_path, capsys):
+    parent, _ = sweep
+    assert main([str(parent / "fp32"), str(parent / "bf16")]) == 2
+    err = capsys.readouterr().err
+    assert "no such run directory" in err and all(r in err for r in RECIPES) and "Traceback" not in err
+
+    assert main([str(parent), "--tag", "train/los", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Did you mean 'train/loss'?" in err and "val/loss" in err and "tokens_per_s" in err
+
+    assert main([str(parent), "--baseline", "fp16", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "fp16" in err and all(r in err for r in RECIPES)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(empty)]) == 2
+    assert "no TensorBoard event files" in capsys.readouterr().err
+
+    with pytest.raises(CompareError, match="--last"):
+        compare_runs(load_runs([str(parent)]), last=0)
+
+
+def test_val_loss_and_an_explicit_baseline(sweep, tmp_path):
+    parent, _ = sweep
+    assert main([str(parent), "--tag", "val/loss", "--baseline", "blockwise", "--last", str(STEPS),
+                 "--out", str(tmp_path), "--no-png", "--no-events"]) == 0
+    rows = read_csv(tmp_path / "compare.csv")
+    assert list(rows)[0] == "blockwise" and rows["blockwise"]["baseline"] == "True"
+    val = {r: raw_scalars(parent / r, "val/loss") for r in RECIPES}
+    assert sorted(val["bf16"]) == [10, 20, 30]
+    for r in ("bf16", "tensorwise"):
+        dev = [abs(val[r][s] - val["blockwise"][s]) / val["blockwise"][s] for s in (10, 20, 30)]
+        assert float(rows[r]["max_rel_dev"]) == pytest.approx(max(dev), rel=1e-9)
+        assert math.isclose(float(rows[r]["final_loss"]), np.mean([val[r][s] for s in (10, 20, 30)]), rel_tol=1e-12)

@@ -1,0 +1,386 @@
+"""SLURM submission: rendered sbatch scripts (1, 4 and 64 nodes, containers, Megatron-Bridge),
+values that must never reach the shell, and a real submission through ``sbatch`` to a local
+one-node cluster (munged + slurmctld + slurmd started by ``scripts/ci_start_slurm.sh``).
+
+The real-cluster tests skip with the reason the start script recorded when the daemons are not
+running on this machine (no root, packages missing, daemons failed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nemo_fp8_recipes.launch.slurm import (
+    ContainerSpec,
+    SlurmJob,
+    SlurmSpecError,
+    check_job_name,
+    job_state,
+    parse_job_id,
+    render_command,
+    render_sbatch,
+    wait_for_job,
+)
+from nemo_fp8_recipes.launch.submit import BRIDGE_PRESETS, main, plan_jobs
+from nemo_fp8_recipes.train_config import ConfigError
+
+REPO = Path(__file__).resolve().parent.parent
+IMAGE = "nvcr.io#nvidia/nemo:25.04"
+
+
+def header(script: str):
+    return [line for line in script.splitlines() if line.startswith("#SBATCH")]
+
+
+def launch_argv(script: str):
+    """The launch line (after '# ---- LAUNCH ----', continuation lines joined) split like bash."""
+    body = script.split("# ---- LAUNCH ----\n", 1)[1]
+    return shlex.split(body.replace("\\\n", " "))
+
+
+def config_block(script: str) -> str:
+    return script.split("# ---- CONFIG ----\n", 1)[1].split("\n\n", 1)[0]
+
+
+def bash_syntax_ok(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "check.sbatch"
+    path.write_text(script)
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("nodes", [1, 4, 64])
+def test_native_script_for_1_4_64_nodes(nodes, tmp_path):
+    [job] = plan_jobs([
+        "recipe=blockwise", "model=llama3_70b", f"cluster.nodes={nodes}", "cluster.gpus_per_node=8",
+        "cluster.gpu_type=H100", "cluster.partition=batch", "cluster.account=llm-fp8", "cluster.time=2-00:00:00",
+        "cluster.mem=0", f"cluster.container.image='{IMAGE}'", "cluster.container.mounts=[/lustre/data:/data:ro]",
+        f"run.root={tmp_path}/runs", "trainer.max_steps=1000",
+    ], cwd=tmp_path)
+    run_dir = f"{tmp_path}/runs/llama3_70b/blockwise"
+    assert str(job.run_dir) == run_dir
+    assert header(job.script) == [
+        f"#SBATCH --job-name=llama3_70b-{8 * nodes}xH100-blockwise",
+        f"#SBATCH --nodes={nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=batch",
+        "#SBATCH --account=llm-fp8",
+        "#SBATCH --time=2-00:00:00",
+        "#SBATCH --mem=0",
+        "#SBATCH --exclusive",
+        f"#SBATCH --chdir={tmp_path}",
+        f"#SBATCH --output={run_dir}/slurm-%j.out",
+        f"#SBATCH --error={run_dir}/slurm-%j.out",
+    ]
+    argv = launch_argv(job.script)
+    assert argv[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert argv[3:7] == ["--container-image=$CONTAINER_IMAGE", "--container-mounts=$CONTAINER_MOUNTS",
+                         f"--container-workdir={tmp_path}", "--no-container-mount-home"]
+    t = argv.index("torchrun")
+    assert argv[t:t + 9] == [
+        "torchrun", "--nnodes=$SLURM_NNODES", "--nproc-per-node=8", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--rdzv-id=$SLURM_JOB_ID", "-m", "nemo_fp8_recipes.train",
+        "recipe=blockwise",
+    ]
+    assert argv[t + 8:] == ["recipe=blockwise", "model=llama3_70b", "trainer.max_steps=1000", "cluster=local",
+                            f"run.root={tmp_path}/runs"]
+    config = config_block(job.script)
+    assert f"CONTAINER_IMAGE='{IMAGE}'" in config  # '#' would start a comment unquoted
+    assert f"CONTAINER_MOUNTS=/lustre/data:/data:ro,{tmp_path}/runs,{tmp_path}" in config
+    assert 'MASTER_ADDR="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)"' in config
+    for env in ("NCCL_NVLS_ENABLE=0", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        assert f"export {env}" in config
+    assert "NVTE_FP8_BLOCK" not in config  # the native backend has no Transformer Engine
+    bash_syntax_ok(job.script, tmp_path)
+    assert job.warnings and "does not set up torch.distributed" in job.warnings[0]
+
+
+def test_cpu_job_runs_plain_python_without_gpu_flags(tmp_path):
+    [job] = plan_jobs(["recipe=bf16", "cluster.gpus_per_node=0", "trainer.device=cpu", f"run.root={tmp_path}"],
+                      cwd=tmp_path)
+    assert not any("gpus" in line for line in header(job.script))
+    assert "#SBATCH --job-name=llama3_tiny-1xcpu-bf16" in header(job.script)
+    argv = launch_argv(job.script)
+    assert argv[3:] == [sys.executable, "-m", "nemo_fp8_recipes.train", "recipe=bf16", "trainer.device=cpu",
+                        "cluster=local", f"run.root={tmp_path}"]
+    launch = job.script.split("# ---- LAUNCH ----", 1)[1]
+    assert "torchrun" not in launch and "--container" not in job.script
+    assert not job.warnings
+    [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.cpus_per_task=2", f"run.root={tmp_path}"], cwd=tmp_path)
+    assert "#SBATCH --cpus-per-task=2" in header(job.script)
+    assert "export OMP_NUM_THREADS=2" in config_block(job.script)  # no oversubscribed CPUs
+
+
+def test_megatron_bridge_launch_line(tmp_path):
+    """backend=megatron_bridge: our Bridge launcher with the recipe applied in full, Bridge's own
+    keys passed through, the run directory wired to Bridge's logger and checkpoints."""
+    [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise", "cluster.nodes=4",
+                       "cluster.gpu_type=H200", "policy.first_layers_bf16=1", "train.train_iters=500",
+                       "dataset.blend=[[/data/my_text_document],null]",
+                       f"cluster.container.image='{IMAGE}'", f"run.root={tmp_path}"], cwd=tmp_path)
+    argv = launch_argv(job.script)
+    t = argv.index("torchrun")
+    run_dir = f"{tmp_path}/llama3_8b/blockwise"
+    assert "#SBATCH --job-name=llama3_8b-32xH200-blockwise" in header(job.script)
+    assert argv[t + 1:] == [
+        "--nnodes=$SLURM_NNODES", "--nproc-per-node=8", "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--rdzv-id=$SLURM_JOB_ID",
+        "-m", "nemo_fp8_recipes.integrations.bridge", "backend=megatron_bridge", "model=llama3_8b",
+        "recipe=blockwise", "policy.first_layers_bf16=1", "train.train_iters=500",
+        "dataset.blend=[[/data/my_text_document],null]",
+        f"logger.tensorboard_dir={run_dir}", f"checkpoint.save={run_dir}/checkpoints",
+    ]
+    # Transformer Engine reads its power-of-2 switch at import: the script exports the recipe's value
+    assert "export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0" in config_block(job.script)
+    assert not any("torch.distributed" in w for w in job.warnings)  # Bridge does its own distributed set-up
+    bash_syntax_ok(job.script, tmp_path)
+
+    # Bridge's own run_recipe.py with the recipe's preset
+    [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_70b", "recipe=mxfp8", "cluster.gpu_type=B200",
+                       "submit.bridge.entry=run_recipe", "train.train_iters=500", f"run.root={tmp_path}"],
+                      cwd=tmp_path)
+    argv = launch_argv(job.script)
+    run_dir = f"{tmp_path}/llama3_70b/mxfp8"
+    t = next(i for i, a in enumerate(argv) if a.endswith("torchrun"))  # the interpreter's own torchrun
+    assert argv[t + 6:] == [
+        "$BRIDGE_DIR/scripts/training/run_recipe.py", "--recipe", "llama3_70b_pretrain_config",
+        "--dataset", "llm-pretrain-mock", "mixed_precision=bf16_with_mxfp8_mixed",
+        f"logger.tensorboard_dir={run_dir}", f"checkpoint.save={run_dir}/checkpoints", "train.train_iters=500",
+    ]
+    assert "BRIDGE_DIR=/opt/Megatron-Bridge" in config_block(job.script)
+    assert any("preset bf16_with_mxfp8_mixed" in w for w in job.warnings)
+    assert set(BRIDGE_PRESETS) == {"bf16", "delayed", "tensorwise", "blockwise", "mxfp8"}
+    bash_syntax_ok(job.script, tmp_path)
+
+
+def test_megatron_bridge_jobs_are_checked_before_they_queue(tmp_path):
+    # the pre-launch validator runs for the GPUs the job asks for, not for this machine
+    with pytest.raises(ConfigError, match="mxfp8 needs SM100"):
+        plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=mxfp8", "cluster.gpu_type=H100"],
+                  cwd=tmp_path)
+    with pytest.raises(ConfigError, match="model=llama3_tiny has no Megatron-Bridge pretraining recipe"):
+        plan_jobs(["backend=megatron_bridge", f"run.root={tmp_path}"], cwd=tmp_path)
+    with pytest.raises(ConfigError, match="needs GPUs"):
+        plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "cluster.gpus_per_node=0"], cwd=tmp_path)
+    with pytest.raises(SlurmSpecError, match="contradicts recipe blockwise"):
+        plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise",
+                   "+cluster.env.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"], cwd=tmp_path)
+    [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise",
+                       "recipe.scale_rounding=fp32", f"run.root={tmp_path}"], cwd=tmp_path)
+    assert "export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in job.script
+    # Bridge keys are not nemo-fp8-train keys: with the native backend they are unknown
+    with pytest.raises(ConfigError, match="unknown config key 'train.train_iters'"):
+        plan_jobs(["train.train_iters=5"], cwd=tmp_path)
+
+
+def test_sweep_gives_one_job_per_recipe_side_by_side(tmp_path, capsys):
+    jobs = plan_jobs(["recipe=bf16,tensorwise,blockwise", "model=llama3_8b", "cluster.nodes=2",
+                      f"run.root={tmp_path}"], multirun=True, cwd=tmp_path)
+    assert [j.run_dir for j in jobs] == [tmp_path / "llama3_8b" / r for r in ("bf16", "tensorwise", "blockwise")]
+    assert [j.job.job_name for j in jobs] == [f"llama3_8b-16xgpu-{r}" for r in ("bf16", "tensorwise", "blockwise")]
+    for j, r in zip(jobs, ("bf16", "tensorwise", "blockwise")):
+        argv = launch_argv(j.script)
+        assert f"recipe={r}" in argv and "recipe=bf16,tensorwise,blockwise" not in argv
+    # the CLI's dry run prints the three scripts and writes nothing
+    assert main(["-m", "recipe=bf16,tensorwise,blockwise", "submit.dry_run=true", f"run.root={tmp_path}/dry"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("#!/bin/bash") == 3 and out.count("# ===== ") == 3
+    assert not (tmp_path / "dry").exists()
+    with pytest.raises(ConfigError, match="add -m"):
+        plan_jobs(["recipe=bf16,tensorwise"], cwd=tmp_path)
+    with pytest.raises(ConfigError, match="share a run directory"):
+        plan_jobs(["trainer.lr=1e-3,2e-3"], multirun=True, cwd=tmp_path)
+
+
+def test_dry_run_prints_the_script_only(tmp_path, capsys):
+    assert main(["submit.dry_run=true", f"run.root={tmp_path}/runs", "cluster.job_name=my.job-1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("#!/bin/bash\n#SBATCH --job-name=my.job-1\n")
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("cluster.job_name='bad\"name'", "cluster.job_name"),
+    ("cluster.job_name='two words'", "cluster.job_name"),
+    ("cluster.partition='batch;reboot'", "cluster.partition"),
+    ("cluster.account='$(whoami)'", "cluster.account"),
+    ("cluster.time='4 hours'", "cluster.time"),
+    ("cluster.container.mounts=['/data:/data,/etc:/etc']", "cluster.container.mounts"),
+    ("cluster.container.image='img`id`'", "cluster.container.image"),
+    ("run.tag=\"it's\"", "run.dir"),
+    ("+cluster.sbatch_args.output=/tmp/x", "cluster.sbatch_args.output"),
+    ("+cluster.sbatch_args.reservation='a b'", "cluster.sbatch_args.reservation"),
+    ("+cluster.env.BAD-NAME=1", "cluster.env name"),
+])
+def test_bad_values_are_rejected_not_injected(override, key, tmp_path, capsys):
+    with pytest.raises(ConfigError) as e:
+        plan_jobs([override, f"run.root={tmp_path}"], cwd=tmp_path)
+    assert key in str(e.value)
+    assert main([override, f"run.root={tmp_path}", "submit.dry_run=true"]) == 2
+    err = capsys.readouterr().err
+    assert key in err and "Traceback" not in err and "#SBATCH" not in err
+
+
+def test_newlines_are_rejected_everywhere(tmp_path):
+    with pytest.raises(SlurmSpecError, match="letters, digits and . _ \\+ -"):
+        check_job_name("job\n#SBATCH --account=other")
+    with pytest.raises(ConfigError, match="no newline"):
+        plan_jobs(["cluster.job_name=a\nb"], cwd=tmp_path)
+    base = dict(job_name="ok", run_dir=str(tmp_path), command=("python", "-m", "x"))
+    with pytest.raises(SlurmSpecError, match="one line"):
+        render_sbatch(SlurmJob(**base, env={"A": "x\nrm -rf ~"}))
+    with pytest.raises(SlurmSpecError, match="one line"):
+        render_sbatch(SlurmJob(**{**base, "command": ("python", "a\nb")}))
+    with pytest.raises(SlurmSpecError, match="cluster.container.workdir"):
+        render_sbatch(SlurmJob(**base, container=ContainerSpec(image="img", workdir="/a b")))
+
+
+def test_values_with_quotes_and_dollars_reach_the_program_verbatim(tmp_path):
+    """What the shell does with a rendered command: each argument arrives exactly as given."""
+    args = ["data.paths=['/data/my corpus']", "x=$(reboot)", "y=`id`", "z=it's", 'w="q"', "v=a;b|c&d", "u=*"]
+    proc = subprocess.run(["bash", "-c", "printf '%s\\n' " + render_command(args)], capture_output=True,
+                          text=True, cwd=tmp_path)
+    assert proc.stdout.splitlines() == args
+    [job] = plan_jobs(["data=text", "data.paths=['/data/my corpus']", f"run.root={tmp_path}"], cwd=tmp_path)
+    assert "data.paths=['/data/my corpus']" in launch_argv(job.script)
+
+
+def test_other_errors_are_actionable(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="use cluster=slurm"):
+        plan_jobs(["cluster=local"], cwd=tmp_path)
+    with pytest.raises(ConfigError, match="submitit_nemo"):
+        plan_jobs(["hydra/launcher=submitit_slurm"], cwd=tmp_path)
+    assert main(["cluster.nodez=2"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.nodez" in err and "Did you mean 'cluster.nodes'?" in err and "gpus_per_node" in err
+    assert main(["--frobnicate"]) == 2
+    assert main(["--help"]) == 0
+    assert "submit.dry_run=true" in capsys.readouterr().out
+
+
+def test_job_id_parsing():
+    assert parse_job_id("4242\n") == "4242"
+    assert parse_job_id("4242;cluster-a\n") == "4242"
+    assert parse_job_id("sbatch: warning: something\nSubmitted batch job 17\n") == "17"
+
+
+def test_submitit_launcher_preset_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
+                        reason="hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)")
+    from hydra import compose, initialize_config_dir
+
+    from nemo_fp8_recipes.train_config import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose(config_name="train", overrides=["hydra/launcher=submitit_nemo", "recipe=mxfp8"],
+                      return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.timeout_min) == (1, 1, 1, 240)
+    assert cfg.cluster.name == "local"  # each submitit job runs the trainer in-process
+
+
+# ---- the real cluster ----------------------------------------------------------------------------
+STATUS_FILE = Path(os.environ.get("NEMO_FP8_SLURM_DIR", "/tmp/nemo_fp8_slurm")) / "status"
+
+
+def _read_status() -> dict:
+    out = {}
+    for line in STATUS_FILE.read_text().splitlines():
+        k, _, v = line.partition("=")
+        out[k.strip()] = v.strip()
+    return out
+
+
+@pytest.fixture(scope="module")
+def slurm_env():
+    """Environment for clients of the local test cluster; skips with the start script's reason."""
+    if not STATUS_FILE.is_file():
+        pytest.skip(f"no local SLURM cluster: {STATUS_FILE} is missing; start one with "
+                    "`bash scripts/ci_start_slurm.sh` (root, apt-get install slurm-wlm munge), as .ci/run does")
+    st = _read_status()
+    if st.get("SLURM_STATUS") != "ok":
+        pytest.skip(f"the local SLURM cluster is not available: {st.get('SLURM_REASON') or 'no reason recorded'}")
+    env = {**os.environ, "SLURM_CONF": st["SLURM_CONF"]}
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        pytest.skip(f"sinfo does not answer ({e}); re-run scripts/ci_start_slurm.sh")
+    if proc.returncode != 0 or "idle" not in proc.stdout and "mix" not in proc.stdout and "alloc" not in proc.stdout:
+        pytest.skip(f"the local SLURM cluster is not up (sinfo: {(proc.stdout + proc.stderr).strip()!r}); "
+                    "re-run scripts/ci_start_slurm.sh")
+    return env
+
+
+TINY_JOB = [
+    "cluster.gpus_per_node=0", "cluster.cpus_per_task=1", "cluster.exclusive=false", "cluster.time=10", "trainer.device=cpu", "model.num_layers=1",
+    "trainer.seq_len=64", "trainer.max_steps=8", "trainer.log_interval=2", "trainer.val_interval=4",
+    "trainer.val_steps=1", "trainer.telemetry_interval=4", "data.max_files=10", "trainer.progress=false",
+]
+
+
+def test_sweep_runs_on_a_real_slurm_cluster(slurm_env, tmp_path):
+    """nemo-fp8-submit -m recipe=bf16,tensorwise through sbatch to the local slurmctld/slurmd: both
+    jobs complete, their logs and TensorBoard events are there, and the runs compare cleanly."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from nemo_fp8_recipes.compare import main as compare_main
+
+    t0 = time.monotonic()
+    cmd = [sys.executable, "-m", "nemo_fp8_recipes.launch.submit", "-m", "recipe=bf16,tensorwise", *TINY_JOB,
+           f"run.root={tmp_path}/runs", f"data.cache_dir={tmp_path}/cache", "submit.wait=true",
+           "submit.wait_timeout_s=240"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=slurm_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_ids = re.findall(r"Submitted job (\d+) \((llama3_tiny-1xcpu-(?:bf16|tensorwise))\)", proc.stdout)
+    assert [name for _, name in job_ids] == ["llama3_tiny-1xcpu-bf16", "llama3_tiny-1xcpu-tensorwise"]
+    for (job_id, _), recipe in zip(job_ids, ("bf16", "tensorwise")):
+        run_dir = tmp_path / "runs" / "llama3_tiny" / recipe
+        # SLURM's own record of the job, independent of the submit command's waiting
+        show = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=slurm_env, capture_output=True,
+                              text=True).stdout
+        assert "JobState=COMPLETED" in show and "ExitCode=0:0" in show, show
+        assert f"JobName=llama3_tiny-1xcpu-{recipe}" in show
+        assert wait_for_job(job_id, timeout_s=5, env=slurm_env).ok
+        info = json.loads((run_dir / "submit.json").read_text())
+        assert info["job_id"] == job_id and (run_dir / "submit.sbatch").is_file()
+        log = (run_dir / f"slurm-{job_id}.out").read_text()
+        assert f"job {job_id} on 1 node(s)" in log
+        assert "done: 8 steps" in log and f"Run directory:    {run_dir}" in log
+        acc = EventAccumulator(str(run_dir))
+        acc.Reload()
+        assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6, 8]
+        assert [e.step for e in acc.Scalars("val/loss")] == [4, 8]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["recipe"] == recipe and summary["steps"] == 8
+    assert job_state(job_ids[0][0], env=slurm_env).state == "COMPLETED"
+    # the sweep's runs sit side by side and compare cleanly
+    assert compare_main([str(tmp_path / "runs" / "llama3_tiny"), "--last", "4", "--no-png", "--no-events"]) == 0
+    print(f"\nreal SLURM sweep: jobs {', '.join(j for j, _ in job_ids)} completed in {time.monotonic() - t0:.1f} s")
+
+
+def test_hydra_submitit_launcher_on_a_real_slurm_cluster(slurm_env, tmp_path):
+    """nemo-fp8-train -m hydra/launcher=submitit_nemo submits through submitit and waits."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
+                        reason="hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)")
+    cmd = [sys.executable, "-m", "nemo_fp8_recipes.train", "-m", "hydra/launcher=submitit_nemo",
+           "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
+           "recipe=bf16", *[o for o in TINY_JOB if not o.startswith("cluster.")],
+           f"run.root={tmp_path}/runs", f"data.cache_dir={tmp_path}/cache"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=slurm_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "llama3_tiny" / "bf16"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+    scripts = list((tmp_path / "runs" / ".submitit").rglob("*_submission.sh"))
+    assert scripts and "#SBATCH" in scripts[0].read_text()
