@@ -339,9 +339,16 @@ def train(cfg) -> TrainResult:
     tcfg = trainer_config(cfg)
     rcfg: RunConfig = run_config(cfg)
     if cfg.backend.name != "native":
-        raise ConfigError(f"the embedded trainer runs backend=native, got backend={cfg.backend.name}")
+        raise ConfigError(
+            f"the embedded trainer runs backend=native, got backend={cfg.backend.name}; launch "
+            "Megatron-Bridge with `torchrun ... -m nemo_fp8_recipes.integrations.bridge <overrides>` "
+            "or submit it with `nemo-fp8-submit backend=megatron_bridge ...`"
+        )
     if cfg.cluster.name != "local":
-        raise ConfigError(f"the embedded trainer runs cluster=local, got cluster={cfg.cluster.name}")
+        raise ConfigError(
+            f"the embedded trainer runs cluster=local, got cluster={cfg.cluster.name}; submit "
+            f"cluster={cfg.cluster.name} jobs with `nemo-fp8-submit <same overrides>`"
+        )
 
     # ---- recipe, policy, device, model config (fail before any work) ----
     device = resolve_device(tcfg.device)
