@@ -278,10 +278,16 @@ def _resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Pat
     return p
 
 
+_HYPERPARAMETERS = ("seed", "seq_len", "micro_batch_size", "global_batch_size", "lr", "min_lr",
+                    "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+
+
 def _check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig, tcfg: TrainerConfig,
-                      fingerprint: str) -> bool:
-    """Refuse a checkpoint from another recipe (unless forced) or model shape; warn on data /
-    schedule changes. Returns whether the FP8 state must be loaded non-strictly."""
+                      fingerprint: str, auto: bool = False) -> bool:
+    """Refuse a checkpoint from another recipe (unless forced) or model shape; refuse an
+    *automatic* resume whose trainer hyperparameters changed (e.g. two jobs of a
+    ``-m trainer.lr=...`` sweep sharing a run directory) unless forced; warn on data changes.
+    Returns whether the FP8 state must be loaded non-strictly."""
     if ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
     old_model = ckpt.get("model_config", {})
@@ -314,9 +320,20 @@ def _check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfi
     if data.get("fingerprint") != fingerprint:
         log.warning("the training data changed since %s: the resumed run will not match an uninterrupted one", path)
     old_t = ckpt.get("trainer", {})
-    for k in ("seed", "seq_len", "global_batch_size", "max_steps", "lr", "min_lr", "warmup_steps"):
-        if k in old_t and old_t[k] != getattr(tcfg, k):
-            log.warning("trainer.%s changed since the checkpoint (%r -> %r)", k, old_t[k], getattr(tcfg, k))
+    changed = [f"trainer.{k}: {old_t[k]!r} -> {getattr(tcfg, k)!r}" for k in _HYPERPARAMETERS
+               if k in old_t and old_t[k] != getattr(tcfg, k)]
+    if changed and auto and not tcfg.force_resume:
+        raise CheckpointError(
+            f"{path.parent.parent} holds a run with other trainer settings ({'; '.join(changed)}), "
+            "so it is not resumed automatically (two jobs of a sweep over trainer.* would share it). "
+            "Use run.tag=<name> for a separate run, or trainer.resume=<checkpoint> / "
+            "trainer.force_resume=true to continue that run with the new settings"
+        )
+    for c in changed:
+        log.warning("%s changed since the checkpoint; the current value is used", c)
+    if "max_steps" in old_t and old_t["max_steps"] != tcfg.max_steps:
+        log.info("trainer.max_steps: %r -> %r (the cosine schedule follows the new value)",
+                 old_t["max_steps"], tcfg.max_steps)
     return forced
 
 
@@ -375,7 +392,6 @@ def train(cfg) -> TrainResult:
 
     run_dir = Path(rcfg.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
     mgr = CheckpointManager(run_dir / "checkpoints", keep=tcfg.ckpt_keep)
     resume_path = _resolve_resume(tcfg, mgr)
 
@@ -410,7 +426,8 @@ def train(cfg) -> TrainResult:
     if resume_path is not None:
         # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest.
         ckpt = load_checkpoint(resume_path, map_location="cpu")
-        forced = _check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint)
+        forced = _check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint,
+                                   auto=tcfg.resume == "auto")
         _load_model_state(raw_model, ckpt["model"], forced)
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -426,6 +443,9 @@ def train(cfg) -> TrainResult:
         skipped = int(ckpt.get("skipped_steps", 0))
         last_ckpt = resume_path
         log.info("resumed from %s at step %d", resume_path, start_step)
+    # written only once the resume checks passed, so a refused run cannot overwrite the config
+    # that produced the checkpoints in this directory
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
 
     model = torch.compile(raw_model) if tcfg.compile else raw_model
     writer = MetricsWriter(run_dir, enabled=rcfg.tensorboard, purge_step=start_step + 1 if start_step else None)

@@ -143,7 +143,10 @@ def test_resume_applies_the_current_hyperparameters(tmp_path, token_cache):
     base = ["recipe=tensorwise", "trainer.log_interval=1", "trainer.val_interval=0", "trainer.ckpt_interval=4"]
     train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=4", "trainer.lr=3e-3"))
     new = ["trainer.max_steps=8", "trainer.lr=1e-3", "trainer.min_lr=1e-4", "trainer.weight_decay=0.0"]
-    cfg = _cfg(tmp_path, token_cache, *base, *new)
+    # an *automatic* resume with other hyperparameters is refused (sweep jobs sharing a run dir)
+    with pytest.raises(CheckpointError, match="run.tag=<name>"):
+        train(_cfg(tmp_path, token_cache, *base, *new))
+    cfg = _cfg(tmp_path, token_cache, *base, *new, "trainer.force_resume=true")
     resumed = train(cfg)
     assert resumed.start_step == 4
     from nemo_fp8_recipes.train_config import trainer_config
