@@ -196,7 +196,14 @@ class Recipe:
         _coerce_enums(self)
         for op in ("fprop", "dgrad", "wgrad"):
             v = getattr(self, op)
-            if isinstance(v, dict):
+            if isinstance(v, dict) or (hasattr(v, "keys") and not isinstance(v, GemmConfig)):
+                v = dict(v)  # also an OmegaConf DictConfig from Hydra
+                valid = [f.name for f in dataclasses.fields(GemmConfig)]
+                unknown = sorted(set(v) - set(valid))
+                if unknown:
+                    raise ValueError(
+                        f"{self.name}: {op} has unknown option(s) {', '.join(unknown)}; valid: {', '.join(valid)}"
+                    )
                 object.__setattr__(self, op, GemmConfig(**v))
             elif not isinstance(v, GemmConfig):
                 raise ValueError(f"{self.name}: {op} must be a GemmConfig or dict, got {v!r}")

@@ -83,6 +83,7 @@ def test_overrides_and_string_enums():
         (("blockwise",), {"fprop": {"fast_accum": True}}, "fast_accum must be false"),
         (("tensorwise",), {"input_granularity": "1x128"}, "must be 'tensor'"),
         (("tensorwise",), {"emulate": "yes"}, "emulate must be true, false or null"),
+        (("tensorwise",), {"dgrad": {"fast_acum": True}}, "unknown option(s) fast_acum; valid: fast_accum"),
     ],
 )
 def test_bad_values_list_the_valid_ones(args, kwargs, needle):
