@@ -66,16 +66,12 @@ def to_blocked_e8m0(scales: torch.Tensor) -> torch.Tensor:
     (rows padded to 128, scale columns to 4; each 128x4 tile stored as 32x16 interleaved)."""
     rows, cols = scales.shape
     n_rb, n_cb = -(-rows // 128), -(-cols // 4)
-    padded = scales.new_zeros((n_rb * 128, n_cb * 4)) if scales.dtype != torch.float8_e8m0fnu else None
-    if padded is None:
-        padded = torch.full((n_rb * 128, n_cb * 4), 127, dtype=torch.uint8, device=scales.device)
-        padded[:rows, :cols] = scales.view(torch.uint8)
-    else:
-        padded[:rows, :cols] = scales
+    # padding holds 2^0 (biased exponent 127); the rearrangement works on the raw bytes
+    padded = torch.full((n_rb * 128, n_cb * 4), 127, dtype=torch.uint8, device=scales.device)
+    padded[:rows, :cols] = scales.view(torch.uint8)
     blocks = padded.view(n_rb, 128, n_cb, 4).permute(0, 2, 1, 3)
     tiles = blocks.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16)
-    out = tiles.flatten()
-    return out.view(torch.float8_e8m0fnu) if out.dtype == torch.uint8 else out
+    return tiles.flatten().view(torch.float8_e8m0fnu)
 
 
 def _has_v2() -> bool:

@@ -77,9 +77,7 @@ class QuantizedTensor:
         rows, cols = self.data.shape
         if self.block is None:
             return self.scale_inv.reshape(1, 1).expand(rows, cols)
-        br, bc = self.block
-        s = self.scale_inv.repeat_interleave(br, dim=0)[:rows]
-        return s.repeat_interleave(bc, dim=1)[:, :cols]
+        return _expand(self.scale_inv, self.block, (rows, cols))
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Every code times its group's ``scale_inv``: computed in FP64 when ``dtype`` is FP64
