@@ -17,7 +17,9 @@ from .nn import (
     collect_telemetry,
     convert_model,
     set_amax_reduce_fn,
+    set_delayed_scaling_update,
     set_telemetry,
+    sync_delayed_scaling,
 )
 from .integrations.megatron import megatron_config
 from .integrations.te import to_te_recipe
@@ -53,7 +55,9 @@ __all__ = [
     "megatron_config",
     "require_supported",
     "set_amax_reduce_fn",
+    "set_delayed_scaling_update",
     "set_telemetry",
+    "sync_delayed_scaling",
     "to_te_recipe",
     "validate",
 ]

@@ -42,6 +42,20 @@ import numpy as np
 import torch
 
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, load_checkpoint, restore_rng_state
+from .distributed import (
+    DistContext,
+    all_reduce_sum,
+    barrier,
+    dist_world_size,
+    full_tensor,
+    grad_sync,
+    init_distributed,
+    load_state_dicts,
+    merge_audits,
+    reduce_telemetry,
+    state_dicts,
+    wrap_model,
+)
 from .data import ByteTokenizer, DataConfig, DataError, PackedTokens, TrainBatches, ValBatches, load_corpus
 from .logging_utils import MetricsWriter, format_count, format_duration, peak_tflops
 from .models import ModelConfig, Transformer
@@ -71,7 +85,7 @@ __all__ = [
 
 log = logging.getLogger("nemo_fp8_recipes.train")
 
-CHECKPOINT_FORMAT = 1
+CHECKPOINT_FORMAT = 2  # 2: full FQN-keyed model/optimizer state (any world size, DDP or FSDP2)
 _FP8_STATE_MARKERS = ("fp8_", "_extra_state")
 
 
@@ -111,6 +125,9 @@ class TrainResult:
     tokens_per_s: Optional[float] = None
     wall_s: float = 0.0
     audit_table: Optional[str] = None
+    world_size: int = 1
+    #: the trained module (unwrapped: no DDP / compile wrapper; FSDP2 parameters stay sharded)
+    model: Optional[torch.nn.Module] = field(default=None, repr=False)
 
     @property
     def losses(self) -> Dict[int, float]:
@@ -211,11 +228,11 @@ def _is_fp8_state_key(key: str) -> bool:
     return leaf.startswith(_FP8_STATE_MARKERS)
 
 
-def _load_model_state(model: torch.nn.Module, state: Dict[str, torch.Tensor], forced: bool) -> None:
+def _load_model_state(model: torch.nn.Module, optimizer, state: Dict[str, torch.Tensor],
+                      optim_state: Optional[Dict[str, Any]], forced: bool) -> None:
+    result = load_state_dicts(model, optimizer, state, optim_state, strict=not forced)
     if not forced:
-        model.load_state_dict(state)
         return
-    result = model.load_state_dict(state, strict=False)
     bad = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if not _is_fp8_state_key(k)]
     if bad:
         raise CheckpointError(f"checkpoint weights do not match the model: {bad[:8]}")
@@ -340,13 +357,29 @@ def _check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfi
 def train(cfg) -> TrainResult:
     """Run the embedded trainer on a composed config (``DictConfig``) and return what it did.
 
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank calls it: data parallelism with
+    ``trainer.data_parallel`` (ddp | fsdp2, :mod:`nemo_fp8_recipes.distributed`); rank 0 logs,
+    writes TensorBoard, the audit and checkpoints. Every rank returns the same losses.
+
     Raises :class:`ConfigError`, :class:`~nemo_fp8_recipes.data.DataError`,
     :class:`~nemo_fp8_recipes.recipes.UnsupportedRecipeError`, :class:`CheckpointError` or
     :class:`NonFiniteLossError` with actionable messages; :func:`main` prints them cleanly.
     """
+    holder: List[DistContext] = []
+    level = log.level
+    try:
+        return _train(cfg, holder)
+    finally:
+        log.setLevel(level)
+        for ctx in holder:
+            ctx.close()
+
+
+def _train(cfg, holder: List[DistContext]) -> TrainResult:
     from omegaconf import OmegaConf
 
-    from .nn import audit, collect_telemetry, convert_model, set_telemetry
+    from .nn import (audit, collect_telemetry, convert_model, set_delayed_scaling_update, set_telemetry,
+                     sync_delayed_scaling)
     from .recipes import describe_device, require_supported, uses_real_fp8_gemm
 
     t_start = time.perf_counter()
@@ -372,6 +405,19 @@ def train(cfg) -> TrainResult:
     recipe = build_recipe(cfg.recipe)
     policy = build_policy(cfg.get("policy"))
     require_supported(recipe, device)
+    world = dist_world_size()
+    if tcfg.global_batch_size % (tcfg.micro_batch_size * world):
+        raise ConfigError(
+            f"trainer.global_batch_size ({tcfg.global_batch_size}) must be a multiple of "
+            f"trainer.micro_batch_size ({tcfg.micro_batch_size}) x {world} data-parallel ranks; "
+            f"e.g. trainer.global_batch_size={tcfg.micro_batch_size * world * max(1, tcfg.grad_accum // world)}"
+        )
+    ctx = init_distributed(device)
+    holder.append(ctx)
+    device = ctx.device
+    accum = tcfg.grad_accum // ctx.world_size  # micro-batches per rank per step
+    if not ctx.is_main:
+        log.setLevel(logging.WARNING)
     try:
         mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
@@ -413,13 +459,18 @@ def train(cfg) -> TrainResult:
     with torch.device(device):
         raw_model = Transformer(mcfg)
     convert_model(raw_model, recipe, policy)
-    optimizer, scheduler = _build_optimizer(raw_model, tcfg, device)
+    # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
+    set_delayed_scaling_update(raw_model, "step")
+    dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
+                          find_unused_parameters=mcfg.arch == "moe")  # unrouted experts get no grad
+    optimizer, scheduler = _build_optimizer(dp_model, tcfg, device)
     autocast_ctx, bf16 = _autocast(device, tcfg.autocast)
     real_fp8 = recipe.is_fp8 and uses_real_fp8_gemm(recipe, device)
     mode = "no FP8" if not recipe.is_fp8 else ("real FP8 GEMMs" if real_fp8 else "emulated FP8")
     n_params = raw_model.num_params()
     flops_per_token = mcfg.flops_per_token(tcfg.seq_len)
     peak = peak_tflops(device, "fp8" if real_fp8 else "bf16")
+    peak = peak * ctx.world_size if peak else peak
 
     start_step, tokens_seen, skipped = 0, 0, 0
     last_ckpt: Optional[Path] = None
@@ -428,8 +479,7 @@ def train(cfg) -> TrainResult:
         ckpt = load_checkpoint(resume_path, map_location="cpu")
         forced = _check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint,
                                    auto=tcfg.resume == "auto")
-        _load_model_state(raw_model, ckpt["model"], forced)
-        optimizer.load_state_dict(ckpt["optimizer"])
+        _load_model_state(dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
         scheduler.load_state_dict(ckpt["scheduler"])
         # The checkpoint restores the *old* hyperparameters (LambdaLR's base_lrs, AdamW's
         # weight_decay/betas/eps); the current config wins, e.g. a lower lr after a divergence.
@@ -445,24 +495,28 @@ def train(cfg) -> TrainResult:
         log.info("resumed from %s at step %d", resume_path, start_step)
     # written only once the resume checks passed, so a refused run cannot overwrite the config
     # that produced the checkpoints in this directory
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+    if ctx.is_main:
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
 
-    model = torch.compile(raw_model) if tcfg.compile else raw_model
-    writer = MetricsWriter(run_dir, enabled=rcfg.tensorboard, purge_step=start_step + 1 if start_step else None)
+    model = torch.compile(dp_model) if tcfg.compile else dp_model
+    writer = MetricsWriter(run_dir, enabled=rcfg.tensorboard and ctx.is_main,
+                           purge_step=start_step + 1 if start_step else None)
 
     log.info(
         "run %s | model %s (%s params, %d layers) | recipe %s (%s) | device %s | autocast %s | "
-        "data %s: %s train / %s val tokens | %d steps x %d seq x %d tokens (grad accum %d)",
+        "data %s: %s train / %s val tokens | %d steps x %d seq x %d tokens (grad accum %d%s)",
         run_dir, mcfg.name, format_count(n_params), mcfg.num_layers, recipe.name, mode,
         describe_device(device), "bf16" if bf16 else "off", dcfg.name,
         format_count(len(corpus.train)), format_count(len(corpus.val)), tcfg.max_steps,
-        tcfg.global_batch_size, tcfg.seq_len, tcfg.grad_accum,
+        tcfg.global_batch_size, tcfg.seq_len, accum,
+        f" per rank, {ctx.world_size} ranks, {tcfg.data_parallel}" if ctx.distributed else "",
     )
     if start_step == 0:
         writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
 
     result = TrainResult(run_dir=run_dir, start_step=start_step, final_step=start_step,
-                         skipped_steps=skipped, checkpoint=last_ckpt)
+                         skipped_steps=skipped, checkpoint=last_ckpt, world_size=ctx.world_size,
+                         model=raw_model)
     if start_step >= tcfg.max_steps:
         log.info("run already complete at step %d (trainer.max_steps=%d); nothing to do", start_step, tcfg.max_steps)
         writer.close()
@@ -473,13 +527,16 @@ def train(cfg) -> TrainResult:
     telemetry_on = recipe.is_fp8 and tcfg.telemetry_interval > 0
 
     def state_dict(step: int) -> Dict[str, Any]:
+        model_sd, optim_sd = state_dicts(dp_model, optimizer)  # a collective under FSDP2
         return {
             "format": CHECKPOINT_FORMAT,
             "step": step,
             "tokens_seen": tokens_seen,
             "skipped_steps": skipped,
-            "model": raw_model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "world_size": ctx.world_size,
+            "data_parallel": tcfg.data_parallel if ctx.distributed else None,
             "scheduler": scheduler.state_dict(),
             "rng": capture_rng_state(),
             "data": {
@@ -496,7 +553,11 @@ def train(cfg) -> TrainResult:
 
     def save(step: int) -> Path:
         nonlocal last_ckpt
-        last_ckpt = mgr.save(step, state_dict(step))
+        state = state_dict(step)  # every rank (collective); rank 0 writes
+        if ctx.is_main:
+            mgr.save(step, state)
+        last_ckpt = mgr.path_for(step)
+        barrier(ctx)  # no rank goes on (or resumes) before the file is in place
         result.checkpoint = last_ckpt
         log.info("checkpoint: %s", last_ckpt)
         return last_ckpt
@@ -524,7 +585,7 @@ def train(cfg) -> TrainResult:
     from tqdm.auto import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    show_bar = tcfg.progress and sys.stderr.isatty()
+    show_bar = tcfg.progress and sys.stderr.isatty() and ctx.is_main
     bar = tqdm(total=tcfg.max_steps, initial=start_step, disable=not show_bar, dynamic_ncols=True,
                desc=f"{mcfg.name}/{recipe.name}", unit="step")
     window_loss, window_n, window_time, window_tokens = 0.0, 0, 0.0, 0
@@ -542,12 +603,14 @@ def train(cfg) -> TrainResult:
                     set_telemetry(raw_model, True)
                 loss_acc = torch.zeros((), device=device)
                 aux_acc = torch.zeros((), device=device)
-                for micro in range(tcfg.grad_accum):
-                    x, y = train_batches.get(step, micro, device)
+                for micro in range(accum):
+                    # rank r takes micro-batches [r·accum, (r+1)·accum) of the global step, and
+                    # back-propagates loss / (all micro-batches): gradients are summed over ranks
+                    x, y = train_batches.get(step, ctx.rank * accum + micro, device)
                     try:
-                        with autocast_ctx():
+                        with grad_sync(dp_model, tcfg.data_parallel, ctx, micro == accum - 1), autocast_ctx():
                             out = model(x, y)
-                        (out.loss / tcfg.grad_accum).backward()
+                            (out.loss / tcfg.grad_accum).backward()
                     except Exception as e:
                         if tcfg.compile and type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
                             raise TrainingError(
@@ -557,9 +620,13 @@ def train(cfg) -> TrainResult:
                         raise
                     loss_acc += out.ce_loss.detach()
                     aux_acc += out.aux_loss.detach()
+                sync_delayed_scaling(raw_model)  # one amax all-reduce for the whole model
+                if ctx.distributed:
+                    both = all_reduce_sum(torch.stack([loss_acc, aux_acc]), ctx)
+                    loss_acc, aux_acc = both[0], both[1]
                 loss = float(loss_acc) / tcfg.grad_accum
                 clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(raw_model.parameters(), clip))
+                grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(dp_model.parameters(), clip)))
                 lr = optimizer.param_groups[0]["lr"]
                 bad = None
                 if not math.isfinite(loss):
@@ -597,17 +664,25 @@ def train(cfg) -> TrainResult:
                     steps_timed += 1
 
                 if step == start_step + 1 and start_step == 0:
-                    report = audit(raw_model)
+                    report, rank_problems = merge_audits(audit(raw_model), ctx)
                     result.audit_table = report.table()
-                    (run_dir / "audit.txt").write_text(result.audit_table + "\n", encoding="utf-8")
-                    (run_dir / "audit.json").write_text(report.to_json() + "\n", encoding="utf-8")
+                    if ctx.distributed:
+                        result.audit_table += (
+                            f"\n{ctx.world_size} data-parallel ranks ({tcfg.data_parallel}): "
+                            + ("; ".join(rank_problems) if rank_problems else "every rank ran the same precision per module")
+                        )
+                    if ctx.is_main:
+                        (run_dir / "audit.txt").write_text(result.audit_table + "\n", encoding="utf-8")
+                        d = report.to_dict()
+                        d["ranks"] = {"world_size": ctx.world_size, "problems": rank_problems}
+                        (run_dir / "audit.json").write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
                     writer.text("fp8/audit", result.audit_table, step)
                     log.info("precision audit after the first step:\n%s", result.audit_table)
-                    if report.violations:
-                        log.warning("policy violations: %s", ", ".join(report.violations))
+                    if report.violations or rank_problems:
+                        log.warning("policy violations: %s", ", ".join(list(report.violations) + rank_problems))
 
                 if tele_now:
-                    writer.scalars(collect_telemetry(raw_model, reset=True), step)
+                    writer.scalars(reduce_telemetry(collect_telemetry(raw_model, reset=True), ctx), step)
                     set_telemetry(raw_model, False)
 
                 tps = window_tokens / window_time if window_time > 0 else 0.0
@@ -656,6 +731,9 @@ def train(cfg) -> TrainResult:
             # under a completed step's name.
             log.warning("interrupted inside step %d; not saving a partial step. Last checkpoint: %s",
                         step + 1, last_ckpt or "none")
+        elif ctx.distributed:
+            # saving is a collective; the other ranks are being interrupted too
+            log.warning("interrupted after step %d; last checkpoint: %s", step, last_ckpt or "none")
         else:
             log.warning("interrupted after step %d", step)
             if step > start_step and tcfg.checkpoint:
@@ -672,13 +750,15 @@ def train(cfg) -> TrainResult:
     result.wall_s = time.perf_counter() - t_start
     tail = [h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):] if math.isfinite(h["loss"])]
     final_train = float(np.mean(tail)) if tail else float("nan")
-    (run_dir / "summary.json").write_text(json.dumps({
-        "model": mcfg.name, "recipe": recipe.name, "mode": mode, "params": n_params,
-        "steps": step, "final_train_loss": final_train,
-        "final_val_loss": result.val[-1][1] if result.val else None,
-        "tokens_per_s": result.tokens_per_s, "skipped_steps": skipped,
-        "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
-    }, indent=2) + "\n", encoding="utf-8")
+    if ctx.is_main:
+        (run_dir / "summary.json").write_text(json.dumps({
+            "model": mcfg.name, "recipe": recipe.name, "mode": mode, "params": n_params,
+            "steps": step, "final_train_loss": final_train,
+            "final_val_loss": result.val[-1][1] if result.val else None,
+            "tokens_per_s": result.tokens_per_s, "skipped_steps": skipped,
+            "world_size": ctx.world_size, "data_parallel": tcfg.data_parallel if ctx.distributed else None,
+            "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+        }, indent=2) + "\n", encoding="utf-8")
     log.info(
         "done: %d steps in %s | train loss %.4f%s | %s tok/s | run dir %s",
         step - start_step, format_duration(result.wall_s), final_train,

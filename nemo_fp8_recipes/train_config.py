@@ -82,6 +82,7 @@ class TrainerConfig:
     nan_policy: str
     max_skipped_steps: int
     progress: bool
+    data_parallel: str = "ddp"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -110,6 +111,8 @@ class TrainerConfig:
         need(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)),
              f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda, cuda:N")
         need(bool(self.resume), "resume must be auto, never or a checkpoint path")
+        need(self.data_parallel in ("ddp", "fsdp2"),
+             f"data_parallel={self.data_parallel!r} is not valid; choose one of: ddp, fsdp2")
 
     @property
     def grad_accum(self) -> int:

@@ -406,3 +406,58 @@ def test_fp8_weight_follows_every_optimizer_implementation(opt_kwargs):
     step(model, 99)
     fresh = quantize(lin.weight.detach(), "e4m3", "tensor")
     assert torch.equal(lin._wcache[0].data.float(), fresh.data.float())
+
+
+def test_step_schedule_holds_scales_within_a_step_and_advances_once():
+    """trainer schedule: every use in a step quantises with the same scale, the pending amax is
+    the max over the step's uses, and sync_delayed_scaling advances each history by one entry."""
+    from nemo_fp8_recipes.nn import set_delayed_scaling_update, sync_delayed_scaling
+
+    model = nn.Sequential(nn.Linear(16, 16, bias=False))
+    convert_model(model, get_recipe("delayed", amax_history_len=3, margin=1))
+    m = model[0]
+    assert set_delayed_scaling_update(model, "step") == 1
+    for amp in (4.0, 1.0, 2.0):  # three micro-batches of one step
+        model(torch.full((16, 16), amp))
+        assert m.fp8_scale[0].item() == 1.0  # scale of step 0 (no history yet) for all of them
+    assert m.fp8_amax_pending[0].item() == 4.0 and m.fp8_amax_history[0].tolist() == [0.0, 0.0, 0.0]
+    assert sync_delayed_scaling(model) == 1
+    assert m.fp8_amax_history[0].tolist() == [4.0, 0.0, 0.0]
+    assert m.fp8_scale[0].item() == 448.0 / 4.0 / 2  # E4M3 max / amax / 2**margin
+    assert m.fp8_amax_pending.abs().sum().item() == 0 and m.fp8_pending.sum().item() == 0
+    model(torch.full((16, 16), 1.0))
+    sync_delayed_scaling(model)
+    assert m.fp8_amax_history[0].tolist() == [1.0, 4.0, 0.0]
+    assert m.fp8_scale[0].item() == 448.0 / 4.0 / 2  # max over the history
+    # an operand never used in a step (no backward here) keeps history and scale
+    assert m.fp8_amax_history[2].tolist() == [0.0, 0.0, 0.0] and m.fp8_scale[2].item() == 1.0
+    # switching back to lazy commits what is pending, nothing is lost
+    model(torch.full((16, 16), 8.0))
+    set_delayed_scaling_update(model, "lazy")
+    assert m.fp8_amax_history[0].tolist() == [8.0, 1.0, 4.0]
+    with pytest.raises(ValueError, match="valid modes: lazy, step"):
+        set_delayed_scaling_update(model, "sometimes")
+
+
+def test_step_schedule_matches_lazy_schedule_per_step():
+    """With one use per operand per step the two schedules are the same computation."""
+    from nemo_fp8_recipes.nn import set_delayed_scaling_update, sync_delayed_scaling
+
+    torch.manual_seed(0)
+    lazy = nn.Sequential(nn.Linear(32, 32, bias=False))
+    step = nn.Sequential(nn.Linear(32, 32, bias=False))
+    step.load_state_dict(lazy.state_dict())
+    convert_model(lazy, get_recipe("delayed"))
+    convert_model(step, get_recipe("delayed"))
+    set_delayed_scaling_update(step, "step")
+    for i in range(4):
+        x = torch.randn(8, 32) * (1 + i)
+        a, b = lazy(x), step(x)
+        a.square().sum().backward()
+        b.square().sum().backward()
+        assert torch.equal(a, b)
+        sync_delayed_scaling(step)
+    set_delayed_scaling_update(lazy, "step")  # commits lazy's pending amaxes
+    assert torch.equal(lazy[0].fp8_amax_history, step[0].fp8_amax_history)
+    assert torch.equal(lazy[0].fp8_scale, step[0].fp8_scale)
+    assert torch.equal(lazy[0].weight.grad, step[0].weight.grad)

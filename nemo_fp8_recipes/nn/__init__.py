@@ -13,6 +13,7 @@ from .convert import (
     set_telemetry,
 )
 from .linear import Float8Linear
+from .scaling import set_delayed_scaling_update, sync_delayed_scaling
 
 __all__ = [
     "AuditReport",
@@ -25,5 +26,7 @@ __all__ = [
     "invalidate_weight_cache",
     "reset_gemm_counts",
     "set_amax_reduce_fn",
+    "set_delayed_scaling_update",
     "set_telemetry",
+    "sync_delayed_scaling",
 ]

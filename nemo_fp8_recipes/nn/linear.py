@@ -19,7 +19,9 @@ The FP8 weight copies are cached and re-quantised only when the weight changed (
 counter moved, i.e. once per optimizer step, not per micro-batch). Delayed scaling keeps an
 amax history per operand in buffers, so it is part of ``state_dict``; its scale for step t is
 computed from the history through step t-1, the amax of step t is appended after use, and an
-optional hook max-reduces pending amaxes across data-parallel ranks before each update.
+optional hook max-reduces pending amaxes across data-parallel ranks before each update. The
+update schedule (per use, or once per optimizer step with one collective for the whole model)
+lives in :mod:`nemo_fp8_recipes.nn.scaling`.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
 from ..quant.dispatch import quantize_pair_auto
-from ..quant.reference import QuantizedTensor, STAT_NAMES, amax_to_scale, quantization_stats
+from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
 from ..recipes import Granularity, Recipe
+from .scaling import advance_delayed_scaling
 
 __all__ = ["Float8Linear", "OPERANDS"]
 
@@ -202,6 +205,7 @@ class Float8Linear(nn.Linear):
         self.fqn = ""
         self.role = "linear"
         self.amax_reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+        self.scaling_update = "lazy"  # or "step": see nemo_fp8_recipes.nn.scaling
         self.gemm_counts: Dict[str, int] = {"fprop": 0, "dgrad": 0, "wgrad": 0}
         self.telemetry_enabled = False
         self._telemetry: Dict[int, list] = {}
@@ -261,21 +265,20 @@ class Float8Linear(nn.Linear):
 
     @torch.no_grad()
     def _commit(self, i: int) -> None:
-        """Append operand i's pending amax to its history and recompute its scale (TE rule:
-        a zero or non-finite amax keeps the previous scale)."""
+        """Lazy schedule: append operand i's pending amax to its history and recompute its scale
+        (:func:`~nemo_fp8_recipes.nn.scaling.advance_delayed_scaling`)."""
         if not self._pending[i]:
             return
         r = self.recipe
         pending = self.fp8_amax_pending[i : i + 1]
         if self.amax_reduce_fn is not None:
             pending = self.amax_reduce_fn(pending.clone())
-        hist = self.fp8_amax_history[i]
-        hist.copy_(torch.cat([pending.reshape(1), hist[:-1]]))
-        amax = hist.max() if r.amax_compute_algo == "max" else hist[0]
         fmt = (r.input_format, r.weight_format, r.grad_format)[i]
-        new = amax_to_scale(amax, fmt, r.scale_rounding, margin=r.margin)
-        ok = torch.isfinite(amax) & (amax > 0)
-        self.fp8_scale[i].copy_(torch.where(ok, new, self.fp8_scale[i]))
+        hist, scale = advance_delayed_scaling(
+            self.fp8_amax_history[i : i + 1], self.fp8_scale[i : i + 1], pending.reshape(1),
+            self.fp8_pending[i : i + 1], (fmt,), r)
+        self.fp8_amax_history[i : i + 1].copy_(hist)
+        self.fp8_scale[i : i + 1].copy_(scale)
         self.fp8_amax_pending[i].zero_()
         self.fp8_pending[i].zero_()
         self._pending[i] = False
@@ -288,8 +291,10 @@ class Float8Linear(nn.Linear):
         fmt = (r.input_format, r.weight_format, r.grad_format)[i]
         gran = (r.input_granularity, r.weight_granularity, r.grad_granularity)[i]
         scale = None
+        lazy = self.scaling_update == "lazy"
         if r.is_delayed:
-            self._commit(i)
+            if lazy:
+                self._commit(i)
             scale = self.fp8_scale[i]
         if pair:
             q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale)
@@ -297,7 +302,11 @@ class Float8Linear(nn.Linear):
             q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale), None
         if r.is_delayed:
             with torch.no_grad():
-                self.fp8_amax_pending[i].copy_(q.amax.reshape(()))
+                amax = q.amax.reshape(())
+                if lazy:
+                    self.fp8_amax_pending[i].copy_(amax)
+                else:  # step schedule: the max over every use in this optimizer step (NaN sticks)
+                    torch.maximum(self.fp8_amax_pending[i], amax, out=self.fp8_amax_pending[i])
                 self.fp8_pending[i].fill_(1.0)
             self._pending[i] = True
         if self.telemetry_enabled:

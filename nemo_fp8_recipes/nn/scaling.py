@@ -1,0 +1,133 @@
+"""Delayed scaling: the one place where amax histories advance and scales are recomputed.
+
+A delayed-scaling :class:`~nemo_fp8_recipes.nn.Float8Linear` keeps, per operand (input, weight,
+grad_output), an amax history, a scale, and the amax recorded since the last update ("pending").
+Two update schedules share :func:`advance_delayed_scaling`:
+
+``lazy`` (the module default, no trainer needed)
+    each operand commits its pending amax right before its next quantisation, so every
+    forward/backward call advances the history (a plain training loop needs no extra call).
+
+``step`` (what the embedded trainer uses)
+    scales stay fixed for a whole optimizer step; every quantisation in the step max-accumulates
+    its amax; :func:`sync_delayed_scaling` then max-reduces all pending amaxes of the model across
+    the data-parallel group in **one** collective and advances every history once. The result is
+    the same for any split of the global batch over ranks and micro-batches (the max is exact), so
+    a 2-rank run reproduces a 1-rank run with gradient accumulation, and every rank holds
+    identical scales. Transformer Engine advances its histories once per forward/backward pass
+    instead (with its own amax reduction per pass).
+
+Update rule (both schedules, TE's): append the pending amax, ``amax = max(history)`` (or the most
+recent entry), ``scale = fmax / amax / 2**margin`` (``pow2`` rounding if the recipe asks); a zero
+or non-finite amax keeps the previous scale.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..quant.reference import amax_to_scale
+
+__all__ = [
+    "UPDATE_MODES",
+    "advance_delayed_scaling",
+    "set_delayed_scaling_update",
+    "sync_delayed_scaling",
+]
+
+UPDATE_MODES = ("lazy", "step")
+
+
+@torch.no_grad()
+def advance_delayed_scaling(history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor,
+                            flag: torch.Tensor, fmts: Sequence, recipe):
+    """New ``(history, scale)`` after appending ``pending`` where ``flag`` is set.
+
+    Shapes: ``history [..., k, L]``, ``scale``/``pending``/``flag`` ``[..., k]`` with
+    ``k == len(fmts)`` (the FP8 format of each operand column). Entries whose flag is 0 keep
+    their history and scale. Vectorised: one call updates every module of a model.
+    """
+    f = flag > 0
+    rolled = torch.cat([pending.unsqueeze(-1).to(history.dtype), history[..., :-1]], dim=-1)
+    hist = torch.where(f.unsqueeze(-1), rolled, history)
+    amax = hist.amax(-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
+    new = torch.stack(
+        [amax_to_scale(amax[..., i], fmt, recipe.scale_rounding, margin=recipe.margin)
+         for i, fmt in enumerate(fmts)], dim=-1)
+    ok = torch.isfinite(amax) & (amax > 0) & f
+    return hist, torch.where(ok, new, scale)
+
+
+def _delayed_modules(model: nn.Module) -> List[nn.Module]:
+    from .convert import fp8_modules
+
+    return [m for m in fp8_modules(model).values() if m.recipe.is_delayed]
+
+
+def set_delayed_scaling_update(model: nn.Module, mode: str) -> int:
+    """Choose when delayed-scaling modules of ``model`` advance their amax histories:
+    ``"lazy"`` (before each quantisation) or ``"step"`` (once per optimizer step, in
+    :func:`sync_delayed_scaling`). Pending amaxes are committed first, so switching never loses
+    one. Returns the number of delayed-scaling modules."""
+    if mode not in UPDATE_MODES:
+        raise ValueError(f"unknown delayed-scaling update mode {mode!r}; valid modes: {', '.join(UPDATE_MODES)}")
+    mods = _delayed_modules(model)
+    for m in mods:
+        if m.scaling_update == "lazy":
+            for i in range(3):
+                m._commit(i)
+        m.scaling_update = mode
+    if mode == "lazy" and mods:
+        _advance(mods, None, reduce=False)  # commit what step mode accumulated, locally
+    return len(mods)
+
+
+@torch.no_grad()
+def sync_delayed_scaling(model: nn.Module, process_group=None) -> int:
+    """Advance every delayed-scaling history of ``model`` by the amaxes recorded since the last
+    call, max-reduced across ``process_group`` (default: the default group when
+    ``torch.distributed`` is initialised with more than one rank) in a single all-reduce.
+
+    Call it once per optimizer step, after the last backward and before the next forward, on
+    every rank (it is a collective). No host synchronisation. Returns the number of modules.
+    """
+    mods = _delayed_modules(model)
+    if mods:
+        _advance(mods, process_group, reduce=True)
+    return len(mods)
+
+
+@torch.no_grad()
+def _advance(mods: List[nn.Module], process_group, reduce: bool) -> None:
+    import torch.distributed as dist
+
+    pend = torch.stack([m.fp8_amax_pending for m in mods])
+    flags = torch.stack([m.fp8_pending for m in mods])
+    both = torch.cat([pend, flags], dim=1)  # [n, 6]: one collective for the whole model
+    if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
+    pend, flags = both[:, :3], both[:, 3:]
+    groups: Dict[int, List[int]] = {}
+    recipes = {}
+    for k, m in enumerate(mods):
+        key = id(m.recipe)
+        groups.setdefault(key, []).append(k)
+        recipes[key] = m.recipe
+    for key, idx in groups.items():
+        r = recipes[key]
+        sel = torch.tensor(idx, device=pend.device) if len(idx) != len(mods) else None
+        p = pend if sel is None else pend.index_select(0, sel)
+        f = flags if sel is None else flags.index_select(0, sel)
+        group = [mods[k] for k in idx]
+        hist = torch.stack([m.fp8_amax_history for m in group])
+        scale = torch.stack([m.fp8_scale for m in group])
+        new_hist, new_scale = advance_delayed_scaling(
+            hist, scale, p, f, (r.input_format, r.weight_format, r.grad_format), r)
+        torch._foreach_copy_([m.fp8_amax_history for m in group], list(new_hist.unbind(0)))
+        torch._foreach_copy_([m.fp8_scale for m in group], list(new_scale.unbind(0)))
+    torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods])
+    for m in mods:
+        m._pending = [False, False, False]
