@@ -1,18 +1,25 @@
-"""Timing helpers shared by the benchmarks: CUDA events, warm-up, medians, rotating inputs."""
+"""Helpers shared by the benchmarks: CUDA events, warm-up, medians, rotating inputs, Markdown
+tables, JSON output, and the device checks every FP8 benchmark makes before it measures."""
 
 from __future__ import annotations
 
+import gc
+import json
+import os
 import statistics
 import time
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 
-def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30) -> float:
+def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30,
+          cuda: Optional[bool] = None) -> float:
     """Median milliseconds of ``fn(i)`` (``i`` cycles over ``n_inputs`` rotating input sets so the
-    L2 cache does not serve repeated reads). CUDA events on GPU, perf_counter on CPU."""
+    L2 cache does not serve repeated reads). CUDA events on GPU, perf_counter on CPU; ``cuda``
+    forces one or the other (default: CUDA events when CUDA is available)."""
     import torch
 
-    cuda = torch.cuda.is_available()
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     for i in range(warmup):
         fn(i % n_inputs)
     if cuda:
@@ -38,3 +45,89 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
     return "\n".join(out)
+
+
+def fmt(v: Optional[float], spec: str, suffix: str = "") -> str:
+    """``format(v, spec) + suffix``, or ``-`` for a value that was not measured."""
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def fmt_tflops(v: Optional[float]) -> str:
+    """TFLOP/s for a table: whole numbers on a GPU, three decimals for the tiny CPU smoke runs."""
+    if v is None:
+        return "-"
+    return f"{v:.0f}" if v >= 10 else f"{v:.3f}"
+
+
+def error_status(e: BaseException) -> str:
+    """The status a benchmark row records for a variant that raised (the run goes on)."""
+    msg = str(e).splitlines()[0] if str(e) else ""
+    return f"error: {type(e).__name__}: {msg}"
+
+
+def write_json(path: Optional[str], payload: dict) -> None:
+    """Write ``payload`` to ``path`` (parent folders created); nothing when ``path`` is None."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+
+
+def benchmark_device(smoke: bool, info=None) -> str:
+    """The device a timing benchmark runs on: ``cpu`` for ``--smoke`` (tiny shapes, emulated FP8,
+    no timing claims), else a CUDA GPU with FP8 tensor cores. Anything else exits with a message
+    that names what was found and the way out: FP8 timings from emulation mean nothing.
+    ``info`` (a :class:`~nemo_fp8_recipes.recipes.DeviceInfo`) stands in for the GPU in tests."""
+    import torch
+
+    from nemo_fp8_recipes.recipes import check_supported, describe_device, get_recipe
+
+    if smoke:
+        return "cpu"
+    if info is None and not torch.cuda.is_available():
+        raise SystemExit(
+            "this benchmark times real FP8 GEMMs and needs a CUDA GPU with FP8 tensor cores "
+            "(SM89 Ada, SM90 Hopper or newer); found no CUDA device. Run with --smoke for the "
+            "tiny emulated CPU check of the code path (no timing claims)."
+        )
+    info = describe_device("cuda") if info is None else info
+    ok, reason = check_supported(get_recipe("tensorwise", emulate=False), info)
+    if not ok:
+        raise SystemExit(f"this benchmark times real FP8 GEMMs: {reason}")
+    return "cuda"
+
+
+def recipe_mode(recipe: str, device) -> Tuple[str, str]:
+    """How an FP8 recipe runs on ``device`` in a benchmark: ``("real", reason)`` (FP8 tensor
+    cores), ``("emulated", reason)`` (CPU smoke runs only) or ``("skipped", reason)`` where the
+    GPU lacks the format (e.g. mxfp8 on Hopper), with ``check_supported``'s reason. A benchmark
+    never times the emulation on a GPU."""
+    from nemo_fp8_recipes.recipes import (
+        check_supported, describe_device, get_recipe, uses_real_fp8_gemm,
+    )
+
+    info = describe_device(device)
+    r = get_recipe(recipe)
+    if not r.is_fp8:
+        return "bf16", "bf16: no FP8"
+    ok, reason = check_supported(r, info)
+    if info.type != "cuda":
+        return ("emulated", reason) if ok else ("skipped", reason)
+    if uses_real_fp8_gemm(r, info):
+        return "real", reason
+    return "skipped", reason
+
+
+def free_memory() -> None:
+    """Drop what the previous variant left: Python garbage, compiled graphs, cached CUDA blocks."""
+    import torch
+
+    try:
+        torch._dynamo.reset()
+    except Exception:  # noqa: BLE001 - no dynamo (very old torch): nothing to reset
+        pass
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()

@@ -2,6 +2,7 @@
 in the benchmarks themselves, measured on the GPU and recorded in docs/benchmarks.md)."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -20,3 +21,157 @@ def test_benchmark_smoke(script, tmp_path):
     data = json.loads(out.read_text())
     assert data["results"] and all(r["ms"] > 0 for r in data["results"])
     assert "|" in proc.stdout
+
+
+def _run_smoke(script, tmp_path, *args):
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "|---|" in proc.stdout  # a Markdown table
+    return json.loads(out.read_text())
+
+
+def _finite_positive(v):
+    return isinstance(v, float) and math.isfinite(v) and v > 0
+
+
+@pytest.fixture
+def bench_modules(monkeypatch):
+    """Import the benchmark scripts in-process (they live outside the package)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import _timing
+    import gemm_tflops
+    import layer_fwd_bwd
+
+    return _timing, gemm_tflops, layer_fwd_bwd
+
+
+def test_gemm_tflops_smoke(tmp_path):
+    data = _run_smoke("gemm_tflops.py", tmp_path)
+    rows = data["results"]
+    # emulated on CPU: every variant, mxfp8 included, for both projections and all three GEMMs
+    keys = {(r["gemm"], r["pass"], r["variant"]) for r in rows}
+    assert keys == {(g, p, v) for g in ("fc1 (gate or up)", "fc2 (down)") for p in ("fprop", "dgrad", "wgrad")
+                    for v in ("bf16", "per-tensor", "blockwise", "mxfp8")}
+    for r in rows:
+        assert r["status"] == "ok" and all(_finite_positive(r[k]) for k in ("ms", "tflops", "speedup")), r
+        assert r["M"] * r["N"] * r["K"] > 0
+    wgrad = {r["variant"]: r for r in rows if r["pass"] == "wgrad" and r["gemm"] == "fc2 (down)"}
+    assert (wgrad["per-tensor"]["M"], wgrad["per-tensor"]["N"], wgrad["per-tensor"]["K"]) == (256, 384, 256)
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8"])
+@pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
+def test_gemm_tflops_operands_compute_the_bf16_gemm(bench_modules, recipe, gemm):
+    """The pre-quantised operands are laid out so that scaled_matmul computes the same GEMM as
+    the BF16 torch.mm it is compared with (a wrong orientation would give an error of order 1)."""
+    import torch
+
+    from nemo_fp8_recipes.quant import scaled_matmul
+    from nemo_fp8_recipes.recipes import get_recipe
+
+    _, g, _ = bench_modules
+    torch.manual_seed(0)
+    m, n, k = 256, 384, 128
+    x, w, dy = torch.randn(m, k), torch.randn(n, k) * 0.02, torch.randn(m, n) * 1e-3
+    qa, qb, fast, out_dtype = g.fp8_operands(get_recipe(recipe), x, w, dy, gemm)
+    got = scaled_matmul(qa, qb, emulate=True, out_dtype=torch.float32, fast_accum=fast)
+    want = g.bf16_gemm(x, w, dy, gemm)
+    assert got.shape == want.shape == g.gemm_shape(m, n, k, gemm)[:2]
+    assert out_dtype == (torch.float32 if gemm == "wgrad" else torch.bfloat16)
+    assert ((got - want).norm() / want.norm()).item() < 0.08
+
+
+def test_benchmarks_refuse_to_time_without_fp8(bench_modules, capsys):
+    """Outside --smoke a CPU or a GPU without FP8 is an error that says why; on an H200 mxfp8 is
+    a skipped row carrying check_supported's reason, and the other recipes run for real."""
+    from nemo_fp8_recipes.recipes import DeviceInfo
+
+    t, g, layer = bench_modules
+    a100 = DeviceInfo(type="cuda", name="NVIDIA A100", capability=(8, 0), cuda_version=(12, 4))
+    with pytest.raises(SystemExit, match=r"tensorwise needs an FP8 GPU \(SM89 Ada, SM90 Hopper or newer\); found SM80"):
+        t.benchmark_device(False, a100)
+    for main in (g.main, layer.main):
+        with pytest.raises(SystemExit, match="found no CUDA device. Run with --smoke"):
+            main(["--sizes", "8b"])
+    h200 = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), cuda_version=(13, 0))
+    assert t.benchmark_device(False, h200) == "cuda"
+    assert t.recipe_mode("mxfp8", h200) == (
+        "skipped", "mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, "
+        "or emulate=true for numerics only")
+    for r in ("tensorwise", "delayed", "blockwise"):
+        assert t.recipe_mode(r, h200)[0] == "real"
+    assert t.recipe_mode("tensorwise", "cpu")[0] == "emulated"
+
+
+@pytest.mark.parametrize("block,n_fp8", [("layer", 7), ("mlp", 3)])
+def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8):
+    data = _run_smoke("layer_fwd_bwd.py", tmp_path, "--block", block)
+    assert data["block"] == block and data["param_dtype"] == "fp32"
+    rows = {(r["variant"], r["mode"]): r for r in data["results"]}
+    variants = ("bf16", "tensorwise", "delayed", "blockwise", "torchao-tensorwise", "torchao-rowwise")
+    assert set(rows) == {(v, m) for v in variants for m in ("eager", "compiled")}
+    try:
+        import torchao.float8  # noqa: F401
+        have_torchao = True
+    except ImportError:
+        have_torchao = False
+    for (variant, mode), r in rows.items():
+        if variant.startswith("torchao") and not have_torchao:
+            assert r["status"] == "skipped: torchao not installed" and r["ms"] is None
+            continue
+        assert r["status"] == "ok", r
+        assert all(_finite_positive(r[k]) for k in ("ms", "tflops", "speedup", "first_call_s")), r
+        # the same linears are FP8 in our recipes and in torchao's (the policy's choice)
+        assert r["fp8_linears"] == (0 if variant == "bf16" else n_fp8)
+        if have_torchao:
+            assert _finite_positive(r["vs_torchao_tensorwise"])
+        else:
+            assert r["vs_torchao_tensorwise"] is None
+    assert rows[("bf16", "eager")]["speedup"] == 1.0
+
+
+def test_layer_policy_filter_matches_convert_model(bench_modules):
+    """torchao is handed exactly the linears convert_model puts in FP8."""
+    import torch.nn as nn
+
+    from nemo_fp8_recipes.models import load_model_config
+    from nemo_fp8_recipes.policy import PrecisionPolicy
+
+    _, _, layer = bench_modules
+    cfg = load_model_config("llama3_8b").replace(dim=128, num_heads=2, num_kv_heads=1, ffn_dim=256,
+                                                 max_seq_len=16)
+    ours = layer.build(cfg, "layer", "tensorwise", "cpu", smoke=True)
+    fp8 = {n for n, m in ours.named_modules() if type(m).__name__ == "Float8Linear"}
+    plain = layer.OneLayer(cfg, "layer")
+    keep = layer.policy_filter(PrecisionPolicy())
+    chosen = {n for n, m in plain.named_modules() if isinstance(m, nn.Linear) and keep(m, n)}
+    assert chosen == fp8 and len(fp8) == 7
+    assert "layers.0.attention.wq" in fp8 and "layers.0.feed_forward.w2" in fp8
+
+
+def test_gemm_tflops_skipped_and_failed_variants_are_rows(bench_modules, monkeypatch, tmp_path, capsys):
+    """A recipe the GPU lacks is a row carrying check_supported's reason, and a variant that
+    raises is an error row (the other variants are still measured; exit status 1)."""
+    _, g, _ = bench_modules
+    reason = "mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, or emulate=true for numerics only"
+    real_mode = g.recipe_mode
+    monkeypatch.setattr(g, "recipe_mode", lambda r, d: ("skipped", reason) if r == "mxfp8" else real_mode(r, d))
+    real_mm = g.scaled_matmul
+
+    def failing(qa, qb, **kw):
+        if qa.block == (1, 128):
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return real_mm(qa, qb, **kw)
+
+    monkeypatch.setattr(g, "scaled_matmul", failing)
+    out = tmp_path / "g.json"
+    assert g.main(["--smoke", "--out", str(out)]) == 1
+    rows = json.loads(out.read_text())["results"]
+    assert [r["status"] for r in rows if r["variant"] == "mxfp8"] == [f"skipped: {reason}"]
+    blk = [r for r in rows if r["variant"] == "blockwise"]
+    assert len(blk) == 6 and all(r["status"] == "error: RuntimeError: CUBLAS_STATUS_NOT_SUPPORTED" for r in blk)
+    assert all(r["status"] == "ok" for r in rows if r["variant"] in ("bf16", "per-tensor"))
+    printed = capsys.readouterr().out
+    assert f"skipped: {reason}" in printed and "CUBLAS_STATUS_NOT_SUPPORTED" in printed

@@ -1,0 +1,326 @@
+"""A full Llama 3 transformer layer (or its MLP) forward + backward: our FP8 recipes vs BF16 vs
+torchao, eager and ``torch.compile``, one run.
+
+    python benchmarks/layer_fwd_bwd.py --block layer --sizes 8b,70b,405b --out results/layer.json
+    python benchmarks/layer_fwd_bwd.py --block mlp   --sizes 8b,70b,405b --out results/mlp.json
+
+``--block layer``: the package's own ``TransformerBlock`` (``nemo_fp8_recipes.models.llama``):
+RMSNorm (FP32), grouped-query attention with RoPE and BF16 SDPA (causal), SwiGLU MLP;
+``--block mlp``: its ``FeedForward`` alone (``w2(silu(w1 x) * w3 x)``, e.g. 4096 -> 14336 -> 4096
+at 8B). Shapes come from ``configs/model/`` (8b = llama3_8b, 70b = llama3_70b, 405b =
+llama31_405b), sequence ``--seq`` 8192, micro-batch ``--batch`` 1. The module sits under the
+names the full model gives it (``layers.0.attention.wq``, ``layers.0.feed_forward.w1``, ...).
+
+Variants (``--variants``): ``bf16`` (BF16 autocast); ``tensorwise``, ``delayed``, ``blockwise``
+(and ``mxfp8``, skipped with ``check_supported``'s reason where the GPU lacks it): the block
+converted by ``convert_model`` with the default precision policy (attention projections and MLP
+in FP8; norms and the attention core in BF16/FP32); ``torchao-tensorwise``,
+``torchao-rowwise``: the same block converted by torchao's ``convert_to_float8_training`` with
+``Float8LinearConfig.from_recipe_name(...)``, filtered by the same policy so the same linears are
+FP8 (rows say ``skipped: torchao not installed`` without torchao).
+
+As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
+and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
+unless ``--input-dtype bf16``; gradients are set to None before every step (``zero_grad``). Our
+FP8 weight copies are quantised once and cached, as between optimizer steps (torchao casts its
+weights in every forward). Peak memory is ``torch.cuda.max_memory_allocated`` after a reset, per
+variant and mode, with the model, its gradients and the shared inputs (``--input-sets`` rotating
+sets) allocated. A 405B layer is 3.19e9 parameters: 11.9 GiB FP32 + 11.9 GiB FP32 gradients +
+~6 GiB BF16/FP8 weight copies + activations — under 60 GiB, so FP32 master weights fit the H200
+(AdamW state, not allocated here, would add 23.8 GiB).
+
+Median of ``--iters`` steps after ``--warmup`` (CUDA events); the first call (compilation
+included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``; our FP8
+linears run there as eager islands. Ratios are within one size and mode: speed-up over BF16, and
+"vs torchao tw" = torchao tensorwise ms / this variant's ms (> 1: faster than torchao). Results
+are rewritten to ``--out`` after every variant, so a run cut short keeps what it measured.
+``--smoke``: tiny emulated CPU run for CI (compiled with ``aot_eager``; no timing claims).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import (  # noqa: E402
+    bench, benchmark_device, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
+    write_json,
+)
+from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
+from _torchao import convert_torchao, torchao_status  # noqa: E402
+
+from nemo_fp8_recipes.models import load_model_config  # noqa: E402
+from nemo_fp8_recipes.models.llama import FeedForward, TransformerBlock, precompute_rope  # noqa: E402
+from nemo_fp8_recipes.nn import convert_model  # noqa: E402
+from nemo_fp8_recipes.policy import PrecisionPolicy  # noqa: E402
+from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
+
+MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
+TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
+VARIANTS = ["bf16", "tensorwise", "delayed", "blockwise", "mxfp8", *TORCHAO]
+DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class OneLayer(nn.Module):
+    """One decoder layer (``block="layer"``) or its MLP (``"mlp"``) under the fully qualified
+    names of the full model (``layers.0.*``), so the precision policy decides as in training."""
+
+    def __init__(self, cfg, block: str) -> None:
+        super().__init__()
+        self.block = block
+        if block == "layer":
+            layer = TransformerBlock(0, cfg)
+        else:
+            layer = nn.Module()
+            layer.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
+        self.layers = nn.ModuleList([layer])
+        self.register_buffer("rope", precompute_rope(cfg), persistent=False)
+        with torch.no_grad():  # the trainer's init (Transformer.init_weights)
+            for name, m in self.named_modules():
+                if isinstance(m, nn.Linear):
+                    nn.init.normal_(m.weight, mean=0.0, std=cfg.init_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, T, dim]`` -> ``[B, T, dim]``."""
+        layer = self.layers[0]
+        if self.block == "layer":
+            return layer(x, self.rope[: x.shape[1]])[0]
+        return layer.feed_forward(x)
+
+
+def model_flops(cfg, block: str, tokens: int, seq: int) -> float:
+    """FLOPs of one forward + backward: ``6 · linear params · tokens`` plus, for the layer, the
+    attention core ``12 · heads · head_dim · seq`` per token (PaLM convention, no causal halving,
+    as the trainer's MFU)."""
+    mlp = 3 * cfg.dim * cfg.ffn_dim
+    if block == "mlp":
+        return 6.0 * mlp * tokens
+    lin = mlp + 2 * cfg.dim * cfg.num_heads * cfg.head_dim + 2 * cfg.dim * cfg.num_kv_heads * cfg.head_dim
+    return tokens * (6.0 * lin + 12.0 * cfg.num_heads * cfg.head_dim * seq)
+
+
+def policy_filter(policy: PrecisionPolicy, num_layers: int = 1):
+    """torchao's ``module_filter_fn``: exactly the linears our policy puts in FP8 (checked with the
+    per-tensor recipe's alignment, as torchao needs dims divisible by 16)."""
+    pol = policy.with_num_layers(num_layers)
+    r = get_recipe("tensorwise")
+
+    def fn(mod: nn.Module, fqn: str) -> bool:
+        return isinstance(mod, nn.Linear) and pol.decide(fqn, mod, recipe=r).fp8
+
+    return fn
+
+
+def build(cfg, block: str, variant: str, dev: str, smoke: bool) -> nn.Module:
+    """The block for ``variant`` on ``dev``, FP32 parameters, converted per variant."""
+    with torch.device(dev):
+        model = OneLayer(cfg, block)
+    policy = PrecisionPolicy()
+    if variant in TORCHAO:
+        convert_torchao(model, TORCHAO[variant], policy_filter(policy), emulate=smoke)
+    elif variant != "bf16":
+        convert_model(model, get_recipe(variant), policy, emulate=True if smoke else None)
+    return model
+
+
+class Inputs:
+    """``--input-sets`` rotating block inputs (requiring grad, as inside a model) and output
+    gradients, shared by every variant of one size."""
+
+    def __init__(self, cfg, a, dev: str, x_dtype: torch.dtype, y_dtype: torch.dtype) -> None:
+        g = torch.Generator(device=dev).manual_seed(0)
+        shape = (a.batch, a.seq, cfg.dim)
+        self.tokens = a.batch * a.seq
+        self.n = a.input_sets
+        self.xs = [torch.randn(shape, device=dev, generator=g).to(x_dtype).requires_grad_()
+                   for _ in range(self.n)]
+        self._dys = {y_dtype: [(torch.randn(shape, device=dev, generator=g) * 1e-2).to(y_dtype)
+                               for _ in range(self.n)]}
+        self._y_dtype = y_dtype
+
+    def grads(self, dtype: torch.dtype):
+        """The output gradients in the output's dtype (converted once if a variant differs)."""
+        if dtype not in self._dys:
+            self._dys[dtype] = [d.to(dtype) for d in self._dys[self._y_dtype]]
+        return self._dys[dtype]
+
+
+def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
+    """Time one fwd+bwd step of ``model`` (eager or compiled): ``{"status", "ms",
+    "first_call_s", "peak_gib"}``; an exception (e.g. out of memory) becomes an error status."""
+    cuda = dev == "cuda"
+    params = [q for q in model.parameters() if q.requires_grad]
+    out = {"status": "ok", "ms": None, "first_call_s": None, "peak_gib": None}
+    fn = None
+    try:
+        for q in params:
+            q.grad = None
+        if mode == "compiled":
+            free_memory()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            fn = torch.compile(model, backend=a.compile_backend, dynamic=False)
+        else:
+            fn = model
+
+        def step(i: int) -> None:
+            x = inputs.xs[i]
+            x.grad = None
+            for q in params:  # zero_grad(set_to_none=True), as every training step
+                q.grad = None
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
+                y = fn(x)
+            y.backward(inputs.grads(y.dtype)[i])
+
+        t0 = time.perf_counter()
+        step(0)
+        if cuda:
+            torch.cuda.synchronize()
+        out["first_call_s"] = time.perf_counter() - t0
+        out["ms"] = bench(step, inputs.n, warmup=a.warmup, iters=a.iters, cuda=cuda)
+        if cuda:
+            out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
+        traceback.print_exc()
+        out.update(status=error_status(e), ms=None)
+    finally:
+        fn = None
+        for q in params:
+            q.grad = None
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--block", choices=("layer", "mlp"), default="layer")
+    p.add_argument("--sizes", default="8b,70b,405b", help="comma list of " + ",".join(MODELS))
+    p.add_argument("--modes", default="eager,compiled", help="comma list of eager,compiled")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list of " + ",".join(VARIANTS))
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--input-dtype", choices=tuple(DTYPES), default="fp32",
+                   help="dtype of the block's input (fp32: the trainer's residual stream)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--input-sets", type=int, default=2, help="rotating input/gradient sets")
+    p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--out", default=None, help="write the results as JSON here (after every variant)")
+    p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
+    a = p.parse_args(argv)
+
+    def split(s):
+        return [x.strip() for x in s.split(",") if x.strip()]
+
+    sizes, modes, variants = split(a.sizes), split(a.modes), split(a.variants)
+    for s in sizes:
+        if s not in MODELS:
+            p.error(f"unknown size {s!r}; valid: {', '.join(MODELS)}")
+    for m in modes:
+        if m not in ("eager", "compiled"):
+            p.error(f"unknown mode {m!r}; valid: eager, compiled")
+    for v in variants:
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; valid: {', '.join(VARIANTS)}")
+    if "bf16" not in variants:
+        variants.insert(0, "bf16")  # speed-ups are against BF16 in the same run
+    dev = benchmark_device(a.smoke)
+    cuda = dev == "cuda"
+    cfgs = {s: load_model_config(MODELS[s]).replace(max_seq_len=a.seq) for s in sizes}
+    if a.smoke:
+        a.seq, a.batch, a.warmup, a.iters, a.input_sets = 64, 1, 0, 2, 2
+        a.compile_backend = "aot_eager"  # Inductor's C++ build alone takes ~10 s per variant on CPU
+        cfgs = {"tiny": load_model_config("llama3_8b").replace(
+            name="tiny", dim=256, num_heads=2, num_kv_heads=1, ffn_dim=384, max_seq_len=a.seq)}
+    ao_version, ao_reason = torchao_status()
+    x_dtype = DTYPES[a.input_dtype]
+    # the block's output dtype: the residual stream's for a layer, autocast's for the MLP alone
+    y_dtype = x_dtype if a.block == "layer" or not cuda else torch.bfloat16
+    name = torch.cuda.get_device_name() if cuda else "CPU (emulated FP8, smoke: no timing claims)"
+    res = []
+    header = {"benchmark": "layer_fwd_bwd", "block": a.block, "device": name,
+              "torch": torch.__version__, "torchao": ao_version, "seq": a.seq, "batch": a.batch,
+              "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
+              "compile_backend": a.compile_backend, "warmup": a.warmup, "iters": a.iters}
+    failed = False
+
+    for size, cfg in cfgs.items():
+        free_memory()
+        inputs = Inputs(cfg, a, dev, x_dtype, y_dtype)
+        for variant in variants:
+            row0 = {"size": size, "block": a.block, "variant": variant, "dim": cfg.dim,
+                    "ffn_dim": cfg.ffn_dim, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+                    "tokens": inputs.tokens, "fp8_linears": None, "ms": None, "tflops": None,
+                    "first_call_s": None, "peak_gib": None}
+            skip = None
+            if variant in TORCHAO:
+                skip = ao_reason or None
+            elif variant != "bf16":
+                how, reason = recipe_mode(variant, dev)
+                skip = f"skipped: {reason}" if how == "skipped" else None
+            model = None
+            if skip is None:
+                try:
+                    free_memory()
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    model = build(cfg, a.block, variant, dev, a.smoke)
+                    row0["fp8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+                except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
+                    traceback.print_exc()
+                    skip = error_status(e)
+            for mode in modes:
+                row = dict(row0, mode=mode, status=skip)
+                if model is not None:
+                    row.update(measure(model, mode, inputs, a, dev))
+                    row["tflops"] = None if row["ms"] is None else model_flops(
+                        cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
+                failed |= row["status"].startswith("error")
+                res.append(row)
+                took = "" if row["ms"] is None else f" {row['ms']:.2f} ms"
+                print(f"  {size} {a.block} {variant} {mode}: {row['status']}{took}",
+                      file=sys.stderr, flush=True)
+                _add_ratios(res)
+                write_json(a.out, dict(header, results=res))
+            del model
+        del inputs
+    free_memory()
+
+    _add_ratios(res)
+    rows = [(r["size"], r["variant"], r["mode"], fmt(r["ms"], ".2f"), fmt_tflops(r["tflops"]),
+             fmt(r.get("speedup"), ".2f", "x"), fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
+             fmt(r["peak_gib"], ".1f"), fmt(r["first_call_s"], ".1f"),
+             "-" if r["fp8_linears"] is None else r["fp8_linears"], r["status"])
+            for r in sorted(res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]),
+                                                  variants.index(r["variant"])))]
+    what = "Llama layer (attention + SwiGLU MLP)" if a.block == "layer" else "SwiGLU MLP"
+    print(f"{name}, torch {torch.__version__}, torchao {ao_version or 'not installed'}; {what}, "
+          f"seq {a.seq} x batch {a.batch}, FP32 params, {a.input_dtype.upper()} input"
+          f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}\n")
+    print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs torchao tw",
+                 "peak GiB", "first call s", "FP8 linears", "status"], rows))
+    write_json(a.out, dict(header, results=res))
+    return 1 if failed else 0
+
+
+def _add_ratios(res) -> None:
+    """Speed-up over BF16 and ratio to torchao tensorwise, within one size and mode."""
+    for r in res:
+        if r["status"] != "ok":
+            continue
+        same = {o["variant"]: o for o in res
+                if o["size"] == r["size"] and o["mode"] == r["mode"] and o["status"] == "ok"}
+        b, t = same.get("bf16"), same.get("torchao-tensorwise")
+        r["speedup"] = b["ms"] / r["ms"] if b else None
+        r["vs_torchao_tensorwise"] = t["ms"] / r["ms"] if t else None
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
