@@ -23,7 +23,8 @@ As the package's trainer runs a layer: FP32 parameters (the master weights) unde
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
 unless ``--input-dtype bf16``; gradients are set to None before every step (``zero_grad``). Our
 FP8 weight copies are quantised once and cached, as between optimizer steps (torchao casts its
-weights in every forward). Peak memory is ``torch.cuda.max_memory_allocated`` after a reset, per
+weights in every forward); ``--requant-weights`` re-quantises them every step instead (one
+micro-batch per optimizer step). Peak memory is ``torch.cuda.max_memory_allocated`` after a reset, per
 variant and mode, with the model, its gradients and the shared inputs (``--input-sets`` rotating
 sets) allocated. A 405B layer is 3.19e9 parameters: 11.9 GiB FP32 + 11.9 GiB FP32 gradients +
 ~6 GiB BF16/FP8 weight copies + activations — under 60 GiB, so FP32 master weights fit the H200
@@ -58,7 +59,7 @@ from _torchao import convert_torchao, torchao_status  # noqa: E402
 
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402
 from nemo_fp8_recipes.models.llama import FeedForward, TransformerBlock, precompute_rope  # noqa: E402
-from nemo_fp8_recipes.nn import convert_model  # noqa: E402
+from nemo_fp8_recipes.nn import Float8Linear, convert_model, invalidate_weight_cache  # noqa: E402
 from nemo_fp8_recipes.policy import PrecisionPolicy  # noqa: E402
 from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
 
@@ -171,11 +172,15 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         else:
             fn = model
 
+        requant = a.requant_weights and any(type(m) is Float8Linear for m in model.modules())
+
         def step(i: int) -> None:
             x = inputs.xs[i]
             x.grad = None
             for q in params:  # zero_grad(set_to_none=True), as every training step
                 q.grad = None
+            if requant:  # one micro-batch per optimizer step: the FP8 weights are re-quantised
+                invalidate_weight_cache(model)
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
                 y = fn(x)
             y.backward(inputs.grads(y.dtype)[i])
@@ -212,6 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--input-sets", type=int, default=2, help="rotating input/gradient sets")
     p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--requant-weights", action="store_true",
+                   help="re-quantise our FP8 weights every step (one micro-batch per optimizer "
+                        "step, as torchao always does) instead of using the cached copies")
     p.add_argument("--out", default=None, help="write the results as JSON here (after every variant)")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)
@@ -248,7 +256,8 @@ def main(argv=None) -> int:
     header = {"benchmark": "layer_fwd_bwd", "block": a.block, "device": name,
               "torch": torch.__version__, "torchao": ao_version, "seq": a.seq, "batch": a.batch,
               "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
-              "compile_backend": a.compile_backend, "warmup": a.warmup, "iters": a.iters}
+              "compile_backend": a.compile_backend, "warmup": a.warmup, "iters": a.iters,
+              "requant_weights": a.requant_weights}
     failed = False
 
     for size, cfg in cfgs.items():
@@ -303,7 +312,8 @@ def main(argv=None) -> int:
     what = "Llama layer (attention + SwiGLU MLP)" if a.block == "layer" else "SwiGLU MLP"
     print(f"{name}, torch {torch.__version__}, torchao {ao_version or 'not installed'}; {what}, "
           f"seq {a.seq} x batch {a.batch}, FP32 params, {a.input_dtype.upper()} input"
-          f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}\n")
+          f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
+          f"{'re-quantised every step' if a.requant_weights else 'cached (as between optimizer steps)'}\n")
     print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs torchao tw",
                  "peak GiB", "first call s", "FP8 linears", "status"], rows))
     write_json(a.out, dict(header, results=res))
