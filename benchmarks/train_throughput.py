@@ -10,6 +10,14 @@ Each run is a real ``python -m nemo_fp8_recipes.train`` (mxfp8 with ``recipe.emu
 GPUs without MXFP8). Tokens/s is the median of the trainer's logged ``tokens_per_s`` over the
 second half of the run (warm-up, compilation and the first validation excluded); loss is read
 from the TensorBoard events. ``--smoke`` runs a tiny CPU version for CI (no timing claims).
+
+Data-parallel scaling (``--nproc 1,2``): each recipe runs once per process count under
+``torchrun`` with the same global batch (``--global-batch``, default micro-batch x the largest
+count, so one process accumulates gradients over what the ranks run side by side). The table adds
+the scaling efficiency (tokens/s over ``nproc`` x the 1-process tokens/s) and the largest relative
+deviation of the per-step training loss from the 1-process run::
+
+    python benchmarks/train_throughput.py --model llama3_150m --steps 60 --micro-batch 8 --nproc 1,2
 """
 
 from __future__ import annotations
@@ -34,15 +42,15 @@ def read_scalars(run_dir: Path) -> dict:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_one(args, recipe: str, compile_: bool, root: Path) -> dict:
-    tag = "compiled" if compile_ else "eager"
+def run_one(args, recipe: str, compile_: bool, root: Path, nproc: int = 1) -> dict:
+    tag = ("compiled" if compile_ else "eager") + (f"-dp{nproc}" if args.nproc_list != [1] else "")
     overrides = [
         f"recipe={recipe}",
         f"model={args.model}",
         f"trainer.max_steps={args.steps}",
         f"trainer.seq_len={args.seq_len}",
         f"trainer.micro_batch_size={args.micro_batch}",
-        f"trainer.global_batch_size={args.micro_batch}",
+        f"trainer.global_batch_size={args.global_batch or args.micro_batch}",
         f"trainer.compile={str(compile_).lower()}",
         f"trainer.val_interval={args.steps}",
         "trainer.ckpt_interval=0",
@@ -55,13 +63,16 @@ def run_one(args, recipe: str, compile_: bool, root: Path) -> dict:
     ] + list(args.extra)
     if recipe == "mxfp8" and args.emulate_mxfp8:
         overrides.append("recipe.emulate=true")
-    cmd = [sys.executable, "-m", "nemo_fp8_recipes.train", *overrides]
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, "-m", "nemo_fp8_recipes.train", *overrides]
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
     run_dir = root / args.model / f"{recipe}-{tag}"
-    res = {"recipe": recipe, "compile": compile_, "wall_s": round(wall, 1), "returncode": proc.returncode,
-           "cmd": " ".join(cmd)}
+    res = {"recipe": recipe, "compile": compile_, "nproc": nproc, "wall_s": round(wall, 1),
+           "returncode": proc.returncode, "cmd": " ".join(cmd)}
     if proc.returncode != 0:
         res["error"] = (proc.stderr or proc.stdout)[-3000:]
         return res
@@ -74,6 +85,7 @@ def run_one(args, recipe: str, compile_: bool, root: Path) -> dict:
         "first_loss": loss[0][1] if loss else None,
         "last_loss": statistics.mean(v for _, v in loss[-3:]) if loss else None,
         "val_loss": val[-1][1] if val else None,
+        "loss_steps": sc.get("train/loss_step", []),
         "mfu": statistics.median(v for s, v in sc.get("perf/mfu", []) if s > args.steps // 2)
         if sc.get("perf/mfu") else None,
     })
@@ -93,38 +105,59 @@ def main(argv=None) -> int:
                    help="run mxfp8 with recipe.emulate=true (needed on Hopper)")
     p.add_argument("--root", default="runs/bench")
     p.add_argument("--out", default=None, help="write results as JSON here")
+    p.add_argument("--nproc", default="1",
+                   help="comma-separated process counts (one GPU each under torchrun), e.g. 1,2")
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (default: micro-batch x the largest --nproc)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run for CI: 3 steps, tiny model")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args(argv)
     if args.smoke:
         args.model, args.steps, args.seq_len, args.micro_batch = "llama3_tiny", 4, 64, 2
         args.extra = list(args.extra) + ["model.num_layers=1", "data.max_files=20", "trainer.device=cpu"]
+    args.nproc_list = sorted({int(n) for n in str(args.nproc).split(",")})
+    if args.global_batch is None:
+        args.global_batch = args.micro_batch * max(args.nproc_list)
+    if args.smoke and max(args.nproc_list) > 1:
+        args.extra = list(args.extra) + ["trainer.log_interval=1"]
     modes = {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]
     root = Path(args.root)
     results = []
-    for compile_ in modes:
-        for recipe in args.recipes.split(","):
-            r = run_one(args, recipe, compile_, root)
-            results.append(r)
-            status = "ok" if r["returncode"] == 0 else "FAILED"
-            print(f"[{status}] {recipe:<11} {'compiled' if compile_ else 'eager':<9} wall {r['wall_s']:>6}s "
-                  f"tok/s {r.get('tokens_per_s') or 0:>10.0f}  loss {r.get('first_loss') or 0:.3f} -> "
-                  f"{r.get('last_loss') or 0:.3f}", flush=True)
-            if r["returncode"] != 0:
-                print(r["error"], file=sys.stderr)
-    base = {c: next((r.get("tokens_per_s") for r in results if r["recipe"] == "bf16" and r["compile"] == c), None)
-            for c in (False, True)}
-    print(f"\n| recipe | mode | tokens/s | vs bf16 | MFU | loss first -> last | val loss |")
-    print("|---|---|---|---|---|---|---|")
+    runs = [(c, recipe, n) for c in modes for recipe in args.recipes.split(",") for n in args.nproc_list]
+    for compile_, recipe, nproc in runs:
+        r = run_one(args, recipe, compile_, root, nproc)
+        results.append(r)
+        status = "ok" if r["returncode"] == 0 else "FAILED"
+        print(f"[{status}] {recipe:<11} {'compiled' if compile_ else 'eager':<9} x{nproc} wall {r['wall_s']:>6}s "
+              f"tok/s {r.get('tokens_per_s') or 0:>10.0f}  loss {r.get('first_loss') or 0:.3f} -> "
+              f"{r.get('last_loss') or 0:.3f}", flush=True)
+        if r["returncode"] != 0:
+            print(r["error"], file=sys.stderr)
+    single = {(r["recipe"], r["compile"]): r for r in results if r["nproc"] == 1}
+    for r in results:  # data-parallel scaling against the 1-process run of the same recipe/mode
+        one = single.get((r["recipe"], r["compile"]))
+        if r["nproc"] > 1 and one and r.get("tokens_per_s") and one.get("tokens_per_s"):
+            r["scaling_efficiency"] = r["tokens_per_s"] / (r["nproc"] * one["tokens_per_s"])
+            ref = dict(one.get("loss_steps", []))
+            devs = [abs(v - ref[s]) / abs(ref[s]) for s, v in r.get("loss_steps", []) if ref.get(s)]
+            r["max_rel_loss_dev_vs_1proc"] = max(devs) if devs else None
+    base = {(c, n): next((r.get("tokens_per_s") for r in results
+                          if r["recipe"] == "bf16" and r["compile"] == c and r["nproc"] == n), None)
+            for c in (False, True) for n in args.nproc_list}
+    print("\n| recipe | mode | procs | tokens/s | vs bf16 | MFU | loss first -> last | val loss "
+          "| DP efficiency | loss dev vs 1 proc |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r.get("tokens_per_s")
-        b = base[r["compile"]]
+        b = base[(r["compile"], r["nproc"])]
         ratio = f"{t / b:.2f}x" if t and b else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        eff = f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") else "-"
+        dev = f"{r['max_rel_loss_dev_vs_1proc']:.1e}" if r.get("max_rel_loss_dev_vs_1proc") is not None else "-"
         print(f"| {r['recipe']}{' (emulated)' if r['recipe'] == 'mxfp8' and args.emulate_mxfp8 else ''} | "
-              f"{'compiled' if r['compile'] else 'eager'} | {t or 0:.0f} | {ratio} | {mfu} | "
+              f"{'compiled' if r['compile'] else 'eager'} | {r['nproc']} | {t or 0:.0f} | {ratio} | {mfu} | "
               f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
-              f"{r.get('val_loss') or float('nan'):.3f} |")
+              f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:

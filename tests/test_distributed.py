@@ -209,3 +209,18 @@ def test_torchrun_cli_and_batch_divisibility(tmp_path, dist_runs):
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "must be a multiple of trainer.micro_batch_size (2) x 2 data-parallel ranks" in proc.stderr
+
+
+def test_scaling_benchmark_smoke(tmp_path):
+    """benchmarks/train_throughput.py --nproc 1,2: one process vs two (gloo on CPU), one table."""
+    out = tmp_path / "dp.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--smoke", "--recipes", "delayed",
+           "--nproc", "1,2", "--root", str(tmp_path / "runs"), "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert [r["nproc"] for r in results] == [1, 2]
+    two = results[1]
+    assert two["scaling_efficiency"] > 0
+    assert two["max_rel_loss_dev_vs_1proc"] == 0.0  # deterministic CPU kernels: identical curves
+    assert "| DP efficiency |" in proc.stdout
