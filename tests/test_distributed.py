@@ -39,7 +39,7 @@ BASE = [
     "trainer.warmup_steps=2", f"trainer.ckpt_interval={CKPT_AT}", "trainer.ckpt_keep=5",
     "trainer.telemetry_interval=3",
 ]
-FSDP_RECIPES = ("delayed", "blockwise")
+FSDP_RECIPES = tuple(list_recipes())  # every recipe under FSDP2 too
 # Gradient sums over ranks are exact for 2 ranks x 1 micro-batch vs 1 rank x 2 micro-batches
 # (each micro-batch back-propagates the same loss/4 in both), so DDP matches to the last bit in
 # practice; FSDP2's sharded clip-norm reduction sums in another order.
