@@ -144,7 +144,8 @@ def convert_model(
             _install_hp_counter(state, fqn, module)
     object.__setattr__(model, _STATE_ATTR, state)
     # DDP broadcasts buffers from rank 0 before every forward; the delayed-scaling state is
-    # per-rank until the amax reduction, so keep it out of that broadcast.
+    # per-rank until the amax reduction, and the GEMM counters are per rank, so keep them out of
+    # that broadcast.
     fp8_buffers = [f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, Float8Linear)
                    for b, _ in m.named_buffers(recurse=False)]
     if fp8_buffers:
@@ -169,7 +170,7 @@ def fp8_modules(model: nn.Module) -> Dict[str, Float8Linear]:
 def reset_gemm_counts(model: nn.Module) -> None:
     """Zero the per-GEMM counters that :func:`audit` reports."""
     for m in fp8_modules(model).values():
-        m.gemm_counts = {k: 0 for k in m.gemm_counts}
+        m.reset_gemm_counts()
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
         for c in state.hp_counts.values():

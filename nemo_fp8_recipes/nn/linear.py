@@ -22,10 +22,18 @@ computed from the history through step t-1, the amax of step t is appended after
 optional hook max-reduces pending amaxes across data-parallel ranks before each update. The
 update schedule (per use, or once per optimizer step with one collective for the whole model)
 lives in :mod:`nemo_fp8_recipes.nn.scaling`.
+
+Two autograd functions share the GEMM code (:func:`_fprop`, :func:`_grads`): the eager one
+(:class:`_Float8LinearFn`: fused Triton quantisers on CUDA, weight cache, delayed scaling,
+telemetry) and, under ``torch.compile``, a traceable one for the current-scaling recipes
+(:class:`_Float8LinearTracedFn`: the reference quantisers, which the compiler fuses into its own
+kernels, and no Python-side state), so a compiled model has no graph break at its FP8 linears.
+:meth:`Float8Linear.forward` says which path runs when.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Dict, Optional
 
 import torch
@@ -85,78 +93,176 @@ def _rebuild(meta, tensors) -> Optional[QuantizedTensor]:
                            amax=scale_inv, scale_e8m0=e8m0 if has_e8m0 else None)
 
 
+def _operand_spec(recipe: Recipe, i: int):
+    """(format, granularity) of operand ``i`` (input, weight, grad_output) under ``recipe``."""
+    fmt = (recipe.input_format, recipe.weight_format, recipe.grad_format)[i]
+    gran = (recipe.input_granularity, recipe.weight_granularity, recipe.grad_granularity)[i]
+    return fmt, gran
+
+
+def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False):
+    """Stateless current scaling of operand ``i`` with the reference quantisers (plain torch
+    ops): the quantiser of the compile-traced path. Same contract, and on CPU the same calls, as
+    :meth:`Float8Linear._quantize_operand` of a current-scaling recipe in eager mode."""
+    fmt, gran = _operand_spec(recipe, i)
+    if pair:
+        return quantize_pair_auto(t, fmt, gran, recipe.scale_rounding, triton=False)
+    return quantize(t, fmt, gran, recipe.scale_rounding, dim=-1, triton=False)
+
+
+def _contiguous_codes(q: QuantizedTensor) -> QuantizedTensor:
+    """``q`` with row-major codes (what ``torch._scaled_mm`` wants for its first operand and, as
+    the transpose of a row-major tensor, for its second)."""
+    return QuantizedTensor(data=q.data.contiguous(), scale_inv=q.scale_inv, block=q.block,
+                           fmt=q.fmt, amax=q.amax, scale_e8m0=q.scale_e8m0)
+
+
+def _quantize_weight(w: torch.Tensor, recipe: Recipe, emulate: bool, quantize_operand):
+    """``(W quantised along K as [N, K], W quantised along N as [K, N])`` from ``w`` (detached),
+    with ``quantize_operand(i, t, pair=False)`` — the module's (eager) or the stateless one."""
+    if recipe.weight_granularity is Granularity.BLOCK_128x128:
+        q = quantize_operand(_W, w)
+        qt = q.t()  # 128x128 groups are symmetric: transpose the codes and the scale grid
+    else:  # per-tensor (same scale) or 1xN groups along N for dgrad
+        q, qt = quantize_operand(_W, w, pair=True)
+    if not emulate:
+        q, qt = _contiguous_codes(q), _contiguous_codes(qt)
+    return q, qt
+
+
+# ---- the three GEMMs, shared by the eager and the compile-traced autograd functions ----------
+def _check_device(x: torch.Tensor, emulate: bool, fqn: str) -> None:
+    if not emulate and x.device.type != "cuda":
+        raise RuntimeError(
+            f"{fqn or 'Float8Linear'} was converted for real FP8 GEMMs but got an input on "
+            f"{x.device}; convert the model on the device it runs on, or use emulate=True"
+        )
+
+
+def _fprop(ctx, x, bias, *, recipe: Recipe, emulate: bool, row_multiple: int, out_dtype,
+           quantize_operand, quantized_weight, fqn: str):
+    """fprop of ``x`` (any leading dims): returns ``(y, tensors to save)`` and records on
+    ``ctx`` what :func:`_grads` needs. ``quantized_weight()`` gives the two weight copies."""
+    in_shape = x.shape
+    x2 = x.reshape(-1, in_shape[-1])
+    m = x2.shape[0]
+    pad = (-m) % row_multiple if not emulate else 0
+    if pad:
+        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
+    _check_device(x, emulate, fqn)
+    w_fprop, w_dgrad = quantized_weight()
+    if ctx.needs_input_grad[1]:  # both copies of X from one read (fprop rows, wgrad columns)
+        qx, qx_wgrad = quantize_operand(_IN, x2, pair=True)
+    else:
+        qx, qx_wgrad = quantize_operand(_IN, x2), None
+    y = scaled_matmul(
+        qx, w_fprop, emulate=emulate, out_dtype=out_dtype, fast_accum=recipe.fprop.fast_accum,
+        bias=bias,
+    )[:m]
+    # Save only FP8 codes and the scales the GEMMs consume, through save_for_backward so
+    # saved-tensor hooks (offloading, activation checkpointing) see them.
+    ctx.qx_meta = _meta(qx_wgrad)
+    ctx.w_meta = _meta(w_dgrad)
+    ctx.has_bias = bias is not None
+    ctx.x_dtype = x.dtype
+    ctx.in_shape = in_shape
+    ctx.m, ctx.pad = m, pad
+    return y.reshape(*in_shape[:-1], y.shape[-1]), (*_tensors(qx_wgrad), *_tensors(w_dgrad))
+
+
+def _grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_operand):
+    """dgrad and wgrad (each only if needed) and the bias gradient from ``dy`` and the tensors
+    :func:`_fprop` saved: returns ``(dx, dw, db)``, None for a gradient not needed."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    if ctx.pad:
+        dy2 = torch.cat([dy2, dy2.new_zeros(ctx.pad, dy2.shape[1])])
+    dx = dw = db = None
+    n_qx = 0 if ctx.qx_meta is None else len(saved) - 3
+    saved_qx = _rebuild(ctx.qx_meta, saved[:n_qx])
+    saved_w = _rebuild(ctx.w_meta, saved[n_qx:])
+    need_w = ctx.needs_input_grad[1] and saved_qx is not None
+    if need_w:
+        qdy, qdy_wgrad = quantize_operand(_GO, dy2, pair=True)
+    else:
+        qdy, qdy_wgrad = quantize_operand(_GO, dy2), None
+    if ctx.needs_input_grad[0]:
+        dx = scaled_matmul(
+            qdy, saved_w, emulate=emulate, out_dtype=ctx.x_dtype,
+            fast_accum=recipe.dgrad.fast_accum,
+        )[: ctx.m]
+        dx = dx.reshape(ctx.in_shape)
+    if need_w:
+        dw = scaled_matmul(
+            qdy_wgrad, saved_qx, emulate=emulate, out_dtype=torch.float32,
+            fast_accum=recipe.wgrad.fast_accum,
+        ).to(w_dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        db = dy2[: ctx.m].float().sum(0)
+    return dx, dw, db
+
+
 class _Float8LinearFn(torch.autograd.Function):
+    """Eager path: the module's quantisers (fused Triton kernels on CUDA), FP8 weight cache,
+    delayed-scaling state, telemetry and Python GEMM counters."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype):
-        r = mod.recipe
-        in_shape = x.shape
-        x2 = x.reshape(-1, in_shape[-1])
-        m = x2.shape[0]
-        pad = (-m) % mod._row_multiple if not mod.emulate else 0
-        if pad:
-            x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
-        if not mod.emulate and x.device.type != "cuda":
-            raise RuntimeError(
-                f"{mod.fqn or 'Float8Linear'} was converted for real FP8 GEMMs but got an input on "
-                f"{x.device}; convert the model on the device it runs on, or use emulate=True"
-            )
-        w_fprop, w_dgrad = mod._quantized_weight()
-        needs_wgrad = ctx.needs_input_grad[1]
-        if needs_wgrad:  # both copies of X from one read (fprop rows, wgrad columns)
-            qx, qx_wgrad = mod._quantize_operand(_IN, x2, pair=True)
-        else:
-            qx, qx_wgrad = mod._quantize_operand(_IN, x2), None
-        y = scaled_matmul(
-            qx, w_fprop, emulate=mod.emulate, out_dtype=out_dtype, fast_accum=r.fprop.fast_accum,
-            bias=bias,
-        )[:m]
+        y, to_save = _fprop(
+            ctx, x, bias, recipe=mod.recipe, emulate=mod.emulate, row_multiple=mod._row_multiple,
+            out_dtype=out_dtype, quantize_operand=mod._quantize_operand,
+            quantized_weight=mod._quantized_weight, fqn=mod.fqn,
+        )
         mod._count("fprop")
-        # Save only FP8 codes and the scales the GEMMs consume, through save_for_backward so
-        # saved-tensor hooks (offloading, activation checkpointing) see them.
-        ctx.qx_meta = _meta(qx_wgrad)
-        ctx.w_meta = _meta(w_dgrad)
-        ctx.save_for_backward(*_tensors(qx_wgrad), *_tensors(w_dgrad))
+        ctx.save_for_backward(*to_save)
         ctx.mod = mod
-        ctx.has_bias = bias is not None
-        ctx.x_dtype = x.dtype
-        ctx.in_shape = in_shape
-        ctx.m, ctx.pad = m, pad
         ctx.w_dtype = weight.dtype
-        return y.reshape(*in_shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         mod: Float8Linear = ctx.mod
-        r = mod.recipe
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if ctx.pad:
-            dy2 = torch.cat([dy2, dy2.new_zeros(ctx.pad, dy2.shape[1])])
-        dx = dw = db = None
-        saved = ctx.saved_tensors
-        n_qx = 0 if ctx.qx_meta is None else len(saved) - 3
-        saved_qx = _rebuild(ctx.qx_meta, saved[:n_qx])
-        saved_w = _rebuild(ctx.w_meta, saved[n_qx:])
-        need_w = ctx.needs_input_grad[1] and saved_qx is not None
-        if need_w:
-            qdy, qdy_wgrad = mod._quantize_operand(_GO, dy2, pair=True)
-        else:
-            qdy, qdy_wgrad = mod._quantize_operand(_GO, dy2), None
-        if ctx.needs_input_grad[0]:
-            dx = scaled_matmul(
-                qdy, saved_w, emulate=mod.emulate, out_dtype=ctx.x_dtype,
-                fast_accum=r.dgrad.fast_accum,
-            )[: ctx.m]
-            dx = dx.reshape(ctx.in_shape)
+        dx, dw, db = _grads(ctx, dy, ctx.saved_tensors, recipe=mod.recipe, emulate=mod.emulate,
+                            w_dtype=ctx.w_dtype, quantize_operand=mod._quantize_operand)
+        if dx is not None:
             mod._count("dgrad")
-        if need_w:
-            dw = scaled_matmul(
-                qdy_wgrad, saved_qx, emulate=mod.emulate, out_dtype=torch.float32,
-                fast_accum=r.wgrad.fast_accum,
-            ).to(ctx.w_dtype)
+        if dw is not None:
             mod._count("wgrad")
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy2[: ctx.m].float().sum(0)
         return dx, dw, db, None, None
+
+
+class _Float8LinearTracedFn(torch.autograd.Function):
+    """Compile-traceable path (current scaling only): no Python-side state. The reference
+    quantisers (plain torch ops) and the GEMM dispatch of :mod:`nemo_fp8_recipes.quant.gemm`,
+    the weight quantised in every forward (no cache), and the dgrad/wgrad counts added in-graph
+    to ``bwd_counts`` (an int64 buffer of the module, only ever mutated in backward)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, bwd_counts, recipe: Recipe, emulate: bool,
+                row_multiple: int, out_dtype: torch.dtype, fqn: str):
+        quantize_operand = functools.partial(_quantize_current, recipe)
+        y, to_save = _fprop(
+            ctx, x, bias, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
+            out_dtype=out_dtype, quantize_operand=quantize_operand,
+            quantized_weight=lambda: _quantize_weight(weight.detach(), recipe, emulate,
+                                                      quantize_operand),
+            fqn=fqn,
+        )
+        ctx.save_for_backward(*to_save, bwd_counts)
+        ctx.recipe, ctx.emulate = recipe, emulate
+        ctx.w_dtype = weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        *saved, bwd_counts = ctx.saved_tensors
+        dx, dw, db = _grads(ctx, dy, saved, recipe=ctx.recipe, emulate=ctx.emulate,
+                            w_dtype=ctx.w_dtype,
+                            quantize_operand=functools.partial(_quantize_current, ctx.recipe))
+        if dx is not None:
+            bwd_counts[0].add_(1)
+        if dw is not None:
+            bwd_counts[1].add_(1)
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -206,12 +312,19 @@ class Float8Linear(nn.Linear):
         self.role = "linear"
         self.amax_reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.scaling_update = "lazy"  # or "step": see nemo_fp8_recipes.nn.scaling
-        self.gemm_counts: Dict[str, int] = {"fprop": 0, "dgrad": 0, "wgrad": 0}
+        self._gemm_counts_eager: Dict[str, int] = {"fprop": 0, "dgrad": 0, "wgrad": 0}
         self.telemetry_enabled = False
         self._telemetry: Dict[int, list] = {}
         self._wcache_key = None
         self._wcache = None
         dev = self.weight.device
+        # GEMM counters of the compile-traced path, added to in-graph (in-place adds that the
+        # compiler keeps in its graphs); fprop is counted in forward, dgrad/wgrad in backward, in
+        # two buffers so that none is mutated in both. Not in state_dict.
+        self.register_buffer("fp8_fwd_count", torch.zeros(1, dtype=torch.int64, device=dev),
+                             persistent=False)
+        self.register_buffer("fp8_bwd_count", torch.zeros(2, dtype=torch.int64, device=dev),
+                             persistent=False)
         if recipe.is_delayed:
             L = recipe.amax_history_len
             self.register_buffer("fp8_amax_history", torch.zeros(3, L, device=dev))
@@ -288,8 +401,7 @@ class Float8Linear(nn.Linear):
         with ``pair=True`` also along its first dim (the wgrad copy), from one read on CUDA.
         Delayed scaling: commit the pending amax, use the scale, record this amax."""
         r = self.recipe
-        fmt = (r.input_format, r.weight_format, r.grad_format)[i]
-        gran = (r.input_granularity, r.weight_granularity, r.grad_granularity)[i]
+        fmt, gran = _operand_spec(r, i)
         scale = None
         lazy = self.scaling_update == "lazy"
         if r.is_delayed:
@@ -321,21 +433,30 @@ class Float8Linear(nn.Linear):
         key = (w._version, _OPTIMIZER_GENERATION[0], w.data_ptr(), w.dtype, w.device)
         if self._wcache_key == key and self._wcache is not None:
             return self._wcache
-        r = self.recipe
-        wd = w.detach()
-        if r.weight_granularity is Granularity.BLOCK_128x128:
-            q = self._quantize_operand(_W, wd)
-            qt = q.t()  # 128x128 groups are symmetric: transpose the codes and the scale grid
-        else:  # per-tensor (same scale) or 1xN groups along N for dgrad
-            q, qt = self._quantize_operand(_W, wd, pair=True)
-        if not self.emulate:
-            q.data, qt.data = q.data.contiguous(), qt.data.contiguous()
-        self._wcache_key, self._wcache = key, (q, qt)
+        self._wcache_key = key
+        self._wcache = _quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
         return self._wcache
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _count(self, gemm: str) -> None:
-        self.gemm_counts[gemm] += 1
+        self._gemm_counts_eager[gemm] += 1
+
+    @property
+    def gemm_counts(self) -> Dict[str, int]:
+        """fprop/dgrad/wgrad GEMMs run in FP8 since construction or :meth:`reset_gemm_counts`:
+        the eager path's Python counts plus the compile-traced path's in-graph counts (reading
+        those synchronises with the device)."""
+        fwd = int(self.fp8_fwd_count.sum().item())
+        dgrad, wgrad = (int(v) for v in self.fp8_bwd_count.tolist())
+        c = self._gemm_counts_eager
+        return {"fprop": c["fprop"] + fwd, "dgrad": c["dgrad"] + dgrad, "wgrad": c["wgrad"] + wgrad}
+
+    @torch.no_grad()
+    def reset_gemm_counts(self) -> None:
+        """Zero the GEMM counters (both paths)."""
+        self._gemm_counts_eager = {k: 0 for k in self._gemm_counts_eager}
+        self.fp8_fwd_count.zero_()
+        self.fp8_bwd_count.zero_()
 
     def pop_telemetry(self) -> Dict[str, Dict[str, float]]:
         """Mean of each statistic per operand since the last call (amax: the max), then reset."""
@@ -350,9 +471,53 @@ class Float8Linear(nn.Linear):
         self._telemetry = {}
         return out
 
-    # Under torch.compile the FP8 linear runs as an eager island (a graph break around it):
-    # the compiler fuses everything else (norms, SwiGLU, attention glue), while quantisation,
-    # delayed-scaling state updates and the audit counters stay exact Python-side.
-    @torch.compiler.disable
+    # ---- forward -------------------------------------------------------------------------------
+    def traceable(self) -> bool:
+        """Whether ``torch.compile`` traces this module's FP8 linear (no graph break): current
+        scaling (tensorwise, blockwise, mxfp8) with telemetry off. Delayed scaling, telemetry,
+        and emulation on CUDA while TF32 matmuls are enabled (the exact FP32 product needs TF32
+        switched off for one op, which a compiled graph cannot do) keep the eager island (see
+        :meth:`forward`). Decided when the graph is traced."""
+        if self.recipe.is_delayed or self.telemetry_enabled:
+            return False
+        if self.emulate and self.weight.is_cuda and torch.backends.cuda.matmul.allow_tf32:
+            return False
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Float8LinearFn.apply(x, self.weight, self.bias, self, _out_dtype_for(x))
+        """``x · Wᵀ + b`` with the three GEMMs in FP8.
+
+        Eager mode runs :class:`_Float8LinearFn`: the fused Triton quantisers on CUDA, the FP8
+        weight cached between optimizer steps, delayed-scaling state, telemetry, Python GEMM
+        counters.
+
+        Under ``torch.compile`` a current-scaling module (:meth:`traceable`) runs
+        :class:`_Float8LinearTracedFn`, which the compiler traces like any other op, so the
+        model has no graph break here and Inductor fuses the amax, scale and cast of each operand
+        into the neighbouring kernels. It quantises with the reference quantisers (the numerics
+        contract, plain torch ops: the same numbers as the eager path) and the GEMM dispatch of
+        :mod:`nemo_fp8_recipes.quant.gemm` (``torch._scaled_mm`` / ``F.scaled_mm``, or
+        emulation), re-quantises the weight in every forward (no cache: no Python-side state in
+        the graph), and counts its GEMMs in the int64 buffers ``fp8_fwd_count`` /
+        ``fp8_bwd_count`` with in-graph adds, so :func:`~nemo_fp8_recipes.nn.audit` stays exact.
+
+        Deliberate fallbacks to the eager island (one graph break per FP8 linear) under
+        ``torch.compile``: delayed scaling (its amax histories and scales are state that each
+        quantisation reads and writes), telemetry (its statistics are collected Python-side,
+        also in backward) and CUDA emulation with TF32 on (:meth:`traceable`). Turning telemetry on or off between steps makes the compiler
+        re-trace once for each state (a guard on ``telemetry_enabled``).
+        """
+        out_dtype = _out_dtype_for(x)
+        if torch.compiler.is_compiling() and self.traceable():
+            self.fp8_fwd_count.add_(1)
+            return _Float8LinearTracedFn.apply(
+                x, self.weight, self.bias, self.fp8_bwd_count, self.recipe, self.emulate,
+                self._row_multiple, out_dtype, self.fqn)
+        return self._forward_eager(x, out_dtype)
+
+    # The eager island: under torch.compile this call is a graph break; quantisation (fused
+    # Triton kernels), delayed-scaling state updates, telemetry and the audit counters stay
+    # exact Python-side.
+    @torch.compiler.disable
+    def _forward_eager(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self, out_dtype)

@@ -3,6 +3,9 @@
 Both produce bit-identical codes and scales (checked by tests/test_triton_kernels.py on the GPU
 and under Triton's CPU interpreter), so this choice never changes the numbers — only the speed.
 Set ``NEMO_FP8_TRITON=0`` to force the reference quantisers on CUDA (debugging, A/B timing).
+``triton=False`` does the same for one call: the compile-traceable FP8 linear
+(:class:`~nemo_fp8_recipes.nn.Float8Linear` under ``torch.compile``) quantises with the reference
+quantisers, plain torch ops that the compiler fuses into its own kernels.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from .reference import QuantizedTensor, quantize
 __all__ = ["quantize_auto", "quantize_pair_auto", "triton_enabled"]
 
 
-def triton_enabled(x: torch.Tensor) -> bool:
-    """True when ``x`` is on CUDA, Triton imports, and NEMO_FP8_TRITON is not 0."""
+def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
+    """True when ``x`` is on CUDA, Triton imports, and NEMO_FP8_TRITON is not 0 (and
+    ``triton`` is not False: ``False`` always picks the reference quantisers)."""
+    if triton is False:
+        return False
     if x.device.type != "cuda" or os.environ.get("NEMO_FP8_TRITON", "1") == "0":
         return False
     from . import triton_kernels
@@ -34,9 +40,11 @@ def quantize_auto(
     rounding=ScaleRounding.FP32,
     dim: int = -1,
     scale: Optional[torch.Tensor] = None,
+    triton: Optional[bool] = None,
 ) -> QuantizedTensor:
-    """Same contract as :func:`nemo_fp8_recipes.quant.reference.quantize`."""
-    if not triton_enabled(x):
+    """Same contract as :func:`nemo_fp8_recipes.quant.reference.quantize`. ``triton=False``
+    forces the reference quantiser (None: Triton kernels where :func:`triton_enabled`)."""
+    if not triton_enabled(x, triton):
         return quantize(x, fmt, granularity, rounding, dim=dim, scale=scale)
     from . import triton_kernels as tk
 
@@ -57,12 +65,14 @@ def quantize_auto(
 
 
 def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding.FP32,
-                       scale: Optional[torch.Tensor] = None):
+                       scale: Optional[torch.Tensor] = None, triton: Optional[bool] = None):
     """``(quantize(x, dim=-1), quantize(x, dim=0))`` — the operand for the GEMM contracting over
     ``x``'s last dim and the one contracting over its first dim (the wgrad copy). On CUDA both
-    come from one read of ``x`` (the wgrad copy written already transposed and contiguous)."""
+    come from one read of ``x`` (the wgrad copy written already transposed and contiguous).
+    ``triton=False`` forces the reference quantisers (per-tensor and 128x128 copies are then
+    transposed views of one quantisation)."""
     g = Granularity(granularity)
-    if not triton_enabled(x) or g is Granularity.BLOCK_128x128:
+    if not triton_enabled(x, triton) or g is Granularity.BLOCK_128x128:
         a = quantize(x, fmt, g, rounding, dim=-1, scale=scale)
         b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(
             x, fmt, g, rounding, dim=0)

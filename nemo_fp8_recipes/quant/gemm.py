@@ -36,13 +36,19 @@ def emulated_matmul(
     """``dequant(a) @ dequant(b).T (+ bias)`` computed in ``compute_dtype``, then cast once.
 
     TF32 is switched off for the product so the emulation stays exact in FP32 on GPUs where a
-    user enabled it (``torch.backends.cuda.matmul.allow_tf32``)."""
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    try:
+    user enabled it (``torch.backends.cuda.matmul.allow_tf32``). Under ``torch.compile`` a global
+    flag cannot be switched for one op of a graph, so the product is traced as is: the compiled
+    FP8 linear emulates on CUDA only while TF32 is off (else it keeps its eager island, see
+    :meth:`nemo_fp8_recipes.nn.Float8Linear.traceable`)."""
+    if torch.compiler.is_compiling():
         out = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).t()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+    else:
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            out = a.dequantize(compute_dtype) @ b.dequantize(compute_dtype).t()
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = prev
     if bias is not None:
         out = out + bias.to(compute_dtype)
     return out.to(out_dtype)

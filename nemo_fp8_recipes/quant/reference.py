@@ -97,6 +97,17 @@ class QuantizedTensor:
         )
 
 
+def _div_rn(num: float, den: torch.Tensor) -> torch.Tensor:
+    """FP32 ``num / den``, correctly rounded (round to nearest even), computed as an FP64
+    quotient rounded once to FP32. That is the same bits as an IEEE FP32 division: an FP64
+    quotient carries 53 >= 2·24 + 2 significant bits, and at that margin rounding twice
+    cannot differ from rounding once (Figueroa). Eager CPU/CUDA FP32 division and the Triton
+    kernels' ``div_rn`` are correctly rounded already, but compiled code need not be (Inductor
+    lowers FP32 ``/`` to Triton's approximate division on GPU by default); FP64 division is
+    correctly rounded in every backend, so scales have the same bits eager and compiled."""
+    return (float(num) / den.double()).float()
+
+
 def amax_to_scale(
     amax: torch.Tensor,
     fmt: Union[Format, str],
@@ -113,7 +124,7 @@ def amax_to_scale(
     fmt = _fmt(fmt)
     rounding = ScaleRounding(rounding)
     amax = amax.float()
-    s = torch.tensor(fmt.max, dtype=torch.float32, device=amax.device) / amax
+    s = _div_rn(fmt.max, amax)
     if margin:
         s = s / float(2**margin)
     s = torch.where(torch.isinf(s) & (amax >= 0), torch.full_like(s, _FLT_MAX), s)
@@ -209,7 +220,7 @@ def quantize_tensorwise(
     amax = x2.float().abs().amax().reshape(1, 1) if x2.numel() else torch.zeros(1, 1, device=x.device)
     s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
     data = cast_to_fp8(x2.float() * s, fmt)
-    return QuantizedTensor(data=data, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
+    return QuantizedTensor(data=data, scale_inv=_div_rn(1.0, s), block=None, fmt=fmt, amax=amax)
 
 
 def quantize_blocks(
@@ -236,7 +247,7 @@ def quantize_blocks(
         s = torch.exp2(-e)
     else:
         s = amax_to_scale(amax, fmt, rounding)
-        scale_inv = 1.0 / s
+        scale_inv = _div_rn(1.0, s)
     data = cast_to_fp8(x.float() * _expand(s, block, x.shape), fmt)
     return QuantizedTensor(
         data=data, scale_inv=scale_inv, block=block, fmt=fmt, amax=amax, scale_e8m0=scale_e8m0
