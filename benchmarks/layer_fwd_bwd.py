@@ -21,18 +21,25 @@ FP8 (rows say ``skipped: torchao not installed`` without torchao).
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
-unless ``--input-dtype bf16``; gradients are set to None before every step (``zero_grad``). Our
-FP8 weight copies are quantised once and cached, as between optimizer steps (torchao casts its
-weights in every forward); ``--requant-weights`` re-quantises them every step instead (one
-micro-batch per optimizer step). Peak memory is ``torch.cuda.max_memory_allocated`` after a reset, per
+unless ``--input-dtype bf16``; gradients are set to None before every step (``zero_grad``). In
+eager mode our FP8 weight copies are quantised once and cached, as between optimizer steps
+(torchao casts its weights in every forward); ``--requant-weights`` re-quantises them every step
+instead (one micro-batch per optimizer step). Compiled, the traced FP8 linear (tensorwise,
+blockwise, mxfp8) quantises its weight in every forward whatever the flag, as torchao does;
+``delayed`` keeps its eager island and its cache. Peak memory is
+``torch.cuda.max_memory_allocated`` after a reset, per
 variant and mode, with the model, its gradients and the shared inputs (``--input-sets`` rotating
 sets) allocated. A 405B layer is 3.19e9 parameters: 11.9 GiB FP32 + 11.9 GiB FP32 gradients +
 ~6 GiB BF16/FP8 weight copies + activations — under 60 GiB, so FP32 master weights fit the H200
 (AdamW state, not allocated here, would add 23.8 GiB).
 
 Median of ``--iters`` steps after ``--warmup`` (CUDA events); the first call (compilation
-included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``; our FP8
-linears run there as eager islands. Ratios are within one size and mode: speed-up over BF16, and
+included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``; our
+current-scaling FP8 linears are traced there (no graph break: Inductor generates the quantisers
+from the reference and fuses them with the neighbouring ops), delayed scaling runs as an eager
+island (a graph break per FP8 linear); the ``graph_breaks`` column counts the breaks dynamo
+reported while compiling the variant (0 = one graph). Ratios are within one size and mode:
+speed-up over BF16, and
 "vs torchao tw" = torchao tensorwise ms / this variant's ms (> 1: faster than torchao). Results
 are rewritten to ``--out`` after every variant, so a run cut short keeps what it measured.
 ``--smoke``: tiny emulated CPU run for CI (compiled with ``aot_eager``; no timing claims).
@@ -159,13 +166,16 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
     "first_call_s", "peak_gib"}``; an exception (e.g. out of memory) becomes an error status."""
     cuda = dev == "cuda"
     params = [q for q in model.parameters() if q.requires_grad]
-    out = {"status": "ok", "ms": None, "first_call_s": None, "peak_gib": None}
+    out = {"status": "ok", "ms": None, "first_call_s": None, "peak_gib": None, "graph_breaks": None}
     fn = None
     try:
         for q in params:
             q.grad = None
         if mode == "compiled":
             free_memory()
+            from torch._dynamo.utils import counters
+
+            counters["graph_break"].clear()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
             fn = torch.compile(model, backend=a.compile_backend, dynamic=False)
@@ -190,6 +200,8 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
         out["first_call_s"] = time.perf_counter() - t0
+        if mode == "compiled":
+            out["graph_breaks"] = sum(counters["graph_break"].values())
         out["ms"] = bench(step, inputs.n, warmup=a.warmup, iters=a.iters, cuda=cuda)
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -267,7 +279,7 @@ def main(argv=None) -> int:
             row0 = {"size": size, "block": a.block, "variant": variant, "dim": cfg.dim,
                     "ffn_dim": cfg.ffn_dim, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
                     "tokens": inputs.tokens, "fp8_linears": None, "ms": None, "tflops": None,
-                    "first_call_s": None, "peak_gib": None}
+                    "first_call_s": None, "peak_gib": None, "graph_breaks": None}
             skip = None
             if variant in TORCHAO:
                 skip = ao_reason or None
@@ -306,7 +318,8 @@ def main(argv=None) -> int:
     rows = [(r["size"], r["variant"], r["mode"], fmt(r["ms"], ".2f"), fmt_tflops(r["tflops"]),
              fmt(r.get("speedup"), ".2f", "x"), fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
              fmt(r["peak_gib"], ".1f"), fmt(r["first_call_s"], ".1f"),
-             "-" if r["fp8_linears"] is None else r["fp8_linears"], r["status"])
+             "-" if r["fp8_linears"] is None else r["fp8_linears"],
+             "-" if r.get("graph_breaks") is None else r["graph_breaks"], r["status"])
             for r in sorted(res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]),
                                                   variants.index(r["variant"])))]
     what = "Llama layer (attention + SwiGLU MLP)" if a.block == "layer" else "SwiGLU MLP"
@@ -315,7 +328,7 @@ def main(argv=None) -> int:
           f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
           f"{'re-quantised every step' if a.requant_weights else 'cached (as between optimizer steps)'}\n")
     print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs torchao tw",
-                 "peak GiB", "first call s", "FP8 linears", "status"], rows))
+                 "peak GiB", "first call s", "FP8 linears", "graph breaks", "status"], rows))
     write_json(a.out, dict(header, results=res))
     return 1 if failed else 0
 

@@ -126,6 +126,12 @@ def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
         assert all(_finite_positive(r[k]) for k in ("ms", "tflops", "speedup", "first_call_s")), r
         # the same linears are FP8 in our recipes and in torchao's (the policy's choice)
         assert r["fp8_linears"] == (0 if variant == "bf16" else n_fp8)
+        # compiled: our current-scaling FP8 linears are traced (no graph break), delayed scaling
+        # keeps one eager island per FP8 linear
+        if mode == "compiled":
+            assert (r["graph_breaks"] > 0) == (variant == "delayed"), r
+        else:
+            assert r["graph_breaks"] is None
         if have_torchao:
             assert _finite_positive(r["vs_torchao_tensorwise"])
         else:
