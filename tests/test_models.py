@@ -263,3 +263,103 @@ def test_init_weights_materialises_a_meta_model():
     torch.testing.assert_close(model.rope_cache, precompute_rope(cfg))
     x = torch.randint(0, 259, (1, 8))
     assert torch.isfinite(model(x).logits).all()
+
+
+# ---- outlier stress (model.outlier_channels / model.outlier_scale) -------------------------------
+def _swiglu_inputs(model, tokens):
+    """The input of every layer's w1 (the SwiGLU input), captured by forward pre-hooks."""
+    seen = []
+    hooks = [layer.feed_forward.w1.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+             for layer in model.layers]
+    try:
+        model(tokens)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def test_outlier_stress_is_off_by_default_and_leaves_checkpoints_unchanged():
+    cfg = ModelConfig(**SMALL)
+    assert cfg.outlier_channels == 0 and cfg.outlier_channel_ids == []
+    assert "outlier_channels" not in cfg.to_dict() and "outlier_scale" not in cfg.to_dict()
+    model = Transformer(cfg)
+    assert all(layer.ffn_outliers is None for layer in model.layers)
+    assert not any("ffn_outliers" in k for k in model.state_dict())
+    for name in list_model_configs():  # the packaged configs carry the switch, off
+        c = load_model_config(name)
+        assert c.outlier_channels == 0 and c.outlier_scale == 1.0
+
+
+def test_outlier_stress_scales_exactly_the_chosen_swiglu_input_channels():
+    torch.manual_seed(0)
+    cfg = ModelConfig(**SMALL, outlier_channels=2, outlier_scale=1000.0)
+    assert cfg.outlier_channel_ids == [32, 96]  # evenly spaced, centred; one per 1x64 half of dim 128
+    assert ModelConfig(**dict(SMALL, dim=1024, num_heads=8, num_kv_heads=4),
+                       outlier_channels=2, outlier_scale=10.0).outlier_channel_ids == [256, 768]
+    assert cfg.to_dict()["outlier_channels"] == 2 and cfg.to_dict()["outlier_scale"] == 1000.0
+    stressed = Transformer(cfg)
+    plain = Transformer(ModelConfig(**SMALL))
+    state = {k: v for k, v in stressed.state_dict().items() if "ffn_outliers" not in k}
+    plain.load_state_dict(state)  # same weights; only the gain differs
+    tokens = torch.randint(0, 512, (2, 16))
+    xs, x0s = _swiglu_inputs(stressed, tokens), _swiglu_inputs(plain, tokens)
+    # layer 0 sees the same residual stream in both models: the gain is the only difference
+    expected = x0s[0].clone()
+    expected[..., [32, 96]] *= 1000.0
+    torch.testing.assert_close(xs[0], expected, rtol=1e-6, atol=0)
+    bulk = [c for c in range(128) if c not in (32, 96)]
+    for x in xs:  # every layer: the outlier channels dominate the tensor's amax
+        assert x[..., [32, 96]].abs().mean() > 100 * x[..., bulk].abs().mean()
+    assert "channels=[32, 96], scale=1000" in repr(stressed.layers[0].ffn_outliers)
+
+
+def test_outlier_stress_gain_is_state_and_survives_meta_materialisation():
+    cfg = ModelConfig(**SMALL, outlier_channels=3, outlier_scale=50.0)
+    model = build_model(cfg, device="meta")
+    model.to_empty(device="cpu")
+    model.init_weights()
+    gain = model.layers[1].ffn_outliers.gain
+    assert gain[cfg.outlier_channel_ids].eq(50.0).all() and (gain == 1.0).sum() == 128 - 3
+    assert model.num_params() == cfg.num_params()  # a buffer, not a parameter
+    sd = model.state_dict()
+    assert "layers.0.ffn_outliers.gain" in sd
+    with pytest.raises(RuntimeError, match="ffn_outliers.gain"):  # stressed <-> unstressed never mix
+        Transformer(ModelConfig(**SMALL)).load_state_dict(sd)
+    with pytest.raises(RuntimeError, match="ffn_outliers.gain"):
+        model.load_state_dict(Transformer(ModelConfig(**SMALL)).state_dict())
+
+
+def test_outlier_stress_stays_out_of_fp8_and_trains_under_every_fp8_recipe():
+    cfg = ModelConfig(**SMALL, outlier_channels=2, outlier_scale=100.0)
+    for recipe in ("tensorwise", "blockwise", "mxfp8"):
+        torch.manual_seed(0)
+        model = convert_model(Transformer(cfg), get_recipe(recipe), emulate=True)
+        assert not isinstance(model.layers[0].ffn_outliers, Float8Linear)
+        tokens = torch.randint(0, 512, (2, 32))
+        out = model(tokens, tokens)
+        out.loss.backward()
+        assert math.isfinite(float(out.loss.detach()))
+        rep = audit(model, strict=True)
+        assert not any("ffn_outliers" in r.name for r in rep.rows)  # not a GEMM: no role to decide
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(outlier_channels=129), "outlier_channels must be in"),
+    (dict(outlier_channels=-1), "outlier_channels must be in"),
+    (dict(outlier_channels=2, outlier_scale=0.0), "outlier_scale must be"),
+    (dict(outlier_channels=2, outlier_scale=float("nan")), "outlier_scale must be"),
+])
+def test_outlier_stress_rejects_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**SMALL, **bad)
+
+
+def test_outlier_stress_is_a_hydra_override():
+    from omegaconf import OmegaConf
+
+    from nemo_fp8_recipes.train_config import compose_config
+
+    cfg = compose_config(["model=llama3_150m", "model.outlier_channels=2", "model.outlier_scale=1e4"])
+    mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model))
+    assert mcfg.outlier_channel_ids == [256, 768] and mcfg.outlier_scale == 1e4

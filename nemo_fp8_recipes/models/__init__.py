@@ -17,6 +17,7 @@ from .config import MODEL_CONFIG_DIR, ModelConfig, list_model_configs, load_mode
 from .llama import (
     MoE,
     ModelOutput,
+    OutlierGain,
     RMSNorm,
     Transformer,
     TransformerBlock,
@@ -28,6 +29,7 @@ __all__ = [
     "Transformer",
     "TransformerBlock",
     "MoE",
+    "OutlierGain",
     "RMSNorm",
     "build_model",
     "load_model_config",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
@@ -62,6 +63,14 @@ class ModelConfig:
     norm_topk_prob: bool = True
     route_scale: float = 1.0
     aux_loss_coef: float = 0.0
+    # ---- outlier stress (numerics study; off by default) ----
+    #: Number of channels of the SwiGLU input (the ``ffn_norm`` output, which feeds ``w1`` and
+    #: ``w3``) multiplied by ``outlier_scale`` in every layer: a fixed, non-learned gain that
+    #: forces large-magnitude activation channels, as trained LLMs develop on their own. The
+    #: channels are evenly spaced (:attr:`outlier_channel_ids`). 0 = off.
+    outlier_channels: int = 0
+    #: The gain of those channels (> 0).
+    outlier_scale: float = 1.0
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -90,8 +99,21 @@ class ModelConfig:
             need(self.router_score in _ROUTER_SCORES,
                  f"router_score must be one of {list(_ROUTER_SCORES)}, got {self.router_score!r}")
             need(self.aux_loss_coef >= 0, "aux_loss_coef must be >= 0")
+        need(0 <= int(self.outlier_channels) <= self.dim,
+             f"outlier_channels must be in [0, dim={self.dim}], got {self.outlier_channels}")
+        need(math.isfinite(float(self.outlier_scale)) and float(self.outlier_scale) > 0,
+             f"outlier_scale must be a finite number > 0, got {self.outlier_scale}")
 
     # ---- derived quantities ----------------------------------------------------------------
+    @property
+    def outlier_channel_ids(self) -> List[int]:
+        """The SwiGLU-input channels scaled by ``outlier_scale``: ``outlier_channels`` channels
+        evenly spaced over ``dim``, centred in their strides (``(2j + 1) · dim // (2k)``), so on
+        ``dim = 1024`` two channels are 256 and 768 — each in its own 1x128 block and 1x32 group.
+        Empty when the stress is off."""
+        k = int(self.outlier_channels)
+        return [(2 * j + 1) * self.dim // (2 * k) for j in range(k)]
+
     @property
     def head_dim(self) -> int:
         """Per-head dimension (``dim // num_heads``)."""
@@ -153,8 +175,19 @@ class ModelConfig:
         return cls(**values)
 
     def to_dict(self) -> Dict[str, Any]:
-        """Plain-dict form (for checkpoints and logs)."""
-        return dataclasses.asdict(self)
+        """Plain-dict form (for checkpoints and logs).
+
+        The outlier-stress fields appear only when the stress is on, so a checkpoint written
+        before they existed still matches a model without them (the trainer compares every key
+        of this dict with the checkpoint's). A stressed model also holds the gain in its state
+        dict (``layers.<i>.ffn_outliers.gain``), so loading its checkpoint into an unstressed
+        model, or the reverse, fails on the missing/unexpected key.
+        """
+        d = dataclasses.asdict(self)
+        if not self.outlier_channels:
+            d.pop("outlier_channels")
+            d.pop("outlier_scale")
+        return d
 
 
 def _field_names() -> List[str]:

@@ -7,6 +7,7 @@ The module tree uses the names the precision policy recognises (``nemo_fp8_recip
     layers.<i>.attention.wq|wk|wv|wo    nn.Linear (no bias)          FP8 (attention projections)
     layers.<i>.attention  -> SDPA       scaled_dot_product_attention BF16 (attention core)
     layers.<i>.ffn_norm                 RMSNorm                      FP32 compute
+    layers.<i>.ffn_outliers             OutlierGain (stress only)    FP32 element-wise gain
     layers.<i>.feed_forward.w1|w3|w2    nn.Linear (gate, up, down)   FP8 (MLP)
     layers.<i>.feed_forward.router      nn.Linear d -> experts       FP32 (MoE gate)
     layers.<i>.feed_forward.experts.<j>.w1|w3|w2                     FP8 (experts)
@@ -41,6 +42,7 @@ __all__ = [
     "RMSNorm",
     "Attention",
     "FeedForward",
+    "OutlierGain",
     "MoE",
     "TransformerBlock",
     "Transformer",
@@ -167,6 +169,42 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class OutlierGain(nn.Module):
+    """Outlier stress for numerics studies (``model.outlier_channels``, off by default).
+
+    Multiplies the channels ``cfg.outlier_channel_ids`` of its input by ``cfg.outlier_scale``
+    (FP32 element-wise, in the input's dtype). Placed on the SwiGLU input (the ``ffn_norm``
+    output that ``w1`` and ``w3`` consume), it gives every token a few channels that are orders
+    of magnitude above the rest — the "massive activation" pattern of trained LLMs — so a
+    per-tensor FP8 scale is set by the outliers and the bulk of the tensor lands in E4M3's
+    subnormal range, while 1x128 / 1x32 groups without an outlier keep their own scale. The
+    gain is a fixed buffer, not a parameter; the model can still adapt around it (``ffn_norm``
+    weights, ``w1``/``w3`` columns). In an MoE layer the same tensor also feeds the router. The
+    gain is in the state dict, so checkpoints of stressed and unstressed models never load into
+    each other.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.channels = list(cfg.outlier_channel_ids)
+        self.scale = float(cfg.outlier_scale)
+        self.register_buffer("gain", torch.empty(cfg.dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Gain 1 everywhere, ``outlier_scale`` on the outlier channels (also after ``to_empty``)."""
+        self.gain.fill_(1.0)
+        self.gain[self.channels] = self.scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x * gain`` along the last dim."""
+        return (x.float() * self.gain.float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"channels={self.channels}, scale={self.scale:g}"
+
+
 class MoE(nn.Module):
     """DeepSeek-V3-style mixture of experts: shared expert(s) + top-k routed experts.
 
@@ -240,7 +278,8 @@ class MoE(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + ffn(ffn_norm(h))``."""
+    """Pre-norm block: ``h = x + attention(attention_norm(x)); out = h + ffn(ffn_norm(h))``
+    (``ffn(ffn_outliers(ffn_norm(h)))`` under the outlier stress, ``model.outlier_channels``)."""
 
     def __init__(self, layer_id: int, cfg: ModelConfig) -> None:
         super().__init__()
@@ -248,16 +287,20 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.ffn_outliers = OutlierGain(cfg) if cfg.outlier_channels else None
         self.is_moe = cfg.is_moe_layer(layer_id)
         self.feed_forward = MoE(cfg) if self.is_moe else FeedForward(cfg.dim, cfg.ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden states, raw MoE aux loss or 0)."""
         h = x + self.attention(self.attention_norm(x), rope)
+        z = self.ffn_norm(h)
+        if self.ffn_outliers is not None:  # outlier stress on the SwiGLU input
+            z = self.ffn_outliers(z)
         if self.is_moe:
-            f, aux = self.feed_forward(self.ffn_norm(h))
+            f, aux = self.feed_forward(z)
         else:
-            f = self.feed_forward(self.ffn_norm(h))
+            f = self.feed_forward(z)
             aux = torch.zeros((), device=x.device, dtype=torch.float32)
         return h + f, aux
 
@@ -285,8 +328,9 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """Normal(0, init_std) for embeddings and linears, residual-branch outputs (``wo``,
-        ``w2``) scaled by ``1/sqrt(2·num_layers)`` (GPT-2), norms to one; rebuilds the RoPE table
-        (use after ``to_empty`` when materialising a meta-device model)."""
+        ``w2``) scaled by ``1/sqrt(2·num_layers)`` (GPT-2), norms to one, outlier-stress gains to
+        their values; rebuilds the RoPE table (use after ``to_empty`` when materialising a
+        meta-device model)."""
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.num_layers)
         for name, m in self.named_modules():
@@ -297,7 +341,7 @@ class Transformer(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Embedding):
                 nn.init.normal_(m.weight, mean=0.0, std=std)
-            elif isinstance(m, RMSNorm):
+            elif isinstance(m, (RMSNorm, OutlierGain)):
                 m.reset_parameters()
         self.rope_cache = precompute_rope(self.config, device=self.rope_cache.device)
 
