@@ -159,6 +159,20 @@ def test_bf16_autocast_bit_for_bit(recipe):
     assert all(torch.equal(g, w) for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]))
 
 
+@pytest.mark.parametrize("recipe", TRACED)
+def test_dynamic_shapes_bit_for_bit(recipe):
+    """``dynamic=True`` (symbolic token count), including token counts that leave a short
+    trailing scaling group (200 = 6·32 + 8 = 128 + 72): one graph, eager numbers, right counts."""
+    model, ref = _pair(recipe)
+    compiled = torch.compile(model, backend="aot_eager", dynamic=True)
+    for tokens in (96, 200):
+        g = torch.Generator().manual_seed(tokens)
+        x, dy = torch.randn(2, tokens, D, generator=g), torch.randn(2, tokens, D, generator=g)
+        got, want = _step(compiled, model, x, dy), _step(ref, ref, x, dy)
+        assert all(torch.equal(a, b) for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]))
+    assert model.w2.gemm_counts == {"fprop": 2, "dgrad": 2, "wgrad": 2}
+
+
 def test_weight_written_through_data_is_seen_without_invalidation():
     """The traced path quantises the weight in every forward: even an in-place write through
     ``.data`` (which the eager weight cache cannot see without ``invalidate_weight_cache``)

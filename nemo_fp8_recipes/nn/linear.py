@@ -139,18 +139,18 @@ def _check_device(x: torch.Tensor, emulate: bool, fqn: str) -> None:
         )
 
 
-def _fprop(ctx, x, bias, *, recipe: Recipe, emulate: bool, row_multiple: int, out_dtype,
-           quantize_operand, quantized_weight, fqn: str):
-    """fprop of ``x`` (any leading dims): returns ``(y, tensors to save)`` and records on
-    ``ctx`` what :func:`_grads` needs. ``quantized_weight()`` gives the two weight copies."""
+def _fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple: int, out_dtype,
+           quantize_operand):
+    """fprop of ``x`` (any leading dims) with ``weights`` = (W along K, W along N) from
+    :func:`_quantize_weight`: returns ``(y, tensors to save)`` and records on ``ctx`` what
+    :func:`_grads` needs."""
     in_shape = x.shape
     x2 = x.reshape(-1, in_shape[-1])
     m = x2.shape[0]
     pad = (-m) % row_multiple if not emulate else 0
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
-    _check_device(x, emulate, fqn)
-    w_fprop, w_dgrad = quantized_weight()
+    w_fprop, w_dgrad = weights
     if ctx.needs_input_grad[1]:  # both copies of X from one read (fprop rows, wgrad columns)
         qx, qx_wgrad = quantize_operand(_IN, x2, pair=True)
     else:
@@ -207,10 +207,11 @@ class _Float8LinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype):
+        _check_device(x, mod.emulate, mod.fqn)
         y, to_save = _fprop(
-            ctx, x, bias, recipe=mod.recipe, emulate=mod.emulate, row_multiple=mod._row_multiple,
-            out_dtype=out_dtype, quantize_operand=mod._quantize_operand,
-            quantized_weight=mod._quantized_weight, fqn=mod.fqn,
+            ctx, x, bias, mod._quantized_weight(), recipe=mod.recipe, emulate=mod.emulate,
+            row_multiple=mod._row_multiple, out_dtype=out_dtype,
+            quantize_operand=mod._quantize_operand,
         )
         mod._count("fprop")
         ctx.save_for_backward(*to_save)
@@ -239,13 +240,12 @@ class _Float8LinearTracedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, bwd_counts, recipe: Recipe, emulate: bool,
                 row_multiple: int, out_dtype: torch.dtype, fqn: str):
+        _check_device(x, emulate, fqn)
         quantize_operand = functools.partial(_quantize_current, recipe)
+        weights = _quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
         y, to_save = _fprop(
-            ctx, x, bias, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
+            ctx, x, bias, weights, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
             out_dtype=out_dtype, quantize_operand=quantize_operand,
-            quantized_weight=lambda: _quantize_weight(weight.detach(), recipe, emulate,
-                                                      quantize_operand),
-            fqn=fqn,
         )
         ctx.save_for_backward(*to_save, bwd_counts)
         ctx.recipe, ctx.emulate = recipe, emulate

@@ -39,7 +39,6 @@ __all__ = [
     "STAT_NAMES",
 ]
 
-_FLT_MAX = torch.finfo(torch.float32).max
 
 
 def _fmt(fmt: Union[Format, str]) -> Format:
@@ -127,7 +126,10 @@ def amax_to_scale(
     s = _div_rn(fmt.max, amax)
     if margin:
         s = s / float(2**margin)
-    s = torch.where(torch.isinf(s) & (amax >= 0), torch.full_like(s, _FLT_MAX), s)
+    # torch.finfo inline, not a module-level float: torch.compile(dynamic=True) lifts a global
+    # Python float to a graph input, which fails inside the FP8 linear's autograd function
+    flt_max = torch.finfo(torch.float32).max
+    s = torch.where(torch.isinf(s) & (amax >= 0), torch.full_like(s, flt_max), s)
     if rounding is ScaleRounding.POW2:
         mant, exp = torch.frexp(s)  # s = mant * 2**exp, mant in [0.5, 1)
         p2 = torch.ldexp(torch.full_like(s, 0.5), exp)
