@@ -16,16 +16,9 @@ amax's binary exponent). The FP8 rounding is done explicitly (round-to-nearest-e
 bits, saturation, NaN kept) before the final cast of an exactly representable value, so the
 codes do not depend on the conversion instruction — and the kernels give the same bits under
 Triton's CPU interpreter (``TRITON_INTERPRET=1``), which CI uses to check them.
-
-Tile sizes and warps are autotuned per shape on the GPU (a few configurations, benchmarked once
-per shape and process); tiling never changes which elements form a scaling group, so every
-configuration produces the same bits. Under the interpreter one configuration runs.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 
@@ -53,23 +46,6 @@ __all__ = [
 ]
 
 _MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _autotuned(kernel, key, space, default, prune=None):
-    """``kernel`` autotuned over ``space`` (list of (meta-parameter dict, num_warps)) on the GPU;
-    only ``default`` under the interpreter (nothing to time there). ``prune(config, args)``
-    drops configurations that cannot run for the given arguments."""
-    chosen = [default] if _INTERPRET else space
-    configs = [triton.Config(dict(meta), num_warps=w) for meta, w in chosen]
-    bench = functools.partial(triton.testing.do_bench, warmup=5, rep=20)
-    by = None
-    if prune is not None:
-        def early(configs, named_args, **kwargs):
-            args = {**named_args, **kwargs}
-            return [c for c in configs if prune(c.kwargs, args)] or configs[:1]
-        by = {"early_config_prune": early}
-    return triton.autotune(configs=configs, key=key, do_bench=bench, prune_configs_by=by)(kernel)
 
 if HAVE_TRITON:
 
@@ -158,10 +134,6 @@ if HAVE_TRITON:
         if MODE >= 2:
             tl.store(e8_ptr + rows * G + pg, e8.to(tl.uint8), mask=rm)
 
-    _quant_rows_kernel = _autotuned(
-        _quant_rows_kernel, ["R", "C", "GROUP", "MODE"],
-        [({"BLOCK_R": b}, w) for b in (16, 32, 64, 128) for w in (4, 8)], ({"BLOCK_R": 32}, 4))
-
     @triton.jit
     def _quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
                              GROUP: tl.constexpr, BLOCK_C: tl.constexpr, MODE: tl.constexpr,
@@ -187,10 +159,6 @@ if HAVE_TRITON:
         if MODE >= 2:
             tl.store(e8_ptr + cols * G + pg, e8.to(tl.uint8), mask=cm)
 
-    _quant_cols_t_kernel = _autotuned(
-        _quant_cols_t_kernel, ["R", "C", "GROUP", "MODE"],
-        [({"BLOCK_C": b}, w) for b in (32, 64, 128) for w in (4, 8)], ({"BLOCK_C": 64}, 4))
-
     @triton.jit
     def _quant_block_kernel(x_ptr, q_ptr, si_ptr, R, C, GC, stride_x,
                             BLOCK: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr,
@@ -208,9 +176,6 @@ if HAVE_TRITON:
         q = _round_fp8(x * s, FMAX, IS_E4M3)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         tl.store(si_ptr + pr * GC + pc, si)
-
-    _quant_block_kernel = _autotuned(
-        _quant_block_kernel, ["R", "C", "MODE"], [({}, w) for w in (4, 8, 16)], ({}, 4))
 
     @triton.jit
     def _amax_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
@@ -230,10 +195,6 @@ if HAVE_TRITON:
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
         q = _round_fp8(x * s, FMAX, IS_E4M3)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
-
-    _cast_kernel = _autotuned(
-        _cast_kernel, ["N"], [({"BLOCK": b}, w) for b in (2048, 4096, 8192) for w in (4, 8)],
-        ({"BLOCK": 8192}, 4))
 
     @triton.jit
     def _quant_dual_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, qt_ptr, sit_ptr, e8t_ptr, R, C, G_row, G_col,
@@ -279,11 +240,6 @@ if HAVE_TRITON:
         if MODE >= 2:
             tl.store(e8t_ptr + cols[:, None] * G_col + grow[None, :], e8t.to(tl.uint8), mask=mst)
 
-    _quant_dual_kernel = _autotuned(
-        _quant_dual_kernel, ["R", "C", "GROUP", "MODE"],
-        [({"TILE": t}, w) for t in (64, 128) for w in (4, 8)], ({"TILE": 128}, 4),
-        prune=lambda meta, args: meta["TILE"] % args["GROUP"] == 0)
-
     @triton.jit
     def _cast_dual_kernel(x_ptr, s_ptr, q_ptr, qt_ptr, R, C, stride_x, TILE: tl.constexpr,
                           FMAX: tl.constexpr, IS_E4M3: tl.constexpr):
@@ -299,10 +255,6 @@ if HAVE_TRITON:
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         mt = (cols[:, None] < C) & (rows[None, :] < R)
         tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty), mask=mt)
-
-    _cast_dual_kernel = _autotuned(
-        _cast_dual_kernel, ["R", "C"], [({"TILE": t}, w) for t in (32, 64, 128) for w in (4, 8)],
-        ({"TILE": 64}, 4))
 
 
 def _require_triton():
@@ -336,8 +288,9 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     si = torch.empty((R, G), dtype=torch.float32, device=x.device)
     e8 = torch.empty((R, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
-    grid = lambda meta: (triton.cdiv(R, meta["BLOCK_R"]), G)  # noqa: E731
-    _quant_rows_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group,
+    block_r = 32 if group == 128 else 64
+    grid = (triton.cdiv(R, block_r), G)
+    _quant_rows_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, BLOCK_R=block_r,
                              MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                              TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
     return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
@@ -357,8 +310,9 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     q = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
     si = torch.empty((C, G), dtype=torch.float32, device=x.device)
     e8 = torch.empty((C, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
-    grid = lambda meta: (G, triton.cdiv(C, meta["BLOCK_C"]))  # noqa: E731
-    _quant_cols_t_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group,
+    block_c = 64
+    grid = (G, triton.cdiv(C, block_c))
+    _quant_cols_t_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, BLOCK_C=block_c,
                                MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                                TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
     return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
@@ -404,8 +358,7 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
     q = torch.empty(x2.shape, dtype=fmt.dtype, device=x.device)
     if n:
-        _cast_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](
-            x2, s, q, n, FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3)
+        _cast_kernel[(nb,)](x2, s, q, n, BLOCK=block, FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3)
     return QuantizedTensor(data=q, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
 
 
@@ -426,9 +379,10 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     mx = _MODE[rounding] >= 2
     e8 = torch.empty((R, Gr), dtype=torch.uint8, device=dev) if mx else si
     e8t = torch.empty((C, Gc), dtype=torch.uint8, device=dev) if mx else sit
-    grid = lambda meta: (triton.cdiv(R, meta["TILE"]), triton.cdiv(C, meta["TILE"]))  # noqa: E731
+    tile = 128 if group == 128 else 64
+    grid = (triton.cdiv(R, tile), triton.cdiv(C, tile))
     _quant_dual_kernel[grid](x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), GROUP=group,
-                             MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
+                             TILE=tile, MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                              TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
     a = QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
                         scale_e8m0=_e8m0_view(e8) if mx else None)
@@ -459,8 +413,8 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     qt = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
     if n:
-        grid = lambda meta: (triton.cdiv(R, meta["TILE"]), triton.cdiv(C, meta["TILE"]))  # noqa: E731
-        _cast_dual_kernel[grid](x2, s, q, qt, R, C, x2.stride(0), FMAX=fmt.max,
+        grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
+        _cast_dual_kernel[grid](x2, s, q, qt, R, C, x2.stride(0), TILE=64, FMAX=fmt.max,
                                 IS_E4M3=fmt is Format.E4M3)
     si = 1.0 / s
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
