@@ -269,8 +269,19 @@ def _capture_scaled_mm(gm, example_inputs):
     raise _Captured(calls)
 
 
-@pytest.mark.parametrize("recipe,op", [("tensorwise", "_scaled_mm"), ("blockwise", "_scaled_mm_v2"),
-                                       ("mxfp8", "_scaled_mm_v2")])
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
+def test_real_block_scaled_gemms_keep_the_eager_island(recipe):
+    """Real blockwise / mxfp8 GEMMs are not traced (on the H200 with torch 2.11 the traced
+    blockwise layer broke the graph 30 times and ran 2.5x slower than the island); emulated
+    they are."""
+    model, _ = _pair(recipe)
+    assert all(m.traceable() for m in _fp8(model))  # emulated
+    for m in _fp8(model):
+        m.emulate = False
+    assert not any(m.traceable() for m in _fp8(model))
+
+
+@pytest.mark.parametrize("recipe,op", [("tensorwise", "_scaled_mm")])
 def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, monkeypatch):
     """``emulate=False`` (the H200 path): dynamo traces forward and backward into one graph
     (``fullgraph``) whose six GEMMs are ``torch._scaled_mm`` / ``F.scaled_mm`` with the operand
@@ -399,7 +410,10 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
         models.append(m)
     model, ref = models
     assert all(m.emulate == (emulate is True) for m in _fp8(model))
-    compiled = torch.compile(model, fullgraph=True, dynamic=False)
+    traced = all(m.traceable() for m in _fp8(model))
+    # real block-scaled GEMMs keep the eager island on purpose (Float8Linear.traceable)
+    assert traced == (name == "tensorwise" or emulate is True)
+    compiled = torch.compile(model, fullgraph=traced, dynamic=False)
     lines = NUMERICS_REPORT.setdefault(
         f"H200: compiled (traced) vs eager FP8 linear ({torch.cuda.get_device_name()}), rel. error",
         [f"{'recipe':<11}{'M':>6}{'step':>5}{'y':>10}{'dx':>10}{'dW1':>10}{'dW2':>10}"],
@@ -420,17 +434,22 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
         errs = [_rel(a, b) for a, b in zip(*res)]
         lines.append(f"{name:<11}{M:>6}{step + 1:>5}" + "".join(f"{e:10.2e}" for e in errs))
         for what, e in zip(("y", "dx", "dW1", "dW2"), errs):
-            # same recipe and GEMMs; differences: BF16 rounding of the compiled non-FP8 ops and
-            # of the FP8 GEMM outputs (fused epilogues), which can flip FP8 codes downstream
-            assert e < 1e-2, f"{name} M={M} step {step + 1}: compiled vs eager {what} rel. error {e:.3g}"
+            # Same recipe and GEMMs. Inductor computes the BF16 non-FP8 ops (SwiGLU) in FP32
+            # inside fused kernels and rounds once, so a few BF16 inputs of w2 differ by an ulp
+            # and land on neighbouring FP8 codes: measured 1.7e-2 for tensorwise on the H200.
+            # That is below the recipe's own quantisation error (3-8e-2 vs float64,
+            # tests/test_linear_numerics.py) and far below what a wrong scale or layout gives
+            # (>= 0.5).
+            assert e < 5e-2, f"{name} M={M} step {step + 1}: compiled vs eager {what} rel. error {e:.3g}"
         _sgd(model, 1e-2), _sgd(ref, 1e-2)
     for m in _fp8(model):
         assert m.gemm_counts == {"fprop": 2, "dgrad": 2, "wgrad": 2}, m.fqn
-    torch._dynamo.reset()
-    x = torch.randn(M, 1024, device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        ex, reasons = _break_reasons(model, x)
-    assert (ex.graph_count, ex.graph_break_count, reasons) == (1, 0, [])
+    if traced:
+        torch._dynamo.reset()
+        x = torch.randn(M, 1024, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ex, reasons = _break_reasons(model, x)
+        assert (ex.graph_count, ex.graph_break_count, reasons) == (1, 0, [])
 
 
 @pytest.mark.gpu
