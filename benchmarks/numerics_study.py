@@ -786,13 +786,10 @@ def _nan_high(x) -> float:
 
 
 def _finite(obj):
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
+    """Non-finite floats as None, for JSON (the compare tool's rule)."""
+    from nemo_fp8_recipes.compare import _finite as finite
+
+    return finite(obj)
 
 
 def _pct(x: Optional[float], signed: bool = True, digits: int = 3) -> str:
