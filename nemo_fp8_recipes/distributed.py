@@ -266,11 +266,12 @@ def reduce_telemetry(values: Dict[str, float], ctx: DistContext) -> Dict[str, fl
     return out
 
 
-def merge_audits(report, ctx: DistContext) -> Tuple[Any, List[str]]:
-    """Gather every rank's audit on rank 0. Returns ``(report, problems)``: rank 0's report and,
-    on rank 0, a list of ranks whose per-module precision or GEMM counts differ from it."""
+def merge_audits(report, ctx: DistContext) -> List[str]:
+    """Gather every rank's audit on rank 0 and compare it with rank 0's ``report``. Returns, on
+    rank 0, the problems found (ranks whose per-module precision or GEMM counts differ, ranks with
+    policy violations); an empty list elsewhere and on one rank."""
     if not ctx.distributed:
-        return report, []
+        return []
     import torch.distributed as dist
 
     mine = report.to_dict()
@@ -283,4 +284,4 @@ def merge_audits(report, ctx: DistContext) -> Tuple[Any, List[str]]:
                 problems.append(f"rank {r}'s precision audit differs from rank 0's")
             if other and other.get("violations"):
                 problems.append(f"rank {r}: policy violations {other['violations']}")
-    return report, problems
+    return problems

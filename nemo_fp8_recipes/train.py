@@ -664,7 +664,8 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                     steps_timed += 1
 
                 if step == start_step + 1 and start_step == 0:
-                    report, rank_problems = merge_audits(audit(raw_model), ctx)
+                    report = audit(raw_model)
+                    rank_problems = merge_audits(report, ctx)
                     result.audit_table = report.table()
                     if ctx.distributed:
                         result.audit_table += (
