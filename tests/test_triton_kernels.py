@@ -100,3 +100,84 @@ def test_per_tensor_codes_and_transpose_from_one_read(tk, fmt):
         ref = quantize(x, fmt, "tensor", scale=scale)
         _same(a, ref)
         assert torch.equal(b.data.float(), ref.data.float().t()) and b.data.is_contiguous()
+
+
+def _ties_and_neighbours(fmt):
+    """Every FP8 value, the exact midpoints between neighbours (round-half-to-even ties), one FP32
+    ulp either side of each midpoint, values past the format maximum, and the subnormal range's
+    own midpoints — the inputs on which a wrong rounding instruction would differ."""
+    dt = torch.float8_e4m3fn if fmt == "e4m3" else torch.float8_e5m2
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dt).float()
+    v = torch.unique(codes[torch.isfinite(codes) & (codes >= 0)]).double()
+    mids = (v[1:] + v[:-1]) / 2
+    f32 = mids.float()
+    up, down = torch.nextafter(f32, torch.full_like(f32, float("inf"))), torch.nextafter(f32, torch.zeros_like(f32))
+    fmax = float(v[-1])
+    big = torch.tensor([fmax * 1.01, fmax * 1.0625, fmax * 4, 3e38])
+    pos = torch.cat([v.float(), f32, up, down, big])
+    return torch.cat([pos, -pos])
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_rounding_ties_subnormals_and_saturation(tk, fmt):
+    x = _ties_and_neighbours(fmt)
+    n = x.numel()
+    x = torch.nn.functional.pad(x, (0, 128 * ((n + 127) // 128) - n)).reshape(-1, 128).to(DEV)
+    one = torch.tensor(1.0, device=DEV)
+    _same(tk.quantize_tensor(x, fmt, scale=one), quantize(x, fmt, "tensor", scale=one))
+    a, b = tk.quantize_tensor_dual(x, fmt, scale=one)
+    _same(a, quantize(x, fmt, "tensor", scale=one))
+    # the same values through a 1x128 kernel: with each group's amax at the format maximum the
+    # pow2 scale is exactly 1, so the ties reach the rounding unchanged
+    fmax = 448.0 if fmt == "e4m3" else 57344.0
+    xr = x.clamp(-fmax, fmax)
+    xr[:, 0] = fmax
+    _same(tk.quantize_rows(xr, fmt, 128, "pow2"), quantize(xr, fmt, "1x128", "pow2"))
+    assert torch.equal(quantize(xr, fmt, "1x128", "pow2").scale_inv, torch.ones_like(xr[:, :1]))
+
+
+@pytest.mark.parametrize("kernel, cfg", [
+    ("rows128", {"block_r": 8, "num_warps": 8}), ("rows128", {"block_r": 64, "num_warps": 2}),
+    ("rows32", {"block_r": 128}), ("cols_t128", {"block_c": 32}), ("cols_t32", {"block_c": 128, "num_warps": 8}),
+    ("dual32", {"tile": 128}), ("dual128", {"num_warps": 8}), ("blocks128", {"num_warps": 8}),
+    ("tensor", {"block": 2048, "num_warps": 8}), ("tensor_dual", {"tile": 32}), ("tensor_dual", {"tile": 128}),
+])
+def test_launch_configurations_change_speed_not_bits(tk, kernel, cfg):
+    """The tuning knobs of benchmarks/quant_bandwidth.py --sweep: any tile size gives the same
+    codes and scales (ragged shape, so partial tiles are exercised)."""
+    x = structured(200, 300, seed=11).to(DEV, torch.bfloat16)
+    before = dict(tk.LAUNCH[kernel])
+    with tk.launch_config(kernel, **cfg):
+        assert all(tk.LAUNCH[kernel][k] == v for k, v in cfg.items())
+        if kernel == "rows128":
+            _same(tk.quantize_rows(x, "e4m3", 128, "pow2"), quantize(x, "e4m3", "1x128", "pow2"))
+        elif kernel == "rows32":
+            _same(tk.quantize_rows(x, "e4m3", 32, "e8m0_ceil"), quantize(x, "e4m3", "1x32", "e8m0_ceil"))
+        elif kernel == "cols_t128":
+            _same(tk.quantize_cols_t(x, "e4m3", 128, "pow2"), quantize(x, "e4m3", "1x128", "pow2", dim=0))
+        elif kernel == "cols_t32":
+            _same(tk.quantize_cols_t(x, "e4m3", 32, "e8m0_ceil"), quantize(x, "e4m3", "1x32", "e8m0_ceil", dim=0))
+        elif kernel in ("dual32", "dual128"):
+            g, r = (32, "e8m0_ceil") if kernel == "dual32" else (128, "pow2")
+            a, b = tk.quantize_dual(x, "e4m3", g, r)
+            _same(a, quantize(x, "e4m3", f"1x{g}", r))
+            _same(b, quantize(x, "e4m3", f"1x{g}", r, dim=0))
+        elif kernel == "blocks128":
+            _same(tk.quantize_blocks128(x, "e4m3", "pow2"), quantize(x, "e4m3", "128x128", "pow2"))
+        elif kernel == "tensor":
+            _same(tk.quantize_tensor(x, "e4m3"), quantize(x, "e4m3", "tensor"))
+        else:
+            a, b = tk.quantize_tensor_dual(x, "e5m2")
+            ref = quantize(x, "e5m2", "tensor")
+            _same(a, ref)
+            assert torch.equal(b.data.float(), ref.data.float().t())
+    assert tk.LAUNCH[kernel] == before  # restored
+
+
+def test_launch_config_names_the_valid_choices(tk):
+    with pytest.raises(KeyError, match="valid: rows128"):
+        with tk.launch_config("rows64", block_r=8):
+            pass
+    with pytest.raises(KeyError, match="valid: block_r, num_warps"):
+        with tk.launch_config("rows128", tile=8):
+            pass

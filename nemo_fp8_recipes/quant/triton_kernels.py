@@ -12,13 +12,19 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
   scaling, where the scale comes from the amax history).
 
 Scales follow the exact rules of the reference (pow-2 by dropping mantissa bits, E8M0 from the
-amax's binary exponent). The FP8 rounding is done explicitly (round-to-nearest-even on the FP32
-bits, saturation, NaN kept) before the final cast of an exactly representable value, so the
-codes do not depend on the conversion instruction — and the kernels give the same bits under
-Triton's CPU interpreter (``TRITON_INTERPRET=1``), which CI uses to check them.
+amax's binary exponent). Saturation and the NaN/Inf rules are applied explicitly; the
+round-to-nearest-even itself is the GPU's conversion instruction (``cvt.rn.satfinite``, one
+instruction per two values) when compiled for CUDA, and an explicit RNE on the FP32 bits under
+Triton's CPU interpreter (``TRITON_INTERPRET=1``, which CI uses to check the kernels), whose
+own cast is not a hardware RNE. Both give the reference's codes bit for bit (checked on the GPU
+against the reference, ties and subnormals included).
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
 
 import torch
 
@@ -50,11 +56,24 @@ _MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 
 if HAVE_TRITON:
 
     @triton.jit
-    def _round_fp8(y, FMAX: tl.constexpr, IS_E4M3: tl.constexpr):
-        """Saturating RNE of FP32 ``y`` onto the FP8 grid (values stay FP32, exactly on the grid)."""
+    def _round_fp8(y, FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+        """Saturating RNE of FP32 ``y`` for the FP8 store that follows.
+
+        ``HW_CVT`` (compiled for a GPU): only the saturation and the NaN/Inf rules are applied
+        here; the store's cast is the hardware round-to-nearest-even conversion
+        (``cvt.rn.satfinite`` on sm_89+), which gives the same codes for every finite clamped
+        value at a fraction of the instructions. Otherwise (Triton's CPU interpreter, whose cast
+        is not a hardware RNE) the rounding is done explicitly on the FP32 bits and the value
+        stays FP32, exactly on the grid, so the final cast is exact."""
         nan = y != y
         inf = (y == float("inf")) | (y == float("-inf"))
         yc = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
+        if HW_CVT:
+            if IS_E4M3:
+                r = tl.where(inf, float("nan"), yc)
+            else:
+                r = tl.where(inf, y, yc)
+            return tl.where(nan, y, r)
         bits = yc.to(tl.int32, bitcast=True)
         if IS_E4M3:
             # normals (|y| >= 2^-6): keep 3 mantissa bits, RNE on the dropped 20 bits
@@ -115,7 +134,7 @@ if HAVE_TRITON:
     def _quant_rows_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
                            GROUP: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
                            FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
-                           IS_E4M3: tl.constexpr):
+                           IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
         pr = tl.program_id(0)
         pg = tl.program_id(1)
         rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -127,7 +146,7 @@ if HAVE_TRITON:
         has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
         amax = tl.where(has_nan, float("nan"), amax)
         s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
-        q = _round_fp8(x * s[:, None], FMAX, IS_E4M3)
+        q = _round_fp8(x * s[:, None], FMAX, IS_E4M3, HW_CVT)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         rm = rows < R
         tl.store(si_ptr + rows * G + pg, si, mask=rm)
@@ -138,7 +157,7 @@ if HAVE_TRITON:
     def _quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
                              GROUP: tl.constexpr, BLOCK_C: tl.constexpr, MODE: tl.constexpr,
                              FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
-                             IS_E4M3: tl.constexpr):
+                             IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
         # groups of GROUP rows down each column; output is x.T quantised along its rows: [C, R]
         pg = tl.program_id(0)
         pc = tl.program_id(1)
@@ -151,7 +170,7 @@ if HAVE_TRITON:
         has_nan = tl.max((xt != xt).to(tl.int32), axis=1) > 0
         amax = tl.where(has_nan, float("nan"), amax)
         s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
-        q = _round_fp8(xt * s[:, None], FMAX, IS_E4M3)
+        q = _round_fp8(xt * s[:, None], FMAX, IS_E4M3, HW_CVT)
         mt = (cols[:, None] < C) & (rows[None, :] < R)
         tl.store(q_ptr + cols[:, None] * R + rows[None, :], q.to(q_ptr.dtype.element_ty), mask=mt)
         cm = cols < C
@@ -162,7 +181,7 @@ if HAVE_TRITON:
     @triton.jit
     def _quant_block_kernel(x_ptr, q_ptr, si_ptr, R, C, GC, stride_x,
                             BLOCK: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr,
-                            IS_E4M3: tl.constexpr):
+                            IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
         pr = tl.program_id(0)
         pc = tl.program_id(1)
         rows = pr * BLOCK + tl.arange(0, BLOCK)
@@ -173,7 +192,7 @@ if HAVE_TRITON:
         has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
         amax = tl.where(has_nan, float("nan"), amax)
         s, si, e8 = _scale_from_amax(amax, FMAX, 0, 0, MODE)
-        q = _round_fp8(x * s, FMAX, IS_E4M3)
+        q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         tl.store(si_ptr + pr * GC + pc, si)
 
@@ -187,20 +206,21 @@ if HAVE_TRITON:
         tl.store(out_ptr + pid, tl.where(has_nan, float("nan"), amax))
 
     @triton.jit
-    def _cast_kernel(x_ptr, s_ptr, q_ptr, N, BLOCK: tl.constexpr, FMAX: tl.constexpr, IS_E4M3: tl.constexpr):
+    def _cast_kernel(x_ptr, s_ptr, q_ptr, N, BLOCK: tl.constexpr, FMAX: tl.constexpr, IS_E4M3: tl.constexpr,
+                     HW_CVT: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         m = offs < N
         s = tl.load(s_ptr)
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        q = _round_fp8(x * s, FMAX, IS_E4M3)
+        q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _quant_dual_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, qt_ptr, sit_ptr, e8t_ptr, R, C, G_row, G_col,
                            stride_x, GROUP: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr,
                            FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
-                           IS_E4M3: tl.constexpr):
+                           IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
         # One read of a TILE x TILE tile; writes the row-grouped codes [R, C] and the
         # column-grouped codes transposed [C, R] (GROUP divides TILE).
         pr = tl.program_id(0)
@@ -216,7 +236,7 @@ if HAVE_TRITON:
         nan_r = tl.max((xr != xr).to(tl.int32), axis=2) > 0
         amax = tl.where(nan_r, float("nan"), amax)
         s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
-        q = _round_fp8(xr * s[:, :, None], FMAX, IS_E4M3)
+        q = _round_fp8(xr * s[:, :, None], FMAX, IS_E4M3, HW_CVT)
         q = tl.reshape(q, (TILE, TILE))
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         gcol = pc * NG + tl.arange(0, NG)
@@ -230,7 +250,7 @@ if HAVE_TRITON:
         nan_t = tl.max((xt != xt).to(tl.int32), axis=2) > 0
         amax_t = tl.where(nan_t, float("nan"), amax_t)
         st, sit, e8t = _scale_from_amax(amax_t, FMAX, EMAX, TOP_MANT, MODE)
-        qt = _round_fp8(xt * st[:, :, None], FMAX, IS_E4M3)
+        qt = _round_fp8(xt * st[:, :, None], FMAX, IS_E4M3, HW_CVT)
         qt = tl.reshape(qt, (TILE, TILE))
         mt = (cols[:, None] < C) & (rows[None, :] < R)
         tl.store(qt_ptr + cols[:, None] * R + rows[None, :], qt.to(qt_ptr.dtype.element_ty), mask=mt)
@@ -242,7 +262,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _cast_dual_kernel(x_ptr, s_ptr, q_ptr, qt_ptr, R, C, stride_x, TILE: tl.constexpr,
-                          FMAX: tl.constexpr, IS_E4M3: tl.constexpr):
+                          FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
         # per-tensor scale: the codes and their transpose from one read
         pr = tl.program_id(0)
         pc = tl.program_id(1)
@@ -251,10 +271,64 @@ if HAVE_TRITON:
         m = (rows[:, None] < R) & (cols[None, :] < C)
         s = tl.load(s_ptr)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        q = _round_fp8(x * s, FMAX, IS_E4M3)
+        q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
         mt = (cols[:, None] < C) & (rows[None, :] < R)
         tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty), mask=mt)
+
+
+#: Launch configurations (tile sizes and warps) per kernel. They change the speed, never the
+#: codes (every tile size gives the same bits: tests/test_triton_kernels.py). The values are the
+#: fastest of ``benchmarks/quant_bandwidth.py --sweep all`` on an H200 (8192x14336 BF16,
+#: GPU-only time; docs/benchmarks.md): e.g. 1x32 columns 0.385 -> 0.208 ms with 2 warps and
+#: 128-column tiles. Override temporarily with :func:`launch_config`.
+LAUNCH = {
+    "rows128": {"block_r": 64, "num_warps": 2},
+    "rows32": {"block_r": 64, "num_warps": 4},
+    "cols_t128": {"block_c": 64, "num_warps": 2},
+    "cols_t32": {"block_c": 128, "num_warps": 2},
+    "blocks128": {"num_warps": 16},
+    "tensor": {"block": 8192, "num_warps": 8},
+    "dual128": {"num_warps": 4},
+    "dual32": {"tile": 64, "num_warps": 8},
+    "tensor_dual": {"tile": 128, "num_warps": 4},
+}
+
+
+@contextlib.contextmanager
+def launch_config(kernel: str, **cfg):
+    """Temporarily override a kernel's launch configuration (for tuning sweeps)::
+
+        with launch_config("rows128", block_r=16, num_warps=8):
+            quantize_rows(x, "e4m3", 128, "pow2")
+    """
+    if kernel not in LAUNCH:
+        raise KeyError(f"unknown kernel {kernel!r}; valid: {', '.join(LAUNCH)}")
+    bad = set(cfg) - set(LAUNCH[kernel])
+    if bad:
+        raise KeyError(f"{kernel} has no launch option {', '.join(sorted(bad))}; valid: {', '.join(LAUNCH[kernel])}")
+    old = dict(LAUNCH[kernel])
+    LAUNCH[kernel].update(cfg)
+    try:
+        yield
+    finally:
+        LAUNCH[kernel].clear()
+        LAUNCH[kernel].update(old)
+
+
+def _hw_cvt(x: torch.Tensor) -> bool:
+    """Whether the store's FP8 cast is the GPU's hardware RNE conversion (compiled for CUDA) rather
+    than the interpreter's CPU emulation, which needs the explicit rounding of ``_round_fp8``."""
+    if not x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+        return False
+    return _cvt_capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cvt_capable(index: int) -> bool:
+    # cvt.rn.satfinite.{e4m3,e5m2}x2.f32 exists from sm_89 (Ada/Hopper); older GPUs keep the
+    # explicit rounding rather than whatever emulation Triton lowers the cast to there
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def _require_triton():
@@ -288,11 +362,13 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     si = torch.empty((R, G), dtype=torch.float32, device=x.device)
     e8 = torch.empty((R, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
-    block_r = 32 if group == 128 else 64
+    cfg = LAUNCH["rows128" if group == 128 else "rows32"]
+    block_r = cfg["block_r"]
     grid = (triton.cdiv(R, block_r), G)
     _quant_rows_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, BLOCK_R=block_r,
+                             num_warps=cfg["num_warps"],
                              MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
-                             TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
+                             TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
                            scale_e8m0=_e8m0_view(e8) if _MODE[rounding] >= 2 else None)
 
@@ -310,11 +386,13 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     q = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
     si = torch.empty((C, G), dtype=torch.float32, device=x.device)
     e8 = torch.empty((C, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
-    block_c = 64
+    cfg = LAUNCH["cols_t128" if group == 128 else "cols_t32"]
+    block_c = cfg["block_c"]
     grid = (G, triton.cdiv(C, block_c))
     _quant_cols_t_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, BLOCK_C=block_c,
+                               num_warps=cfg["num_warps"],
                                MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
-                               TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
+                               TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
                            scale_e8m0=_e8m0_view(e8) if _MODE[rounding] >= 2 else None)
 
@@ -332,7 +410,8 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     si = torch.empty((GR, GC), dtype=torch.float32, device=x.device)
     _quant_block_kernel[(GR, GC)](x, q, si, R, C, GC, x.stride(0), BLOCK=128, MODE=_MODE[rounding],
-                                  FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3)
+                                  num_warps=LAUNCH["blocks128"]["num_warps"],
+                                  FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     return QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
 
 
@@ -347,18 +426,19 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     n = x2.numel()
-    block = 8192
+    block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
     nb = max(1, triton.cdiv(n, block))
     part = torch.empty(nb, dtype=torch.float32, device=x.device)
     if n:
-        _amax_kernel[(nb,)](x2, part, n, BLOCK=block)
+        _amax_kernel[(nb,)](x2, part, n, BLOCK=block, num_warps=warps)
     else:
         part.zero_()
     amax = part.amax().reshape(1, 1)
     s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
     q = torch.empty(x2.shape, dtype=fmt.dtype, device=x.device)
     if n:
-        _cast_kernel[(nb,)](x2, s, q, n, BLOCK=block, FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3)
+        _cast_kernel[(nb,)](x2, s, q, n, BLOCK=block, FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, num_warps=warps,
+                            HW_CVT=_hw_cvt(x))
     return QuantizedTensor(data=q, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
 
 
@@ -379,11 +459,13 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     mx = _MODE[rounding] >= 2
     e8 = torch.empty((R, Gr), dtype=torch.uint8, device=dev) if mx else si
     e8t = torch.empty((C, Gc), dtype=torch.uint8, device=dev) if mx else sit
-    tile = 128 if group == 128 else 64
+    cfg = LAUNCH["dual128" if group == 128 else "dual32"]
+    tile = 128 if group == 128 else cfg["tile"]
     grid = (triton.cdiv(R, tile), triton.cdiv(C, tile))
     _quant_dual_kernel[grid](x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), GROUP=group,
+                             num_warps=cfg["num_warps"],
                              TILE=tile, MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
-                             TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3)
+                             TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     a = QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
                         scale_e8m0=_e8m0_view(e8) if mx else None)
     b = QuantizedTensor(data=qt, scale_inv=sit, block=(1, group), fmt=fmt, amax=sit,
@@ -401,11 +483,11 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     R, C = x2.shape
     n = x2.numel()
-    block = 8192
+    block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
     nb = max(1, triton.cdiv(n, block))
     part = torch.zeros(nb, dtype=torch.float32, device=x.device)
     if n and x2.is_contiguous():
-        _amax_kernel[(nb,)](x2, part, n, BLOCK=block)
+        _amax_kernel[(nb,)](x2, part, n, BLOCK=block, num_warps=warps)
     elif n:
         part = x2.float().abs().amax().reshape(1)
     amax = part.amax().reshape(1, 1)
@@ -413,9 +495,11 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     qt = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
     if n:
-        grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
-        _cast_dual_kernel[grid](x2, s, q, qt, R, C, x2.stride(0), TILE=64, FMAX=fmt.max,
-                                IS_E4M3=fmt is Format.E4M3)
+        tile = LAUNCH["tensor_dual"]["tile"]
+        grid = (triton.cdiv(R, tile), triton.cdiv(C, tile))
+        _cast_dual_kernel[grid](x2, s, q, qt, R, C, x2.stride(0), TILE=tile, FMAX=fmt.max,
+                                num_warps=LAUNCH["tensor_dual"]["num_warps"],
+                                IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     si = 1.0 / s
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
     b = QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax)
