@@ -40,6 +40,32 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
     return statistics.median(times)
 
 
+def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30) -> Optional[float]:
+    """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one captured graph per input
+    set): the GPU time alone, without the host's launch and Python overhead that :func:`bench`
+    includes. ``None`` where CUDA is unavailable or ``fn`` cannot be captured."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for i in range(n_inputs):
+                fn(i)
+        torch.cuda.current_stream().wait_stream(side)
+        graphs = []
+        for i in range(n_inputs):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(i)
+            graphs.append(g)
+    except Exception:  # noqa: BLE001 - reported as "not capturable" (None), never as a number
+        return None
+    return bench(lambda i: graphs[i].replay(), n_inputs, warmup=warmup, iters=iters, cuda=True)
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table."""
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

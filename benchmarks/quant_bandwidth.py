@@ -2,8 +2,12 @@
 
     python benchmarks/quant_bandwidth.py --rows 8192 --cols 14336 --out results/quant.json
 
-Bytes counted = source read once (BF16) + FP8 codes written + scales written; the copy moves the
-same BF16 tensor (read + write). All variants run in one process, CUDA events, median of
+Bytes counted = source read once (BF16) + FP8 codes written + scales written (both copies for the
+"one read" variant); the copy moves the same BF16 tensor (read + write). Per-tensor current
+scaling cannot avoid a second read (the scale needs the whole tensor's amax before any code is
+written), so its "bytes moved" columns count the bytes it has to move (5 per element instead of 3).
+"ms" is what a caller sees (CUDA events around the Python call: launch and allocation overhead
+included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. All variants run in one process, CUDA events, median of
 ``--iters`` after warm-up, inputs rotated over 4 buffers. ``--smoke``: tiny CPU run for CI.
 """
 
@@ -17,19 +21,104 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench, table  # noqa: E402
+from _timing import bench, bench_graph, table  # noqa: E402
 
+from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto as quantize_pair  # noqa: E402
 from nemo_fp8_recipes.quant.reference import quantize  # noqa: E402
 
 VARIANTS = [
-    # name, granularity, fmt, rounding, dim
-    ("per-tensor (amax + cast)", "tensor", "e4m3", "fp32", -1),
-    ("1x128 rows", "1x128", "e4m3", "pow2", -1),
-    ("1x128 cols + transpose (wgrad copy)", "1x128", "e4m3", "pow2", 0),
-    ("128x128 blocks", "128x128", "e4m3", "pow2", -1),
-    ("1x32 E8M0 rows", "1x32", "e4m3", "e8m0_ceil", -1),
-    ("1x32 E8M0 cols + transpose", "1x32", "e4m3", "e8m0_ceil", 0),
+    # name, granularity, fmt, rounding, dim, kind (one | delayed | pair | dual: the one-read kernel)
+    ("per-tensor (amax + cast)", "tensor", "e4m3", "fp32", -1, "one"),
+    ("per-tensor cast, scale given (delayed)", "tensor", "e4m3", "fp32", -1, "delayed"),
+    ("1x128 rows", "1x128", "e4m3", "pow2", -1, "one"),
+    ("1x128 cols + transpose (wgrad copy)", "1x128", "e4m3", "pow2", 0, "one"),
+    ("1x128 rows + cols^T, two kernels (dispatch)", "1x128", "e4m3", "pow2", -1, "pair"),
+    ("1x128 rows + cols^T from one read", "1x128", "e4m3", "pow2", -1, "dual"),
+    ("128x128 blocks", "128x128", "e4m3", "pow2", -1, "one"),
+    ("1x32 E8M0 rows", "1x32", "e4m3", "e8m0_ceil", -1, "one"),
+    ("1x32 E8M0 cols + transpose", "1x32", "e4m3", "e8m0_ceil", 0, "one"),
 ]
+#: Bytes each variant must move at least, over the bytes counted (read once + codes + scales):
+#: per-tensor current scaling reads the source twice (amax, then cast) -> 5 of 3 bytes/element.
+MIN_TRAFFIC = {"per-tensor (amax + cast)": 5 / 3}
+
+
+#: ``--sweep``: the launch configurations tried per kernel (tile sizes x warps); see
+#: ``nemo_fp8_recipes.quant.triton_kernels.LAUNCH`` for the defaults.
+SWEEP = {
+    "rows128": [{"block_r": b, "num_warps": w} for b in (8, 16, 32, 64) for w in (2, 4, 8)],
+    "rows32": [{"block_r": b, "num_warps": w} for b in (32, 64, 128, 256) for w in (2, 4, 8)],
+    "cols_t128": [{"block_c": b, "num_warps": w} for b in (32, 64, 128) for w in (2, 4, 8)],
+    "cols_t32": [{"block_c": b, "num_warps": w} for b in (32, 64, 128) for w in (2, 4, 8)],
+    "blocks128": [{"num_warps": w} for w in (4, 8, 16)],
+    "tensor": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)],
+    "dual128": [{"num_warps": w} for w in (4, 8, 16)],
+    "dual32": [{"tile": t, "num_warps": w} for t in (64, 128) for w in (4, 8, 16)],
+    "tensor_dual": [{"tile": t, "num_warps": w} for t in (32, 64, 128) for w in (4, 8)],
+}
+
+
+def _sweep_call(tk, kernel):
+    """(callable on a BF16 input, bytes it moves) for one kernel family."""
+    if kernel == "rows128":
+        return (lambda x: tk.quantize_rows(x, "e4m3", 128, "pow2")), (3, 128, 1)
+    if kernel == "rows32":
+        return (lambda x: tk.quantize_rows(x, "e4m3", 32, "e8m0_ceil")), (3, 32, 1)
+    if kernel == "cols_t128":
+        return (lambda x: tk.quantize_cols_t(x, "e4m3", 128, "pow2")), (3, 128, 1)
+    if kernel == "cols_t32":
+        return (lambda x: tk.quantize_cols_t(x, "e4m3", 32, "e8m0_ceil")), (3, 32, 1)
+    if kernel == "blocks128":
+        return (lambda x: tk.quantize_blocks128(x, "e4m3", "pow2")), (3, 128 * 128, 1)
+    if kernel == "tensor":
+        return (lambda x: tk.quantize_tensor(x, "e4m3")), (5, None, 1)
+    if kernel == "dual128":
+        return (lambda x: tk.quantize_dual(x, "e4m3", 128, "pow2")), (4, 128, 2)
+    if kernel == "dual32":
+        return (lambda x: tk.quantize_dual(x, "e4m3", 32, "e8m0_ceil")), (4, 32, 2)
+    if kernel == "tensor_dual":
+        return (lambda x: tk.quantize_tensor_dual(x, "e4m3")), (6, None, 2)
+    raise KeyError(kernel)
+
+
+def _codes(out):
+    outs = out if isinstance(out, tuple) else (out,)
+    return [(o.data.view(torch.uint8).clone(), torch.as_tensor(o.scale_inv).clone()) for o in outs]
+
+
+def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
+    """Every configuration of :data:`SWEEP` for ``kernels``: GPU-only time (CUDA graphs), the
+    caller-seen time, and whether its codes and scales equal the default configuration's."""
+    from nemo_fp8_recipes.quant import triton_kernels as tk
+
+    n = xs[0].numel()
+    out = []
+    for kernel in kernels:
+        fn, (bytes_per_el, group, copies) = _sweep_call(tk, kernel)
+        nbytes = bytes_per_el * n + copies * 4 * (n // group if group else 1)
+        ref = _codes(fn(xs[0]))
+        default = dict(tk.LAUNCH[kernel])
+        for cfg in SWEEP[kernel]:
+            with tk.launch_config(kernel, **cfg):
+                try:
+                    same = all(torch.equal(a, b) and torch.equal(sa, sb)
+                               for (a, sa), (b, sb) in zip(_codes(fn(xs[0])), ref))
+                    gms = bench_graph(lambda i: fn(xs[i]), len(xs), iters=iters) if xs[0].is_cuda else None
+                    ms = bench(lambda i: fn(xs[i]), len(xs), iters=iters)
+                    err = None
+                except Exception as e:  # noqa: BLE001 - e.g. out of registers/shared memory: reported
+                    same, gms, ms, err = None, None, None, f"{type(e).__name__}: {str(e)[:120]}"
+            out.append({"kernel": kernel, "config": cfg, "default": cfg == default, "same_bits": same,
+                        "graph_ms": gms, "ms": ms, "bytes_moved": nbytes,
+                        "graph_of_copy": (nbytes / gms / 1e9 / copy_bw) if gms else None, "error": err})
+            r = out[-1]
+            head = f"  {kernel:<12} {str(cfg):<34} {'default' if r['default'] else '':<7} "
+            if err:
+                print(head + f"failed: {err}", flush=True)
+            else:
+                gpu = f"GPU {gms:.3f} ms ({r['graph_of_copy']:.0%} of copy), " if gms else ""
+                print(head + f"{gpu}caller {ms:.3f} ms, same bits: {same}", flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -39,6 +128,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (no timing claims)")
+    p.add_argument("--sweep", default=None, metavar="KERNELS",
+                   help="also time the launch configurations of these kernels (comma list, or 'all': "
+                        f"{', '.join(SWEEP)}); GPU only")
     a = p.parse_args(argv)
     if a.smoke:
         a.rows, a.cols, a.iters = 256, 384, 2
@@ -49,26 +141,75 @@ def main(argv=None) -> int:
     copy_ms = bench(lambda i: xs[i].clone(), 4, iters=a.iters)
     copy_bw = 2 * 2 * n / copy_ms / 1e9
     res.append({"variant": "device copy (BF16 read + write)", "impl": "torch", "ms": copy_ms, "TB/s": copy_bw})
-    impls = [("reference (eager PyTorch)", lambda x, g, f, r, d: quantize(x, f, g, r, dim=d))]
+    impls = [("reference (eager PyTorch)", lambda x, g, f, r, d, sc: quantize(x, f, g, r, dim=d, scale=sc),
+              lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc, triton=False))]
     if dev == "cuda":
         from nemo_fp8_recipes.quant.dispatch import quantize_auto
 
-        impls.append(("triton", lambda x, g, f, r, d: quantize_auto(x, f, g, r, dim=d)))
-    for name, g, f, r, d in VARIANTS:
+        impls.append(("triton", lambda x, g, f, r, d, sc: quantize_auto(x, f, g, r, dim=d, scale=sc),
+                      lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc)))
+    scale = torch.tensor(0.5, device=dev)
+    for name, g, f, r, d, kind in VARIANTS:
         group = {"tensor": n, "1x128": 128, "128x128": 128 * 128, "1x32": 32}[g]
-        nbytes = 2 * n + n + 4 * (n // group)
-        for iname, fn in impls:
-            ms = bench(lambda i: fn(xs[i], g, f, r, d), 4, iters=a.iters)
-            res.append({"variant": name, "impl": iname, "ms": ms, "TB/s": nbytes / ms / 1e9})
-    rows = [(r["variant"], r["impl"], f"{r['ms']:.3f}", f"{r['TB/s']:.2f}", f"{r['TB/s'] / copy_bw:.0%}")
-            for r in res]
+        copies = 2 if kind in ("pair", "dual") else 1
+        nbytes = 2 * n + copies * (n + 4 * (n // group))
+        sc = scale if kind == "delayed" else None
+        for iname, fn, pair in impls:
+            if kind == "dual" and iname != "triton":
+                continue  # the reference has no one-read variant: its pair row is the comparison
+            if kind == "dual":
+                from nemo_fp8_recipes.quant.triton_kernels import quantize_dual
+
+                call = lambda i: quantize_dual(xs[i], f, int(g.split("x")[1]), r)  # noqa: E731
+            elif kind == "pair":
+                call = lambda i: pair(xs[i], g, f, r, sc)  # noqa: E731
+            else:
+                call = lambda i: fn(xs[i], g, f, r, d, sc)  # noqa: E731
+            ms = bench(call, 4, iters=a.iters)
+            gms = bench_graph(call, 4, iters=a.iters) if iname == "triton" else None
+            res.append({"variant": name, "impl": iname, "ms": ms, "TB/s": nbytes / ms / 1e9,
+                        "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None,
+                        "bytes_counted": nbytes, "min_traffic_factor": MIN_TRAFFIC.get(name, 1.0)})
+    def pct(v, factor=1.0):
+        return "—" if v is None else f"{v * factor / copy_bw:.0%}"
+
+    rows = [(r["variant"], r["impl"], f"{r['ms']:.3f}", f"{r['TB/s']:.2f}", pct(r["TB/s"]),
+             pct(r["TB/s"], r.get("min_traffic_factor", 1.0)),
+             "—" if r.get("graph_ms") is None else f"{r['graph_ms']:.3f}", pct(r.get("graph_TB/s")),
+             pct(r.get("graph_TB/s"), r.get("min_traffic_factor", 1.0))) for r in res]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, input {a.rows}x{a.cols} BF16\n")
-    print(table(["variant", "impl", "ms (median)", "TB/s", "of copy"], rows))
+    print(table(["variant", "impl", "ms (median)", "TB/s", "of copy", "of copy, bytes moved",
+                 "GPU-only ms (CUDA graph)", "GPU-only of copy", "GPU-only, bytes moved"], rows))
+    swept = []
+    if a.sweep:
+        kernels = list(SWEEP) if a.sweep == "all" else [k for k in a.sweep.split(",") if k]
+        bad = [k for k in kernels if k not in SWEEP]
+        if bad:
+            p.error(f"--sweep: unknown kernel(s) {', '.join(bad)}; valid: all, {', '.join(SWEEP)}")
+        if dev != "cuda" and not a.smoke:
+            p.error("--sweep times GPU kernels: it needs a CUDA GPU (--smoke checks it on CPU)")
+        if a.smoke:  # CPU check of the mechanics: the default and one alternative per kernel
+            for k in kernels:
+                SWEEP[k] = SWEEP[k][:2]
+        print(f"\nlaunch-configuration sweep ({', '.join(kernels)}):")
+        swept = sweep(xs, a.iters, copy_bw, kernels)
+        best = {}
+        for r in swept:
+            if r["same_bits"] and r["graph_ms"] and (r["kernel"] not in best or r["graph_ms"] < best[r["kernel"]]["graph_ms"]):
+                best[r["kernel"]] = r
+        if best:
+            print()
+            print(table(["kernel", "default GPU ms", "best config", "best GPU ms", "best of copy (bytes moved)"],
+                        [(k, next((f"{r['graph_ms']:.3f}" for r in swept if r["kernel"] == k and r["default"]), "—"),
+                          str(b["config"]), f"{b['graph_ms']:.3f}", f"{b['graph_of_copy']:.0%}") for k, b in best.items()]))
+        if any(r["same_bits"] is False for r in swept):
+            print("ERROR: a launch configuration changed the codes (see 'same bits' above)", file=sys.stderr)
+            return 1
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        json.dump({"device": name, "torch": torch.__version__, "shape": [a.rows, a.cols], "results": res},
-                  open(a.out, "w"), indent=2)
+        json.dump({"device": name, "torch": torch.__version__, "shape": [a.rows, a.cols], "results": res,
+                   "sweep": swept}, open(a.out, "w"), indent=2)
     return 0
 
 
