@@ -78,6 +78,34 @@ later call with other settings is refused (use another ``--root``). A run the tr
 non-finite loss or gradient (its exit status 3) is a result: it is reported as diverged at that
 step, never as a final loss, and not retried. ``--jobs N`` runs N at a time (one GPU each).
 
+Combining studies (``--combine ROOT [ROOT ...] [--out DIR]``, no GPU): one run per recipe cannot
+resolve the goals when BF16 itself moves by more than them from run to run (on the H200, BF16
+rerun with the same seed differed by 1.3-3.8% in final loss: non-deterministic GPU kernels,
+amplified over 600 steps at lr 3e-3). So run the main part again under other roots, e.g. with the
+seeds swapped (``--root runs/numerics_seed4321 --seed 4321 --seed2 1234 --part main``: every bf16
+seed then runs twice), and pool them::
+
+    python benchmarks/numerics_study.py --combine runs/numerics runs/numerics_seed4321
+
+The roots must share model, tokens per step, steps, train-loss window and every main run's
+overrides other than ``trainer.seed`` (else exit 2 naming the difference); their stress part may
+be missing. Each root's final losses are those of its ``report/report.json`` (built first, as
+``--report-only --allow-partial`` would, when it is missing or older than the main runs). Written
+to ``--out`` (default ``<first root>/combined``): ``combined.md`` (printed), ``combined.json`` and
+``combined.png`` (final train and val loss per recipe, a dot per run, the BF16 pool mean with
+± std and ± 2 std bands, the goals around it), with
+
+* the **BF16 pool**: every ``bf16`` and ``bf16-seed2`` run with its seed; mean and sample std
+  (relative to the mean: the noise of one run); **same-seed reruns** (every seed with two or more
+  bf16 runs: their relative differences, the run-to-run floor) and the **cross-seed** spread;
+* per FP8 recipe: each run's deviation from the bf16 run of its own root (paired: same seed and
+  data order) and their mean; the recipe's mean vs the BF16 pool mean, relative and in standard
+  errors (Welch: t = diff / sqrt(s_fp8²/n_fp8 + s_bf16²/n_bf16); one FP8 run takes BF16's std);
+  the goal; the verdict: *resolvable* only when BF16's relative std is below the goal, else "not
+  resolvable at this budget", and whether the mean is within BF16's ± 2 std ("indistinguishable
+  from BF16") or outside it;
+* a plain-language summary line on top.
+
 Exit status: 0 done, 1 a run failed (its log is printed; the next call retries it), 2 bad
 arguments or a report that cannot be built, 3 runs left incomplete by ``--max-wall-s`` (run the
 same command again).
@@ -96,6 +124,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -342,9 +371,10 @@ class _Job:
     sigint_at: Optional[float] = None
 
 
-def _slots(jobs: int, device: str) -> List[Dict[str, str]]:
-    """Environment for each of ``jobs`` parallel slots: one GPU each on CUDA, a share of the
-    cores each on CPU."""
+def _slots(jobs: int, device: str, share_gpus: bool = False) -> List[Dict[str, str]]:
+    """Environment for each of ``jobs`` parallel slots: one GPU each on CUDA (with
+    ``share_gpus``, more slots than GPUs, assigned round-robin), a share of the cores each on
+    CPU. Each slot also carries ``_RUNS_PER_GPU``: how many slots share its GPU."""
     if jobs == 1:
         return [{}]
     if device == "cpu":
@@ -357,20 +387,28 @@ def _slots(jobs: int, device: str) -> List[Dict[str, str]]:
         ids = [x for x in visible.split(",") if x.strip()]
     else:
         ids = [str(i) for i in range(torch.cuda.device_count())]
-    if len(ids) < jobs:
+    if not ids:
+        raise StudyError("no CUDA GPU is visible")
+    if len(ids) < jobs and not share_gpus:
         raise StudyError(f"--jobs {jobs} runs one job per GPU but {len(ids)} GPU(s) are visible; "
-                         f"use --jobs {max(1, len(ids))}")
-    return [{"CUDA_VISIBLE_DEVICES": ids[i]} for i in range(jobs)]
+                         f"use --jobs {max(1, len(ids))}, or add --share-gpus to run several on one GPU")
+    per_gpu = -(-jobs // len(ids))
+    return [{"CUDA_VISIBLE_DEVICES": ids[i % len(ids)], _RUNS_PER_GPU: str(per_gpu)} for i in range(jobs)]
+
+
+#: Slot key (not passed to the trainer's environment) recording how many runs share a GPU.
+_RUNS_PER_GPU = "_RUNS_PER_GPU"
 
 
 _NONFINITE_RE = re.compile(r"non-finite .*? at step (\d+)")
 _EXIT_NONFINITE = 3  # nemo-fp8-train's exit status for NonFiniteLossError
 
 
-def _finish_log(job: _Job, rc: int, root: Path) -> dict:
+def _finish_log(job: _Job, rc: int, root: Path, runs_per_gpu: int = 1) -> dict:
     d = job.spec.run_dir(root)
     state, step = run_state(job.spec, root)
     rec = {"run": job.spec.label, "rc": rc, "wall_s": round(time.time() - job.started, 1),
+           "runs_per_gpu": runs_per_gpu,
            "steps_before": job.state_before[1], "steps_after": step, "state": state,
            "interrupted": job.interrupted, "host": socket.gethostname(),
            "date": _dt.datetime.now().isoformat(timespec="seconds")}
@@ -391,7 +429,8 @@ def _finish_log(job: _Job, rc: int, root: Path) -> dict:
 
 
 def execute(specs: Sequence[RunSpec], root: Path, *, jobs: int, device: str, max_wall_s: Optional[float],
-            min_start_s: float, grace_s: float, probe: bool, echo: bool = True) -> List[dict]:
+            min_start_s: float, grace_s: float, probe: bool, echo: bool = True,
+            share_gpus: bool = False) -> List[dict]:
     """Run ``specs`` (skipping complete and diverged ones) as trainer subprocesses, ``jobs`` at a
     time, until done or until the ``max_wall_s`` deadline; probe each completed run. Returns one
     record per run (``state`` complete | diverged | partial | absent | failed, ``rc``,
@@ -412,7 +451,7 @@ def execute(specs: Sequence[RunSpec], root: Path, *, jobs: int, device: str, max
                       + ("; delete its run directory to train it again" if state[0] == "diverged" else ""), flush=True)
             continue
         queue.append((spec, state))
-    slots = _slots(jobs, device) if queue else []
+    slots = _slots(jobs, device, share_gpus) if queue else []
     free = list(range(len(slots)))
     active: List[_Job] = []
     try:
@@ -438,7 +477,8 @@ def execute(specs: Sequence[RunSpec], root: Path, *, jobs: int, device: str, max
                        f"run.root={Path(root).resolve() / spec.part}", "trainer.resume=auto"]
                 log.write(f"\n==== {_dt.datetime.now().isoformat(timespec='seconds')} {' '.join(cmd)}\n")
                 log.flush()
-                env = {**os.environ, **slots[slot], "PYTHONUNBUFFERED": "1"}
+                env = {**os.environ, **{k: v for k, v in slots[slot].items() if k != _RUNS_PER_GPU},
+                       "PYTHONUNBUFFERED": "1"}
                 env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
                 # own session: only this script decides when a run is interrupted (one SIGINT,
                 # so the trainer's checkpoint-on-interrupt is not itself interrupted)
@@ -467,7 +507,7 @@ def execute(specs: Sequence[RunSpec], root: Path, *, jobs: int, device: str, max
                 job.log.close()
                 active.remove(job)
                 free.append(job.slot)
-                rec = _finish_log(job, rc, root)
+                rec = _finish_log(job, rc, root, int(slots[job.slot].get(_RUNS_PER_GPU, 1)))
                 if rec["state"] == "diverged":
                     if echo:
                         print(f"[warn] {job.spec.label} diverged (non-finite loss/gradient) at step "
@@ -1032,10 +1072,16 @@ def build_report(root: Path, *, allow_partial: bool = False) -> Dict[str, Path]:
             rows.append([k, role, _num(t.get("final_loss")), _pct(t.get("final_vs_baseline")),
                          _num(v.get("final_loss")), _pct(v.get("final_vs_baseline")),
                          _num(xn, ".2f") + "×" if xn is not None else "—", verdict,
-                         _num(t.get("tokens_per_s"), ",.0f"), _num(_wall_s(r.run_dir(root)), ".0f")])
+                         _num(t.get("tokens_per_s"), ",.0f") + ("†" if _runs_per_gpu(r.run_dir(root)) > 1 else ""),
+                         _num(_wall_s(r.run_dir(root)), ".0f")])
         md.append(_table(["run", "role", f"train loss (last {last})", "vs bf16", "val loss (final)", "vs bf16",
                           "\\|val dev\\| / seed noise", "goal verdict (train / val)", "tokens/s",
                           "wall s (study)"], rows))
+        shared = {r.key: _runs_per_gpu(r.run_dir(root)) for r in have}
+        if any(v > 1 for v in shared.values()):
+            md.append("")
+            md.append(f"† the GPU was shared by up to {max(shared.values())} runs at once (`--share-gpus`): "
+                      "these tokens/s are not speed figures (docs/benchmarks.md has those).")
         md.append("")
         md.append(f"Loss curves (nemo-fp8-compare): `{out / f'compare_{part}' / 'train' / 'compare.png'}`"
                   + (f", validation: `{out / f'compare_{part}' / 'val' / 'compare.png'}`" if cmp_val else ""))
@@ -1086,6 +1132,14 @@ def build_report(root: Path, *, allow_partial: bool = False) -> Dict[str, Path]:
     return files
 
 
+def _runs_per_gpu(run_dir: Path) -> int:
+    """Most runs that shared this run's GPU in any call (``--share-gpus``), 1 when it had one alone."""
+    p = Path(run_dir) / "study_run.json"
+    if not p.is_file():
+        return 1
+    return max([int(h.get("runs_per_gpu") or 1) for h in json.loads(p.read_text(encoding="utf-8"))] + [1])
+
+
 def _wall_s(run_dir: Path) -> Optional[float]:
     """Seconds the study spent on a run (every call together, from ``study_run.json``)."""
     p = Path(run_dir) / "study_run.json"
@@ -1123,6 +1177,432 @@ def export(root: Path, dest: Path) -> Path:
     return dest
 
 
+# ---- combining studies ---------------------------------------------------------------------------
+BF16_KEYS = ("bf16", "bf16-seed2")
+METRICS = ("train", "val")
+_SEED_RE = re.compile(r"^trainer\.seed=(-?\d+)$")
+
+
+def _seed_of(spec: RunSpec) -> Optional[int]:
+    """The run's ``trainer.seed`` (the last such override wins, as in Hydra)."""
+    seeds = [int(mt.group(1)) for mt in (_SEED_RE.match(o) for o in spec.overrides) if mt]
+    return seeds[-1] if seeds else None
+
+
+def _main_signature(m: dict) -> Dict[str, object]:
+    """What two roots must share for their main runs to be pooled: model, tokens per step, steps,
+    the train-loss window, the main runs, and each main run's overrides other than its seed."""
+    main = [r for r in plan_from_manifest(m) if r.part == "main"]
+    sig: Dict[str, object] = {"model": m.get("model"), "tokens_per_step": m.get("tokens_per_step"),
+                              "steps": sorted({r.steps for r in main}), "last": m.get("last"),
+                              "main runs": [r.key for r in main]}
+    for r in main:
+        sig[f"overrides of {r.key}"] = sorted(o for o in r.overrides if not _SEED_RE.match(o))
+    return sig
+
+
+def _check_same_settings(roots: Sequence[Path], manifests: Sequence[dict]) -> None:
+    ref = _main_signature(manifests[0])
+    for root, m in zip(roots[1:], manifests[1:]):
+        sig = _main_signature(m)
+        for name in list(ref) + [k for k in sig if k not in ref]:
+            a, b = ref.get(name), sig.get(name)
+            if a == b:
+                continue
+            if name.startswith("overrides of ") and isinstance(a, list) and isinstance(b, list):
+                what = (f"only in {roots[0]}: {' '.join(sorted(set(a) - set(b))) or '—'}; "
+                        f"only in {root}: {' '.join(sorted(set(b) - set(a))) or '—'}")
+            else:
+                show = lambda v: v[0] if isinstance(v, list) and len(v) == 1 else v  # noqa: E731
+                what = f"{show(a)} in {roots[0]}, {show(b)} in {root}"
+            raise StudyError(f"--combine: the studies differ in {name} ({what}); only studies with the same "
+                             "model, tokens per step, steps and settings (seeds aside) can be pooled")
+
+
+def _report_current(p: Path, main: Sequence[RunSpec], root: Path, states: Dict[str, Tuple[str, int]]) -> bool:
+    """Whether ``report.json`` at ``p`` covers every main run and is newer than their results."""
+    if not p.is_file():
+        return False
+    try:
+        rep = json.loads(p.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return False
+    final = rep.get("parts", {}).get("main", {}).get("final", {})
+    if any(r.key not in final for r in main if states[r.key][0] != "diverged"):
+        return False
+    if any(str(x).split(" ", 1)[0] in states for x in rep.get("incomplete", [])):
+        return False  # built with --allow-partial before the main part was done
+    results = [f for r in main
+               for f in [r.run_dir(root) / "summary.json", *r.run_dir(root).glob("events.out.tfevents.*")]
+               if f.is_file()]
+    return not results or p.stat().st_mtime >= max(f.stat().st_mtime for f in results)
+
+
+def main_finals(root: Path) -> Tuple[dict, Dict[str, dict], bool]:
+    """The manifest and the main runs' final losses of one study root, ``{key: {seed, train_loss,
+    val_loss, diverged_at}}``, as its ``report/report.json`` has them (``parts.main.final``: train
+    loss = mean of the last ``last`` steps, val loss = the final validation). The report is built
+    first (:func:`build_report` with ``allow_partial``: the stress part may be missing) when there is
+    none, when it lacks a main run or when a main run's events or summary are newer; the third
+    value says whether it was. :class:`StudyError` when a main run is incomplete."""
+    root = Path(root)
+    m = load_manifest(root)
+    main = [r for r in plan_from_manifest(m) if r.part == "main"]
+    if not main or not any(r.key == "bf16" for r in main):
+        raise StudyError(f"{root}/study.json plans no main bf16 run: nothing to combine")
+    states = {r.key: run_state(r, root) for r in main}
+    bad = [f"{k} ({st}, {n} steps)" for k, (st, n) in states.items() if st not in ("complete", "diverged")]
+    if bad:
+        raise StudyError(f"{root}: main runs not complete: {', '.join(bad)}; --combine needs every main run "
+                         f"(only the stress part may be missing): finish them with the study command and --root {root}")
+    p = root / "report" / "report.json"
+    built = not _report_current(p, main, root, states)
+    if built:
+        build_report(root, allow_partial=True)
+    final = json.loads(p.read_text(encoding="utf-8")).get("parts", {}).get("main", {}).get("final", {})
+    finals = {}
+    for r in main:
+        f = final.get(r.key)
+        div = (f or {}).get("diverged_at")
+        if div is None and states[r.key][0] == "diverged":
+            div = states[r.key][1]
+        if f is None and div is None:
+            raise StudyError(f"{p}: no final loss of the main run {r.key}")
+        ok = div is None
+        finals[r.key] = {"seed": _seed_of(r), "diverged_at": div,
+                         "train_loss": f.get("train_loss") if ok else None,
+                         "val_loss": f.get("val_loss") if ok else None}
+    return m, finals, built
+
+
+def _spread(xs: Sequence[Optional[float]]) -> Optional[dict]:
+    """``{n, mean, std, rel_std}`` of the finite values (sample std, ``None`` below two values)."""
+    xs = [float(x) for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return None
+    mean = statistics.fmean(xs)
+    std = statistics.stdev(xs) if len(xs) > 1 else None
+    return {"n": len(xs), "mean": mean, "std": std, "rel_std": std / mean if std is not None and mean else None}
+
+
+def _rel(x: Optional[float], base: Optional[float]) -> Optional[float]:
+    return (x - base) / base if x is not None and base not in (None, 0) else None
+
+
+def _root_label(i: int) -> str:
+    return chr(ord("A") + i) if i < 26 else f"R{i + 1}"
+
+
+def _fp8_stats(xs: Sequence[Optional[float]], devs: Sequence[Optional[float]], pool: dict,
+               goal: Optional[float]) -> Optional[dict]:
+    """One FP8 recipe, one metric: its mean vs the BF16 pool mean, Welch's t, the verdict."""
+    sp = _spread(xs)
+    if sp is None or pool is None or pool["std"] is None:
+        return None
+    own = sp["std"] is not None
+    s_fp8 = sp["std"] if own else pool["std"]  # one run: its noise is taken to be BF16's
+    se = math.sqrt(s_fp8 ** 2 / sp["n"] + pool["std"] ** 2 / pool["n"])
+    diff = sp["mean"] - pool["mean"]
+    devs = [d for d in devs if d is not None]
+    out = {**sp, "std_for_se": s_fp8, "std_source": "own runs" if own else "bf16 pool (one fp8 run)",
+           "mean_paired_dev": statistics.fmean(devs) if devs else None, "diff": diff,
+           "vs_pool": diff / pool["mean"], "se": se, "t": diff / se if se > 0 else None,
+           "within_2std": abs(diff) <= 2 * pool["std"], "resolvable": None, "runs_needed": None}
+    band = (f"mean {_pct(out['vs_pool'], digits=2)} vs BF16, "
+            + (f"t = {out['t']:+.2f}; " if out["t"] is not None else "")
+            + ("within BF16's ±2 std: indistinguishable from BF16" if out["within_2std"]
+               else "outside BF16's ±2 std") + f" (±{_pct(2 * pool['rel_std'], signed=False, digits=2)})")
+    if goal is None:
+        out["verdict"] = f"no goal; {band}"
+        return out
+    out["resolvable"] = pool["rel_std"] < goal
+    # runs per side for a goal-sized difference to be 2 standard errors with BF16's std on both sides
+    out["runs_needed"] = math.ceil(8 * (pool["rel_std"] / goal) ** 2)
+    if out["resolvable"]:
+        met = abs(out["vs_pool"]) <= goal
+        out["verdict"] = (f"resolvable: BF16's run-to-run std {_pct(pool['rel_std'], signed=False, digits=2)} < goal "
+                          f"{_pct(goal, signed=False, digits=2)}; {'within' if met else 'OUTSIDE'} the goal; {band}")
+    else:
+        op = ">" if pool["rel_std"] > goal else "="
+        out["verdict"] = (f"not resolvable at this budget: BF16's own run-to-run std "
+                          f"{_pct(pool['rel_std'], signed=False, digits=2)} {op} goal "
+                          f"{_pct(goal, signed=False, digits=2)}; {band}")
+    return out
+
+
+def combine(roots: Sequence[Path], out: Optional[Path] = None) -> Dict[str, Path]:
+    """Pool the main part of several study roots (same model, tokens per step, steps and settings;
+    seeds may differ) into ``out`` (default ``<first root>/combined``): ``combined.json``,
+    ``combined.md`` and ``combined.png`` (see the module docstring). Returns the files written."""
+    roots = [Path(r) for r in roots]
+    if not roots:
+        raise StudyError("--combine needs at least one study root")
+    seen: Dict[Path, Path] = {}
+    for r in roots:
+        if not r.is_dir():
+            raise StudyError(f"--combine: {r} is not a directory")
+        if r.resolve() in seen:
+            raise StudyError(f"--combine: {r} is given twice (as {seen[r.resolve()]}); its runs would count twice")
+        seen[r.resolve()] = r
+    _check_same_settings(roots, [load_manifest(r) for r in roots])
+    loaded = [(_root_label(i), r, *main_finals(r)) for i, r in enumerate(roots)]
+    m0 = loaded[0][2]
+    main0 = [r for r in plan_from_manifest(m0) if r.part == "main"]
+    steps, tps = main0[0].steps, m0["tokens_per_step"]
+    fp8_keys = [r.key for r in main0 if r.key not in BF16_KEYS]
+
+    roots_info = [{"label": lab, "root": str(r), "report_built": built,
+                   "seeds": {k: f["seed"] for k, f in finals.items()},
+                   "diverged": {k: f["diverged_at"] for k, f in finals.items() if f["diverged_at"] is not None}}
+                  for lab, r, _, finals, built in loaded]
+    # ---- the BF16 pool
+    pool_runs = [{"root": lab, "key": k, "seed": finals[k]["seed"], "train_loss": finals[k]["train_loss"],
+                  "val_loss": finals[k]["val_loss"]}
+                 for lab, _, _, finals, _ in loaded for k in BF16_KEYS
+                 if k in finals and finals[k]["diverged_at"] is None]
+    excluded = [{"root": lab, "key": k, "diverged_at": finals[k]["diverged_at"]}
+                for lab, _, _, finals, _ in loaded for k in BF16_KEYS
+                if k in finals and finals[k]["diverged_at"] is not None]
+    pool = {mt: _spread([p[f"{mt}_loss"] for p in pool_runs]) for mt in METRICS}
+    if pool["train"] is None or pool["train"]["std"] is None:
+        raise StudyError("--combine: the BF16 pool has fewer than two runs with a final train loss; "
+                         "there is no run-to-run spread to compare with")
+    by_seed: Dict[Optional[int], List[dict]] = {}
+    for p in pool_runs:
+        by_seed.setdefault(p["seed"], []).append(p)
+    same_seed = []
+    for seed, runs in by_seed.items():
+        if len(runs) < 2:
+            continue
+        pairs = [{"a": {"root": a["root"], "key": a["key"]}, "b": {"root": b["root"], "key": b["key"]},
+                  **{f"{mt}_rel_diff": _rel(b[f"{mt}_loss"], a[f"{mt}_loss"]) for mt in METRICS}}
+                 for i, a in enumerate(runs) for b in runs[i + 1:]]
+        entry = {"seed": seed, "runs": [{"root": x["root"], "key": x["key"]} for x in runs], "pairs": pairs}
+        for mt in METRICS:
+            ds = [abs(pp[f"{mt}_rel_diff"]) for pp in pairs if pp[f"{mt}_rel_diff"] is not None]
+            entry[f"{mt}_max_abs_rel_diff"] = max(ds) if ds else None
+        same_seed.append(entry)
+    seed_means = [{"seed": s, "n": len(runs),
+                   **{mt: (_spread([x[f"{mt}_loss"] for x in runs]) or {}).get("mean") for mt in METRICS}}
+                  for s, runs in by_seed.items()]
+    cross = {"seed_means": seed_means, "within_root": []}
+    for mt in METRICS:
+        sp = _spread([x[mt] for x in seed_means])
+        vals = [x[mt] for x in seed_means if x[mt] is not None]
+        cross[f"{mt}_rel_std"] = sp["rel_std"] if sp else None
+        cross[f"{mt}_rel_range"] = (max(vals) - min(vals)) / sp["mean"] if sp and len(vals) > 1 else None
+    for lab, _, _, finals, _ in loaded:
+        b, s2 = finals.get("bf16"), finals.get("bf16-seed2")
+        if b and s2 and s2["diverged_at"] is None and b["seed"] != s2["seed"]:
+            cross["within_root"].append({"root": lab, "seeds": [b["seed"], s2["seed"]],
+                                         **{f"{mt}_rel_diff": _rel(s2[f"{mt}_loss"], b[f"{mt}_loss"])
+                                            for mt in METRICS}})
+    # ---- the FP8 recipes
+    recipes = {}
+    for key in fp8_keys:
+        runs = []
+        for lab, _, _, finals, _ in loaded:
+            f, b = finals[key], finals["bf16"]
+            runs.append({"root": lab, "seed": f["seed"], "bf16_seed": b["seed"], "diverged_at": f["diverged_at"],
+                         **{f"{mt}_loss": f[f"{mt}_loss"] for mt in METRICS},
+                         **{f"{mt}_paired_dev": _rel(f[f"{mt}_loss"], b[f"{mt}_loss"]) for mt in METRICS}})
+        goal = GOALS.get(key)
+        recipes[key] = {"goal": goal, "runs": runs,
+                        **{mt: _fp8_stats([x[f"{mt}_loss"] for x in runs], [x[f"{mt}_paired_dev"] for x in runs],
+                                          pool[mt], goal) for mt in METRICS}}
+    data = {"generated": _dt.datetime.now().isoformat(timespec="seconds"), "model": m0["model"],
+            "smoke": any(x[2].get("smoke") for x in loaded), "tokens_per_step": tps, "steps": steps,
+            "tokens_per_run": steps * tps, "last": m0["last"], "roots": roots_info,
+            "bf16_pool": {"runs": pool_runs, "excluded": excluded, **pool},
+            "same_seed": same_seed, "cross_seed": cross, "recipes": recipes}
+    data["summary"] = _combined_summary(data)
+
+    out = Path(out) if out is not None else roots[0] / "combined"
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"combined_json": out / "combined.json", "combined_md": out / "combined.md",
+             "combined_png": out / "combined.png"}
+    plot_combined(data, files["combined_png"])
+    files["combined_json"].write_text(json.dumps(_finite(data), indent=2) + "\n", encoding="utf-8")
+    files["combined_md"].write_text(_combined_md(data, files["combined_png"]) + "\n", encoding="utf-8")
+    return files
+
+
+def _combined_summary(d: dict) -> str:
+    """The plain-language line at the top of ``combined.md``."""
+    pool, rec = d["bf16_pool"], d["recipes"]
+    seeds = {p["seed"] for p in pool["runs"]}
+
+    def rs(mt):
+        return _pct(pool[mt]["rel_std"], signed=False, digits=2) if pool.get(mt) and pool[mt]["rel_std"] else "—"
+
+    s = (f"BF16 alone, {len(pool['runs'])} runs over {len(seeds)} seed(s) in {len(d['roots'])} root(s), varies by "
+         f"{rs('train')} (train) / {rs('val')} (val) from run to run (sample std of the final loss)")
+    diffs = [abs(pp[f"{mt}_rel_diff"]) for e in d["same_seed"] for pp in e["pairs"] for mt in METRICS
+             if pp[f"{mt}_rel_diff"] is not None]
+    if diffs:
+        s += (f"; the same seed run again differs by {_pct(min(diffs), signed=False, digits=2)}–"
+              f"{_pct(max(diffs), signed=False, digits=2)} (run-to-run non-determinism)")
+    stats = [(k, mt, r[mt]) for k, r in rec.items() for mt in METRICS if r.get(mt) and r[mt]["resolvable"] is not None]
+    goals = ", ".join(f"{k} ±{_pct(rec[k]['goal'], signed=False, digits=2)}" for k in rec if rec[k]["goal"])
+    if stats and not any(x["resolvable"] for _, _, x in stats):
+        need = max(x["runs_needed"] for _, _, x in stats)
+        s += (f". Every goal ({goals}) is below that noise, so no FP8 deviation is resolvable at this budget "
+              f"(a goal-sized difference would be 2 standard errors only with ~{need} runs of each recipe "
+              "and as many of BF16, at this std)")
+    elif stats:
+        for word, want in (("resolvable", True), ("not resolvable at this budget", False)):
+            which = [f"{k} ({mt})" for k, mt, x in stats if x["resolvable"] is want]
+            if which:
+                s += f". {word[0].upper() + word[1:]} (BF16's std {'below' if want else 'not below'} the goal): " \
+                     + ", ".join(which)
+    parts = []
+    for k, r in rec.items():
+        cells = [f"{_pct(r[mt]['vs_pool'], digits=2)} (t {r[mt]['t']:+.1f})" if r.get(mt) and r[mt]["t"] is not None
+                 else "—" for mt in METRICS]
+        parts.append(f"{k} {' / '.join(cells)}")
+    s += ". FP8 mean vs the BF16 pool mean (train / val; t in standard errors): " + "; ".join(parts)
+    outside = [f"{k} ({mt})" for k, r in rec.items() for mt in METRICS if r.get(mt) and not r[mt]["within_2std"]]
+    if outside:
+        s += f"; outside BF16's ±2 std: {', '.join(outside)}."
+    else:
+        s += "; all within BF16's ±2 std: indistinguishable from BF16."
+    return s
+
+
+def _combined_md(d: dict, png: Path) -> str:
+    pool = d["bf16_pool"]
+    md = [f"# Numerics study, combined: {d['model']}" + (" (SMOKE: not a result)" if d["smoke"] else ""), "",
+          f"**Summary:** {d['summary']}", "",
+          f"Generated {d['generated']} by `benchmarks/numerics_study.py --combine`. Main runs: {d['steps']} steps x "
+          f"{d['tokens_per_step']} tokens = {d['tokens_per_run']:,} tokens per run; train loss = mean of the last "
+          f"{d['last']} steps, val loss = the final validation. Roots:", ""]
+    for r in d["roots"]:
+        seeds = ", ".join(f"{k} {s}" for k, s in r["seeds"].items())
+        md.append(f"- **{r['label']}** `{r['root']}` (seeds: {seeds}; report "
+                  + ("built now" if r["report_built"] else "read as it was")
+                  + (f"; diverged: {r['diverged']}" if r["diverged"] else "") + ")")
+    md += ["", "## BF16 pool", "",
+           "Every bf16-recipe run (`bf16` and `bf16-seed2` of each root). Std = sample standard deviation; "
+           "relative = over the mean. This is the noise of one run.", ""]
+    rows = [[f"{p['root']} {p['key']}", p["seed"], _num(p["train_loss"]), _num(p["val_loss"])] for p in pool["runs"]]
+    rows.append(["**mean**", "", *[_num((pool[mt] or {}).get("mean")) for mt in METRICS]])
+    rows.append(["**std (relative)**", "", *[
+        f"{_num(pool[mt]['std'], '.4f')} ({_pct(pool[mt]['rel_std'], signed=False, digits=2)})"
+        if pool[mt] and pool[mt]["std"] is not None else "—" for mt in METRICS]])
+    md.append(_table(["run", "seed", "train loss", "val loss"], rows))
+    if pool["excluded"]:
+        md += ["", "Left out (diverged): " + ", ".join(f"{x['root']} {x['key']} (step {x['diverged_at']})"
+                                                    for x in pool["excluded"])]
+    md += ["", "### Same-seed reruns (the run-to-run floor: same seed, same data order)", ""]
+    if d["same_seed"]:
+        rows = [[e["seed"], f"{pp['a']['root']} {pp['a']['key']}", f"{pp['b']['root']} {pp['b']['key']}",
+                 _pct(pp["train_rel_diff"], digits=2), _pct(pp["val_rel_diff"], digits=2)]
+                for e in d["same_seed"] for pp in e["pairs"]]
+        md.append(_table(["seed", "run a", "run b", "train (b − a) / a", "val (b − a) / a"], rows))
+    else:
+        md.append("No seed has two bf16 runs across these roots (rerun a study with `--seed`/`--seed2` swapped "
+                  "to measure it).")
+    cs = d["cross_seed"]
+    md += ["", "### Cross-seed", ""]
+    if cs["within_root"]:
+        md.append(_table(["root", "seeds (bf16, bf16-seed2)", "train (seed2 − bf16) / bf16", "val"],
+                         [[x["root"], f"{x['seeds'][0]}, {x['seeds'][1]}", _pct(x["train_rel_diff"], digits=2),
+                           _pct(x["val_rel_diff"], digits=2)] for x in cs["within_root"]]))
+        md.append("")
+    md.append(_table(["seed", "bf16 runs", "mean train loss", "mean val loss"],
+                     [[x["seed"], x["n"], _num(x["train"]), _num(x["val"])] for x in cs["seed_means"]]))
+    if len(cs["seed_means"]) > 1:
+        md += ["", "Across the seed means: relative std " + " / ".join(
+            _pct(cs[f"{mt}_rel_std"], signed=False, digits=2) for mt in METRICS)
+            + ", range (max − min) / mean " + " / ".join(_pct(cs[f"{mt}_rel_range"], signed=False, digits=2)
+                                                         for mt in METRICS) + " (train / val)."]
+    md += ["", "## FP8 recipes vs BF16", "",
+           "Paired deviation = (run − the bf16 run of the same root) / that bf16 run (same seed and data order).", ""]
+    rows = []
+    for k, r in d["recipes"].items():
+        for x in r["runs"]:
+            div = f" (diverged at {x['diverged_at']})" if x["diverged_at"] is not None else ""
+            rows.append([k, x["root"] + div, x["seed"], _num(x["train_loss"]), _pct(x["train_paired_dev"], digits=2),
+                         _num(x["val_loss"]), _pct(x["val_paired_dev"], digits=2)])
+    md.append(_table(["recipe", "root", "seed", "train loss", "paired dev", "val loss", "paired dev"], rows))
+    md += ["", "Per recipe: mean over its runs vs the BF16 pool mean; SE = sqrt(s_fp8²/n_fp8 + s_bf16²/n_bf16) "
+           "(Welch), t = (mean_fp8 − mean_bf16) / SE. Resolvable only if BF16's relative std (one run's noise) is "
+           "below the goal.", ""]
+    rows = []
+    one_run = False
+    for k, r in d["recipes"].items():
+        for mt in METRICS:
+            x = r.get(mt)
+            if not x:
+                rows.append([k, mt, _pct(r["goal"], signed=False, digits=2) if r["goal"] else "—"] + ["—"] * 7)
+                continue
+            mark = "‡" if x["std_source"] != "own runs" else ""
+            one_run = one_run or bool(mark)
+            rows.append([k, mt, _pct(r["goal"], signed=False, digits=2) if r["goal"] else "—", x["n"],
+                         _num(x["mean"]), _pct(x["mean_paired_dev"], digits=2), _pct(x["vs_pool"], digits=2),
+                         _num(x["se"], ".4f") + mark, _num(x["t"], "+.2f"), x["verdict"]])
+    md.append(_table(["recipe", "loss", "goal", "n", "mean loss", "mean paired dev", "mean vs BF16 pool", "SE",
+                      "t", "verdict"], rows))
+    if one_run:
+        md += ["", "‡ one run of this recipe: its std is taken to be the BF16 pool's."]
+    md += ["", f"Plot (final losses per run, BF16 pool mean ± std and ± 2 std, goals around the BF16 mean): `{png}`"]
+    return "\n".join(md)
+
+
+def plot_combined(d: dict, path: Path) -> None:
+    """PNG: final train and val loss, one column per recipe (BF16 pool first), a dot per run
+    (colour = root), the BF16 pool mean with ± std and ± 2 std bands, each recipe's mean (black
+    bar) and goal (dashed, around the BF16 mean)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    labels = [r["label"] for r in d["roots"]]
+    fig = Figure(figsize=(12, 5), dpi=100, layout="constrained")
+    axes = fig.subplots(1, len(METRICS), squeeze=False)[0]
+    cols = ["bf16 pool", *d["recipes"]]
+    for ax, mt in zip(axes, METRICS):
+        pool = d["bf16_pool"][mt]
+        if pool and pool["std"] is not None:
+            mu, sd = pool["mean"], pool["std"]
+            ax.axhspan(mu - 2 * sd, mu + 2 * sd, color="tab:gray", alpha=0.12, label="BF16 ± 2 std")
+            ax.axhspan(mu - sd, mu + sd, color="tab:gray", alpha=0.3, label="BF16 ± std")
+            ax.axhline(mu, color="black", linewidth=1, label="BF16 pool mean")
+            goal_drawn = False
+            for i, k in enumerate(d["recipes"], start=1):
+                g = d["recipes"][k]["goal"]
+                if g:
+                    for y in (mu * (1 - g), mu * (1 + g)):
+                        ax.hlines(y, i - 0.35, i + 0.35, colors="tab:red", linestyles="--", linewidth=1,
+                                  label=None if goal_drawn else "goal (around the BF16 mean)")
+                        goal_drawn = True
+        pts = [(0, p["root"], p[f"{mt}_loss"]) for p in d["bf16_pool"]["runs"]]
+        pts += [(i, x["root"], x[f"{mt}_loss"]) for i, k in enumerate(d["recipes"], start=1)
+                for x in d["recipes"][k]["runs"]]
+        for j, lab in enumerate(labels):
+            mine = [(i, y) for i, lb, y in pts if lb == lab and y is not None]
+            off = (j - (len(labels) - 1) / 2) * 0.08
+            ax.scatter([i + off for i, _ in mine], [y for _, y in mine], color=colors[j % len(colors)], zorder=3,
+                       s=30, label=f"root {lab}")
+        for i, k in enumerate(d["recipes"], start=1):
+            x = d["recipes"][k].get(mt)
+            if x:
+                ax.hlines(x["mean"], i - 0.2, i + 0.2, colors="black", linewidth=2.5, zorder=4,
+                          label="recipe mean" if i == 1 else None)
+        ax.set_xticks(range(len(cols)), cols)
+        ax.set_xlim(-0.6, len(cols) - 0.4)
+        ax.set_title(f"final {mt} loss" + (f" (train: mean of the last {d['last']} steps)" if mt == "train" else ""))
+        ax.set_ylabel("loss")
+        ax.grid(alpha=0.3, axis="y")
+    handles, lbls = axes[0].get_legend_handles_labels()
+    fig.legend(handles, lbls, loc="outside lower center", ncols=min(8, len(handles)))
+    fig.suptitle(f"{d['model']}: FP8 final losses vs BF16's run-to-run spread ({len(d['roots'])} roots)")
+    fig.savefig(str(path))
+
+
 # ---- command line --------------------------------------------------------------------------------
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1152,7 +1632,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--emulate-mxfp8", action=argparse.BooleanOptionalAction, default=True,
                    help="run mxfp8 with recipe.emulate=true (needed on Hopper; --no-emulate-mxfp8 on Blackwell)")
     p.add_argument("--jobs", type=int, default=1,
-                   help="runs at a time (CUDA: one GPU each; CPU: the cores shared)")
+                   help="runs at a time (CUDA: one GPU each unless --share-gpus; CPU: the cores shared)")
+    p.add_argument("--share-gpus", action="store_true",
+                   help="allow more --jobs than GPUs (round-robin): the FP8 runs of this small model are "
+                        "host-bound, so several fill one GPU; their tokens/s are then not speed figures")
     p.add_argument("--max-wall-s", type=float, default=None,
                    help="deadline for this call: no run starts after it, a running one is interrupted (resumable)")
     p.add_argument("--min-start-s", type=float, default=None,
@@ -1164,6 +1647,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--export", default=None, metavar="DIR",
                    help="afterwards, copy the study without checkpoints to DIR (e.g. $OUT/numerics)")
     p.add_argument("--dry-run", action="store_true", help="print the plan, commands and expected times only")
+    p.add_argument("--combine", nargs="+", default=None, metavar="ROOT",
+                   help="pool the main part of several study roots (same model, tokens per step, steps and "
+                        "settings; seeds may differ): BF16 run-to-run spread (same-seed reruns, cross-seed), each "
+                        "FP8 recipe vs the BF16 pool (paired deviation, Welch t, goal resolvable or not); writes "
+                        "combined.{md,json,png} to --out and prints combined.md. Trains nothing")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output directory of --combine (default <first ROOT>/combined)")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every run (e.g. trainer.lr=1e-3)")
     return p
 
@@ -1224,6 +1714,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     old_term = signal.signal(signal.SIGTERM, on_term)
     try:
+        if a.combine:
+            if a.extra:
+                raise StudyError(f"--combine takes study roots only; unexpected: {' '.join(a.extra)} "
+                                 "(put the roots after --combine)")
+            files = combine(a.combine, Path(a.out) if a.out else None)
+            print(files["combined_md"].read_text(encoding="utf-8"))
+            for k, v in files.items():
+                print(f"{k + ':':22s} {v}")
+            return 0
+        if a.out:
+            raise StudyError("--out is the output directory of --combine (to copy a study, use --export)")
         root = Path(a.root)
         if a.report_only:
             files = build_report(root, allow_partial=a.allow_partial)
@@ -1249,7 +1750,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  "use --smoke for the CPU pipeline check")
         ensure_manifest(root, manifest)
         records = execute(selected, root, jobs=a.jobs, device=a.device, max_wall_s=a.max_wall_s,
-                          min_start_s=a.min_start_s, grace_s=a.grace_s, probe=not a.no_probe)
+                          min_start_s=a.min_start_s, grace_s=a.grace_s, probe=not a.no_probe,
+                          share_gpus=a.share_gpus)
         failed = [r for r in records if r["state"] == "failed"]
         pending = [r for r in records if r["state"] not in ("complete", "diverged", "failed")]
         states = {r.label: run_state(r, root) for r in plan}

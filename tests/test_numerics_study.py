@@ -291,3 +291,230 @@ def test_probe_sees_outlier_channels_that_whole_tensor_sqnr_hides(ns):
     # 1x128 and 1x32 groups without an outlier channel keep their own scale
     assert bw["median_channel_sqnr_db"] > 30 and mx["median_channel_sqnr_db"] > 30
     assert pt["underflow_frac"] > 10 * mx["underflow_frac"]
+
+
+def test_gpu_slots_one_per_gpu_unless_shared(ns, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    slots = ns._slots(2, "cuda")
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in slots] == ["3", "5"]
+    with pytest.raises(ns.StudyError, match="--share-gpus"):
+        ns._slots(3, "cuda")
+    shared = ns._slots(3, "cuda", share_gpus=True)
+    assert [s["CUDA_VISIBLE_DEVICES"] for s in shared] == ["3", "5", "3"]
+    assert {s[ns._RUNS_PER_GPU] for s in shared} == {"2"}
+
+
+def test_tokens_per_s_of_runs_that_shared_a_gpu_are_marked(smoke_study, tmp_path):
+    import shutil
+
+    _, export, _ = smoke_study
+    root = tmp_path / "study"
+    shutil.copytree(export, root)
+    hist_path = root / "main" / "llama3_tiny" / "delayed" / "study_run.json"
+    hist = json.loads(hist_path.read_text())
+    hist[-1]["runs_per_gpu"] = 6
+    hist_path.write_text(json.dumps(hist))
+    proc = _run("--report-only", "--root", str(root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    md = (root / "report" / "report.md").read_text()
+    row = next(line for line in md.splitlines() if line.startswith("| delayed |"))
+    assert "†" in row and "shared by up to 6 runs" in md
+    assert "†" not in next(line for line in md.splitlines() if line.startswith("| tensorwise |"))
+
+
+# ---- combining studies (--combine) -----------------------------------------------------------------
+def _copy_roots(smoke_study, tmp_path, *names):
+    import shutil
+
+    _, export, _ = smoke_study
+    roots = [tmp_path / n for n in names]
+    for r in roots:
+        shutil.copytree(export, r)
+    return roots
+
+
+def _set_main_seeds(root: Path, seed: int, seed2: int):
+    """Rewrite the main runs' ``trainer.seed`` in ``study.json``: ``seed2`` for bf16-seed2, ``seed`` otherwise."""
+    p = root / "study.json"
+    m = json.loads(p.read_text())
+    for r in m["runs"]:
+        if r["part"] == "main":
+            s = seed2 if r["key"] == "bf16-seed2" else seed
+            r["overrides"] = [f"trainer.seed={s}" if o.startswith("trainer.seed=") else o for o in r["overrides"]]
+    p.write_text(json.dumps(m, indent=2) + "\n")
+
+
+def _set_finals(root: Path, finals: dict):
+    """Put controlled final losses into the root's report.json (what --combine reads):
+    ``{key: (train, val)}``, ``None`` for a run that diverged (at step 6)."""
+    p = root / "report" / "report.json"
+    rep = json.loads(p.read_text())
+    for key, v in finals.items():
+        f = rep["parts"]["main"]["final"][key]
+        if v is None:
+            f.update(train_loss=None, val_loss=None, diverged_at=6)
+        else:
+            f.update(train_loss=v[0], val_loss=v[1], diverged_at=None)
+    p.write_text(json.dumps(rep, indent=2) + "\n")
+
+
+# BF16 pool relative std: train 0.258%, val 0.357% -> between the 0.25% and the 0.5% goals
+FINALS_A = {"bf16": (5.000, 5.100), "bf16-seed2": (5.020, 5.130), "delayed": (5.003, 5.105),
+            "tensorwise": (5.060, 5.180), "blockwise": (5.001, 5.101), "mxfp8": (5.007, 5.108)}
+FINALS_B = {"bf16": (4.990, 5.090), "bf16-seed2": (5.010, 5.120), "delayed": (4.995, 5.098),
+            "tensorwise": (5.070, 5.170), "blockwise": (5.012, 5.115), "mxfp8": None}
+
+
+def test_combine_pools_bf16_and_tests_each_recipe_against_it(smoke_study, tmp_path):
+    import shutil
+    import statistics as st
+
+    a, b = _copy_roots(smoke_study, tmp_path, "A", "B")
+    _set_main_seeds(b, 4321, 1234)  # root B: the seeds swapped (A has the defaults 1234 / 4321)
+    shutil.rmtree(b / "stress")  # a root may lack its stress part
+    _set_finals(a, FINALS_A)
+    _set_finals(b, FINALS_B)
+    out = tmp_path / "combined"
+    proc = _run("--combine", str(a), str(b), "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    md = (out / "combined.md").read_text()
+    assert proc.stdout.startswith(md.rstrip("\n")) and md.startswith("# Numerics study, combined")
+    _png(out / "combined.png")
+    c = json.loads((out / "combined.json").read_text())
+    assert [r["report_built"] for r in c["roots"]] == [False, False]  # the (edited) reports were read as they are
+    assert c["roots"][1]["seeds"]["bf16"] == 4321 and c["roots"][1]["diverged"] == {"mxfp8": 6}
+
+    def close(x, y):
+        assert x is not None and abs(x - y) <= 1e-9, (x, y)
+
+    # the BF16 pool: four runs with their seeds
+    pool = [("A", "bf16", 1234, FINALS_A["bf16"]), ("A", "bf16-seed2", 4321, FINALS_A["bf16-seed2"]),
+            ("B", "bf16", 4321, FINALS_B["bf16"]), ("B", "bf16-seed2", 1234, FINALS_B["bf16-seed2"])]
+    assert [(p["root"], p["key"], p["seed"]) for p in c["bf16_pool"]["runs"]] == [x[:3] for x in pool]
+    mean, sd = {}, {}
+    for i, mt in enumerate(("train", "val")):
+        xs = [x[3][i] for x in pool]
+        mean[mt], sd[mt] = st.mean(xs), st.stdev(xs)
+        got = c["bf16_pool"][mt]
+        assert got["n"] == 4
+        close(got["mean"], mean[mt]), close(got["std"], sd[mt]), close(got["rel_std"], sd[mt] / mean[mt])
+    assert 0.0025 < sd["train"] / mean["train"] < 0.005 and 0.0025 < sd["val"] / mean["val"] < 0.005
+
+    # same-seed reruns: seed 1234 = A bf16 and B bf16-seed2, seed 4321 = A bf16-seed2 and B bf16
+    same = {e["seed"]: e for e in c["same_seed"]}
+    assert set(same) == {1234, 4321}
+    reruns = ((1234, ("A", "bf16", FINALS_A["bf16"]), ("B", "bf16-seed2", FINALS_B["bf16-seed2"])),
+              (4321, ("A", "bf16-seed2", FINALS_A["bf16-seed2"]), ("B", "bf16", FINALS_B["bf16"])))
+    for seed, (ra, ka, fa), (rb, kb, fb) in reruns:
+        (pair,) = same[seed]["pairs"]
+        assert (pair["a"], pair["b"]) == ({"root": ra, "key": ka}, {"root": rb, "key": kb})
+        close(pair["train_rel_diff"], (fb[0] - fa[0]) / fa[0])
+        close(pair["val_rel_diff"], (fb[1] - fa[1]) / fa[1])
+    # cross-seed: within each root, bf16-seed2 vs bf16; across the per-seed means
+    within = {x["root"]: x for x in c["cross_seed"]["within_root"]}
+    close(within["A"]["train_rel_diff"], FINALS_A["bf16-seed2"][0] / FINALS_A["bf16"][0] - 1)
+    close(within["B"]["val_rel_diff"], FINALS_B["bf16-seed2"][1] / FINALS_B["bf16"][1] - 1)
+    m1234 = st.mean([FINALS_A["bf16"][0], FINALS_B["bf16-seed2"][0]])
+    m4321 = st.mean([FINALS_A["bf16-seed2"][0], FINALS_B["bf16"][0]])
+    close(c["cross_seed"]["train_rel_std"], st.stdev([m1234, m4321]) / st.mean([m1234, m4321]))
+
+    # each FP8 recipe: paired deviations, mean vs the pool, Welch t, verdict
+    for key, goal in (("delayed", 0.005), ("tensorwise", 0.005), ("blockwise", 0.0025), ("mxfp8", 0.0025)):
+        r = c["recipes"][key]
+        assert r["goal"] == goal
+        pairs = [(FINALS_A[key], FINALS_A["bf16"])] + ([(FINALS_B[key], FINALS_B["bf16"])] if FINALS_B[key] else [])
+        assert [x["seed"] for x in r["runs"]] == [1234, 4321]
+        for i, mt in enumerate(("train", "val")):
+            got = r[mt]
+            xs = [f[i] for f, _ in pairs]
+            devs = [f[i] / bb[i] - 1 for f, bb in pairs]
+            assert got["n"] == len(xs)
+            close(got["mean"], st.mean(xs))
+            close(got["mean_paired_dev"], st.mean(devs))
+            for x, d in zip(r["runs"], devs):
+                close(x[f"{mt}_paired_dev"], d)
+            diff = st.mean(xs) - mean[mt]
+            s_fp8 = st.stdev(xs) if len(xs) > 1 else sd[mt]  # one run: BF16's std on its side too
+            se = math.sqrt(s_fp8 ** 2 / len(xs) + sd[mt] ** 2 / 4)
+            close(got["vs_pool"], diff / mean[mt])
+            close(got["se"], se)
+            close(got["t"], diff / se)
+            assert got["std_source"] == ("own runs" if len(xs) > 1 else "bf16 pool (one fp8 run)")
+            assert got["within_2std"] == (abs(diff) <= 2 * sd[mt])
+            rel = sd[mt] / mean[mt]
+            assert got["resolvable"] == (rel < goal) == (goal == 0.005)
+            if goal == 0.005:
+                assert got["verdict"].startswith(f"resolvable: BF16's run-to-run std {100 * rel:.2f}% < goal 0.50%")
+            else:
+                assert got["verdict"].startswith("not resolvable at this budget: BF16's own run-to-run std "
+                                                 f"{100 * rel:.2f}% > goal 0.25%")
+            assert ("indistinguishable from BF16" in got["verdict"]) == got["within_2std"]
+    assert r["runs"][1]["diverged_at"] == 6 and r["runs"][1]["train_paired_dev"] is None  # B's mxfp8
+    assert not c["recipes"]["tensorwise"]["train"]["within_2std"] and c["recipes"]["delayed"]["train"]["within_2std"]
+    summary = md.split("\n")[2]
+    assert summary.startswith("**Summary:** BF16 alone, 4 runs over 2 seed(s) in 2 root(s)")
+    assert f"{100 * sd['train'] / mean['train']:.2f}% (train)" in summary
+    assert "outside BF16's ±2 std: tensorwise (train), tensorwise (val)" in summary
+    assert "Not resolvable at this budget" in summary and "blockwise (train)" in summary
+    assert "‡ one run of this recipe" in md
+
+    # other seeds in B: no seed has two bf16 runs, so no same-seed entry
+    _set_main_seeds(b, 7, 8)
+    proc = _run("--combine", str(a), str(b), "--out", str(tmp_path / "combined2"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c2 = json.loads((tmp_path / "combined2" / "combined.json").read_text())
+    assert c2["same_seed"] == [] and "No seed has two bf16 runs" in proc.stdout
+    assert c2["bf16_pool"]["train"] == c["bf16_pool"]["train"]
+    assert len(c2["cross_seed"]["seed_means"]) == 4
+
+
+def test_combine_builds_a_missing_report_from_the_runs(smoke_study, tmp_path):
+    import shutil
+
+    root, _, _ = smoke_study
+    expected = json.loads((root / "report" / "report.json").read_text())["parts"]["main"]["final"]
+    a, b = _copy_roots(smoke_study, tmp_path, "A", "B")
+    shutil.rmtree(a / "report")
+    _set_main_seeds(b, 4321, 1234)
+    proc = _run("--combine", str(a), str(b))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (a / "report" / "report.json").is_file()
+    c = json.loads((a / "combined" / "combined.json").read_text())  # the default --out
+    assert [r["report_built"] for r in c["roots"]] == [True, False]
+    got = {(p["root"], p["key"]): p for p in c["bf16_pool"]["runs"]}
+    for key in ("bf16", "bf16-seed2"):
+        for mt in ("train", "val"):
+            assert abs(got[("A", key)][f"{mt}_loss"] - expected[key][f"{mt}_loss"]) <= 1e-12
+    assert abs(c["recipes"]["blockwise"]["runs"][0]["train_paired_dev"] - expected["blockwise"]["train_vs_bf16"]) < 1e-9
+    assert {e["seed"] for e in c["same_seed"]} == {1234, 4321}
+
+
+def test_combine_refuses_roots_that_cannot_be_pooled(smoke_study, tmp_path):
+    a, b = _copy_roots(smoke_study, tmp_path, "A", "B")
+    p = b / "study.json"
+    m = json.loads(p.read_text())
+    m["tokens_per_step"] *= 2
+    p.write_text(json.dumps(m))
+    proc = _run("--combine", str(a), str(b))
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stderr.startswith("numerics_study: error:") and "tokens_per_step" in proc.stderr
+    assert f"{m['tokens_per_step'] // 2} in {a}" in proc.stderr and f"{m['tokens_per_step']} in {b}" in proc.stderr
+    assert not (a / "combined").exists()
+
+    m["tokens_per_step"] //= 2  # the same again, but another learning rate for one run
+    next(r for r in m["runs"] if r["key"] == "delayed")["overrides"].append("trainer.lr=1e-3")
+    p.write_text(json.dumps(m))
+    proc = _run("--combine", str(a), str(b))
+    assert proc.returncode == 2 and "overrides of delayed" in proc.stderr and "trainer.lr=1e-3" in proc.stderr
+
+    for args, msg in (([str(a), str(tmp_path / "nothing")], "not a directory"),
+                      ([str(a), str(a)], "given twice"),
+                      ([str(tmp_path)], "not a numerics-study root")):
+        proc = _run("--combine", *args)
+        assert proc.returncode == 2 and msg in proc.stderr, (args, proc.stderr[-2000:])
+
+    # a main run that is not complete (the stress part may be missing, the main part may not)
+    c = _copy_roots(smoke_study, tmp_path, "C")[0]
+    (c / "main" / "llama3_tiny" / "delayed" / "summary.json").unlink()
+    proc = _run("--combine", str(a), str(c))
+    assert proc.returncode == 2 and "main runs not complete: delayed" in proc.stderr
