@@ -77,6 +77,13 @@ class Format(str, enum.Enum):
         the OCP MX ``floor`` scale rule subtracts it."""
         return 8 if self is Format.E4M3 else 15
 
+    @property
+    def clamp_threshold(self) -> float:
+        """Largest magnitude that round-to-nearest-even would put on ``±max`` anyway: ``max``
+        plus half its step (464 for E4M3, 61440 for E5M2). Only values beyond it lose anything
+        to the saturating clamp."""
+        return 464.0 if self is Format.E4M3 else 61440.0
+
 
 class ScaleRounding(str, enum.Enum):
     """How a scale is rounded once computed from an amax.

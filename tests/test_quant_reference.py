@@ -153,3 +153,24 @@ def test_quantization_stats():
     assert amax == 4.0 and scale == 200.0
     assert under == pytest.approx(0.25) and sat == pytest.approx(0.5)
     assert sqnr < 20
+
+
+def test_saturation_counts_clamp_losses_not_scale_rounding():
+    """Current scaling cannot saturate: an amax element an ulp above 448 after the FP32 scale is
+    rounded (5.6875 in BF16: 448 * scale_inv(5.6875) < 5.6875) still rounds to 448 without
+    the clamp, so it is not counted; a delayed scale that is too large is."""
+    from nemo_fp8_recipes.recipes import Format
+
+    x = torch.full((4, 64), 5.6875)
+    x[0, :8] = 1.0
+    q = quantize(x, "e4m3", "tensor")
+    assert (x.abs() > 448.0 * q.expanded_scale_inv()).any()  # the old, too strict, test
+    assert quantization_stats(x, q)[3].item() == 0.0
+    assert torch.equal(q.data.float().abs().max(), torch.tensor(448.0))
+    # delayed with a stale scale: 5.6875 * 82 = 466.4 > 464 clamps (loses more than rounding)
+    qd = quantize(x, "e4m3", "tensor", scale=torch.tensor(82.0))
+    assert quantization_stats(x, qd)[3].item() == pytest.approx(248 / 256)
+    # 5.6875 * 81.5 = 463.5: rounds to 448 with or without the clamp: not saturated
+    qd = quantize(x, "e4m3", "tensor", scale=torch.tensor(81.5))
+    assert quantization_stats(x, qd)[3].item() == 0.0
+    assert Format.E4M3.clamp_threshold == 464.0 and Format.E5M2.clamp_threshold == 61440.0

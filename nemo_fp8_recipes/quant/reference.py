@@ -310,14 +310,17 @@ def quantization_stats(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
 
     ``x`` is the 2-D source in the orientation of ``q`` (groups along its last dim).
     underflow = non-zero inputs that became zero codes; saturated = inputs whose scaled magnitude
-    exceeded ``fmax`` and were clamped; SQNR = 10·log10(Σx² / Σ(x − x̂)²) over finite elements.
+    exceeded what rounding alone would map to ``±fmax`` (:attr:`Format.clamp_threshold`: 464 for
+    E4M3) and so lost precision to the clamp — an amax element that lands an ulp above 448
+    because its FP32 scale was rounded is not counted; SQNR = 10·log10(Σx² / Σ(x − x̂)²) over
+    finite elements.
     """
     xf = x.float()
     deq = q.dequantize()
     finite = torch.isfinite(xf)
     n = max(xf.numel(), 1)
     underflow = ((xf != 0) & (q.data.float() == 0)).sum() / n
-    limit = q.fmt.max * q.expanded_scale_inv()
+    limit = q.fmt.clamp_threshold * q.expanded_scale_inv()
     saturated = (finite & (xf.abs() > limit)).sum() / n
     sig = torch.where(finite, xf, torch.zeros_like(xf)).pow(2).sum()
     err = torch.where(finite, xf - deq, torch.zeros_like(xf)).pow(2).sum()
