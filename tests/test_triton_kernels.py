@@ -181,3 +181,41 @@ def test_launch_config_names_the_valid_choices(tk):
     with pytest.raises(KeyError, match="valid: block_r, num_warps"):
         with tk.launch_config("rows128", tile=8):
             pass
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("special", ["nan", "inf", "zeros", "tiny"])
+def test_per_tensor_special_amax(tk, fmt, special):
+    """The per-tensor amax pass (atomic max over IEEE bits) and the in-kernel scale rule: NaN
+    anywhere gives a NaN amax and scale, +/-Inf an infinite amax (scale 0), all zeros scale 1, a
+    tiny amax FLT_MAX — each as the reference computes it."""
+    x = structured(200, 300, seed=12).to(DEV, torch.float32)
+    if special == "nan":
+        x[7, 9] = float("nan")
+    elif special == "inf":
+        x[150, 3] = float("-inf")
+    elif special == "zeros":
+        x.zero_()
+    else:
+        x = torch.full_like(x, 1e-40)
+    for rounding in ("fp32", "pow2"):
+        ref = quantize(x, fmt, "tensor", rounding)
+        got = tk.quantize_tensor(x, fmt, rounding)
+        assert torch.equal(torch.nan_to_num(got.amax, nan=-1.0), torch.nan_to_num(ref.amax.reshape(1, 1), nan=-1.0))
+        _same(got, ref, nan_codes=ON_GPU or special in ("zeros", "tiny"))
+        a, _ = tk.quantize_tensor_dual(x, fmt, rounding)
+        _same(a, ref, nan_codes=ON_GPU or special in ("zeros", "tiny"))
+
+
+def test_per_tensor_strided_and_empty_inputs(tk):
+    base = structured(200, 600, seed=13).to(DEV, torch.bfloat16)
+    x = base[:, ::2]  # not contiguous along the last dim
+    y = base[:, :300]  # unit stride along the last dim, row stride 600
+    for t in (x, y):
+        _same(tk.quantize_tensor(t, "e4m3"), quantize(t, "e4m3", "tensor"))
+    a, b = tk.quantize_tensor_dual(y, "e4m3")
+    ref = quantize(y, "e4m3", "tensor")
+    _same(a, ref)
+    assert torch.equal(b.data.float(), ref.data.float().t())
+    e = tk.quantize_tensor(torch.empty(0, 64, device=DEV), "e4m3")
+    assert e.data.shape == (0, 64) and e.scale_inv.item() == 1.0 and e.amax.item() == 0.0

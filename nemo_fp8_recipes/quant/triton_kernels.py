@@ -7,9 +7,9 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
 * :func:`quantize_cols_t`   — groups of ``GROUP`` consecutive elements down each column, written
   *transposed* (``[cols, rows]``): the wgrad copy, fused with the transpose.
 * :func:`quantize_blocks128` — 128x128 weight blocks.
-* :func:`quantize_tensor`   — per-tensor: a partial-amax kernel, the scale from the amax on the
-  device (no host sync), and a cast kernel that reads the scale from memory (also serves delayed
-  scaling, where the scale comes from the amax history).
+* :func:`quantize_tensor`   — per-tensor: an atomic-max amax kernel, then a cast kernel whose
+  programs compute the scale from that amax on the device (no host sync, no small PyTorch ops
+  in between); with a given scale (delayed scaling, from the amax history) it casts with that.
 
 Scales follow the exact rules of the reference (pow-2 by dropping mantissa bits, E8M0 from the
 amax's binary exponent). Saturation and the NaN/Inf rules are applied explicitly; the
@@ -197,21 +197,38 @@ if HAVE_TRITON:
         tl.store(si_ptr + pr * GC + pc, si)
 
     @triton.jit
-    def _amax_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+    def _amax_atomic_kernel(x_ptr, amax_bits_ptr, N, BLOCK: tl.constexpr):
+        # |x| is never negative, so the IEEE bit patterns order like the values (int32 max);
+        # a NaN anywhere becomes the positive quiet NaN 0x7FC00000, above +Inf: max is NaN
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(x), axis=0)
         has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
-        tl.store(out_ptr + pid, tl.where(has_nan, float("nan"), amax))
+        bits = tl.where(has_nan, 0x7FC00000, amax.to(tl.int32, bitcast=True))
+        tl.atomic_max(amax_bits_ptr, bits)
 
     @triton.jit
-    def _cast_kernel(x_ptr, s_ptr, q_ptr, N, BLOCK: tl.constexpr, FMAX: tl.constexpr, IS_E4M3: tl.constexpr,
-                     HW_CVT: tl.constexpr):
+    def _tensor_scale(amax_ptr, s_ptr, si_ptr, first, HAS_SCALE: tl.constexpr, MODE: tl.constexpr,
+                      FMAX: tl.constexpr):
+        """The per-tensor scale every program uses: the given (delayed) one, or the reference's
+        rule applied to the amax the first pass left in memory; ``first`` program writes
+        ``scale_inv``."""
+        if HAS_SCALE:
+            s = tl.load(s_ptr)
+            si = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+        else:
+            s, si, _e8 = _scale_from_amax(tl.load(amax_ptr), FMAX, 0, 0, MODE)
+        tl.store(si_ptr, si, mask=first)
+        return s
+
+    @triton.jit
+    def _cast_kernel(x_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, N, BLOCK: tl.constexpr, FMAX: tl.constexpr,
+                     IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, HAS_SCALE: tl.constexpr, MODE: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
         m = offs < N
-        s = tl.load(s_ptr)
+        s = _tensor_scale(amax_ptr, s_ptr, si_ptr, pid == 0, HAS_SCALE, MODE, FMAX)
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
         q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT)
         tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
@@ -261,15 +278,16 @@ if HAVE_TRITON:
             tl.store(e8t_ptr + cols[:, None] * G_col + grow[None, :], e8t.to(tl.uint8), mask=mst)
 
     @triton.jit
-    def _cast_dual_kernel(x_ptr, s_ptr, q_ptr, qt_ptr, R, C, stride_x, TILE: tl.constexpr,
-                          FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+    def _cast_dual_kernel(x_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, qt_ptr, R, C, stride_x, TILE: tl.constexpr,
+                          FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
+                          HAS_SCALE: tl.constexpr, MODE: tl.constexpr):
         # per-tensor scale: the codes and their transpose from one read
         pr = tl.program_id(0)
         pc = tl.program_id(1)
         rows = pr * TILE + tl.arange(0, TILE)
         cols = pc * TILE + tl.arange(0, TILE)
         m = (rows[:, None] < R) & (cols[None, :] < C)
-        s = tl.load(s_ptr)
+        s = _tensor_scale(amax_ptr, s_ptr, si_ptr, (pr == 0) & (pc == 0), HAS_SCALE, MODE, FMAX)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
@@ -415,9 +433,34 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
     return QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
 
 
+def _tensor_amax(x2: torch.Tensor) -> torch.Tensor:
+    """Per-tensor amax as a ``[1, 1]`` FP32 tensor on the device: one atomic-max pass over a
+    contiguous ``x2`` (NaN if any element is NaN), or a PyTorch reduction of a strided one."""
+    n = x2.numel()
+    if n and x2.is_contiguous():
+        bits = torch.zeros((1, 1), dtype=torch.int32, device=x2.device)
+        block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
+        _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, bits, n, BLOCK=block, num_warps=warps)
+        return bits.view(torch.float32)
+    if n:
+        return x2.float().abs().amax().reshape(1, 1)
+    return torch.zeros((1, 1), dtype=torch.float32, device=x2.device)
+
+
+def _tensor_scale_args(amax: torch.Tensor, fmt: Format, rounding: ScaleRounding, scale):
+    """``(scale operand, scale_inv buffer, HAS_SCALE, MODE)`` for the per-tensor cast kernels."""
+    if _MODE[rounding] >= 2:
+        raise ValueError(f"per-tensor scaling takes fp32 or pow2 scales, not {rounding.value}")
+    si = torch.empty((1, 1), dtype=torch.float32, device=amax.device)
+    if scale is None:
+        return amax, si, False, _MODE[rounding]
+    return scale.float().reshape(1, 1).contiguous(), si, True, _MODE[rounding]
+
+
 def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None) -> QuantizedTensor:
-    """Per-tensor: amax (partial maxima in a kernel, final max on the device), scale from it
-    (or the given delayed-scaling ``scale``), then one cast pass. No host synchronisation."""
+    """Per-tensor: an atomic-max amax pass, then one cast pass whose programs derive the scale
+    from that amax on the device (or take the given delayed-scaling ``scale``) — two kernels
+    and a 4-byte memset, no host synchronisation, no small PyTorch ops in between."""
     _require_triton()
     from .reference import amax_to_scale
 
@@ -426,20 +469,17 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     n = x2.numel()
-    block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
-    nb = max(1, triton.cdiv(n, block))
-    part = torch.empty(nb, dtype=torch.float32, device=x.device)
-    if n:
-        _amax_kernel[(nb,)](x2, part, n, BLOCK=block, num_warps=warps)
-    else:
-        part.zero_()
-    amax = part.amax().reshape(1, 1)
-    s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
+    amax = _tensor_amax(x2)
     q = torch.empty(x2.shape, dtype=fmt.dtype, device=x.device)
-    if n:
-        _cast_kernel[(nb,)](x2, s, q, n, BLOCK=block, FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, num_warps=warps,
-                            HW_CVT=_hw_cvt(x))
-    return QuantizedTensor(data=q, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
+    if not n:  # nothing to cast: the scale by the reference rule, on the device
+        s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
+        return QuantizedTensor(data=q, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
+    s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
+    block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
+    _cast_kernel[(triton.cdiv(n, block),)](x2, amax, s_arg, si, q, n, BLOCK=block, FMAX=fmt.max,
+                                           IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x),
+                                           HAS_SCALE=has_scale, MODE=mode, num_warps=warps)
+    return QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
 
 
 def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
@@ -475,7 +515,7 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
 
 def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None):
     """Per-tensor codes and their transpose (contiguous) from one read of ``x`` after the amax
-    pass: ``(q, q_t)`` with the same scale."""
+    pass: ``(q, q_t)`` with the same scale (computed on the device by the cast kernel)."""
     _require_triton()
     from .reference import amax_to_scale
 
@@ -483,24 +523,19 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     R, C = x2.shape
     n = x2.numel()
-    block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
-    nb = max(1, triton.cdiv(n, block))
-    part = torch.zeros(nb, dtype=torch.float32, device=x.device)
-    if n and x2.is_contiguous():
-        _amax_kernel[(nb,)](x2, part, n, BLOCK=block, num_warps=warps)
-    elif n:
-        part = x2.float().abs().amax().reshape(1)
-    amax = part.amax().reshape(1, 1)
-    s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
+    amax = _tensor_amax(x2)
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     qt = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
     if n:
+        s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
         tile = LAUNCH["tensor_dual"]["tile"]
         grid = (triton.cdiv(R, tile), triton.cdiv(C, tile))
-        _cast_dual_kernel[grid](x2, s, q, qt, R, C, x2.stride(0), TILE=tile, FMAX=fmt.max,
+        _cast_dual_kernel[grid](x2, amax, s_arg, si, q, qt, R, C, x2.stride(0), TILE=tile, FMAX=fmt.max,
                                 num_warps=LAUNCH["tensor_dual"]["num_warps"],
-                                IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
-    si = 1.0 / s
+                                IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), HAS_SCALE=has_scale, MODE=mode)
+    else:
+        s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
+        si = 1.0 / s
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
     b = QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax)
     return a, b
