@@ -3,6 +3,7 @@ in the benchmarks themselves, measured on the GPU and recorded in docs/benchmark
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -182,3 +183,21 @@ def test_gemm_tflops_skipped_and_failed_variants_are_rows(bench_modules, monkeyp
     assert all(r["status"] == "ok" for r in rows if r["variant"] in ("bf16", "per-tensor"))
     printed = capsys.readouterr().out
     assert f"skipped: {reason}" in printed and "CUBLAS_STATUS_NOT_SUPPORTED" in printed
+
+
+def test_quant_bandwidth_sweep_smoke(tmp_path):
+    """--sweep on CPU (Triton's interpreter): each configuration's codes are checked against the
+    default's, and the JSON keeps every row; an unknown kernel name lists the valid ones."""
+    pytest.importorskip("triton")
+    out = tmp_path / "r.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_bandwidth.py"), "--smoke",
+                           "--sweep", "rows128,tensor", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["sweep"]
+    assert {r["kernel"] for r in rows} == {"rows128", "tensor"} and len(rows) == 4
+    assert all(r["same_bits"] is True and r["error"] is None and r["ms"] > 0 for r in rows)
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_bandwidth.py"), "--smoke",
+                          "--sweep", "rows64"], capture_output=True, text=True, timeout=300, env=env)
+    assert bad.returncode == 2 and "valid: all, rows128" in bad.stderr
