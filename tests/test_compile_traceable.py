@@ -379,6 +379,50 @@ def test_counters_are_per_rank_buffers_outside_state_dict():
     assert model.w1.fp8_fwd_count.dtype == torch.int64
 
 
+class _WithHead(nn.Module):
+    """An FP8 linear feeding a BF16 output head that runs twice per step (weight reuse)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(D, D)
+        self.output = nn.Linear(D, 128)
+
+    def forward(self, x):
+        h = self.w1(x)
+        return self.output(h) + self.output(h * 2)
+
+
+def test_high_precision_audit_counters_trace_without_graph_breaks():
+    """The audit's counters on GEMM modules kept in high precision count in-graph (buffers and an
+    identity autograd function): no graph break, and the same counts compiled and eager — also
+    for a module called twice per step, whose two backward passes both count."""
+    counts = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        model = _WithHead()
+        convert_model(model, get_recipe("tensorwise"), emulate=True)
+        x = torch.randn(T, D, requires_grad=True)
+        if mode == "compiled":
+            ex, reasons = _break_reasons(model, x)
+            assert (ex.graph_count, ex.graph_break_count, reasons) == (1, 0, [])
+            torch._dynamo.reset()
+            reset_gemm_counts(model)
+            run = torch.compile(model, backend="aot_eager", fullgraph=True)
+        else:
+            run = model
+        for _ in range(2):
+            run(x).float().pow(2).mean().backward()
+        rep = audit(model, strict=True)
+        counts[mode] = {r.name: (r.fp8_gemms, r.hp_gemms) for r in rep.rows}
+        assert rep.counts["high_precision"] == {"fprop": 4, "dgrad": 4, "wgrad": 4}, mode
+        assert not rep.violations
+    assert counts["compiled"] == counts["eager"]
+    assert not any("count" in k for k in model.state_dict())
+    assert {"output.hp_fwd_count", "output.hp_bwd_count"} <= set(model._ddp_params_and_buffers_to_ignore)
+    reset_gemm_counts(model)
+    assert audit(model).counts["high_precision"] == {"fprop": 0, "dgrad": 0, "wgrad": 0}
+
+
 # ---- GPU: real FP8 GEMMs through torch._scaled_mm, Inductor (run on the H200) ----------------
 def _gpu_recipe(name):
     rec = get_recipe(name)

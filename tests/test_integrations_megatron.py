@@ -197,9 +197,16 @@ def test_native_swap_audit_over_the_megatron_tree(swapped_pair):
     assert rows["embedding.word_embeddings"].role == "embedding"
     assert rows["decoder.layers.1.self_attention.core_attention"].precision == "bf16"
     assert not rep.violations and rep.counts["fp8"]["wgrad"] >= 2
-    # tensorwise keeps no scaling state: only the per-rank GEMM counters stay out of DDP's broadcast
+    # tensorwise keeps no scaling state: only the per-rank GEMM counters (FP8 and high-precision
+    # ones) stay out of DDP's broadcast, and every name is a buffer the model has
     ignored = model._ddp_params_and_buffers_to_ignore
-    assert ignored and all(n.endswith((".fp8_fwd_count", ".fp8_bwd_count")) for n in ignored)
+    assert ignored and all(n.endswith((".fp8_fwd_count", ".fp8_bwd_count", ".hp_fwd_count", ".hp_bwd_count"))
+                           for n in ignored)
+    buffers = dict(model.named_buffers())
+    assert all(n in buffers for n in ignored)
+    assert "decoder.layers.1.mlp.linear_fc1.fp8_fwd_count" in ignored
+    assert "decoder.layers.1.mlp.linear_fc1.hp_fwd_count" not in ignored  # swapped to FP8
+    assert "output_layer.hp_bwd_count" in ignored
 
 
 def test_native_swap_moe_keeps_router_fp32_and_refuses_parallel_layers():

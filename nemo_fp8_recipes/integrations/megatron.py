@@ -426,11 +426,13 @@ def convert_megatron_model(
         parent_name, _, leaf = fqn.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, leaf, new)
-        state.hp_counts.pop(fqn, None)  # its high-precision counter left with the old module
+        state.hp_modules.pop(fqn, None)  # its high-precision counter left with the old module
         swapped.append(fqn)
     fp8_buffers = [f"{n}.{b}" for n in swapped for b, _ in model.get_submodule(n).named_buffers(recurse=False)]
-    if fp8_buffers:
-        ignore = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    gone = tuple(f"{n}." for n in swapped)  # the high-precision counters of the replaced modules
+    ignore = [b for b in getattr(model, "_ddp_params_and_buffers_to_ignore", [])
+              if not (b.startswith(gone) and b.rpartition(".")[2] in ("hp_fwd_count", "hp_bwd_count"))]
+    if ignore or fp8_buffers:
         model._ddp_params_and_buffers_to_ignore = ignore + fp8_buffers
     return model
 

@@ -45,7 +45,7 @@ class _ConvertState:
     policy: PrecisionPolicy
     emulate: bool
     decisions: Dict[str, Decision] = field(default_factory=dict)
-    hp_counts: Dict[str, Dict[str, int]] = field(default_factory=dict)
+    hp_modules: Dict[str, nn.Module] = field(default_factory=dict)
     hooks: list = field(default_factory=list)
 
 
@@ -61,27 +61,62 @@ def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
+class _CountBackward(torch.autograd.Function):
+    """Identity on a high-precision GEMM module's output whose backward adds the dgrad / wgrad
+    the module's backward runs to its ``hp_bwd_count`` buffer — in-graph, so the audit's counter
+    neither breaks a ``torch.compile`` graph nor mutates Python state from a backward hook. The
+    buffer travels on ``ctx`` (not ``save_for_backward``): a module called several times per step
+    adds to it from each call's backward without tripping the saved-tensor version check."""
+
+    @staticmethod
+    def forward(ctx, out, bwd_counts, x_needs: bool, w_needs: bool):
+        ctx.bwd_counts = bwd_counts
+        ctx.needs = (x_needs, w_needs)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_needs, w_needs = ctx.needs
+        if x_needs:
+            ctx.bwd_counts[0].add_(1)
+        if w_needs:
+            ctx.bwd_counts[1].add_(1)
+        return grad, None, None, None
+
+
+#: Buffers (not in ``state_dict``) on every GEMM module kept in high precision: forward calls,
+#: and [dgrad, wgrad] runs. Two buffers, so none is mutated in both forward and backward.
+HP_FWD_COUNT, HP_BWD_COUNT = "hp_fwd_count", "hp_bwd_count"
+
+
 def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module) -> None:
-    counts = state.hp_counts.setdefault(fqn, {"fprop": 0, "dgrad": 0, "wgrad": 0})
+    dev = next(module.parameters(), torch.empty(0)).device
+    module.register_buffer(HP_FWD_COUNT, torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
+    module.register_buffer(HP_BWD_COUNT, torch.zeros(2, dtype=torch.int64, device=dev), persistent=False)
+    state.hp_modules[fqn] = module
 
     def fwd_hook(mod, inputs, output):
-        counts["fprop"] += 1
+        getattr(mod, HP_FWD_COUNT).add_(1)
         out = output[0] if isinstance(output, (tuple, list)) else output
-        if torch.is_tensor(out) and out.requires_grad:
-            x = inputs[0] if inputs else None
-            x_needs = torch.is_tensor(x) and x.requires_grad
-            w = getattr(mod, "weight", None)
-            w_needs = isinstance(w, torch.Tensor) and w.requires_grad
-
-            def bwd(_grad):
-                if x_needs:
-                    counts["dgrad"] += 1
-                if w_needs:
-                    counts["wgrad"] += 1
-
-            out.register_hook(bwd)
+        if not (torch.is_tensor(out) and out.requires_grad):
+            return None
+        x = inputs[0] if inputs else None
+        w = getattr(mod, "weight", None)
+        counted = _CountBackward.apply(out, getattr(mod, HP_BWD_COUNT),
+                                       torch.is_tensor(x) and x.requires_grad,
+                                       isinstance(w, torch.Tensor) and w.requires_grad)
+        if isinstance(output, (tuple, list)):
+            return type(output)([counted, *output[1:]])
+        return counted
 
     state.hooks.append(module.register_forward_hook(fwd_hook))
+
+
+def _hp_counts(module: nn.Module) -> Dict[str, int]:
+    """The audit's counts of a high-precision GEMM module (one host read of its two buffers)."""
+    f, b = getattr(module, HP_FWD_COUNT), getattr(module, HP_BWD_COUNT)
+    fwd, (dgrad, wgrad) = int(f.item()), b.tolist()
+    return {"fprop": fwd, "dgrad": int(dgrad), "wgrad": int(wgrad)}
 
 
 def convert_model(
@@ -148,6 +183,7 @@ def convert_model(
     # that broadcast.
     fp8_buffers = [f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, Float8Linear)
                    for b, _ in m.named_buffers(recurse=False)]
+    fp8_buffers += [f"{n}.{b}" for n in state.hp_modules for b in (HP_FWD_COUNT, HP_BWD_COUNT)]
     if fp8_buffers:
         ignore = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
         model._ddp_params_and_buffers_to_ignore = ignore + fp8_buffers
@@ -173,9 +209,9 @@ def reset_gemm_counts(model: nn.Module) -> None:
         m.reset_gemm_counts()
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
-        for c in state.hp_counts.values():
-            for k in c:
-                c[k] = 0
+        for m in state.hp_modules.values():
+            getattr(m, HP_FWD_COUNT).zero_()
+            getattr(m, HP_BWD_COUNT).zero_()
 
 
 @dataclass
@@ -260,7 +296,7 @@ def audit(model: nn.Module, strict: bool = False) -> AuditReport:
     for fqn, d in state.decisions.items():
         m = by_fqn.get(fqn)
         f = dict(m.gemm_counts) if m is not None else {}
-        h = dict(state.hp_counts.get(fqn, {}))
+        h = _hp_counts(state.hp_modules[fqn]) if fqn in state.hp_modules else {}
         for k in tot8:
             tot8[k] += f.get(k, 0)
             toth[k] += h.get(k, 0)
