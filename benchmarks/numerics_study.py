@@ -105,9 +105,10 @@ to ``--out`` (default ``<first root>/combined``): ``combined.md`` (printed), ``c
 * per FP8 recipe: each run's deviation from the bf16 run of its own root (paired: same seed and
   data order) and their mean; the recipe's mean vs the BF16 pool mean, relative and in standard
   errors (Welch: t = diff / sqrt(s_fp8²/n_fp8 + s_bf16²/n_bf16); one FP8 run takes BF16's std);
-  the goal; the verdict: *resolvable* only when BF16's relative std is below the goal, else "not
-  resolvable at this budget", and whether the mean is within BF16's ± 2 std ("indistinguishable
-  from BF16") or outside it;
+  the goal; the verdict: *resolvable* when two standard errors of the difference are below the
+  goal (else "not resolvable with these runs", with the runs a goal-sized difference would need),
+  and Welch's t-test at the two-sided 5% level (Welch–Satterthwaite degrees of freedom):
+  "differs from BF16" or "indistinguishable from BF16";
 * a plain-language summary line on top.
 
 Exit status: 0 done, 1 a run failed (its log is printed; the next call retries it), 2 bad
@@ -1297,40 +1298,65 @@ def _root_label(i: int) -> str:
     return chr(ord("A") + i) if i < 26 else f"R{i + 1}"
 
 
+#: Two-sided 5% critical values of Student's t for 1..30 degrees of freedom (then 1.96).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)
+
+
+def _t_crit95(df: float) -> float:
+    """Two-sided 5% critical value of Student's t at ``df`` degrees of freedom (rounded down:
+    conservative for a fractional Welch df)."""
+    k = max(1, int(math.floor(df)))
+    return _T95[k - 1] if k <= len(_T95) else 1.96
+
+
 def _fp8_stats(xs: Sequence[Optional[float]], devs: Sequence[Optional[float]], pool: dict,
                goal: Optional[float]) -> Optional[dict]:
-    """One FP8 recipe, one metric: its mean vs the BF16 pool mean, Welch's t, the verdict."""
+    """One FP8 recipe, one metric: its mean vs the BF16 pool mean, Welch's t-test at 5% (df by
+    Welch-Satterthwaite), and whether the experiment resolves the goal: two standard errors of
+    the difference below it."""
     sp = _spread(xs)
     if sp is None or pool is None or pool["std"] is None:
         return None
     own = sp["std"] is not None
     s_fp8 = sp["std"] if own else pool["std"]  # one run: its noise is taken to be BF16's
-    se = math.sqrt(s_fp8 ** 2 / sp["n"] + pool["std"] ** 2 / pool["n"])
+    a, b = s_fp8 ** 2 / sp["n"], pool["std"] ** 2 / pool["n"]
+    se = math.sqrt(a + b)
+    if own:
+        den = (a * a / (sp["n"] - 1) if a else 0.0) + (b * b / (pool["n"] - 1) if b else 0.0)
+        df = (a + b) ** 2 / den if den > 0 else float(sp["n"] + pool["n"] - 2)
+    else:
+        df = float(pool["n"] - 1)  # the only variance estimate is the pool's
     diff = sp["mean"] - pool["mean"]
     devs = [d for d in devs if d is not None]
+    t = diff / se if se > 0 else None
+    crit = _t_crit95(df)
     out = {**sp, "std_for_se": s_fp8, "std_source": "own runs" if own else "bf16 pool (one fp8 run)",
            "mean_paired_dev": statistics.fmean(devs) if devs else None, "diff": diff,
-           "vs_pool": diff / pool["mean"], "se": se, "t": diff / se if se > 0 else None,
+           "vs_pool": diff / pool["mean"], "se": se, "rel_2se": 2 * se / pool["mean"], "t": t, "df": df,
+           "t_crit95": crit, "significant": (abs(t) >= crit) if t is not None else None,
            "within_2std": abs(diff) <= 2 * pool["std"], "resolvable": None, "runs_needed": None}
-    band = (f"mean {_pct(out['vs_pool'], digits=2)} vs BF16, "
-            + (f"t = {out['t']:+.2f}; " if out["t"] is not None else "")
-            + ("within BF16's ±2 std: indistinguishable from BF16" if out["within_2std"]
-               else "outside BF16's ±2 std") + f" (±{_pct(2 * pool['rel_std'], signed=False, digits=2)})")
+    if t is None:
+        band = f"mean {_pct(out['vs_pool'], digits=2)} vs BF16"
+    else:
+        band = (f"mean {_pct(out['vs_pool'], digits=2)} vs BF16, t = {t:+.2f} (Welch, df {df:.1f}); "
+                + (f"|t| ≥ {crit:.2f}: differs from BF16 at the 5% level" if out["significant"]
+                   else f"|t| < {crit:.2f}: indistinguishable from BF16 at the 5% level"))
     if goal is None:
         out["verdict"] = f"no goal; {band}"
         return out
-    out["resolvable"] = pool["rel_std"] < goal
+    out["resolvable"] = out["rel_2se"] < goal
     # runs per side for a goal-sized difference to be 2 standard errors with BF16's std on both sides
     out["runs_needed"] = math.ceil(8 * (pool["rel_std"] / goal) ** 2)
+    res = (f"2 SE = {_pct(out['rel_2se'], signed=False, digits=2)} {'<' if out['resolvable'] else '≥'} goal "
+           f"{_pct(goal, signed=False, digits=2)}")
     if out["resolvable"]:
         met = abs(out["vs_pool"]) <= goal
-        out["verdict"] = (f"resolvable: BF16's run-to-run std {_pct(pool['rel_std'], signed=False, digits=2)} < goal "
-                          f"{_pct(goal, signed=False, digits=2)}; {'within' if met else 'OUTSIDE'} the goal; {band}")
+        out["verdict"] = f"resolvable ({res}); {'within' if met else 'OUTSIDE'} the goal; {band}"
     else:
-        op = ">" if pool["rel_std"] > goal else "="
-        out["verdict"] = (f"not resolvable at this budget: BF16's own run-to-run std "
-                          f"{_pct(pool['rel_std'], signed=False, digits=2)} {op} goal "
-                          f"{_pct(goal, signed=False, digits=2)}; {band}")
+        out["verdict"] = (f"not resolvable with these runs ({res}; BF16's run-to-run std "
+                          f"{_pct(pool['rel_std'], signed=False, digits=2)}); {band}")
     return out
 
 
@@ -1450,14 +1476,14 @@ def _combined_summary(d: dict) -> str:
     goals = ", ".join(f"{k} ±{_pct(rec[k]['goal'], signed=False, digits=2)}" for k in rec if rec[k]["goal"])
     if stats and not any(x["resolvable"] for _, _, x in stats):
         need = max(x["runs_needed"] for _, _, x in stats)
-        s += (f". Every goal ({goals}) is below that noise, so no FP8 deviation is resolvable at this budget "
-              f"(a goal-sized difference would be 2 standard errors only with ~{need} runs of each recipe "
-              "and as many of BF16, at this std)")
+        s += (f". No goal ({goals}) is resolvable with these runs: two standard errors of every FP8-vs-BF16 "
+              f"difference exceed its goal (a goal-sized difference would be 2 standard errors only with ~{need} "
+              "runs of each recipe and as many of BF16, at this std)")
     elif stats:
-        for word, want in (("resolvable", True), ("not resolvable at this budget", False)):
+        for word, want in (("resolvable", True), ("not resolvable with these runs", False)):
             which = [f"{k} ({mt})" for k, mt, x in stats if x["resolvable"] is want]
             if which:
-                s += f". {word[0].upper() + word[1:]} (BF16's std {'below' if want else 'not below'} the goal): " \
+                s += f". {word[0].upper() + word[1:]} (2 SE {'below' if want else 'not below'} the goal): " \
                      + ", ".join(which)
     parts = []
     for k, r in rec.items():
@@ -1465,11 +1491,11 @@ def _combined_summary(d: dict) -> str:
                  else "—" for mt in METRICS]
         parts.append(f"{k} {' / '.join(cells)}")
     s += ". FP8 mean vs the BF16 pool mean (train / val; t in standard errors): " + "; ".join(parts)
-    outside = [f"{k} ({mt})" for k, r in rec.items() for mt in METRICS if r.get(mt) and not r[mt]["within_2std"]]
-    if outside:
-        s += f"; outside BF16's ±2 std: {', '.join(outside)}."
+    differ = [f"{k} ({mt})" for k, r in rec.items() for mt in METRICS if r.get(mt) and r[mt]["significant"]]
+    if differ:
+        s += f"; different from BF16 at the 5% level (Welch's t-test): {', '.join(differ)}."
     else:
-        s += "; all within BF16's ±2 std: indistinguishable from BF16."
+        s += "; none differs from BF16 at the 5% level (Welch's t-test)."
     return s
 
 
@@ -1530,8 +1556,8 @@ def _combined_md(d: dict, png: Path) -> str:
                          _num(x["val_loss"]), _pct(x["val_paired_dev"], digits=2)])
     md.append(_table(["recipe", "root", "seed", "train loss", "paired dev", "val loss", "paired dev"], rows))
     md += ["", "Per recipe: mean over its runs vs the BF16 pool mean; SE = sqrt(s_fp8²/n_fp8 + s_bf16²/n_bf16) "
-           "(Welch), t = (mean_fp8 − mean_bf16) / SE. Resolvable only if BF16's relative std (one run's noise) is "
-           "below the goal.", ""]
+           "(Welch), t = (mean_fp8 − mean_bf16) / SE, tested at the two-sided 5% level with the Welch–Satterthwaite "
+           "degrees of freedom. The goal is resolvable when two standard errors of the difference are below it.", ""]
     rows = []
     one_run = False
     for k, r in d["recipes"].items():

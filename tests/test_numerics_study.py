@@ -441,21 +441,37 @@ def test_combine_pools_bf16_and_tests_each_recipe_against_it(smoke_study, tmp_pa
             close(got["t"], diff / se)
             assert got["std_source"] == ("own runs" if len(xs) > 1 else "bf16 pool (one fp8 run)")
             assert got["within_2std"] == (abs(diff) <= 2 * sd[mt])
-            rel = sd[mt] / mean[mt]
-            assert got["resolvable"] == (rel < goal) == (goal == 0.005)
-            if goal == 0.005:
-                assert got["verdict"].startswith(f"resolvable: BF16's run-to-run std {100 * rel:.2f}% < goal 0.50%")
+            # Welch-Satterthwaite df (one FP8 run: the pool's n - 1) and the 5% two-sided test
+            if len(xs) > 1:
+                a_, b_ = st.stdev(xs) ** 2 / len(xs), sd[mt] ** 2 / 4
+                df = (a_ + b_) ** 2 / (a_ ** 2 / (len(xs) - 1) + b_ ** 2 / 3)
             else:
-                assert got["verdict"].startswith("not resolvable at this budget: BF16's own run-to-run std "
-                                                 f"{100 * rel:.2f}% > goal 0.25%")
-            assert ("indistinguishable from BF16" in got["verdict"]) == got["within_2std"]
+                df = 3.0
+            close(got["df"], df)
+            crit = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}[int(df)]
+            assert got["t_crit95"] == crit and got["significant"] == (abs(diff / se) >= crit)
+            rel_2se = 2 * se / mean[mt]
+            close(got["rel_2se"], rel_2se)
+            assert got["resolvable"] == (rel_2se < goal)
+            if got["resolvable"]:
+                assert got["verdict"].startswith(f"resolvable (2 SE = {100 * rel_2se:.2f}% < goal {100 * goal:.2f}%)")
+            else:
+                assert got["verdict"].startswith(f"not resolvable with these runs (2 SE = {100 * rel_2se:.2f}% ≥ "
+                                                 f"goal {100 * goal:.2f}%")
+            assert ("differs from BF16 at the 5% level" in got["verdict"]) == got["significant"]
+            assert ("indistinguishable from BF16" in got["verdict"]) == (not got["significant"])
     assert r["runs"][1]["diverged_at"] == 6 and r["runs"][1]["train_paired_dev"] is None  # B's mxfp8
     assert not c["recipes"]["tensorwise"]["train"]["within_2std"] and c["recipes"]["delayed"]["train"]["within_2std"]
+    assert c["recipes"]["tensorwise"]["train"]["significant"] and not c["recipes"]["delayed"]["train"]["significant"]
+    # the fixture spans both verdicts: some goals resolvable with these runs, some not
+    res = {(k, mt): c["recipes"][k][mt]["resolvable"] for k in c["recipes"] for mt in ("train", "val")
+           if c["recipes"][k].get(mt)}
+    assert any(res.values()) and not all(res.values())
     summary = md.split("\n")[2]
     assert summary.startswith("**Summary:** BF16 alone, 4 runs over 2 seed(s) in 2 root(s)")
     assert f"{100 * sd['train'] / mean['train']:.2f}% (train)" in summary
-    assert "outside BF16's ±2 std: tensorwise (train), tensorwise (val)" in summary
-    assert "Not resolvable at this budget" in summary and "blockwise (train)" in summary
+    assert "different from BF16 at the 5% level (Welch's t-test): tensorwise (train), tensorwise (val)" in summary
+    assert "Not resolvable with these runs" in summary and "mxfp8 (train)" in summary
     assert "‡ one run of this recipe" in md
 
     # other seeds in B: no seed has two bf16 runs, so no same-seed entry
