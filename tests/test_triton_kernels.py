@@ -219,3 +219,74 @@ def test_per_tensor_strided_and_empty_inputs(tk):
     assert torch.equal(b.data.float(), ref.data.float().t())
     e = tk.quantize_tensor(torch.empty(0, 64, device=DEV), "e4m3")
     assert e.data.shape == (0, 64) and e.scale_inv.item() == 1.0 and e.amax.item() == 0.0
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_infinities_with_a_given_scale(tk, fmt):
+    """Delayed scaling casts with a given scale, so an infinite element meets the conversion
+    itself: E5M2 keeps ±Inf (codes 0x7C / 0xFC), E4M3 has none and gives NaN — as the reference.
+    (The GPU's saturating conversion alone would write ±57344 for E5M2.)"""
+    x = structured(64, 256, seed=14).to(DEV, torch.float32)
+    x[3, 5], x[7, 200], x[9, 9] = float("inf"), float("-inf"), 1e30
+    one = torch.tensor(1.0, device=DEV)
+    ref = quantize(x, fmt, "tensor", scale=one)
+    for got in (tk.quantize_tensor(x, fmt, scale=one), tk.quantize_tensor_dual(x, fmt, scale=one)[0]):
+        codes = got.data.view(torch.uint8)
+        if fmt == "e5m2":
+            assert codes[3, 5].item() == 0x7C and codes[7, 200].item() == 0xFC
+        if ON_GPU:  # the codes themselves (the interpreter's cast mangles NaN and the sign of 0)
+            assert torch.equal(codes, ref.data.view(torch.uint8))
+        else:
+            _same(got, ref, nan_codes=fmt == "e5m2")
+        assert got.data[9, 9].float().item() == (448.0 if fmt == "e4m3" else 57344.0)  # saturated
+
+
+# ---- ahead-of-time compilation for real GPUs (no GPU needed: Triton's bundled ptxas) ----------
+def _aot_report():
+    """Run tests/triton_aot.py without the interpreter (kernels must be real JIT functions to be
+    compiled) and return its JSON report; skip where this Triton cannot compile for CUDA."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("triton_aot.py")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rep = json.loads(proc.stdout.strip().splitlines()[-1])
+    if rep.get("skip"):
+        pytest.skip(rep["skip"])
+    return rep
+
+
+@pytest.fixture(scope="module")
+def aot():
+    return _aot_report()
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_gpu_code_uses_one_direct_rounding_on_sm90_only(aot, fmt, monkeypatch):
+    """What the hardware-conversion path relies on, checked on the code Triton generates: for
+    sm_90 an FP32 -> FP8 cast is the direct ``cvt.rn.satfinite.<fmt>x2.f32`` (one rounding);
+    for sm_89 it goes through FP16 (two roundings) — so ``_cvt_capable`` must stay False there."""
+    assert aot[f"cast_{fmt}_sm90"]["direct_f32_cvt"] and not aot[f"cast_{fmt}_sm90"]["via_f16_cvt"]
+    assert aot[f"cast_{fmt}_sm89"]["via_f16_cvt"] and not aot[f"cast_{fmt}_sm89"]["direct_f32_cvt"]
+    from nemo_fp8_recipes.quant import triton_kernels as tk
+
+    try:
+        for cap, expect in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
+            monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, c=cap: c)
+            tk._cvt_capable.cache_clear()
+            assert tk._cvt_capable(0) is expect, cap
+    finally:
+        tk._cvt_capable.cache_clear()
+
+
+def test_every_kernel_compiles_for_sm90(aot):
+    """Each kernel variant the wrappers launch, compiled for Hopper: CI has no GPU, so this is
+    where a kernel that the interpreter accepts but the compiler rejects would show."""
+    names = [k for k in aot if k.startswith("kernel_")]
+    assert len(names) >= 12
+    failed = {k: v["error"] for k, v in aot.items() if v.get("error")}
+    assert not failed, failed

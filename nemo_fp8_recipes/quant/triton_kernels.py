@@ -14,7 +14,8 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
 Scales follow the exact rules of the reference (pow-2 by dropping mantissa bits, E8M0 from the
 amax's binary exponent). Saturation and the NaN/Inf rules are applied explicitly; the
 round-to-nearest-even itself is the GPU's conversion instruction (``cvt.rn.satfinite``, one
-instruction per two values) when compiled for CUDA, and an explicit RNE on the FP32 bits under
+instruction per two values) when compiled for sm_90+ (E5M2 infinities, which that saturating
+instruction would clamp, are written as their codes), and an explicit RNE on the FP32 bits under
 Triton's CPU interpreter (``TRITON_INTERPRET=1``, which CI uses to check the kernels), whose
 own cast is not a hardware RNE. Both give the reference's codes bit for bit (checked on the GPU
 against the reference, ties and subnormals included).
@@ -61,7 +62,7 @@ if HAVE_TRITON:
 
         ``HW_CVT`` (compiled for a GPU): only the saturation and the NaN/Inf rules are applied
         here; the store's cast is the hardware round-to-nearest-even conversion
-        (``cvt.rn.satfinite`` on sm_89+), which gives the same codes for every finite clamped
+        (``cvt.rn.satfinite...f32`` on sm_90+), which gives the same codes for every finite clamped
         value at a fraction of the instructions. Otherwise (Triton's CPU interpreter, whose cast
         is not a hardware RNE) the rounding is done explicitly on the FP32 bits and the value
         stays FP32, exactly on the grid, so the final cast is exact."""
@@ -96,6 +97,18 @@ if HAVE_TRITON:
         else:
             r = tl.where(inf, y, r)
         return tl.where(nan, y, r)
+
+    @triton.jit
+    def _fp8_cast(r, ELEM: tl.constexpr, IS_E4M3: tl.constexpr):
+        """The FP8 codes of ``_round_fp8``'s result. The conversion saturates (``satfinite``:
+        ±Inf would become ±57344), so E5M2's infinities, which the reference keeps, are written
+        as their codes (0x7C / 0xFC) explicitly."""
+        c = r.to(ELEM)
+        if not IS_E4M3:
+            bits = c.to(tl.uint8, bitcast=True).to(tl.int32)
+            bits = tl.where(r == float("inf"), 0x7C, tl.where(r == float("-inf"), 0xFC, bits))
+            c = bits.to(tl.uint8).to(ELEM, bitcast=True)
+        return c
 
     @triton.jit
     def _scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr):
@@ -147,7 +160,7 @@ if HAVE_TRITON:
         amax = tl.where(has_nan, float("nan"), amax)
         s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
         q = _round_fp8(x * s[:, None], FMAX, IS_E4M3, HW_CVT)
-        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), mask=m)
         rm = rows < R
         tl.store(si_ptr + rows * G + pg, si, mask=rm)
         if MODE >= 2:
@@ -172,7 +185,7 @@ if HAVE_TRITON:
         s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
         q = _round_fp8(xt * s[:, None], FMAX, IS_E4M3, HW_CVT)
         mt = (cols[:, None] < C) & (rows[None, :] < R)
-        tl.store(q_ptr + cols[:, None] * R + rows[None, :], q.to(q_ptr.dtype.element_ty), mask=mt)
+        tl.store(q_ptr + cols[:, None] * R + rows[None, :], _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), mask=mt)
         cm = cols < C
         tl.store(si_ptr + cols * G + pg, si, mask=cm)
         if MODE >= 2:
@@ -193,7 +206,7 @@ if HAVE_TRITON:
         amax = tl.where(has_nan, float("nan"), amax)
         s, si, e8 = _scale_from_amax(amax, FMAX, 0, 0, MODE)
         q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT)
-        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), mask=m)
         tl.store(si_ptr + pr * GC + pc, si)
 
     @triton.jit
@@ -231,7 +244,7 @@ if HAVE_TRITON:
         s = _tensor_scale(amax_ptr, s_ptr, si_ptr, pid == 0, HAS_SCALE, MODE, FMAX)
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
         q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT)
-        tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(q_ptr + offs, _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), mask=m)
 
     @triton.jit
     def _quant_dual_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, qt_ptr, sit_ptr, e8t_ptr, R, C, G_row, G_col,
@@ -255,7 +268,7 @@ if HAVE_TRITON:
         s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
         q = _round_fp8(xr * s[:, :, None], FMAX, IS_E4M3, HW_CVT)
         q = tl.reshape(q, (TILE, TILE))
-        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), mask=m)
         gcol = pc * NG + tl.arange(0, NG)
         ms = (rows[:, None] < R) & (gcol[None, :] < G_row)
         tl.store(si_ptr + rows[:, None] * G_row + gcol[None, :], si, mask=ms)
@@ -270,7 +283,7 @@ if HAVE_TRITON:
         qt = _round_fp8(xt * st[:, :, None], FMAX, IS_E4M3, HW_CVT)
         qt = tl.reshape(qt, (TILE, TILE))
         mt = (cols[:, None] < C) & (rows[None, :] < R)
-        tl.store(qt_ptr + cols[:, None] * R + rows[None, :], qt.to(qt_ptr.dtype.element_ty), mask=mt)
+        tl.store(qt_ptr + cols[:, None] * R + rows[None, :], _fp8_cast(qt, qt_ptr.dtype.element_ty, IS_E4M3), mask=mt)
         grow = pr * NG + tl.arange(0, NG)
         mst = (cols[:, None] < C) & (grow[None, :] < G_col)
         tl.store(sit_ptr + cols[:, None] * G_col + grow[None, :], sit, mask=mst)
@@ -290,9 +303,9 @@ if HAVE_TRITON:
         s = _tensor_scale(amax_ptr, s_ptr, si_ptr, (pr == 0) & (pc == 0), HAS_SCALE, MODE, FMAX)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT)
-        tl.store(q_ptr + rows[:, None] * C + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=m)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), mask=m)
         mt = (cols[:, None] < C) & (rows[None, :] < R)
-        tl.store(qt_ptr + cols[:, None] * R + rows[None, :], tl.trans(q).to(qt_ptr.dtype.element_ty), mask=mt)
+        tl.store(qt_ptr + cols[:, None] * R + rows[None, :], _fp8_cast(tl.trans(q), qt_ptr.dtype.element_ty, IS_E4M3), mask=mt)
 
 
 #: Launch configurations (tile sizes and warps) per kernel. They change the speed, never the
@@ -344,9 +357,12 @@ def _hw_cvt(x: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _cvt_capable(index: int) -> bool:
-    # cvt.rn.satfinite.{e4m3,e5m2}x2.f32 exists from sm_89 (Ada/Hopper); older GPUs keep the
-    # explicit rounding rather than whatever emulation Triton lowers the cast to there
-    return torch.cuda.get_device_capability(index) >= (8, 9)
+    # Triton 3.6 lowers an FP32 -> FP8 cast to the direct cvt.rn.satfinite.{e4m3,e5m2}x2.f32
+    # (one rounding) from sm_90 on; for sm_89 it goes through FP16 (two roundings, which can
+    # differ from one). Below sm_90 the kernels therefore keep the explicit rounding, whose
+    # result is exactly representable, so any conversion of it is exact. Checked in CI by
+    # compiling the kernels for both targets (tests/test_triton_kernels.py).
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 def _require_triton():

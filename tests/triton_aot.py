@@ -1,0 +1,92 @@
+"""Compile the Triton quantisers for real GPUs without a GPU (Triton's bundled ptxas) and report,
+as one JSON line, whether each variant compiles and which FP8 conversion instructions its PTX
+uses. Run by tests/test_triton_kernels.py in a subprocess without TRITON_INTERPRET (the kernels
+must be JIT functions, not interpreted ones)."""
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.pop("TRITON_INTERPRET", None)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    spec = importlib.util.find_spec("triton.backends.nvidia")
+    if spec is None or not any((Path(spec.origin).parent / "bin").glob("ptxas*")):
+        print(json.dumps({"skip": "this Triton has no NVIDIA backend / ptxas to compile for a GPU"}))
+        return
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from nemo_fp8_recipes.quant import triton_kernels as tk
+    from nemo_fp8_recipes.recipes import Format
+
+    out = {}
+
+    def comp(name, fn, sig, consts, cc=90):
+        try:
+            ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts),
+                                 target=GPUTarget("cuda", cc, 32)).asm["ptx"]
+            out[name] = {"error": None,
+                         "direct_f32_cvt": any(f"cvt.rn.satfinite.{f}x2.f32" in ptx for f in ("e4m3", "e5m2")),
+                         "via_f16_cvt": any(f"{f}x2.f16x2" in ptx for f in ("e4m3", "e5m2"))}
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+            out[name] = {"error": f"{type(e).__name__}: {str(e)[:400]}"}
+
+    def cast_sig(e4):
+        return {"x_ptr": "*bf16", "amax_ptr": "*fp32", "s_ptr": "*fp32", "si_ptr": "*fp32",
+                "q_ptr": "*fp8e4nv" if e4 else "*fp8e5", "N": "i32", "BLOCK": "constexpr", "FMAX": "constexpr",
+                "IS_E4M3": "constexpr", "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr"}
+
+    for fmt, e4 in (("e4m3", True), ("e5m2", False)):
+        consts = {"BLOCK": 1024, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": True,
+                  "MODE": 0}
+        for cc in (89, 90):
+            comp(f"cast_{fmt}_sm{cc}", tk._cast_kernel, cast_sig(e4), consts, cc)
+
+    rows_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "R": "i32", "C": "i32",
+                "G": "i32", "stride_x": "i32", "GROUP": "constexpr", "BLOCK_R": "constexpr", "MODE": "constexpr",
+                "FMAX": "constexpr", "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr",
+                "HW_CVT": "constexpr"}
+    cols_sig = {("BLOCK_C" if k == "BLOCK_R" else k): v for k, v in rows_sig.items()}
+    common = {"FMAX": 448.0, "EMAX": 8, "TOP_MANT": tk._top_mant(Format.E4M3), "IS_E4M3": True}
+    for hw in (True, False):
+        for group, mode in ((128, 1), (32, 2)):
+            comp(f"kernel_rows{group}_hw{int(hw)}", tk._quant_rows_kernel, rows_sig,
+                 {**common, "HW_CVT": hw, "GROUP": group, "BLOCK_R": 64, "MODE": mode})
+            comp(f"kernel_cols{group}_hw{int(hw)}", tk._quant_cols_t_kernel, cols_sig,
+                 {**common, "HW_CVT": hw, "GROUP": group, "BLOCK_C": 64, "MODE": mode})
+    dual_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "qt_ptr": "*fp8e4nv",
+                "sit_ptr": "*fp32", "e8t_ptr": "*u8", "R": "i32", "C": "i32", "G_row": "i32", "G_col": "i32",
+                "stride_x": "i32", "GROUP": "constexpr", "TILE": "constexpr", "MODE": "constexpr",
+                "FMAX": "constexpr", "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr",
+                "HW_CVT": "constexpr"}
+    comp("kernel_dual32", tk._quant_dual_kernel, dual_sig, {**common, "HW_CVT": True, "GROUP": 32, "TILE": 64,
+                                                             "MODE": 2})
+    block_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "R": "i32", "C": "i32", "GC": "i32",
+                 "stride_x": "i32", "BLOCK": "constexpr", "MODE": "constexpr", "FMAX": "constexpr",
+                 "IS_E4M3": "constexpr", "HW_CVT": "constexpr"}
+    comp("kernel_blocks128", tk._quant_block_kernel, block_sig,
+         {"BLOCK": 128, "MODE": 1, "FMAX": 448.0, "IS_E4M3": True, "HW_CVT": True})
+    comp("kernel_amax_atomic", tk._amax_atomic_kernel,
+         {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", "N": "i32", "BLOCK": "constexpr"}, {"BLOCK": 8192})
+    for fmt, e4 in (("e4m3", True), ("e5m2", False)):
+        for has_scale in (True, False):
+            comp(f"kernel_cast_{fmt}_scale{int(has_scale)}", tk._cast_kernel, cast_sig(e4),
+                 {"BLOCK": 8192, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": has_scale,
+                  "MODE": 0})
+        dual = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "s_ptr": "*fp32", "si_ptr": "*fp32",
+                "q_ptr": "*fp8e4nv" if e4 else "*fp8e5", "qt_ptr": "*fp8e4nv" if e4 else "*fp8e5", "R": "i32",
+                "C": "i32", "stride_x": "i32", "TILE": "constexpr", "FMAX": "constexpr", "IS_E4M3": "constexpr",
+                "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr"}
+        comp(f"kernel_cast_dual_{fmt}", tk._cast_dual_kernel, dual,
+             {"TILE": 128, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": False, "MODE": 1})
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
