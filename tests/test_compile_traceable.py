@@ -380,7 +380,8 @@ def test_counters_are_per_rank_buffers_outside_state_dict():
 
 
 class _WithHead(nn.Module):
-    """An FP8 linear feeding a BF16 output head that runs twice per step (weight reuse)."""
+    """An FP8 linear feeding a BF16 output head that runs twice per step (weight reuse), one of
+    whose outputs is then modified in place (as fused cross-entropy kernels do with logits)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -389,14 +390,17 @@ class _WithHead(nn.Module):
 
     def forward(self, x):
         h = self.w1(x)
-        return self.output(h) + self.output(h * 2)
+        a = self.output(h)
+        a.mul_(0.5)
+        return a + self.output(h * 2)
 
 
 def test_high_precision_audit_counters_trace_without_graph_breaks():
-    """The audit's counters on GEMM modules kept in high precision count in-graph (buffers and an
-    identity autograd function): no graph break, and the same counts compiled and eager — also
-    for a module called twice per step, whose two backward passes both count."""
-    counts = {}
+    """The audit's counters on GEMM modules kept in high precision count in-graph (int64 buffers
+    mutated by a forward hook and a gradient hook): no graph break, the same counts compiled and
+    eager — also for a module called twice per step, whose two backward passes both count — and
+    in-place ops on the module's output still work."""
+    counts, grads = {}, {}
     for mode in ("eager", "compiled"):
         torch.manual_seed(0)
         model = _WithHead()
@@ -414,9 +418,11 @@ def test_high_precision_audit_counters_trace_without_graph_breaks():
             run(x).float().pow(2).mean().backward()
         rep = audit(model, strict=True)
         counts[mode] = {r.name: (r.fp8_gemms, r.hp_gemms) for r in rep.rows}
+        grads[mode] = model.output.weight.grad.clone()
         assert rep.counts["high_precision"] == {"fprop": 4, "dgrad": 4, "wgrad": 4}, mode
         assert not rep.violations
     assert counts["compiled"] == counts["eager"]
+    assert torch.equal(grads["compiled"], grads["eager"])  # the counter leaves the numbers alone
     assert not any("count" in k for k in model.state_dict())
     assert {"output.hp_fwd_count", "output.hp_bwd_count"} <= set(model._ddp_params_and_buffers_to_ignore)
     reset_gemm_counts(model)

@@ -61,36 +61,19 @@ def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-class _CountBackward(torch.autograd.Function):
-    """Identity on a high-precision GEMM module's output whose backward adds the dgrad / wgrad
-    the module's backward runs to its ``hp_bwd_count`` buffer — in-graph, so the audit's counter
-    neither breaks a ``torch.compile`` graph nor mutates Python state from a backward hook. The
-    buffer travels on ``ctx`` (not ``save_for_backward``): a module called several times per step
-    adds to it from each call's backward without tripping the saved-tensor version check."""
-
-    @staticmethod
-    def forward(ctx, out, bwd_counts, x_needs: bool, w_needs: bool):
-        ctx.bwd_counts = bwd_counts
-        ctx.needs = (x_needs, w_needs)
-        return out.view_as(out)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x_needs, w_needs = ctx.needs
-        if x_needs:
-            ctx.bwd_counts[0].add_(1)
-        if w_needs:
-            ctx.bwd_counts[1].add_(1)
-        return grad, None, None, None
-
-
 #: Buffers (not in ``state_dict``) on every GEMM module kept in high precision: forward calls,
 #: and [dgrad, wgrad] runs. Two buffers, so none is mutated in both forward and backward.
 HP_FWD_COUNT, HP_BWD_COUNT = "hp_fwd_count", "hp_bwd_count"
 
 
-def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module) -> None:
-    dev = next(module.parameters(), torch.empty(0)).device
+def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module, device=None) -> None:
+    """Count the GEMMs of a module kept in high precision, for :func:`audit`: forward calls in a
+    forward hook, dgrad/wgrad in a gradient hook on its output. Both add to int64 buffers (a
+    tensor mutation, which ``torch.compile`` keeps in its graph — a Python counter there breaks
+    it); the output itself is left untouched (no wrapper, no view), so in-place ops on it and
+    outputs that other ops saved for backward work as before."""
+    p = next(module.parameters(), None)
+    dev = p.device if p is not None else device
     module.register_buffer(HP_FWD_COUNT, torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
     module.register_buffer(HP_BWD_COUNT, torch.zeros(2, dtype=torch.int64, device=dev), persistent=False)
     state.hp_modules[fqn] = module
@@ -98,16 +81,20 @@ def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module) -> No
     def fwd_hook(mod, inputs, output):
         getattr(mod, HP_FWD_COUNT).add_(1)
         out = output[0] if isinstance(output, (tuple, list)) else output
-        if not (torch.is_tensor(out) and out.requires_grad):
-            return None
-        x = inputs[0] if inputs else None
-        w = getattr(mod, "weight", None)
-        counted = _CountBackward.apply(out, getattr(mod, HP_BWD_COUNT),
-                                       torch.is_tensor(x) and x.requires_grad,
-                                       isinstance(w, torch.Tensor) and w.requires_grad)
-        if isinstance(output, (tuple, list)):
-            return type(output)([counted, *output[1:]])
-        return counted
+        if torch.is_tensor(out) and out.requires_grad:
+            x = inputs[0] if inputs else None
+            x_needs = torch.is_tensor(x) and x.requires_grad
+            w = getattr(mod, "weight", None)
+            w_needs = isinstance(w, torch.Tensor) and w.requires_grad
+            counts = getattr(mod, HP_BWD_COUNT)
+
+            def bwd(_grad):
+                if x_needs:
+                    counts[0].add_(1)
+                if w_needs:
+                    counts[1].add_(1)
+
+            out.register_hook(bwd)
 
     state.hooks.append(module.register_forward_hook(fwd_hook))
 
@@ -174,9 +161,9 @@ def convert_model(
                 "nn.Linear (use the Megatron integration for Megatron layers)",
                 decision.layer,
             )
-            _install_hp_counter(state, fqn, module)
+            _install_hp_counter(state, fqn, module, device)
         elif decision.role in GEMM_ROLES:
-            _install_hp_counter(state, fqn, module)
+            _install_hp_counter(state, fqn, module, device)
     object.__setattr__(model, _STATE_ATTR, state)
     # DDP broadcasts buffers from rank 0 before every forward; the delayed-scaling state is
     # per-rank until the amax reduction, and the GEMM counters are per rank, so keep them out of
