@@ -82,8 +82,13 @@ def _sweep_call(tk, kernel):
 
 
 def _codes(out):
+    """Everything a quantisation wrote: codes, scales and (MX) the E8M0 scale bytes."""
     outs = out if isinstance(out, tuple) else (out,)
-    return [(o.data.view(torch.uint8).clone(), torch.as_tensor(o.scale_inv).clone()) for o in outs]
+    return [(o.data.view(torch.uint8).clone(),
+             torch.cat([torch.as_tensor(o.scale_inv).float().reshape(-1).view(torch.uint8).clone(),
+                        o.scale_e8m0.view(torch.uint8).reshape(-1).clone() if o.scale_e8m0 is not None
+                        else torch.empty(0, dtype=torch.uint8, device=o.data.device)]))
+            for o in outs]
 
 
 def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
