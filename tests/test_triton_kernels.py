@@ -267,11 +267,14 @@ def aot():
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_gpu_code_uses_one_direct_rounding_on_sm90_only(aot, fmt, monkeypatch):
-    """What the hardware-conversion path relies on, checked on the code Triton generates: for
-    sm_90 an FP32 -> FP8 cast is the direct ``cvt.rn.satfinite.<fmt>x2.f32`` (one rounding);
-    for sm_89 it goes through FP16 (two roundings) — so ``_cvt_capable`` must stay False there."""
+    """What the hardware-conversion path relies on, checked on the code this Triton generates:
+    for sm_90 an FP32 -> FP8 cast is the direct ``cvt.rn.satfinite.<fmt>x2.f32`` (one rounding).
+    For sm_89 the lowering depends on the Triton version — Triton 3.6 (the GPU machine's) goes
+    through FP16, i.e. two roundings; 3.9 converts directly — so ``_cvt_capable`` stays False
+    below sm_90 whatever this Triton does there (the explicit rounding is exact everywhere)."""
     assert aot[f"cast_{fmt}_sm90"]["direct_f32_cvt"] and not aot[f"cast_{fmt}_sm90"]["via_f16_cvt"]
-    assert aot[f"cast_{fmt}_sm89"]["via_f16_cvt"] and not aot[f"cast_{fmt}_sm89"]["direct_f32_cvt"]
+    sm89 = aot[f"cast_{fmt}_sm89"]
+    assert sm89["error"] is None and (sm89["via_f16_cvt"] or sm89["direct_f32_cvt"])
     from nemo_fp8_recipes.quant import triton_kernels as tk
 
     try:

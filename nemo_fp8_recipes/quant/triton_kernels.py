@@ -357,11 +357,12 @@ def _hw_cvt(x: torch.Tensor) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _cvt_capable(index: int) -> bool:
-    # Triton 3.6 lowers an FP32 -> FP8 cast to the direct cvt.rn.satfinite.{e4m3,e5m2}x2.f32
-    # (one rounding) from sm_90 on; for sm_89 it goes through FP16 (two roundings, which can
-    # differ from one). Below sm_90 the kernels therefore keep the explicit rounding, whose
-    # result is exactly representable, so any conversion of it is exact. Checked in CI by
-    # compiling the kernels for both targets (tests/test_triton_kernels.py).
+    # Triton lowers an FP32 -> FP8 cast to the direct cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (one
+    # rounding) on sm_90+; for sm_89, Triton 3.6 goes through FP16 (two roundings, which can
+    # differ from one) while 3.9 converts directly. Below sm_90 the kernels therefore keep the
+    # explicit rounding, whose result is exactly representable, so any conversion of it is
+    # exact. The sm_90 lowering is checked in CI by compiling the kernels
+    # (tests/test_triton_kernels.py).
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
