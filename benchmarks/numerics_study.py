@@ -138,8 +138,11 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for _p in (REPO, REPO / "benchmarks"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+from _timing import table  # noqa: E402  (the benchmarks' Markdown table)
 
 MANIFEST_VERSION = 1
 RECIPES = ("bf16", "delayed", "tensorwise", "blockwise", "mxfp8")
@@ -853,12 +856,6 @@ def _num(x: Optional[float], spec: str = ".4f") -> str:
     return format(x, spec)
 
 
-def _table(head: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    return "\n".join(out)
-
-
 def _stat_cell(row: dict, st: str) -> Tuple[str, str]:
     m, w = row.get(f"{st}_mean"), row.get(f"{st}_worst")
     if st == "sqnr_db":
@@ -882,7 +879,7 @@ def telemetry_table(per_run: Dict[str, List[dict]], groups: Sequence[str] = ("al
                 continue
             cells = [c for st in STATS for c in _stat_cell(r, st)]
             rows.append([run, f"{r['role']} ({r['operand']})", r["group"], r["points"], *cells, r["nonfinite"]])
-    return _table(head, rows)
+    return table(head, rows)
 
 
 def probe_table(per_run: Dict[str, List[dict]]) -> str:
@@ -907,7 +904,7 @@ def probe_table(per_run: Dict[str, List[dict]]) -> str:
                           _num(q["sqnr_db"], ".2f"),
                           _pct(q["underflow_frac"], signed=False, digits=3)]
             rows.append(cells)
-    return _table(head, rows)
+    return table(head, rows)
 
 
 def goal_rows(train: Dict[str, dict], val: Dict[str, dict], recipes: Sequence[str],
@@ -1079,7 +1076,7 @@ def build_report(root: Path, *, allow_partial: bool = False) -> Dict[str, Path]:
                          _num(xn, ".2f") + "×" if xn is not None else "—", verdict,
                          _num(t.get("tokens_per_s"), ",.0f") + ("†" if _runs_per_gpu(r.run_dir(root)) > 1 else ""),
                          _num(_wall_s(r.run_dir(root)), ".0f")])
-        md.append(_table(["run", "role", f"train loss (last {last})", "vs bf16", "val loss (final)", "vs bf16",
+        md.append(table(["run", "role", f"train loss (last {last})", "vs bf16", "val loss (final)", "vs bf16",
                           "\\|val dev\\| / seed noise", "goal verdict (train / val)", "tokens/s",
                           "wall s (study)"], rows))
         shared = {r.key: _runs_per_gpu(r.run_dir(root)) for r in have}
@@ -1519,7 +1516,7 @@ def _combined_md(d: dict, png: Path) -> str:
     rows.append(["**std (relative)**", "", *[
         f"{_num(pool[mt]['std'], '.4f')} ({_pct(pool[mt]['rel_std'], signed=False, digits=2)})"
         if pool[mt] and pool[mt]["std"] is not None else "—" for mt in METRICS]])
-    md.append(_table(["run", "seed", "train loss", "val loss"], rows))
+    md.append(table(["run", "seed", "train loss", "val loss"], rows))
     if pool["excluded"]:
         md += ["", "Left out (diverged): " + ", ".join(f"{x['root']} {x['key']} (step {x['diverged_at']})"
                                                     for x in pool["excluded"])]
@@ -1528,18 +1525,18 @@ def _combined_md(d: dict, png: Path) -> str:
         rows = [[e["seed"], f"{pp['a']['root']} {pp['a']['key']}", f"{pp['b']['root']} {pp['b']['key']}",
                  _pct(pp["train_rel_diff"], digits=2), _pct(pp["val_rel_diff"], digits=2)]
                 for e in d["same_seed"] for pp in e["pairs"]]
-        md.append(_table(["seed", "run a", "run b", "train (b − a) / a", "val (b − a) / a"], rows))
+        md.append(table(["seed", "run a", "run b", "train (b − a) / a", "val (b − a) / a"], rows))
     else:
         md.append("No seed has two bf16 runs across these roots (rerun a study with `--seed`/`--seed2` swapped "
                   "to measure it).")
     cs = d["cross_seed"]
     md += ["", "### Cross-seed", ""]
     if cs["within_root"]:
-        md.append(_table(["root", "seeds (bf16, bf16-seed2)", "train (seed2 − bf16) / bf16", "val"],
+        md.append(table(["root", "seeds (bf16, bf16-seed2)", "train (seed2 − bf16) / bf16", "val"],
                          [[x["root"], f"{x['seeds'][0]}, {x['seeds'][1]}", _pct(x["train_rel_diff"], digits=2),
                            _pct(x["val_rel_diff"], digits=2)] for x in cs["within_root"]]))
         md.append("")
-    md.append(_table(["seed", "bf16 runs", "mean train loss", "mean val loss"],
+    md.append(table(["seed", "bf16 runs", "mean train loss", "mean val loss"],
                      [[x["seed"], x["n"], _num(x["train"]), _num(x["val"])] for x in cs["seed_means"]]))
     if len(cs["seed_means"]) > 1:
         md += ["", "Across the seed means: relative std " + " / ".join(
@@ -1554,7 +1551,7 @@ def _combined_md(d: dict, png: Path) -> str:
             div = f" (diverged at {x['diverged_at']})" if x["diverged_at"] is not None else ""
             rows.append([k, x["root"] + div, x["seed"], _num(x["train_loss"]), _pct(x["train_paired_dev"], digits=2),
                          _num(x["val_loss"]), _pct(x["val_paired_dev"], digits=2)])
-    md.append(_table(["recipe", "root", "seed", "train loss", "paired dev", "val loss", "paired dev"], rows))
+    md.append(table(["recipe", "root", "seed", "train loss", "paired dev", "val loss", "paired dev"], rows))
     md += ["", "Per recipe: mean over its runs vs the BF16 pool mean; SE = sqrt(s_fp8²/n_fp8 + s_bf16²/n_bf16) "
            "(Welch), t = (mean_fp8 − mean_bf16) / SE, tested at the two-sided 5% level with the Welch–Satterthwaite "
            "degrees of freedom. The goal is resolvable when two standard errors of the difference are below it.", ""]
@@ -1571,7 +1568,7 @@ def _combined_md(d: dict, png: Path) -> str:
             rows.append([k, mt, _pct(r["goal"], signed=False, digits=2) if r["goal"] else "—", x["n"],
                          _num(x["mean"]), _pct(x["mean_paired_dev"], digits=2), _pct(x["vs_pool"], digits=2),
                          _num(x["se"], ".4f") + mark, _num(x["t"], "+.2f"), x["verdict"]])
-    md.append(_table(["recipe", "loss", "goal", "n", "mean loss", "mean paired dev", "mean vs BF16 pool", "SE",
+    md.append(table(["recipe", "loss", "goal", "n", "mean loss", "mean paired dev", "mean vs BF16 pool", "SE",
                       "t", "verdict"], rows))
     if one_run:
         md += ["", "‡ one run of this recipe: its std is taken to be the BF16 pool's."]
