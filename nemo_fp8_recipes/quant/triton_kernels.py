@@ -474,13 +474,19 @@ def _tensor_scale_args(amax: torch.Tensor, fmt: Format, rounding: ScaleRounding,
     return scale.float().reshape(1, 1).contiguous(), si, True, _MODE[rounding]
 
 
+def _scale_inv_of_empty(amax: torch.Tensor, fmt: Format, rounding: ScaleRounding, scale) -> torch.Tensor:
+    """``scale_inv`` where no cast kernel runs (an empty tensor): the reference rule, on the device."""
+    from .reference import amax_to_scale
+
+    s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
+    return 1.0 / s
+
+
 def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None) -> QuantizedTensor:
     """Per-tensor: an atomic-max amax pass, then one cast pass whose programs derive the scale
     from that amax on the device (or take the given delayed-scaling ``scale``) — two kernels
     and a 4-byte memset, no host synchronisation, no small PyTorch ops in between."""
     _require_triton()
-    from .reference import amax_to_scale
-
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if not x2.is_contiguous():
@@ -488,9 +494,9 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     n = x2.numel()
     amax = _tensor_amax(x2)
     q = torch.empty(x2.shape, dtype=fmt.dtype, device=x.device)
-    if not n:  # nothing to cast: the scale by the reference rule, on the device
-        s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
-        return QuantizedTensor(data=q, scale_inv=1.0 / s, block=None, fmt=fmt, amax=amax)
+    if not n:
+        return QuantizedTensor(data=q, scale_inv=_scale_inv_of_empty(amax, fmt, rounding, scale), block=None,
+                               fmt=fmt, amax=amax)
     s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
     block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
     _cast_kernel[(triton.cdiv(n, block),)](x2, amax, s_arg, si, q, n, BLOCK=block, FMAX=fmt.max,
@@ -534,8 +540,6 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     """Per-tensor codes and their transpose (contiguous) from one read of ``x`` after the amax
     pass: ``(q, q_t)`` with the same scale (computed on the device by the cast kernel)."""
     _require_triton()
-    from .reference import amax_to_scale
-
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     R, C = x2.shape
@@ -551,8 +555,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
                                 num_warps=LAUNCH["tensor_dual"]["num_warps"],
                                 IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), HAS_SCALE=has_scale, MODE=mode)
     else:
-        s = amax_to_scale(amax, fmt, rounding) if scale is None else scale.float().reshape(1, 1)
-        si = 1.0 / s
+        si = _scale_inv_of_empty(amax, fmt, rounding, scale)
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
     b = QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax)
     return a, b
