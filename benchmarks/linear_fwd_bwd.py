@@ -6,6 +6,10 @@ For each size the up-projection (d -> ffn) and down-projection (ffn -> d) GEMMs 
 backward: BF16 ``nn.Linear`` under autocast vs ``Float8Linear`` per recipe (real FP8 GEMMs, the
 weight quantised once and cached as in training between optimizer steps). One process, CUDA
 events, median, inputs rotated, ratios from the same run; peak memory per variant.
+Delayed scaling runs in two schedules: ``delayed`` (the module default, ``lazy``: each operand
+updates its amax history right before its next quantisation, one kernel) and ``delayed-step``
+(what the embedded trainer uses: histories advance once per optimizer step in
+``sync_delayed_scaling``, which is part of the timed step here).
 ``--smoke``: tiny emulated CPU run for CI (no timing claims).
 """
 
@@ -21,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, table  # noqa: E402
 
-from nemo_fp8_recipes.nn import Float8Linear  # noqa: E402
+from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
 
 SHAPES = {"8b": (4096, 14336), "70b": (8192, 28672), "405b": (16384, 53248)}
@@ -31,7 +35,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="8b,70b,405b")
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--recipes", default="tensorwise,delayed,blockwise")
+    p.add_argument("--recipes", default="tensorwise,delayed,delayed-step,blockwise",
+                   help="FP8 recipes to time against BF16; 'delayed-step' = delayed scaling with the "
+                        "once-per-step history update (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
@@ -51,19 +57,27 @@ def main(argv=None) -> int:
             down = torch.nn.Linear(f, d, bias=False, device=dev)
             if recipe is None:
                 return up, down
-            r = get_recipe(recipe)
+            r = get_recipe(recipe.removesuffix("-step"))
             emulate = not check_supported(r, dev)[0] or dev == "cpu"
-            return (Float8Linear.from_linear(up, r, emulate=emulate),
+            mods = (Float8Linear.from_linear(up, r, emulate=emulate),
                     Float8Linear.from_linear(down, r, emulate=emulate))
+            if recipe.endswith("-step"):
+                for m in mods:
+                    m.scaling_update = "step"
+            return mods
 
         base_ms = None
         for recipe in [None] + a.recipes.split(","):
             up, down = make(recipe)
+            model = torch.nn.ModuleList([up, down])
+            step_sync = recipe is not None and recipe.endswith("-step")
 
             def step(i):
                 with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
                     y = down(torch.relu(up(xs[i])))
                 y.backward(dys[i])
+                if step_sync:
+                    sync_delayed_scaling(model)
 
             if dev == "cuda":
                 torch.cuda.synchronize()

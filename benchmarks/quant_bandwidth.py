@@ -27,9 +27,13 @@ from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto as quantize_pair 
 from nemo_fp8_recipes.quant.reference import quantize  # noqa: E402
 
 VARIANTS = [
-    # name, granularity, fmt, rounding, dim, kind (one | delayed | pair | dual: the one-read kernel)
+    # name, granularity, fmt, rounding, dim, kind (one | delayed | pair | delayed-pair | dual: the
+    # one-read 1xN kernel). Delayed = a given scale; its cast also folds the amax for the history.
     ("per-tensor (amax + cast)", "tensor", "e4m3", "fp32", -1, "one"),
-    ("per-tensor cast, scale given (delayed)", "tensor", "e4m3", "fp32", -1, "delayed"),
+    ("per-tensor cast + amax, scale given (delayed)", "tensor", "e4m3", "fp32", -1, "delayed"),
+    ("per-tensor both copies: amax + one-read cast (tensorwise pair)", "tensor", "e4m3", "fp32", -1, "pair"),
+    ("per-tensor both copies + amax, scale given, one read (delayed pair)", "tensor", "e4m3", "fp32", -1,
+     "delayed-pair"),
     ("1x128 rows", "1x128", "e4m3", "pow2", -1, "one"),
     ("1x128 cols + transpose (wgrad copy)", "1x128", "e4m3", "pow2", 0, "one"),
     ("1x128 rows + cols^T, two kernels (dispatch)", "1x128", "e4m3", "pow2", -1, "pair"),
@@ -40,7 +44,8 @@ VARIANTS = [
 ]
 #: Bytes each variant must move at least, over the bytes counted (read once + codes + scales):
 #: per-tensor current scaling reads the source twice (amax, then cast) -> 5 of 3 bytes/element.
-MIN_TRAFFIC = {"per-tensor (amax + cast)": 5 / 3}
+MIN_TRAFFIC = {"per-tensor (amax + cast)": 5 / 3,
+               "per-tensor both copies: amax + one-read cast (tensorwise pair)": 6 / 4}
 
 
 #: ``--sweep``: the launch configurations tried per kernel (tile sizes x warps); see
@@ -54,7 +59,13 @@ SWEEP = {
     "tensor": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)],
     "dual128": [{"num_warps": w} for w in (4, 8, 16)],
     "dual32": [{"tile": t, "num_warps": w} for t in (64, 128) for w in (4, 8, 16)],
-    "tensor_dual": [{"tile": t, "num_warps": w} for t in (32, 64, 128) for w in (4, 8)],
+    "tensor_dual": [{"block_r": r, "block_c": c, "num_warps": w}
+                    for r, c in ((32, 256), (64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (256, 64),
+                                 (128, 256), (256, 128)) for w in (4, 8)],
+    "tensor_dual_delayed": [{"block_r": r, "block_c": c, "num_warps": w, "fold_amax": f}
+                            for f in (True, False)
+                            for r, c, w in ((64, 256, 8), (64, 128, 4), (128, 64, 4), (128, 128, 8),
+                                            (256, 64, 8), (32, 256, 4))],
 }
 
 
@@ -78,7 +89,20 @@ def _sweep_call(tk, kernel):
         return (lambda x: tk.quantize_dual(x, "e4m3", 32, "e8m0_ceil")), (4, 32, 2)
     if kernel == "tensor_dual":
         return (lambda x: tk.quantize_tensor_dual(x, "e4m3")), (6, None, 2)
+    if kernel == "tensor_dual_delayed":  # bytes: one read (fold_amax=False reads twice)
+        return (lambda x: tk.quantize_tensor_dual(x, "e4m3", scale=_SWEEP_SCALE[x.device])), (4, None, 2)
     raise KeyError(kernel)
+
+
+class _Scales(dict):
+    """One delayed-scaling scale tensor per device, made outside any CUDA-graph capture."""
+
+    def __missing__(self, device):
+        self[device] = torch.tensor(0.5, device=device)
+        return self[device]
+
+
+_SWEEP_SCALE = _Scales()
 
 
 def _codes(out):
@@ -156,9 +180,9 @@ def main(argv=None) -> int:
     scale = torch.tensor(0.5, device=dev)
     for name, g, f, r, d, kind in VARIANTS:
         group = {"tensor": n, "1x128": 128, "128x128": 128 * 128, "1x32": 32}[g]
-        copies = 2 if kind in ("pair", "dual") else 1
+        copies = 2 if kind in ("pair", "delayed-pair", "dual") else 1
         nbytes = 2 * n + copies * (n + 4 * (n // group))
-        sc = scale if kind == "delayed" else None
+        sc = scale if kind in ("delayed", "delayed-pair") else None
         for iname, fn, pair in impls:
             if kind == "dual" and iname != "triton":
                 continue  # the reference has no one-read variant: its pair row is the comparison
@@ -166,7 +190,7 @@ def main(argv=None) -> int:
                 from nemo_fp8_recipes.quant.triton_kernels import quantize_dual
 
                 call = lambda i: quantize_dual(xs[i], f, int(g.split("x")[1]), r)  # noqa: E731
-            elif kind == "pair":
+            elif kind in ("pair", "delayed-pair"):
                 call = lambda i: pair(xs[i], g, f, r, sc)  # noqa: E731
             else:
                 call = lambda i: fn(xs[i], g, f, r, d, sc)  # noqa: E731

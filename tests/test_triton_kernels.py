@@ -140,7 +140,9 @@ def test_rounding_ties_subnormals_and_saturation(tk, fmt):
     ("rows128", {"block_r": 8, "num_warps": 8}), ("rows128", {"block_r": 64, "num_warps": 2}),
     ("rows32", {"block_r": 128}), ("cols_t128", {"block_c": 32}), ("cols_t32", {"block_c": 128, "num_warps": 8}),
     ("dual32", {"tile": 128}), ("dual128", {"num_warps": 8}), ("blocks128", {"num_warps": 8}),
-    ("tensor", {"block": 2048, "num_warps": 8}), ("tensor_dual", {"tile": 32}), ("tensor_dual", {"tile": 128}),
+    ("tensor", {"block": 2048, "num_warps": 8}), ("tensor_dual", {"block_r": 32, "block_c": 64}),
+    ("tensor_dual", {"block_r": 128, "block_c": 32}), ("tensor_dual_delayed", {"fold_amax": False}),
+    ("tensor_dual_delayed", {"block_r": 32, "block_c": 64, "num_warps": 4}),
 ])
 def test_launch_configurations_change_speed_not_bits(tk, kernel, cfg):
     """The tuning knobs of benchmarks/quant_bandwidth.py --sweep: any tile size gives the same
@@ -166,6 +168,14 @@ def test_launch_configurations_change_speed_not_bits(tk, kernel, cfg):
             _same(tk.quantize_blocks128(x, "e4m3", "pow2"), quantize(x, "e4m3", "128x128", "pow2"))
         elif kernel == "tensor":
             _same(tk.quantize_tensor(x, "e4m3"), quantize(x, "e4m3", "tensor"))
+        elif kernel == "tensor_dual_delayed":
+            s = torch.tensor(0.25, device=DEV)
+            ref = quantize(x, "e5m2", "tensor", scale=s)
+            acc = torch.zeros(1, device=DEV)
+            a, b = tk.quantize_tensor_dual(x, "e5m2", scale=s, amax_out=acc)
+            _same(a, ref)
+            assert torch.equal(b.data.float(), ref.data.float().t())
+            assert torch.equal(acc, ref.amax.reshape(1))
         else:
             a, b = tk.quantize_tensor_dual(x, "e5m2")
             ref = quantize(x, "e5m2", "tensor")
@@ -239,6 +249,137 @@ def test_infinities_with_a_given_scale(tk, fmt):
         else:
             _same(got, ref, nan_codes=fmt == "e5m2")
         assert got.data[9, 9].float().item() == (448.0 if fmt == "e4m3" else 57344.0)  # saturated
+
+
+def _bits(t):
+    return t.float().contiguous().view(torch.int32)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_given_scale_cast_folds_the_amax_into_one_pass(tk, fmt):
+    """Delayed scaling: the cast with a given scale also takes the tensor's amax (no amax pass)
+    and max-accumulates it into ``amax_out`` (NaN sticks); codes and scale_inv as the reference."""
+    x = structured(200, 300, seed=15).to(DEV, torch.bfloat16)
+    s = torch.tensor(3.0, device=DEV)
+    ref = quantize(x, fmt, "tensor", scale=s)
+    for fn in (tk.quantize_tensor, lambda *a, **k: tk.quantize_tensor_dual(*a, **k)[0]):
+        got = fn(x, fmt, scale=s)  # a fresh accumulator: this tensor's amax
+        _same(got, ref)
+        assert torch.equal(got.amax.reshape(()), ref.amax.reshape(()))
+        buf = torch.zeros(1, device=DEV)
+        got = fn(x, fmt, scale=s, amax_out=buf)
+        assert got.amax.data_ptr() == buf.data_ptr() and torch.equal(buf, ref.amax.reshape(1))
+        buf.fill_(1e6)
+        fn(x, fmt, scale=s, amax_out=buf)
+        assert buf.item() == 1e6  # a larger running max stays
+        y = x.clone()
+        y[5, 6] = float("nan")
+        fn(y, fmt, scale=s, amax_out=buf)
+        fn(x, fmt, scale=s, amax_out=buf)
+        assert torch.isnan(buf).all()  # NaN sticks
+    a, b = tk.quantize_tensor_dual(x, fmt, scale=s, amax_out=torch.zeros(1, device=DEV))
+    assert torch.equal(b.data.float(), ref.data.float().t())
+    with pytest.raises(ValueError, match="given .delayed. scale"):
+        tk.quantize_tensor(x, fmt, amax_out=torch.zeros(1, device=DEV))
+    with pytest.raises(ValueError, match="one-element float32"):
+        tk.quantize_tensor(x, fmt, scale=s, amax_out=torch.zeros(2, device=DEV))
+
+
+def test_reference_path_keeps_the_amax_out_contract():
+    """``quantize_auto``/``quantize_pair_auto`` without Triton (CPU, or ``triton=False``) follow
+    the same ``amax_out`` contract as the kernels."""
+    from nemo_fp8_recipes.quant.dispatch import quantize_auto, quantize_pair_auto
+
+    x = structured(64, 256, seed=16)
+    s = torch.tensor(2.0)
+    buf = torch.zeros(1)
+    q = quantize_auto(x, "e4m3", "tensor", scale=s, amax_out=buf, triton=False)
+    assert torch.equal(buf, x.abs().amax().reshape(1)) and q.amax.data_ptr() == buf.data_ptr()
+    buf.fill_(1e9)
+    a, b = quantize_pair_auto(x, "e4m3", "tensor", scale=s, amax_out=buf, triton=False)
+    assert buf.item() == 1e9 and torch.equal(b.data.float(), a.data.float().t())
+    with pytest.raises(ValueError, match="per-tensor cast with a given"):
+        quantize_auto(x, "e4m3", "1x128", "pow2", amax_out=buf, triton=False)
+
+
+@pytest.mark.parametrize("L", [1, 7, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_commit_kernel_matches_advance_delayed_scaling(tk, L, algo):
+    """The one-kernel history update gives the bits of nn.scaling.advance_delayed_scaling: every
+    pending value class (normal, zero, NaN, Inf, subnormal, one so small that fmax/amax
+    overflows), flag set or not, margins 0 and 3, E4M3 and E5M2."""
+    import dataclasses
+
+    from nemo_fp8_recipes.nn.scaling import advance_delayed_scaling
+    from nemo_fp8_recipes.recipes import get_recipe
+
+    g = torch.Generator().manual_seed(L)
+    pendings = [3.5, 0.0, float("nan"), float("inf"), 1e-42, 1e-39, 1234.5]
+    for margin in (0, 3):
+        r = dataclasses.replace(get_recipe("delayed"), amax_compute_algo=algo, margin=margin, amax_history_len=L)
+        for fmt in ("e4m3", "e5m2"):
+            for k, pend in enumerate(pendings):
+                for flag in (0.0, 1.0):
+                    hist = torch.rand(L, generator=g) * 10.0
+                    if L > 3:
+                        hist[2] = 0.0
+                        hist[-1] = 50.0 if k % 2 else hist[-1]
+                    if k == 0 and L > 1:
+                        hist.zero_()  # an all-zero history: amax 0 keeps the old scale
+                    scale = torch.tensor([0.75])
+                    ref_h, ref_s = advance_delayed_scaling(hist[None, None], scale[None], torch.tensor([[pend]]),
+                                                           torch.tensor([[flag]]), (fmt,), r)
+                    h, sc = hist.to(DEV), scale.to(DEV)
+                    p, f = torch.tensor([pend], device=DEV), torch.tensor([flag], device=DEV)
+                    tk.delayed_commit(h, sc, p, f, fmt, algo, margin, flag_after=1.0)
+                    assert torch.equal(_bits(h.cpu()), _bits(ref_h.reshape(L))), (fmt, pend, flag, margin)
+                    assert torch.equal(_bits(sc.cpu()), _bits(ref_s.reshape(1))), (fmt, pend, flag, margin)
+                    assert p.item() == 0.0 and f.item() == 1.0
+
+
+@pytest.mark.parametrize("schedule", ["lazy", "step"])
+def test_delayed_linear_with_the_fused_kernels_matches_the_reference_path(tk, schedule, monkeypatch):
+    """A delayed-scaling Float8Linear trained for a few steps with the Triton path (one-pass
+    cast + amax, one-kernel commit) has the same outputs, gradients, amax histories and scales,
+    bit for bit, as with the reference quantisers and the PyTorch history update."""
+    from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling
+    from nemo_fp8_recipes.nn import linear as linear_mod
+    from nemo_fp8_recipes.quant import dispatch
+    from nemo_fp8_recipes.recipes import get_recipe
+
+    import dataclasses
+
+    r = dataclasses.replace(get_recipe("delayed"), amax_history_len=4)
+
+    def run(use_triton):
+        if use_triton and not ON_GPU:  # run the kernels through the interpreter on CPU tensors
+            monkeypatch.setattr(dispatch, "triton_enabled", lambda x, triton=None: triton is not False)
+            monkeypatch.setattr(linear_mod, "triton_enabled", lambda x, triton=None: triton is not False)
+        elif not use_triton:
+            monkeypatch.setenv("NEMO_FP8_TRITON", "0")
+        torch.manual_seed(0)
+        lin = torch.nn.Linear(256, 128, bias=False, device=DEV)
+        m = Float8Linear.from_linear(lin, r, emulate=not ON_GPU)
+        m.scaling_update = schedule
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        outs = []
+        for step in range(4):
+            x = (structured(64, 256, seed=20 + step) * (1 + 3 * step)).to(DEV).requires_grad_(True)
+            y = m(x)
+            y.backward(torch.ones_like(y) * 1e-2)
+            outs += [y.detach().clone(), x.grad.clone(), m.weight.grad.clone()]
+            opt.step()
+            opt.zero_grad()
+            if schedule == "step":
+                sync_delayed_scaling(m)
+        monkeypatch.undo()
+        return outs, m.fp8_amax_history.clone(), m.fp8_scale.clone(), m.fp8_amax_pending.clone()
+
+    (o1, h1, s1, p1), (o2, h2, s2, p2) = run(True), run(False)
+    assert torch.equal(h1, h2) and torch.equal(s1, s2) and torch.equal(p1, p2)
+    assert (h1 > 0).any()
+    for a, b in zip(o1, o2):
+        assert torch.equal(a, b)
 
 
 # ---- ahead-of-time compilation for real GPUs (no GPU needed: Triton's bundled ptxas) ----------

@@ -40,11 +40,12 @@ def main() -> None:
     def cast_sig(e4):
         return {"x_ptr": "*bf16", "amax_ptr": "*fp32", "s_ptr": "*fp32", "si_ptr": "*fp32",
                 "q_ptr": "*fp8e4nv" if e4 else "*fp8e5", "N": "i32", "BLOCK": "constexpr", "FMAX": "constexpr",
-                "IS_E4M3": "constexpr", "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr"}
+                "IS_E4M3": "constexpr", "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr",
+                "AMAX_OUT": "constexpr"}
 
     for fmt, e4 in (("e4m3", True), ("e5m2", False)):
         consts = {"BLOCK": 1024, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": True,
-                  "MODE": 0}
+                  "MODE": 0, "AMAX_OUT": False}
         for cc in (89, 90):
             comp(f"cast_{fmt}_sm{cc}", tk._cast_kernel, cast_sig(e4), consts, cc)
 
@@ -67,6 +68,13 @@ def main() -> None:
                 "HW_CVT": "constexpr"}
     comp("kernel_dual32", tk._quant_dual_kernel, dual_sig, {**common, "HW_CVT": True, "GROUP": 32, "TILE": 64,
                                                              "MODE": 2})
+    comp("kernel_dual128", tk._quant_dual_kernel, dual_sig, {**common, "HW_CVT": True, "GROUP": 128,
+                                                              "TILE": 128, "MODE": 1})
+    comp("kernel_delayed_commit", tk._delayed_commit_kernel,
+         {"hist_ptr": "*fp32", "scale_ptr": "*fp32", "pending_ptr": "*fp32", "flag_ptr": "*fp32", "L": "i32",
+          "flag_after": "fp32", "BLOCK_L": "constexpr", "FMAX": "constexpr", "MARGIN_DIV": "constexpr",
+          "MOST_RECENT": "constexpr"},
+         {"BLOCK_L": 1024, "FMAX": 448.0, "MARGIN_DIV": 2.0, "MOST_RECENT": False})
     block_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "R": "i32", "C": "i32", "GC": "i32",
                  "stride_x": "i32", "BLOCK": "constexpr", "MODE": "constexpr", "FMAX": "constexpr",
                  "IS_E4M3": "constexpr", "HW_CVT": "constexpr"}
@@ -75,16 +83,20 @@ def main() -> None:
     comp("kernel_amax_atomic", tk._amax_atomic_kernel,
          {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", "N": "i32", "BLOCK": "constexpr"}, {"BLOCK": 8192})
     for fmt, e4 in (("e4m3", True), ("e5m2", False)):
+        # current scaling (amax read), and a given scale with the amax folded in (int32 atomics)
         for has_scale in (True, False):
-            comp(f"kernel_cast_{fmt}_scale{int(has_scale)}", tk._cast_kernel, cast_sig(e4),
+            sig = {**cast_sig(e4), "amax_ptr": "*i32" if has_scale else "*fp32"}
+            comp(f"kernel_cast_{fmt}_scale{int(has_scale)}", tk._cast_kernel, sig,
                  {"BLOCK": 8192, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": has_scale,
-                  "MODE": 0})
-        dual = {"x_ptr": "*bf16", "amax_ptr": "*fp32", "s_ptr": "*fp32", "si_ptr": "*fp32",
-                "q_ptr": "*fp8e4nv" if e4 else "*fp8e5", "qt_ptr": "*fp8e4nv" if e4 else "*fp8e5", "R": "i32",
-                "C": "i32", "stride_x": "i32", "TILE": "constexpr", "FMAX": "constexpr", "IS_E4M3": "constexpr",
-                "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr"}
-        comp(f"kernel_cast_dual_{fmt}", tk._cast_dual_kernel, dual,
-             {"TILE": 128, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": False, "MODE": 1})
+                  "MODE": 0, "AMAX_OUT": has_scale})
+            dual = {"x_ptr": "*bf16", "amax_ptr": "*i32" if has_scale else "*fp32", "s_ptr": "*fp32",
+                    "si_ptr": "*fp32", "q_ptr": "*fp8e4nv" if e4 else "*fp8e5",
+                    "qt_ptr": "*fp8e4nv" if e4 else "*fp8e5", "R": "i32", "C": "i32", "stride_x": "i32",
+                    "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "FMAX": "constexpr", "IS_E4M3": "constexpr",
+                    "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr", "AMAX_OUT": "constexpr"}
+            comp(f"kernel_cast_dual_{fmt}_scale{int(has_scale)}", tk._cast_dual_kernel, dual,
+                 {"BLOCK_R": 128, "BLOCK_C": 64, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
+                  "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale})
     print(json.dumps(out))
 
 

@@ -42,9 +42,9 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
-from ..quant.dispatch import quantize_pair_auto
+from ..quant.dispatch import quantize_pair_auto, triton_enabled
 from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
-from ..recipes import Granularity, Recipe
+from ..recipes import Granularity, Recipe, ScaleRounding
 from .scaling import advance_delayed_scaling
 
 __all__ = ["Float8Linear", "OPERANDS"]
@@ -377,16 +377,27 @@ class Float8Linear(nn.Linear):
         self._wcache_key = self._wcache = None
 
     @torch.no_grad()
-    def _commit(self, i: int) -> None:
+    def _commit(self, i: int, quantising: bool = False) -> None:
         """Lazy schedule: append operand i's pending amax to its history and recompute its scale
-        (:func:`~nemo_fp8_recipes.nn.scaling.advance_delayed_scaling`)."""
+        (:func:`~nemo_fp8_recipes.nn.scaling.advance_delayed_scaling`). ``quantising``: a
+        quantisation that records a new amax follows at once, so the pending flag stays set.
+        On CUDA with Triton (and no ``amax_reduce_fn``) the whole update is one kernel
+        (:func:`~nemo_fp8_recipes.quant.triton_kernels.delayed_commit`, same numbers)."""
         if not self._pending[i]:
             return
         r = self.recipe
+        fmt = (r.input_format, r.weight_format, r.grad_format)[i]
+        hist_i = self.fp8_amax_history[i]
+        if self.amax_reduce_fn is None and triton_enabled(hist_i) and r.scale_rounding is ScaleRounding.FP32:
+            from ..quant.triton_kernels import delayed_commit
+
+            delayed_commit(hist_i, self.fp8_scale[i], self.fp8_amax_pending[i], self.fp8_pending[i], fmt,
+                           r.amax_compute_algo, r.margin, flag_after=1.0 if quantising else 0.0)
+            self._pending[i] = quantising
+            return
         pending = self.fp8_amax_pending[i : i + 1]
         if self.amax_reduce_fn is not None:
             pending = self.amax_reduce_fn(pending.clone())
-        fmt = (r.input_format, r.weight_format, r.grad_format)[i]
         hist, scale = advance_delayed_scaling(
             self.fp8_amax_history[i : i + 1], self.fp8_scale[i : i + 1], pending.reshape(1),
             self.fp8_pending[i : i + 1], (fmt,), r)
@@ -399,27 +410,25 @@ class Float8Linear(nn.Linear):
     def _quantize_operand(self, i: int, t: torch.Tensor, pair: bool = False):
         """Quantise operand ``i`` (input, weight, grad_output) of 2-D ``t`` along its last dim;
         with ``pair=True`` also along its first dim (the wgrad copy), from one read on CUDA.
-        Delayed scaling: commit the pending amax, use the scale, record this amax."""
+        Delayed scaling: commit the pending amax (lazy schedule), cast with the scale, and
+        max-accumulate this tensor's amax into the pending amax — on CUDA inside the cast pass
+        itself (the tensor is read once), so a delayed quantisation is two kernels."""
         r = self.recipe
         fmt, gran = _operand_spec(r, i)
-        scale = None
-        lazy = self.scaling_update == "lazy"
+        scale = amax_out = None
         if r.is_delayed:
-            if lazy:
-                self._commit(i)
+            if self.scaling_update == "lazy":
+                self._commit(i, quantising=True)
             scale = self.fp8_scale[i]
+            # lazy: the commit left it at 0, so it receives exactly this amax; step: the max over
+            # every use in this optimizer step (NaN sticks)
+            amax_out = self.fp8_amax_pending[i : i + 1]
         if pair:
-            q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale)
+            q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out)
         else:
-            q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale), None
-        if r.is_delayed:
-            with torch.no_grad():
-                amax = q.amax.reshape(())
-                if lazy:
-                    self.fp8_amax_pending[i].copy_(amax)
-                else:  # step schedule: the max over every use in this optimizer step (NaN sticks)
-                    torch.maximum(self.fp8_amax_pending[i], amax, out=self.fp8_amax_pending[i])
-                self.fp8_pending[i].fill_(1.0)
+            q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale, amax_out=amax_out), None
+        if r.is_delayed and not self._pending[i]:
+            self.fp8_pending[i].fill_(1.0)
             self._pending[i] = True
         if self.telemetry_enabled:
             self._telemetry.setdefault(i, []).append(quantization_stats(t.detach(), q))

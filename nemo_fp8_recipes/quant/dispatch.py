@@ -41,17 +41,24 @@ def quantize_auto(
     dim: int = -1,
     scale: Optional[torch.Tensor] = None,
     triton: Optional[bool] = None,
+    amax_out: Optional[torch.Tensor] = None,
 ) -> QuantizedTensor:
     """Same contract as :func:`nemo_fp8_recipes.quant.reference.quantize`. ``triton=False``
-    forces the reference quantiser (None: Triton kernels where :func:`triton_enabled`)."""
+    forces the reference quantiser (None: Triton kernels where :func:`triton_enabled`).
+
+    ``amax_out`` (per tensor with a given ``scale``: delayed scaling) is a one-element FP32
+    tensor into which this tensor's amax is max-accumulated (NaN sticks); the returned
+    ``q.amax`` is then ``amax_out`` itself. The Triton path folds the amax into the cast pass
+    (one read of ``x``)."""
+    _check_amax_out(granularity, scale, amax_out)
     if not triton_enabled(x, triton):
-        return quantize(x, fmt, granularity, rounding, dim=dim, scale=scale)
+        return _fold_amax(quantize(x, fmt, granularity, rounding, dim=dim, scale=scale), amax_out)
     from . import triton_kernels as tk
 
     g = Granularity(granularity)
     along_cols = dim in (0, -2)
     if g is Granularity.TENSOR:
-        q = tk.quantize_tensor(x, fmt, rounding, scale=scale)
+        q = tk.quantize_tensor(x, fmt, rounding, scale=scale, amax_out=amax_out)
         return q.t() if along_cols else q
     if scale is not None:
         raise ValueError("an explicit scale (delayed scaling) is only defined per tensor")
@@ -64,8 +71,25 @@ def quantize_auto(
     return tk.quantize_rows(x, fmt, group, rounding)
 
 
+def _check_amax_out(granularity, scale, amax_out) -> None:
+    if amax_out is not None and (scale is None or Granularity(granularity) is not Granularity.TENSOR):
+        raise ValueError("amax_out collects the amax of a per-tensor cast with a given (delayed) scale")
+
+
+def _fold_amax(q: QuantizedTensor, amax_out: Optional[torch.Tensor]) -> QuantizedTensor:
+    """The reference path's ``amax_out`` contract: max-accumulate ``q.amax`` into it (NaN sticks,
+    as the kernels' integer max of the IEEE bits does) and return ``q`` carrying it."""
+    if amax_out is None:
+        return q
+    with torch.no_grad():
+        torch.maximum(amax_out, q.amax.reshape(amax_out.shape).to(amax_out.dtype), out=amax_out)
+    return QuantizedTensor(data=q.data, scale_inv=q.scale_inv, block=q.block, fmt=q.fmt,
+                           amax=amax_out.view(1, 1), scale_e8m0=q.scale_e8m0)
+
+
 def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding.FP32,
-                       scale: Optional[torch.Tensor] = None, triton: Optional[bool] = None):
+                       scale: Optional[torch.Tensor] = None, triton: Optional[bool] = None,
+                       amax_out: Optional[torch.Tensor] = None):
     """``(quantize(x, dim=-1), quantize(x, dim=0))`` — the operand for the GEMM contracting over
     ``x``'s last dim and the one contracting over its first dim (the wgrad copy, written already
     transposed and contiguous). Per tensor, both copies come from one read of ``x`` after the
@@ -75,17 +99,19 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
     for the one-read kernel :func:`~.triton_kernels.quantize_dual`, whose in-register transpose
     of a whole tile costs more than the second read saves (docs/benchmarks.md).
     ``triton=False`` forces the reference quantisers (per-tensor and 128x128 copies are then
-    transposed views of one quantisation)."""
+    transposed views of one quantisation). ``amax_out``: as in :func:`quantize_auto` (both
+    copies carry it)."""
     g = Granularity(granularity)
+    _check_amax_out(g, scale, amax_out)
     if not triton_enabled(x, triton) or g is Granularity.BLOCK_128x128:
-        a = quantize(x, fmt, g, rounding, dim=-1, scale=scale)
+        a = _fold_amax(quantize(x, fmt, g, rounding, dim=-1, scale=scale), amax_out)
         b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(
             x, fmt, g, rounding, dim=0)
         return a, b
     from . import triton_kernels as tk
 
     if g is Granularity.TENSOR:
-        return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale)
+        return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale, amax_out=amax_out)
     if scale is not None:
         raise ValueError("an explicit scale (delayed scaling) is only defined per tensor")
     group = g.block[1]
