@@ -17,7 +17,10 @@ converted by ``convert_model`` with the default precision policy (attention proj
 in FP8; norms and the attention core in BF16/FP32); ``torchao-tensorwise``,
 ``torchao-rowwise``: the same block converted by torchao's ``convert_to_float8_training`` with
 ``Float8LinearConfig.from_recipe_name(...)``, filtered by the same policy so the same linears are
-FP8 (rows say ``skipped: torchao not installed`` without torchao).
+FP8 (rows say ``skipped: torchao not installed`` without torchao). Compiled, our tensorwise linears
+quantise their operand pairs with the fused Triton kernels as a custom operator
+(``nemo_fp8_recipes.quant.ops``); ``tensorwise-inductor`` is the same recipe with
+``NEMO_FP8_COMPILED_QUANT=inductor`` (the reference quantisers, generated and fused by Inductor).
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
@@ -72,7 +75,10 @@ from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
 
 MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
 TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
-VARIANTS = ["bf16", "tensorwise", "delayed", "blockwise", "mxfp8", *TORCHAO]
+#: ``<recipe>-inductor``: the recipe with NEMO_FP8_COMPILED_QUANT=inductor (compiled mode: the
+#: reference quantisers generated and fused by Inductor instead of the Triton custom operator)
+INDUCTOR_QUANT = {"tensorwise-inductor": "tensorwise"}
+VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "delayed", "blockwise", "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -135,7 +141,8 @@ def build(cfg, block: str, variant: str, dev: str, smoke: bool) -> nn.Module:
     if variant in TORCHAO:
         convert_torchao(model, TORCHAO[variant], policy_filter(policy), emulate=smoke)
     elif variant != "bf16":
-        convert_model(model, get_recipe(variant), policy, emulate=True if smoke else None)
+        convert_model(model, get_recipe(INDUCTOR_QUANT.get(variant, variant)), policy,
+                      emulate=True if smoke else None)
     return model
 
 
@@ -284,7 +291,7 @@ def main(argv=None) -> int:
             if variant in TORCHAO:
                 skip = ao_reason or None
             elif variant != "bf16":
-                how, reason = recipe_mode(variant, dev)
+                how, reason = recipe_mode(INDUCTOR_QUANT.get(variant, variant), dev)
                 skip = f"skipped: {reason}" if how == "skipped" else None
             model = None
             if skip is None:
@@ -300,7 +307,16 @@ def main(argv=None) -> int:
             for mode in modes:
                 row = dict(row0, mode=mode, status=skip)
                 if model is not None:
-                    row.update(measure(model, mode, inputs, a, dev))
+                    prev = os.environ.get("NEMO_FP8_COMPILED_QUANT")
+                    if variant in INDUCTOR_QUANT:  # read when the graph is traced (first call)
+                        os.environ["NEMO_FP8_COMPILED_QUANT"] = "inductor"
+                    try:
+                        row.update(measure(model, mode, inputs, a, dev))
+                    finally:
+                        if prev is None:
+                            os.environ.pop("NEMO_FP8_COMPILED_QUANT", None)
+                        else:
+                            os.environ["NEMO_FP8_COMPILED_QUANT"] = prev
                     row["tflops"] = None if row["ms"] is None else model_flops(
                         cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
                 failed |= row["status"].startswith("error")

@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
-from ..quant.dispatch import quantize_pair_auto, triton_enabled
+from ..quant.dispatch import compiled_quantizer, quantize_pair_auto, triton_enabled
 from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
 from ..recipes import Granularity, Recipe, ScaleRounding
 from .scaling import advance_delayed_scaling
@@ -101,13 +101,26 @@ def _operand_spec(recipe: Recipe, i: int):
 
 
 def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False):
-    """Stateless current scaling of operand ``i`` with the reference quantisers (plain torch
-    ops): the quantiser of the compile-traced path. Same contract, and on CPU the same calls, as
+    """Stateless current scaling of operand ``i``: the quantiser of the compile-traced path.
+    Per-tensor operand pairs on CUDA go through the fused Triton kernels as a custom operator
+    (:mod:`nemo_fp8_recipes.quant.ops`) unless ``NEMO_FP8_COMPILED_QUANT=inductor``; everything
+    else uses the reference quantisers (plain torch ops, which the compiler fuses into its own
+    kernels). Same codes either way, and on CPU the same calls as
     :meth:`Float8Linear._quantize_operand` of a current-scaling recipe in eager mode."""
     fmt, gran = _operand_spec(recipe, i)
     if pair:
+        if gran is Granularity.TENSOR and _use_quant_ops(t):
+            from ..quant.ops import tensor_pair
+
+            q, qt, si, amax = tensor_pair(t, fmt.value, recipe.scale_rounding.value)
+            return (QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
+                    QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax))
         return quantize_pair_auto(t, fmt, gran, recipe.scale_rounding, triton=False)
     return quantize(t, fmt, gran, recipe.scale_rounding, dim=-1, triton=False)
+
+
+def _use_quant_ops(t: torch.Tensor) -> bool:
+    return triton_enabled(t) and compiled_quantizer() == "triton"
 
 
 def _contiguous_codes(q: QuantizedTensor) -> QuantizedTensor:
