@@ -573,9 +573,9 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
             # and land on neighbouring codes — E5M2 gradient codes are 12.5-25% apart, so compiled
             # and eager differ by a few % (measured on the H200: up to 5.1e-2 in dx at step 2,
             # with either compiled quantiser). What must hold: the compiled path is as accurate
-            # as eager against float64 (each with its own weights), and a wrong scale or layout
-            # (errors >= 0.5) can never pass.
-            assert errs[0][k] <= 1.25 * errs[1][k] + 2e-3, (
+            # as eager against float64 (each with its own weights; measured equal to three
+            # digits), and a wrong scale or layout (errors >= 0.5) can never pass.
+            assert errs[0][k] <= 1.05 * errs[1][k] + 1e-3, (
                 f"{name} M={M} step {step + 1}: compiled {what} error vs float64 {errs[0][k]:.3g}, "
                 f"eager {errs[1][k]:.3g}")
             assert vs_eager[k] < 0.1, f"{name} M={M} step {step + 1}: compiled vs eager {what} {vs_eager[k]:.3g}"

@@ -331,20 +331,47 @@ def test_delayed_commit_kernel_matches_advance_delayed_scaling(tk, L, algo):
                                                            torch.tensor([[flag]]), (fmt,), r)
                     h, sc = hist.to(DEV), scale.to(DEV)
                     p, f = torch.tensor([pend], device=DEV), torch.tensor([flag], device=DEV)
-                    tk.delayed_commit(h, sc, p, f, fmt, algo, margin, flag_after=1.0)
+                    after = float((k + int(flag)) % 2)  # both values of flag_after, for every class
+                    tk.delayed_commit(h, sc, p, f, fmt, algo, margin, flag_after=after)
                     assert torch.equal(_bits(h.cpu()), _bits(ref_h.reshape(L))), (fmt, pend, flag, margin)
                     assert torch.equal(_bits(sc.cpu()), _bits(ref_s.reshape(1))), (fmt, pend, flag, margin)
-                    assert p.item() == 0.0 and f.item() == 1.0
+                    assert p.item() == 0.0 and f.item() == after
+
+
+def _force_triton(monkeypatch):
+    """Run the Float8Linear's Triton paths on CPU tensors through the interpreter (on a GPU they
+    run anyway) and count the calls that must happen there."""
+    from nemo_fp8_recipes.nn import linear as linear_mod
+    from nemo_fp8_recipes.quant import dispatch
+    from nemo_fp8_recipes.quant import triton_kernels as tkm
+
+    calls = {"commit": 0, "fold": 0}
+    if not ON_GPU:
+        monkeypatch.setattr(dispatch, "triton_enabled", lambda x, triton=None: triton is not False)
+        monkeypatch.setattr(linear_mod, "triton_enabled", lambda x, triton=None: triton is not False)
+    commit, dual = tkm.delayed_commit, tkm.quantize_tensor_dual
+
+    def counting_commit(*a, **k):
+        calls["commit"] += 1
+        return commit(*a, **k)
+
+    def counting_dual(*a, **k):
+        calls["fold"] += k.get("amax_out") is not None
+        return dual(*a, **k)
+
+    monkeypatch.setattr(tkm, "delayed_commit", counting_commit)
+    monkeypatch.setattr(tkm, "quantize_tensor_dual", counting_dual)
+    return calls
 
 
 @pytest.mark.parametrize("schedule", ["lazy", "step"])
 def test_delayed_linear_with_the_fused_kernels_matches_the_reference_path(tk, schedule, monkeypatch):
     """A delayed-scaling Float8Linear trained for a few steps with the Triton path (one-pass
     cast + amax, one-kernel commit) has the same outputs, gradients, amax histories and scales,
-    bit for bit, as with the reference quantisers and the PyTorch history update."""
+    bit for bit, as with the reference quantisers and the PyTorch history update. Two
+    micro-batches per step, the second with the smaller amax, so that "max over the step" and
+    "latest value" differ."""
     from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling
-    from nemo_fp8_recipes.nn import linear as linear_mod
-    from nemo_fp8_recipes.quant import dispatch
     from nemo_fp8_recipes.recipes import get_recipe
 
     import dataclasses
@@ -352,10 +379,10 @@ def test_delayed_linear_with_the_fused_kernels_matches_the_reference_path(tk, sc
     r = dataclasses.replace(get_recipe("delayed"), amax_history_len=4)
 
     def run(use_triton):
-        if use_triton and not ON_GPU:  # run the kernels through the interpreter on CPU tensors
-            monkeypatch.setattr(dispatch, "triton_enabled", lambda x, triton=None: triton is not False)
-            monkeypatch.setattr(linear_mod, "triton_enabled", lambda x, triton=None: triton is not False)
-        elif not use_triton:
+        calls = None
+        if use_triton:
+            calls = _force_triton(monkeypatch)
+        else:
             monkeypatch.setenv("NEMO_FP8_TRITON", "0")
         torch.manual_seed(0)
         lin = torch.nn.Linear(256, 128, bias=False, device=DEV)
@@ -363,23 +390,93 @@ def test_delayed_linear_with_the_fused_kernels_matches_the_reference_path(tk, sc
         m.scaling_update = schedule
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         outs = []
-        for step in range(4):
-            x = (structured(64, 256, seed=20 + step) * (1 + 3 * step)).to(DEV).requires_grad_(True)
-            y = m(x)
-            y.backward(torch.ones_like(y) * 1e-2)
-            outs += [y.detach().clone(), x.grad.clone(), m.weight.grad.clone()]
+        for step in range(3):
+            for micro, gain in enumerate((1 + 3 * step, 0.25)):
+                x = (structured(64, 256, seed=20 + 2 * step + micro) * gain).to(DEV).requires_grad_(True)
+                y = m(x)
+                y.backward(torch.ones_like(y) * 1e-2 * gain)
+                outs += [y.detach().clone(), x.grad.clone()]
+            outs.append(m.weight.grad.clone())
             opt.step()
             opt.zero_grad()
             if schedule == "step":
                 sync_delayed_scaling(m)
         monkeypatch.undo()
-        return outs, m.fp8_amax_history.clone(), m.fp8_scale.clone(), m.fp8_amax_pending.clone()
+        return outs, m.fp8_amax_history.clone(), m.fp8_scale.clone(), m.fp8_amax_pending.clone(), calls
 
-    (o1, h1, s1, p1), (o2, h2, s2, p2) = run(True), run(False)
+    (o1, h1, s1, p1, calls), (o2, h2, s2, p2, _) = run(True), run(False)
+    assert calls["fold"] > 0 and (calls["commit"] > 0) == (schedule == "lazy")  # the fused path ran
     assert torch.equal(h1, h2) and torch.equal(s1, s2) and torch.equal(p1, p2)
     assert (h1 > 0).any()
     for a, b in zip(o1, o2):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("use_triton", [True, False], ids=["triton", "reference"])
+def test_delayed_telemetry_reports_each_calls_amax_in_step_mode(tk, use_triton, monkeypatch):
+    """With telemetry on, each quantisation's statistics carry its own amax (not the step's
+    running max), while the pending amax still accumulates the max (NaN sticks)."""
+    from nemo_fp8_recipes.nn import Float8Linear
+    from nemo_fp8_recipes.recipes import get_recipe
+
+    if use_triton:
+        _force_triton(monkeypatch)
+    else:
+        monkeypatch.setenv("NEMO_FP8_TRITON", "0")
+    m = Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False, device=DEV), get_recipe("delayed"),
+                                 emulate=not ON_GPU)
+    m.scaling_update = "step"
+    m.telemetry_enabled = True
+    xs = [structured(16, 64, seed=1) * 100, structured(16, 64, seed=2), structured(16, 64, seed=3)]
+    xs[1][3, 3] = float("nan")
+    with torch.no_grad():
+        for x in xs:
+            m(x.to(DEV))
+    got = [float(row[0]) for row in m._telemetry[0]]
+    want = [float(x.abs().amax()) for x in xs]
+    assert got[0] == want[0] and got[2] == want[2] and got[1] == 0.0  # non-finite amax reported as 0
+    assert torch.isnan(m.fp8_amax_pending[0])
+
+
+def test_delayed_commit_is_undone_when_the_cast_fails(tk, monkeypatch):
+    """Lazy schedule: the one-kernel commit leaves the pending flag set for the cast that follows;
+    if that cast raises, the flag is cleared again, so the next commit appends no phantom 0."""
+    from nemo_fp8_recipes.nn import Float8Linear
+    from nemo_fp8_recipes.nn import linear as linear_mod
+    from nemo_fp8_recipes.recipes import get_recipe
+
+    calls = _force_triton(monkeypatch)
+    m = Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False, device=DEV), get_recipe("delayed"),
+                                 emulate=not ON_GPU)
+    x = structured(16, 64, seed=4).to(DEV)
+    with torch.no_grad():
+        m(x)  # records the first amaxes
+    hist = m.fp8_amax_history.clone()
+
+    def broken(*a, **k):
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(linear_mod, "quantize", broken)
+    monkeypatch.setattr(linear_mod, "quantize_pair_auto", broken)
+    with pytest.raises(RuntimeError, match="simulated"), torch.no_grad():
+        m(x)
+    assert calls["commit"] >= 1
+    assert m.fp8_pending[0].item() == 0.0 and m._pending[0] is False
+    assert m.fp8_amax_history[0, 0] == x.abs().amax() and torch.equal(m.fp8_amax_history[0, 1:], hist[0, :-1])
+
+
+def test_loading_a_sign_bit_nan_pending_amax_keeps_it_nan():
+    """The kernels max-accumulate pending amaxes as int32 IEEE bits, where a NaN with the sign
+    bit set would lose against any amax: loading a state dict makes pending amaxes non-negative."""
+    from nemo_fp8_recipes.nn import Float8Linear
+    from nemo_fp8_recipes.recipes import get_recipe
+
+    m = Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False), get_recipe("delayed"), emulate=True)
+    sd = m.state_dict()
+    sd["fp8_amax_pending"] = torch.tensor([-float("nan"), -0.0, 2.0])
+    m.load_state_dict(sd)
+    bits = m.fp8_amax_pending.view(torch.int32)
+    assert (bits >= 0).all() and torch.isnan(m.fp8_amax_pending[0])
 
 
 # ---- ahead-of-time compilation for real GPUs (no GPU needed: Triton's bundled ptxas) ----------

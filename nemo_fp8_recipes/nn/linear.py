@@ -358,6 +358,9 @@ class Float8Linear(nn.Linear):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.recipe.is_delayed and prefix + "fp8_pending" in state_dict:
             self._pending = [bool(v) for v in state_dict[prefix + "fp8_pending"].tolist()]
+        if self.recipe.is_delayed:
+            with torch.no_grad():  # amaxes are >= 0; the kernels max-accumulate their IEEE bits
+                self.fp8_amax_pending.abs_()
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.half()/.bfloat16() must not cast the FP32 scaling state
@@ -390,14 +393,15 @@ class Float8Linear(nn.Linear):
         self._wcache_key = self._wcache = None
 
     @torch.no_grad()
-    def _commit(self, i: int, quantising: bool = False) -> None:
+    def _commit(self, i: int, quantising: bool = False) -> bool:
         """Lazy schedule: append operand i's pending amax to its history and recompute its scale
         (:func:`~nemo_fp8_recipes.nn.scaling.advance_delayed_scaling`). ``quantising``: a
         quantisation that records a new amax follows at once, so the pending flag stays set.
         On CUDA with Triton (and no ``amax_reduce_fn``) the whole update is one kernel
-        (:func:`~nemo_fp8_recipes.quant.triton_kernels.delayed_commit`, same numbers)."""
+        (:func:`~nemo_fp8_recipes.quant.triton_kernels.delayed_commit`, same numbers). Returns
+        whether it left the flag set for the coming quantisation."""
         if not self._pending[i]:
-            return
+            return False
         r = self.recipe
         fmt = (r.input_format, r.weight_format, r.grad_format)[i]
         hist_i = self.fp8_amax_history[i]
@@ -407,7 +411,7 @@ class Float8Linear(nn.Linear):
             delayed_commit(hist_i, self.fp8_scale[i], self.fp8_amax_pending[i], self.fp8_pending[i], fmt,
                            r.amax_compute_algo, r.margin, flag_after=1.0 if quantising else 0.0)
             self._pending[i] = quantising
-            return
+            return quantising
         pending = self.fp8_amax_pending[i : i + 1]
         if self.amax_reduce_fn is not None:
             pending = self.amax_reduce_fn(pending.clone())
@@ -419,6 +423,7 @@ class Float8Linear(nn.Linear):
         self.fp8_amax_pending[i].zero_()
         self.fp8_pending[i].zero_()
         self._pending[i] = False
+        return False
 
     def _quantize_operand(self, i: int, t: torch.Tensor, pair: bool = False):
         """Quantise operand ``i`` (input, weight, grad_output) of 2-D ``t`` along its last dim;
@@ -429,20 +434,36 @@ class Float8Linear(nn.Linear):
         r = self.recipe
         fmt, gran = _operand_spec(r, i)
         scale = amax_out = None
+        committed = False
         if r.is_delayed:
             if self.scaling_update == "lazy":
-                self._commit(i, quantising=True)
+                committed = self._commit(i, quantising=True)
             scale = self.fp8_scale[i]
             # lazy: the commit left it at 0, so it receives exactly this amax; step: the max over
-            # every use in this optimizer step (NaN sticks)
-            amax_out = self.fp8_amax_pending[i : i + 1]
-        if pair:
-            q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out)
-        else:
-            q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale, amax_out=amax_out), None
-        if r.is_delayed and not self._pending[i]:
-            self.fp8_pending[i].fill_(1.0)
-            self._pending[i] = True
+            # every use in this optimizer step (NaN sticks). With telemetry on, the cast gets a
+            # fresh accumulator (q.amax = this call's amax, for the statistics) that is then
+            # folded into the pending value.
+            if not self.telemetry_enabled:
+                amax_out = self.fp8_amax_pending[i : i + 1]
+        try:
+            if pair:
+                q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out)
+            else:
+                q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale, amax_out=amax_out), None
+        except BaseException:
+            if committed:  # the commit left the flag set for an amax that never came
+                with torch.no_grad():
+                    self.fp8_pending[i].fill_(0.0)
+                self._pending[i] = False
+            raise
+        if r.is_delayed:
+            if amax_out is None:
+                with torch.no_grad():
+                    pend = self.fp8_amax_pending[i : i + 1]
+                    torch.maximum(pend, q.amax.reshape(1).to(pend.dtype), out=pend)
+            if not self._pending[i]:
+                self.fp8_pending[i].fill_(1.0)
+                self._pending[i] = True
         if self.telemetry_enabled:
             self._telemetry.setdefault(i, []).append(quantization_stats(t.detach(), q))
         return (q, qt) if pair else q

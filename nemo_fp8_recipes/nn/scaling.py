@@ -6,7 +6,9 @@ Two update schedules share :func:`advance_delayed_scaling`:
 
 ``lazy`` (the module default, no trainer needed)
     each operand commits its pending amax right before its next quantisation, so every
-    forward/backward call advances the history (a plain training loop needs no extra call).
+    forward/backward call advances the history (a plain training loop needs no extra call). On
+    CUDA the commit is one Triton kernel (``quant.triton_kernels.delayed_commit``, same numbers)
+    and the cast that follows folds the new amax into the pending value in the same pass.
 
 ``step`` (what the embedded trainer uses)
     scales stay fixed for a whole optimizer step; every quantisation in the step max-accumulates

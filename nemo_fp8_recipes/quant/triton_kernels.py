@@ -526,10 +526,11 @@ def _tensor_amax(x2: torch.Tensor) -> torch.Tensor:
     contiguous ``x2`` (NaN if any element is NaN), or a PyTorch reduction of a strided one."""
     n = x2.numel()
     if n and x2.is_contiguous():
-        bits = torch.zeros((1, 1), dtype=torch.int32, device=x2.device)
+        amax = torch.zeros((1, 1), dtype=torch.float32, device=x2.device)  # a base tensor, not a view
         block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
-        _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, bits, n, BLOCK=block, num_warps=warps)
-        return bits.view(torch.float32)
+        _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, amax.view(torch.int32), n, BLOCK=block,
+                                                      num_warps=warps)
+        return amax
     if n:
         return x2.float().abs().amax().reshape(1, 1)
     return torch.zeros((1, 1), dtype=torch.float32, device=x2.device)
@@ -555,8 +556,9 @@ def _scale_inv_of_empty(amax: torch.Tensor, fmt: Format, rounding: ScaleRounding
 
 def _amax_accumulator(amax_out, device) -> torch.Tensor:
     """The ``[1, 1]`` FP32 buffer a given-scale cast folds the tensor's amax into: ``amax_out``
-    (max-accumulated: it must hold a non-negative value or the positive NaN these kernels
-    write, e.g. a zeroed or previously accumulated amax) or a fresh zero."""
+    (max-accumulated over the IEEE bits as int32, so it must hold a value without the sign bit:
+    zero, a previously accumulated amax, or a positive NaN — as these kernels write; a
+    sign-bit NaN would lose against any amax) or a fresh zero."""
     if amax_out is None:
         return torch.zeros((1, 1), dtype=torch.float32, device=device)
     if amax_out.dtype != torch.float32 or amax_out.numel() != 1 or not amax_out.is_contiguous():
