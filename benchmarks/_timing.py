@@ -66,6 +66,70 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
     return bench(lambda i: graphs[i].replay(), n_inputs, warmup=warmup, iters=iters, cuda=True)
 
 
+#: Kernel classes of :func:`device_time_breakdown` (first match wins, on the lower-cased name):
+#: cuBLAS/CUTLASS GEMM kernels (and the CPU matmul ops of a smoke run), this package's Triton
+#: quantisers, everything else (element-wise ops, reductions, copies, gradient accumulation).
+KERNEL_CLASSES = (
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
+              "aten::_scaled_mm", "aten::matmul")),
+    ("quantise (Triton)", ("_quant_rows", "_quant_cols", "_quant_block", "_quant_dual", "_cast_kernel",
+                           "_cast_dual", "_amax_atomic", "_delayed_commit")),
+)
+
+
+def classify_kernel(name: str) -> str:
+    """The :data:`KERNEL_CLASSES` class of a profiled kernel (or CPU op) name, else ``other``."""
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int = 3, top: int = 6) -> dict:
+    """Where a step's time goes, from ``torch.profiler``: milliseconds per step of each kernel
+    class (:func:`classify_kernel`), their sum (``kernels_ms``) and the ``top`` most expensive
+    kernels by name. On a GPU these are the CUDA kernels' own times (idle gaps between kernels
+    are not included, so ``kernels_ms`` <= the event-timed step; the difference is host-bound
+    time); on CPU (smoke runs) the self time of the ATen ops. One warm-up call, then ``steps``
+    profiled calls over the rotating inputs."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    fn(0)
+    if cuda:
+        torch.cuda.synchronize()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for i in range(steps):
+            fn(i % n_inputs)
+        if cuda:
+            torch.cuda.synchronize()
+    per_kernel = {}
+    for ev in prof.key_averages():
+        if cuda:
+            if ev.device_type != DeviceType.CUDA:
+                continue
+            us = getattr(ev, "self_device_time_total", None)
+            us = ev.self_cuda_time_total if us is None else us
+        else:
+            if not ev.key.startswith("aten::"):
+                continue
+            us = ev.self_cpu_time_total
+        if us > 0:
+            per_kernel[ev.key] = per_kernel.get(ev.key, 0.0) + us / 1e3 / steps
+    out = {cls: 0.0 for cls, _ in KERNEL_CLASSES}
+    out["other"] = 0.0
+    for name, ms in per_kernel.items():
+        out[classify_kernel(name)] += ms
+    out["kernels_ms"] = sum(per_kernel.values())
+    out["top"] = [[name, ms] for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]
+    out["source"] = "CUDA kernels" if cuda else "CPU ATen ops (self time)"
+    return out
+
+
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A Markdown table."""
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]

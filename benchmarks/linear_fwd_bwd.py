@@ -10,6 +10,10 @@ Delayed scaling runs in two schedules: ``delayed`` (the module default, ``lazy``
 updates its amax history right before its next quantisation, one kernel) and ``delayed-step``
 (what the embedded trainer uses: histories advance once per optimizer step in
 ``sync_delayed_scaling``, which is part of the timed step here).
+``--breakdown`` also profiles each variant (``torch.profiler``) and prints where a step's time
+goes: GEMM kernels, the Triton quantisers, everything else (ReLU, gradient accumulation,
+copies), with the most expensive kernels by name — the measured counterpart of the bytes/FLOPs
+account in docs/benchmarks.md.
 ``--smoke``: tiny emulated CPU run for CI (no timing claims).
 """
 
@@ -23,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench, table  # noqa: E402
+from _timing import bench, device_time_breakdown, table  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -40,6 +44,9 @@ def main(argv=None) -> int:
                         "once-per-step history update (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also profile each variant and report device time per kernel class "
+                        "(GEMM / Triton quantisers / other) and the top kernels")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,12 +96,22 @@ def main(argv=None) -> int:
             base_ms = ms if recipe is None else base_ms
             res.append({"size": size, "recipe": name, "ms": ms, "tflops": flops / ms / 1e9,
                         "speedup": base_ms / ms, "peak_gib": peak})
+            if a.breakdown:
+                res[-1]["breakdown"] = device_time_breakdown(step, 3)
             del up, down
     rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
              f"{r['peak_gib']:.1f}") for r in res]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke)"
     print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd\n")
     print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16", "peak GiB"], rows))
+    if a.breakdown:
+        print(f"\nwhere the time goes ({res[0]['breakdown']['source']}, ms per step, torch.profiler):\n")
+        print(table(["size", "recipe", "step ms (median)", "kernels ms", "GEMM", "quantise (Triton)", "other",
+                     "top kernels"],
+                    [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['breakdown']['kernels_ms']:.2f}",
+                      f"{r['breakdown']['gemm']:.2f}", f"{r['breakdown']['quantise (Triton)']:.2f}",
+                      f"{r['breakdown']['other']:.2f}",
+                      "; ".join(f"{n[:40]} {t:.2f}" for n, t in r["breakdown"]["top"][:3])) for r in res]))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         json.dump({"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res},

@@ -24,6 +24,32 @@ def test_benchmark_smoke(script, tmp_path):
     assert "|" in proc.stdout
 
 
+def test_linear_breakdown_attributes_the_step_to_kernel_classes(tmp_path):
+    """``linear_fwd_bwd.py --breakdown``: every variant gets a profile whose classes add up to the
+    profiled kernel time; on CPU the GEMM class is the matmuls (ATen ``mm``)."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_fwd_bwd.py"), "--smoke", "--breakdown",
+                           "--recipes", "tensorwise", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["recipe"] for r in rows] == ["bf16", "tensorwise"]
+    for r in rows:
+        b = r["breakdown"]
+        assert b["kernels_ms"] > 0 and b["gemm"] > 0
+        assert abs(b["gemm"] + b["quantise (Triton)"] + b["other"] - b["kernels_ms"]) < 1e-6
+        assert any(name == "aten::mm" for name, _ in b["top"])
+    assert "where the time goes" in proc.stdout
+
+
+def test_kernel_classes_of_gpu_kernel_names(bench_modules):
+    _timing = bench_modules[0]
+    assert _timing.classify_kernel("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert _timing.classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert _timing.classify_kernel("_cast_dual_kernel") == "quantise (Triton)"
+    assert _timing.classify_kernel("_delayed_commit_kernel") == "quantise (Triton)"
+    assert _timing.classify_kernel("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
+
+
 def _run_smoke(script, tmp_path, *args):
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *args],
