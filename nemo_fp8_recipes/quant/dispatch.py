@@ -107,7 +107,8 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
     """``(quantize(x, dim=-1), quantize(x, dim=0))`` — the operand for the GEMM contracting over
     ``x``'s last dim and the one contracting over its first dim (the wgrad copy, written already
     transposed and contiguous). Per tensor, both copies come from one read of ``x`` after the
-    amax pass (:func:`~.triton_kernels.quantize_tensor_dual`). For 1xN groups the row-wise and
+    amax pass (:func:`~.triton_kernels.quantize_tensor_dual`), or — with a given (delayed)
+    scale — from a single pass that also takes the amax. For 1xN groups the row-wise and
     the transposed column-wise kernels run one after the other: on an H200 the two take
     0.109 + 0.152 ms (1x128) and 0.197 + 0.208 ms (1x32) at 8192x14336 against 0.361 and 0.498 ms
     for the one-read kernel :func:`~.triton_kernels.quantize_dual`, whose in-register transpose

@@ -9,7 +9,11 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
 * :func:`quantize_blocks128` — 128x128 weight blocks.
 * :func:`quantize_tensor`   — per-tensor: an atomic-max amax kernel, then a cast kernel whose
   programs compute the scale from that amax on the device (no host sync, no small PyTorch ops
-  in between); with a given scale (delayed scaling, from the amax history) it casts with that.
+  in between); with a given scale (delayed scaling, from the amax history) one kernel casts with
+  it and folds the tensor's amax into an accumulator (the pending amax) in the same pass.
+* :func:`quantize_tensor_dual` — per-tensor codes and their transpose from one read (the
+  transpose moves the 1-byte codes); :func:`quantize_dual` — the same for 1xN groups.
+* :func:`delayed_commit`    — one delayed-scaling history update (append, max, new scale).
 
 Scales follow the exact rules of the reference (pow-2 by dropping mantissa bits, E8M0 from the
 amax's binary exponent). Saturation and the NaN/Inf rules are applied explicitly; the
