@@ -42,7 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
-from ..quant.dispatch import compiled_quantizer, quantize_pair_auto, triton_enabled
+from ..quant.dispatch import accumulate_amax, compiled_quantizer, quantize_pair_auto, triton_enabled
 from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
 from ..recipes import Granularity, Recipe, ScaleRounding
 from .scaling import advance_delayed_scaling
@@ -458,9 +458,7 @@ class Float8Linear(nn.Linear):
             raise
         if r.is_delayed:
             if amax_out is None:
-                with torch.no_grad():
-                    pend = self.fp8_amax_pending[i : i + 1]
-                    torch.maximum(pend, q.amax.reshape(1).to(pend.dtype), out=pend)
+                accumulate_amax(self.fp8_amax_pending[i : i + 1], q.amax)
             if not self._pending[i]:
                 self.fp8_pending[i].fill_(1.0)
                 self._pending[i] = True

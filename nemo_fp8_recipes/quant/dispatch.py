@@ -18,7 +18,8 @@ import torch
 from ..recipes import Granularity, ScaleRounding
 from .reference import QuantizedTensor, quantize
 
-__all__ = ["COMPILED_QUANTIZERS", "compiled_quantizer", "quantize_auto", "quantize_pair_auto", "triton_enabled"]
+__all__ = ["COMPILED_QUANTIZERS", "accumulate_amax", "compiled_quantizer", "quantize_auto", "quantize_pair_auto",
+           "triton_enabled"]
 
 #: Quantisers of the compile-traced FP8 linear for per-tensor operands on CUDA (see
 #: :mod:`nemo_fp8_recipes.quant.ops`): the fused Triton kernels as custom operators, or the
@@ -90,13 +91,19 @@ def _check_amax_out(granularity, scale, amax_out) -> None:
         raise ValueError("amax_out collects the amax of a per-tensor cast with a given (delayed) scale")
 
 
+@torch.no_grad()
+def accumulate_amax(acc: torch.Tensor, amax: torch.Tensor) -> None:
+    """``acc = max(acc, amax)`` in place (NaN sticks, as the kernels' integer max of the IEEE
+    bits does): how a pending delayed-scaling amax collects the amaxes of its uses."""
+    torch.maximum(acc, amax.reshape(acc.shape).to(acc.dtype), out=acc)
+
+
 def _fold_amax(q: QuantizedTensor, amax_out: Optional[torch.Tensor]) -> QuantizedTensor:
-    """The reference path's ``amax_out`` contract: max-accumulate ``q.amax`` into it (NaN sticks,
-    as the kernels' integer max of the IEEE bits does) and return ``q`` carrying it."""
+    """The reference path's ``amax_out`` contract: max-accumulate ``q.amax`` into it and return
+    ``q`` carrying it."""
     if amax_out is None:
         return q
-    with torch.no_grad():
-        torch.maximum(amax_out, q.amax.reshape(amax_out.shape).to(amax_out.dtype), out=amax_out)
+    accumulate_amax(amax_out, q.amax)
     return QuantizedTensor(data=q.data, scale_inv=q.scale_inv, block=q.block, fmt=q.fmt,
                            amax=amax_out.view(1, 1), scale_e8m0=q.scale_e8m0)
 
