@@ -465,6 +465,21 @@ def test_delayed_commit_is_undone_when_the_cast_fails(tk, monkeypatch):
     assert m.fp8_amax_history[0, 0] == x.abs().amax() and torch.equal(m.fp8_amax_history[0, 1:], hist[0, :-1])
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_delayed_pair_of_a_row_strided_input(tk, fold):
+    """A given-scale pair of a row-strided view (unit stride along the row, as a slice of a
+    wider tensor): codes, transpose and accumulated amax as the reference, with the amax folded
+    into the cast or taken by the separate pass (its PyTorch fallback for strided inputs)."""
+    y = structured(200, 600, seed=17).to(DEV, torch.bfloat16)[:, :300]
+    s = torch.tensor(0.5, device=DEV)
+    ref = quantize(y, "e4m3", "tensor", scale=s)
+    acc = torch.zeros(1, device=DEV)
+    with tk.launch_config("tensor_dual_delayed", fold_amax=fold):
+        a, b = tk.quantize_tensor_dual(y, "e4m3", scale=s, amax_out=acc)
+    _same(a, ref)
+    assert torch.equal(b.data.float(), ref.data.float().t()) and torch.equal(acc, ref.amax.reshape(1))
+
+
 def test_loading_a_sign_bit_nan_pending_amax_keeps_it_nan():
     """The kernels max-accumulate pending amaxes as int32 IEEE bits, where a NaN with the sign
     bit set would lose against any amax: loading a state dict makes pending amaxes non-negative."""

@@ -525,19 +525,20 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
     return QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
 
 
-def _tensor_amax(x2: torch.Tensor) -> torch.Tensor:
-    """Per-tensor amax as a ``[1, 1]`` FP32 tensor on the device: one atomic-max pass over a
-    contiguous ``x2`` (NaN if any element is NaN), or a PyTorch reduction of a strided one."""
+def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per-tensor amax max-accumulated into ``acc`` (a ``[1, 1]`` FP32 tensor; default a fresh
+    zero), which is returned: one atomic-max pass over a contiguous ``x2`` (NaN if any element
+    is NaN), or a PyTorch reduction of a strided one."""
+    if acc is None:
+        acc = torch.zeros((1, 1), dtype=torch.float32, device=x2.device)  # a base tensor, not a view
     n = x2.numel()
     if n and x2.is_contiguous():
-        amax = torch.zeros((1, 1), dtype=torch.float32, device=x2.device)  # a base tensor, not a view
         block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
-        _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, amax.view(torch.int32), n, BLOCK=block,
+        _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, acc.view(torch.int32), n, BLOCK=block,
                                                       num_warps=warps)
-        return amax
-    if n:
-        return x2.float().abs().amax().reshape(1, 1)
-    return torch.zeros((1, 1), dtype=torch.float32, device=x2.device)
+    elif n:
+        torch.maximum(acc, x2.float().abs().amax().reshape(1, 1), out=acc)
+    return acc
 
 
 def _tensor_scale_args(amax: torch.Tensor, fmt: Format, rounding: ScaleRounding, scale):
@@ -661,12 +662,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
         s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
         cfg = LAUNCH["tensor_dual_delayed" if amax_in_cast else "tensor_dual"]
         if amax_in_cast and not cfg["fold_amax"]:  # the amax pass into the same accumulator
-            block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
-            if x2.is_contiguous():
-                _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, amax.view(torch.int32), n, BLOCK=block,
-                                                              num_warps=warps)
-            else:
-                torch.maximum(amax, x2.float().abs().amax().reshape(1, 1), out=amax)
+            _tensor_amax(x2, amax)
             amax_in_cast = False
         grid = (triton.cdiv(R, cfg["block_r"]), triton.cdiv(C, cfg["block_c"]))
         _cast_dual_kernel[grid](x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
