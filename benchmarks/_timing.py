@@ -40,6 +40,41 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
     return statistics.median(times)
 
 
+def bench_back_to_back(fn: Callable[[int], object], n_inputs: int, window: int = 4, iters: int = 10,
+                       warmup: int = 2) -> float:
+    """Median milliseconds per call of ``fn`` when ``window`` calls are queued back to back, as
+    a training loop that does not synchronise every step runs them: the host prepares call
+    ``i + 1`` while the GPU still runs call ``i``, so the host time before the first kernel of a
+    step (Python, guards, launches) hides behind the previous step's kernels. :func:`bench`
+    synchronises after every call and so also counts that host latency once per call. CUDA
+    events around each window, one synchronisation per window, the median over ``iters``
+    windows; on CPU the same with ``perf_counter``."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    for i in range(warmup):
+        fn(i % n_inputs)
+    if cuda:
+        torch.cuda.synchronize()
+    times: List[float] = []
+    k = 0
+    for _ in range(iters):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        t0 = time.perf_counter()
+        for _ in range(window):
+            fn(k % n_inputs)
+            k += 1
+        if cuda:
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / window)
+        else:
+            times.append((time.perf_counter() - t0) * 1e3 / window)
+    return statistics.median(times)
+
+
 def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30) -> Optional[float]:
     """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one captured graph per input
     set): the GPU time alone, without the host's launch and Python overhead that :func:`bench`
@@ -68,12 +103,14 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
 
 #: Kernel classes of :func:`device_time_breakdown` (first match wins, on the lower-cased name):
 #: cuBLAS/CUTLASS GEMM kernels (and the CPU matmul ops of a smoke run), this package's Triton
-#: quantisers, everything else (element-wise ops, reductions, copies, gradient accumulation).
+#: quantisers, the attention core (SDPA / flash kernels), everything else (element-wise ops and
+#: Inductor's generated kernels, reductions, copies, gradient accumulation).
 KERNEL_CLASSES = (
     ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::_scaled_mm", "aten::matmul")),
     ("quantise (Triton)", ("_quant_rows", "_quant_cols", "_quant_block", "_quant_dual", "_cast_kernel",
                            "_cast_dual", "_amax_atomic", "_delayed_commit")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
 )
 
 
@@ -86,10 +123,10 @@ def classify_kernel(name: str) -> str:
     return "other"
 
 
-def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int = 3, top: int = 6) -> dict:
+def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int = 3, top: int = 10) -> dict:
     """Where a step's time goes, from ``torch.profiler``: milliseconds per step of each kernel
     class (:func:`classify_kernel`), their sum (``kernels_ms``) and the ``top`` most expensive
-    kernels by name. On a GPU these are the CUDA kernels' own times (idle gaps between kernels
+    kernels by name as ``[name, ms per step, launches per step]``. On a GPU these are the CUDA kernels' own times (idle gaps between kernels
     are not included, so ``kernels_ms`` <= the event-timed step; the difference is host-bound
     time); on CPU (smoke runs) the self time of the ATen ops. One warm-up call, then ``steps``
     profiled calls over the rotating inputs."""
@@ -107,7 +144,7 @@ def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int
             fn(i % n_inputs)
         if cuda:
             torch.cuda.synchronize()
-    per_kernel = {}
+    per_kernel, calls = {}, {}
     for ev in prof.key_averages():
         if cuda:
             if ev.device_type != DeviceType.CUDA:
@@ -120,12 +157,14 @@ def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int
             us = ev.self_cpu_time_total
         if us > 0:
             per_kernel[ev.key] = per_kernel.get(ev.key, 0.0) + us / 1e3 / steps
+            calls[ev.key] = calls.get(ev.key, 0) + ev.count / steps
     out = {cls: 0.0 for cls, _ in KERNEL_CLASSES}
     out["other"] = 0.0
     for name, ms in per_kernel.items():
         out[classify_kernel(name)] += ms
     out["kernels_ms"] = sum(per_kernel.values())
-    out["top"] = [[name, ms] for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]
+    out["top"] = [[name, ms, calls[name]]
+                  for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]
     out["source"] = "CUDA kernels" if cuda else "CPU ATen ops (self time)"
     return out
 

@@ -36,8 +36,10 @@ sets) allocated. A 405B layer is 3.19e9 parameters: 11.9 GiB FP32 + 11.9 GiB FP3
 ~6 GiB BF16/FP8 weight copies + activations — under 60 GiB, so FP32 master weights fit the H200
 (AdamW state, not allocated here, would add 23.8 GiB).
 
-Median of ``--iters`` steps after ``--warmup`` (CUDA events); the first call (compilation
-included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``; our
+Median of ``--iters`` steps after ``--warmup`` (CUDA events, a synchronisation after every step,
+so each step also pays the host's latency before its first kernel); "back to back": the median
+per-step time of windows of ``--window`` steps queued without synchronising in between, as a
+training loop runs them. The first call (compilation included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``; our
 current-scaling FP8 linears are traced there (no graph break: Inductor generates the quantisers
 from the reference and fuses them with the neighbouring ops), delayed scaling runs as an eager
 island (a graph break per FP8 linear); the ``graph_breaks`` column counts the breaks dynamo
@@ -61,7 +63,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench, benchmark_device, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
+    bench, bench_back_to_back, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
     write_json,
 )
 from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
@@ -173,7 +175,8 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
     "first_call_s", "peak_gib"}``; an exception (e.g. out of memory) becomes an error status."""
     cuda = dev == "cuda"
     params = [q for q in model.parameters() if q.requires_grad]
-    out = {"status": "ok", "ms": None, "first_call_s": None, "peak_gib": None, "graph_breaks": None}
+    out = {"status": "ok", "ms": None, "ms_b2b": None, "first_call_s": None, "peak_gib": None,
+           "graph_breaks": None}
     fn = None
     try:
         for q in params:
@@ -210,8 +213,12 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         if mode == "compiled":
             out["graph_breaks"] = sum(counters["graph_break"].values())
         out["ms"] = bench(step, inputs.n, warmup=a.warmup, iters=a.iters, cuda=cuda)
+        out["ms_b2b"] = bench_back_to_back(step, inputs.n, window=a.window, iters=max(3, a.iters // 2),
+                                           warmup=0)
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it
+            out["breakdown"] = device_time_breakdown(step, inputs.n)
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
         traceback.print_exc()
         out.update(status=error_status(e), ms=None)
@@ -235,10 +242,17 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--input-sets", type=int, default=2, help="rotating input/gradient sets")
+    p.add_argument("--window", type=int, default=4,
+                   help="steps queued back to back per timed window for the 'back to back' columns "
+                        "(no synchronisation between them, as in a training loop; default %(default)s)")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--requant-weights", action="store_true",
                    help="re-quantise our FP8 weights every step (one micro-batch per optimizer "
                         "step, as torchao always does) instead of using the cached copies")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also profile each variant and mode (torch.profiler) and report device time "
+                        "per kernel class (GEMM / Triton quantisers / attention / other) and the "
+                        "top kernels")
     p.add_argument("--out", default=None, help="write the results as JSON here (after every variant)")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)
@@ -333,6 +347,8 @@ def main(argv=None) -> int:
     _add_ratios(res)
     rows = [(r["size"], r["variant"], r["mode"], fmt(r["ms"], ".2f"), fmt_tflops(r["tflops"]),
              fmt(r.get("speedup"), ".2f", "x"), fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
+             fmt(r.get("ms_b2b"), ".2f"), fmt(r.get("speedup_b2b"), ".2f", "x"),
+             fmt(r.get("vs_torchao_tensorwise_b2b"), ".2f", "x"),
              fmt(r["peak_gib"], ".1f"), fmt(r["first_call_s"], ".1f"),
              "-" if r["fp8_linears"] is None else r["fp8_linears"],
              "-" if r.get("graph_breaks") is None else r["graph_breaks"], r["status"])
@@ -344,7 +360,17 @@ def main(argv=None) -> int:
           f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
           f"{'re-quantised every step' if a.requant_weights else 'cached (as between optimizer steps)'}\n")
     print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs torchao tw",
-                 "peak GiB", "first call s", "FP8 linears", "graph breaks", "status"], rows))
+                 f"ms/step, {a.window} back to back", "vs BF16, b2b", "vs torchao tw, b2b", "peak GiB", "first call s", "FP8 linears", "graph breaks", "status"], rows))
+    prof = [r for r in res if r.get("breakdown")]
+    if prof:
+        print(f"\nwhere the time goes ({prof[0]['breakdown']['source']}, ms per step, torch.profiler):\n")
+        print(table(["size", "variant", "mode", "step ms", "kernels ms", "GEMM", "quantise (Triton)",
+                     "attention", "other", "top kernels"],
+                    [(r["size"], r["variant"], r["mode"], fmt(r["ms"], ".2f"),
+                      *(f"{r['breakdown'][k]:.2f}" for k in
+                        ("kernels_ms", "gemm", "quantise (Triton)", "attention", "other")),
+                      "; ".join(f"{n[:40]} {t:.2f} ({c:g}x)" for n, t, c in r["breakdown"]["top"][:4]))
+                     for r in prof]))
     write_json(a.out, dict(header, results=res))
     return 1 if failed else 0
 
@@ -359,6 +385,10 @@ def _add_ratios(res) -> None:
         b, t = same.get("bf16"), same.get("torchao-tensorwise")
         r["speedup"] = b["ms"] / r["ms"] if b else None
         r["vs_torchao_tensorwise"] = t["ms"] / r["ms"] if t else None
+        both = r.get("ms_b2b") is not None
+        r["speedup_b2b"] = b["ms_b2b"] / r["ms_b2b"] if b and both and b.get("ms_b2b") else None
+        r["vs_torchao_tensorwise_b2b"] = (t["ms_b2b"] / r["ms_b2b"]
+                                          if t and both and t.get("ms_b2b") else None)
 
 
 if __name__ == "__main__":

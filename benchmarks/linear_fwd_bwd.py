@@ -5,7 +5,10 @@
 For each size the up-projection (d -> ffn) and down-projection (ffn -> d) GEMMs run forward and
 backward: BF16 ``nn.Linear`` under autocast vs ``Float8Linear`` per recipe (real FP8 GEMMs, the
 weight quantised once and cached as in training between optimizer steps). One process, CUDA
-events, median, inputs rotated, ratios from the same run; peak memory per variant.
+events, median, inputs rotated, ratios from the same run; peak memory per variant. Two timings:
+"ms (median)" synchronises after every step (so each step also pays the host's latency before
+its first kernel), "back to back" queues ``--window`` steps between two events and synchronises
+once, as a training loop that does not wait on the GPU every step (median over windows).
 Delayed scaling runs in two schedules: ``delayed`` (the module default, ``lazy``: each operand
 updates its amax history right before its next quantisation, one kernel) and ``delayed-step``
 (what the embedded trainer uses: histories advance once per optimizer step in
@@ -27,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench, device_time_breakdown, table  # noqa: E402
+from _timing import bench, bench_back_to_back, device_time_breakdown, table  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -43,6 +46,9 @@ def main(argv=None) -> int:
                    help="FP8 recipes to time against BF16; 'delayed-step' = delayed scaling with the "
                         "once-per-step history update (default: %(default)s)")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--window", type=int, default=4,
+                   help="steps queued back to back per timed window for the 'back to back' columns "
+                        "(no synchronisation between them, as in a training loop; default %(default)s)")
     p.add_argument("--out", default=None)
     p.add_argument("--breakdown", action="store_true",
                    help="also profile each variant and report device time per kernel class "
@@ -73,7 +79,7 @@ def main(argv=None) -> int:
                     m.scaling_update = "step"
             return mods
 
-        base_ms = None
+        base_ms = base_b2b = None
         for recipe in [None] + a.recipes.split(","):
             up, down = make(recipe)
             model = torch.nn.ModuleList([up, down])
@@ -90,20 +96,24 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             ms = bench(step, 3, iters=a.iters)
+            ms_b2b = bench_back_to_back(step, 3, window=a.window, iters=max(3, a.iters // 2))
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             flops = 3 * 2 * 2 * a.tokens * d * f
             name = recipe or "bf16"
-            base_ms = ms if recipe is None else base_ms
+            if recipe is None:
+                base_ms, base_b2b = ms, ms_b2b
             res.append({"size": size, "recipe": name, "ms": ms, "tflops": flops / ms / 1e9,
-                        "speedup": base_ms / ms, "peak_gib": peak})
+                        "speedup": base_ms / ms, "ms_b2b": ms_b2b, "speedup_b2b": base_b2b / ms_b2b,
+                        "peak_gib": peak})
             if a.breakdown:
                 res[-1]["breakdown"] = device_time_breakdown(step, 3)
             del up, down
     rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
-             f"{r['peak_gib']:.1f}") for r in res]
+             f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x", f"{r['peak_gib']:.1f}") for r in res]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke)"
     print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd\n")
-    print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16", "peak GiB"], rows))
+    print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16",
+                 f"ms/step, {a.window} back to back", "vs BF16, back to back", "peak GiB"], rows))
     if a.breakdown:
         print(f"\nwhere the time goes ({res[0]['breakdown']['source']}, ms per step, torch.profiler):\n")
         print(table(["size", "recipe", "step ms (median)", "kernels ms", "GEMM", "quantise (Triton)", "other",
@@ -111,7 +121,7 @@ def main(argv=None) -> int:
                     [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['breakdown']['kernels_ms']:.2f}",
                       f"{r['breakdown']['gemm']:.2f}", f"{r['breakdown']['quantise (Triton)']:.2f}",
                       f"{r['breakdown']['other']:.2f}",
-                      "; ".join(f"{n[:40]} {t:.2f}" for n, t in r["breakdown"]["top"][:3])) for r in res]))
+                      "; ".join(f"{n[:40]} {t:.2f} ({c:g}x)" for n, t, c in r["breakdown"]["top"][:3])) for r in res]))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         json.dump({"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res},

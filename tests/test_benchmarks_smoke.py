@@ -36,9 +36,43 @@ def test_linear_breakdown_attributes_the_step_to_kernel_classes(tmp_path):
     for r in rows:
         b = r["breakdown"]
         assert b["kernels_ms"] > 0 and b["gemm"] > 0
-        assert abs(b["gemm"] + b["quantise (Triton)"] + b["other"] - b["kernels_ms"]) < 1e-6
-        assert any(name == "aten::mm" for name, _ in b["top"])
+        assert abs(b["gemm"] + b["quantise (Triton)"] + b["attention"] + b["other"] - b["kernels_ms"]) < 1e-6
+        assert any(name == "aten::mm" and calls >= 6 for name, _, calls in b["top"])
     assert "where the time goes" in proc.stdout
+
+
+def test_layer_breakdown_profiles_each_variant_and_mode(tmp_path):
+    """``layer_fwd_bwd.py --breakdown``: a profile per variant and mode, classes adding up, the
+    attention core attributed to its own class (CPU: ``aten::_scaled_dot_product...``)."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--breakdown",
+                           "--variants", "bf16,tensorwise", "--modes", "eager", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["mode"]) for r in rows] == [("bf16", "eager"), ("tensorwise", "eager")]
+    for r in rows:
+        b = r["breakdown"]
+        assert b["gemm"] > 0 and b["attention"] > 0
+        assert abs(b["gemm"] + b["quantise (Triton)"] + b["attention"] + b["other"] - b["kernels_ms"]) < 1e-6
+    assert "where the time goes" in proc.stdout
+
+
+def test_back_to_back_timing_is_per_call_and_runs_every_window(bench_modules):
+    """``bench_back_to_back``: per-call milliseconds (not per window), ``warmup + iters * window``
+    calls cycling over the input sets."""
+    import time as _time
+
+    _timing = bench_modules[0]
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        _time.sleep(0.004)
+
+    ms = _timing.bench_back_to_back(fn, 3, window=3, iters=4, warmup=1)
+    assert len(calls) == 1 + 4 * 3 and calls[:5] == [0, 0, 1, 2, 0]
+    assert 4.0 <= ms < 3 * 4.0  # one call's sleep, not a window's
 
 
 def test_kernel_classes_of_gpu_kernel_names(bench_modules):
@@ -47,6 +81,8 @@ def test_kernel_classes_of_gpu_kernel_names(bench_modules):
     assert _timing.classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "gemm"
     assert _timing.classify_kernel("_cast_dual_kernel") == "quantise (Triton)"
     assert _timing.classify_kernel("_delayed_commit_kernel") == "quantise (Triton)"
+    assert _timing.classify_kernel("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, ...>") == "attention"
+    assert _timing.classify_kernel("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert _timing.classify_kernel("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
 
 
@@ -150,7 +186,8 @@ def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
             assert r["status"] == "skipped: torchao not installed" and r["ms"] is None
             continue
         assert r["status"] == "ok", r
-        assert all(_finite_positive(r[k]) for k in ("ms", "tflops", "speedup", "first_call_s")), r
+        assert all(_finite_positive(r[k]) for k in ("ms", "tflops", "speedup", "first_call_s", "ms_b2b",
+                                                     "speedup_b2b")), r
         # the same linears are FP8 in our recipes and in torchao's (the policy's choice)
         assert r["fp8_linears"] == (0 if variant == "bf16" else n_fp8)
         # compiled: our current-scaling FP8 linears are traced (no graph break), delayed scaling
@@ -163,7 +200,7 @@ def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
             assert _finite_positive(r["vs_torchao_tensorwise"])
         else:
             assert r["vs_torchao_tensorwise"] is None
-    assert rows[("bf16", "eager")]["speedup"] == 1.0
+    assert rows[("bf16", "eager")]["speedup"] == 1.0 == rows[("bf16", "eager")]["speedup_b2b"]
 
 
 def test_layer_policy_filter_matches_convert_model(bench_modules):
