@@ -51,10 +51,15 @@ MIN_TRAFFIC = {"per-tensor (amax + cast)": 5 / 3,
 #: ``--sweep``: the launch configurations tried per kernel (tile sizes x warps); see
 #: ``nemo_fp8_recipes.quant.triton_kernels.LAUNCH`` for the defaults.
 SWEEP = {
-    "rows128": [{"block_r": b, "num_warps": w} for b in (8, 16, 32, 64) for w in (2, 4, 8)],
-    "rows32": [{"block_r": b, "num_warps": w} for b in (32, 64, 128, 256) for w in (2, 4, 8)],
-    "cols_t128": [{"block_c": b, "num_warps": w} for b in (32, 64, 128) for w in (2, 4, 8)],
-    "cols_t32": [{"block_c": b, "num_warps": w} for b in (32, 64, 128) for w in (2, 4, 8)],
+    # groups: scaling groups per tile along the grouped dim (tiles of at most 16-32K elements)
+    "rows128": [{"block_r": b, "num_warps": w, "groups": g} for g in (1, 2, 4) for b in (8, 16, 32, 64)
+                for w in (2, 4, 8) if b * g * 128 <= 16384],
+    "rows32": [{"block_r": b, "num_warps": w, "groups": g} for g in (1, 4, 8, 16) for b in (8, 16, 32, 64)
+               for w in (4, 8) if b * g * 32 <= 16384],
+    "cols_t128": [{"block_c": b, "num_warps": w, "groups": g} for g in (1, 2) for b in (32, 64, 128)
+                  for w in (2, 4, 8) if b * g * 128 <= 16384],
+    "cols_t32": [{"block_c": b, "num_warps": w, "groups": g} for g in (1, 2, 4, 8) for b in (32, 64, 128)
+                 for w in (2, 4, 8) if b * g * 32 <= 16384],
     "blocks128": [{"num_warps": w} for w in (4, 8, 16)],
     "tensor": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)],
     "dual128": [{"num_warps": w} for w in (4, 8, 16)],

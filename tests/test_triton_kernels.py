@@ -72,11 +72,16 @@ def test_blocks_and_tensor(tk, dtype):
 
 
 @pytest.mark.parametrize("fmt, group, rounding", CASES)
-def test_nan_inf_groups(tk, fmt, group, rounding):
+@pytest.mark.parametrize("groups", [1, 4], ids=["1group", "4groups"])
+def test_nan_inf_groups(tk, fmt, group, rounding, groups):
+    """NaN/Inf stay in their own group, also when one tile holds several groups (``groups``)."""
     x = _input(torch.float32, special=True)
-    a = tk.quantize_rows(x, fmt, group, rounding)
+    with tk.launch_config(f"rows{group}", groups=groups), tk.launch_config(f"cols_t{group}", groups=groups):
+        a = tk.quantize_rows(x, fmt, group, rounding)
+        c = tk.quantize_cols_t(x, fmt, group, rounding)
     b = quantize(x, fmt, f"1x{group}", rounding)
     _same(a, b, nan_codes=ON_GPU)
+    _same(c, quantize(x, fmt, f"1x{group}", rounding, dim=0), nan_codes=ON_GPU)
     deq = a.dequantize()
     assert not torch.isfinite(deq[3, 5]) and not torch.isfinite(deq[150, 7])
     assert torch.isfinite(deq[100:140]).all()
@@ -139,6 +144,8 @@ def test_rounding_ties_subnormals_and_saturation(tk, fmt):
 @pytest.mark.parametrize("kernel, cfg", [
     ("rows128", {"block_r": 8, "num_warps": 8}), ("rows128", {"block_r": 64, "num_warps": 2}),
     ("rows32", {"block_r": 128}), ("cols_t128", {"block_c": 32}), ("cols_t32", {"block_c": 128, "num_warps": 8}),
+    ("rows32", {"block_r": 16, "groups": 8}), ("rows128", {"block_r": 8, "groups": 2}),
+    ("cols_t32", {"block_c": 64, "groups": 4}), ("cols_t128", {"block_c": 32, "groups": 2}),
     ("dual32", {"tile": 128}), ("dual128", {"num_warps": 8}), ("blocks128", {"num_warps": 8}),
     ("tensor", {"block": 2048, "num_warps": 8}), ("tensor_dual", {"block_r": 32, "block_c": 64}),
     ("tensor_dual", {"block_r": 128, "block_c": 32}), ("tensor_dual_delayed", {"fold_amax": False}),

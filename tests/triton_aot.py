@@ -50,17 +50,19 @@ def main() -> None:
             comp(f"cast_{fmt}_sm{cc}", tk._cast_kernel, cast_sig(e4), consts, cc)
 
     rows_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "R": "i32", "C": "i32",
-                "G": "i32", "stride_x": "i32", "GROUP": "constexpr", "BLOCK_R": "constexpr", "MODE": "constexpr",
+                "G": "i32", "stride_x": "i32", "GROUP": "constexpr", "NG": "constexpr", "BLOCK_R": "constexpr",
+                "MODE": "constexpr",
                 "FMAX": "constexpr", "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr",
                 "HW_CVT": "constexpr"}
     cols_sig = {("BLOCK_C" if k == "BLOCK_R" else k): v for k, v in rows_sig.items()}
     common = {"FMAX": 448.0, "EMAX": 8, "TOP_MANT": tk._top_mant(Format.E4M3), "IS_E4M3": True}
     for hw in (True, False):
         for group, mode in ((128, 1), (32, 2)):
-            comp(f"kernel_rows{group}_hw{int(hw)}", tk._quant_rows_kernel, rows_sig,
-                 {**common, "HW_CVT": hw, "GROUP": group, "BLOCK_R": 64, "MODE": mode})
-            comp(f"kernel_cols{group}_hw{int(hw)}", tk._quant_cols_t_kernel, cols_sig,
-                 {**common, "HW_CVT": hw, "GROUP": group, "BLOCK_C": 64, "MODE": mode})
+            for ng in (1, 4):
+                comp(f"kernel_rows{group}_ng{ng}_hw{int(hw)}", tk._quant_rows_kernel, rows_sig,
+                     {**common, "HW_CVT": hw, "GROUP": group, "NG": ng, "BLOCK_R": 64 // ng, "MODE": mode})
+                comp(f"kernel_cols{group}_ng{ng}_hw{int(hw)}", tk._quant_cols_t_kernel, cols_sig,
+                     {**common, "HW_CVT": hw, "GROUP": group, "NG": ng, "BLOCK_C": 64, "MODE": mode})
     dual_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "qt_ptr": "*fp8e4nv",
                 "sit_ptr": "*fp32", "e8t_ptr": "*u8", "R": "i32", "C": "i32", "G_row": "i32", "G_col": "i32",
                 "stride_x": "i32", "GROUP": "constexpr", "TILE": "constexpr", "MODE": "constexpr",

@@ -157,53 +157,62 @@ if HAVE_TRITON:
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
-                           GROUP: tl.constexpr, BLOCK_R: tl.constexpr, MODE: tl.constexpr,
-                           FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
-                           IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+                           GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_R: tl.constexpr,
+                           MODE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
+                           TOP_MANT: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+        # a tile of BLOCK_R rows x NG groups of GROUP columns: NG > 1 makes each row's load one
+        # contiguous NG*GROUP-element segment (a 1x32 group alone is only 64 bytes of BF16)
         pr = tl.program_id(0)
         pg = tl.program_id(1)
         rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = pg * GROUP + tl.arange(0, GROUP)
+        cols = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        amax = tl.max(a, axis=1)
-        has_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
+        x3 = tl.reshape(x, (BLOCK_R, NG, GROUP))
+        amax = tl.max(tl.abs(x3), axis=2)
+        has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
         amax = tl.where(has_nan, float("nan"), amax)
-        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
-        q = _round_fp8(x * s[:, None], FMAX, IS_E4M3, HW_CVT)
-        tl.store(q_ptr + rows[:, None] * C + cols[None, :], _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), mask=m)
-        rm = rows < R
-        tl.store(si_ptr + rows * G + pg, si, mask=rm)
+        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)  # [BLOCK_R, NG]
+        q = _round_fp8(x3 * s[:, :, None], FMAX, IS_E4M3, HW_CVT)
+        codes = tl.reshape(_fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), (BLOCK_R, NG * GROUP))
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], codes, mask=m)
+        gi = pg * NG + tl.arange(0, NG)
+        sm = (rows[:, None] < R) & (gi[None, :] < G)
+        tl.store(si_ptr + rows[:, None] * G + gi[None, :], si, mask=sm)
         if MODE >= 2:
-            tl.store(e8_ptr + rows * G + pg, e8.to(tl.uint8), mask=rm)
+            tl.store(e8_ptr + rows[:, None] * G + gi[None, :], e8.to(tl.uint8), mask=sm)
 
     @triton.jit
     def _quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
-                             GROUP: tl.constexpr, BLOCK_C: tl.constexpr, MODE: tl.constexpr,
-                             FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
-                             IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+                             GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_C: tl.constexpr,
+                             MODE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
+                             TOP_MANT: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
         # groups of GROUP rows down each column; output is x.T quantised along its rows: [C, R].
-        # The groups are reduced and quantised in the loaded layout; only the 1-byte codes are
-        # transposed (the layout conversion moves a quarter of the bytes an FP32 transpose would).
+        # A tile is NG groups (NG*GROUP rows) x BLOCK_C columns. The groups are reduced and
+        # quantised in the loaded layout; only the 1-byte codes are transposed (the layout
+        # conversion moves a quarter of the bytes an FP32 transpose would), and NG > 1 makes each
+        # stored row of x.T one contiguous NG*GROUP-byte segment.
         pg = tl.program_id(0)
         pc = tl.program_id(1)
-        rows = pg * GROUP + tl.arange(0, GROUP)
+        rows = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        amax = tl.max(tl.abs(x), axis=0)
-        has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
+        x3 = tl.reshape(x, (NG, GROUP, BLOCK_C))
+        amax = tl.max(tl.abs(x3), axis=1)
+        has_nan = tl.max((x3 != x3).to(tl.int32), axis=1) > 0
         amax = tl.where(has_nan, float("nan"), amax)
-        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
-        q = _round_fp8(x * s[None, :], FMAX, IS_E4M3, HW_CVT)
-        codes = _trans_codes(_fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3))  # [BLOCK_C, GROUP]
+        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)  # [NG, BLOCK_C]
+        q = _round_fp8(x3 * s[:, None, :], FMAX, IS_E4M3, HW_CVT)
+        codes = tl.reshape(_fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), (NG * GROUP, BLOCK_C))
+        codes = _trans_codes(codes)  # [BLOCK_C, NG * GROUP]
         mt = (cols[:, None] < C) & (rows[None, :] < R)
         tl.store(q_ptr + cols[:, None] * R + rows[None, :], codes, mask=mt)
-        cm = cols < C
-        tl.store(si_ptr + cols * G + pg, si, mask=cm)
+        gi = pg * NG + tl.arange(0, NG)
+        sm = (gi[:, None] < G) & (cols[None, :] < C)
+        tl.store(si_ptr + cols[None, :] * G + gi[:, None], si, mask=sm)
         if MODE >= 2:
-            tl.store(e8_ptr + cols * G + pg, e8.to(tl.uint8), mask=cm)
+            tl.store(e8_ptr + cols[None, :] * G + gi[:, None], e8.to(tl.uint8), mask=sm)
 
     @triton.jit
     def _quant_block_kernel(x_ptr, q_ptr, si_ptr, R, C, GC, stride_x,
@@ -383,10 +392,11 @@ if HAVE_TRITON:
 #: GPU-only time; docs/benchmarks.md): e.g. 1x32 columns 0.385 -> 0.208 ms with 2 warps and
 #: 128-column tiles. Override temporarily with :func:`launch_config`.
 LAUNCH = {
-    "rows128": {"block_r": 64, "num_warps": 2},
-    "rows32": {"block_r": 64, "num_warps": 4},
-    "cols_t128": {"block_c": 64, "num_warps": 2},
-    "cols_t32": {"block_c": 128, "num_warps": 2},
+    # groups: scaling groups per tile along the grouped dim (1x128 / 1x32 rows and columns)
+    "rows128": {"block_r": 64, "num_warps": 2, "groups": 1},
+    "rows32": {"block_r": 64, "num_warps": 4, "groups": 1},
+    "cols_t128": {"block_c": 64, "num_warps": 2, "groups": 1},
+    "cols_t32": {"block_c": 128, "num_warps": 2, "groups": 1},
     "blocks128": {"num_warps": 16},
     "tensor": {"block": 8192, "num_warps": 8},
     "dual128": {"num_warps": 4},
@@ -473,9 +483,9 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     si = torch.empty((R, G), dtype=torch.float32, device=x.device)
     e8 = torch.empty((R, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
     cfg = LAUNCH["rows128" if group == 128 else "rows32"]
-    block_r = cfg["block_r"]
-    grid = (triton.cdiv(R, block_r), G)
-    _quant_rows_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, BLOCK_R=block_r,
+    block_r, ng = cfg["block_r"], cfg["groups"]
+    grid = (triton.cdiv(R, block_r), triton.cdiv(G, ng))
+    _quant_rows_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, NG=ng, BLOCK_R=block_r,
                              num_warps=cfg["num_warps"],
                              MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                              TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
@@ -497,9 +507,9 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     si = torch.empty((C, G), dtype=torch.float32, device=x.device)
     e8 = torch.empty((C, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
     cfg = LAUNCH["cols_t128" if group == 128 else "cols_t32"]
-    block_c = cfg["block_c"]
-    grid = (G, triton.cdiv(C, block_c))
-    _quant_cols_t_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, BLOCK_C=block_c,
+    block_c, ng = cfg["block_c"], cfg["groups"]
+    grid = (triton.cdiv(G, ng), triton.cdiv(C, block_c))
+    _quant_cols_t_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, NG=ng, BLOCK_C=block_c,
                                num_warps=cfg["num_warps"],
                                MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                                TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
