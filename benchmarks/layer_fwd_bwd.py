@@ -21,6 +21,9 @@ FP8 (rows say ``skipped: torchao not installed`` without torchao). Compiled, our
 quantise their operand pairs with the fused Triton kernels as a custom operator
 (``nemo_fp8_recipes.quant.ops``); ``tensorwise-inductor`` is the same recipe with
 ``NEMO_FP8_COMPILED_QUANT=inductor`` (the reference quantisers, generated and fused by Inductor).
+In eager mode the per-tensor recipes fuse the SwiGLU activation into the down projection's input
+quantisation (``Float8Linear.fuses_swiglu``); ``tensorwise-unfused`` / ``delayed-unfused`` run
+the same recipe with ``NEMO_FP8_FUSED_SWIGLU=0`` (activation materialised) for an A/B in one run.
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
@@ -79,8 +82,15 @@ MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
 TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
 #: ``<recipe>-inductor``: the recipe with NEMO_FP8_COMPILED_QUANT=inductor (compiled mode: the
 #: reference quantisers generated and fused by Inductor instead of the Triton custom operator)
-INDUCTOR_QUANT = {"tensorwise-inductor": "tensorwise"}
-VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "delayed", "blockwise", "mxfp8", *TORCHAO]
+#: ``<recipe>-unfused``: the recipe with NEMO_FP8_FUSED_SWIGLU=0 (eager mode: the SwiGLU activation
+#: materialised by PyTorch's SiLU and multiply, then quantised, instead of computed inside the
+#: down projection's quantisers)
+ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
+                "tensorwise-unfused": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
+                "delayed-unfused": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "0"})}
+VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
+VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-unfused", "delayed", "delayed-unfused",
+            "blockwise", "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -143,7 +153,7 @@ def build(cfg, block: str, variant: str, dev: str, smoke: bool) -> nn.Module:
     if variant in TORCHAO:
         convert_torchao(model, TORCHAO[variant], policy_filter(policy), emulate=smoke)
     elif variant != "bf16":
-        convert_model(model, get_recipe(INDUCTOR_QUANT.get(variant, variant)), policy,
+        convert_model(model, get_recipe(VARIANT_RECIPE.get(variant, variant)), policy,
                       emulate=True if smoke else None)
     return model
 
@@ -305,7 +315,7 @@ def main(argv=None) -> int:
             if variant in TORCHAO:
                 skip = ao_reason or None
             elif variant != "bf16":
-                how, reason = recipe_mode(INDUCTOR_QUANT.get(variant, variant), dev)
+                how, reason = recipe_mode(VARIANT_RECIPE.get(variant, variant), dev)
                 skip = f"skipped: {reason}" if how == "skipped" else None
             model = None
             if skip is None:
@@ -321,16 +331,17 @@ def main(argv=None) -> int:
             for mode in modes:
                 row = dict(row0, mode=mode, status=skip)
                 if model is not None:
-                    prev = os.environ.get("NEMO_FP8_COMPILED_QUANT")
-                    if variant in INDUCTOR_QUANT:  # read when the graph is traced (first call)
-                        os.environ["NEMO_FP8_COMPILED_QUANT"] = "inductor"
+                    env = ENV_VARIANTS.get(variant, (None, {}))[1]
+                    prev = {k: os.environ.get(k) for k in env}
+                    os.environ.update(env)  # read when the graph is traced / at every call
                     try:
                         row.update(measure(model, mode, inputs, a, dev))
                     finally:
-                        if prev is None:
-                            os.environ.pop("NEMO_FP8_COMPILED_QUANT", None)
-                        else:
-                            os.environ["NEMO_FP8_COMPILED_QUANT"] = prev
+                        for k, v in prev.items():
+                            if v is None:
+                                os.environ.pop(k, None)
+                            else:
+                                os.environ[k] = v
                     row["tflops"] = None if row["ms"] is None else model_flops(
                         cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
                 failed |= row["status"].startswith("error")

@@ -553,3 +553,146 @@ def test_every_kernel_compiles_for_sm90(aot):
     assert len(names) >= 12
     failed = {k: v["error"] for k, v in aot.items() if v.get("error")}
     assert not failed, failed
+
+
+# ---- SwiGLU -> quantise (the down projection's input from its two halves) ----------------------
+def _swiglu_halves(dtype, shape=(256, 384), seed=21):
+    g = structured(*shape, seed=seed) * 3.0
+    g[5, :7] = torch.tensor([0.0, -0.0, 88.0, -88.0, 1e-30, -104.0, 40.0])  # exp over/underflow edges
+    u = structured(*shape, seed=seed + 1)
+    u[9, 3] = 5000.0  # an outlier that sets the amax
+    return g.to(DEV, dtype).contiguous(), u.to(DEV, dtype).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_swiglu_fused_pair_equals_quantising_the_activation(tk, dtype, fmt):
+    """``quantize_tensor_dual(u, gate=g)`` (current scaling: amax pass + one-read cast, both from
+    g and u) gives the codes and scale of quantising ``F.silu(g) * u`` as PyTorch computes it."""
+    g, u = _swiglu_halves(dtype)
+    act = torch.nn.functional.silu(g) * u
+    ref = quantize(act, fmt, "tensor")
+    a, b = tk.quantize_tensor_dual(u, fmt, gate=g)
+    _same(a, ref)
+    assert torch.equal(b.data.float(), ref.data.float().t())
+    assert torch.equal(a.amax.reshape(()), ref.amax.reshape(()).float())
+
+
+@pytest.mark.parametrize("fold", [True, False], ids=["one-pass", "two-pass"])
+def test_swiglu_fused_delayed_pair_folds_the_activation_amax(tk, fold):
+    """Delayed scaling: a given scale, the activation's amax max-accumulated into ``amax_out``
+    (one pass over g and u with ``fold_amax``)."""
+    g, u = _swiglu_halves(torch.bfloat16, shape=(200, 300), seed=5)
+    act = torch.nn.functional.silu(g) * u
+    s = torch.tensor(0.125, device=DEV)
+    ref = quantize(act, "e4m3", "tensor", scale=s)
+    acc = torch.full((1,), 2.0, device=DEV)  # an earlier use's amax, below this one
+    with tk.launch_config("tensor_dual_delayed", fold_amax=fold):
+        a, b = tk.quantize_tensor_dual(u, "e4m3", scale=s, amax_out=acc, gate=g)
+    _same(a, ref)
+    assert torch.equal(b.data.float(), ref.data.float().t())
+    assert torch.equal(acc, ref.amax.reshape(1).float())
+
+
+def test_swiglu_gate_is_checked(tk):
+    g, u = _swiglu_halves(torch.bfloat16, shape=(64, 64))
+    with pytest.raises(ValueError, match="gate must match"):
+        tk.quantize_tensor_dual(u, "e4m3", gate=g.float())
+    with pytest.raises(ValueError, match="contiguous"):
+        tk.quantize_tensor_dual(u.t(), "e4m3", gate=g.t())
+    with pytest.raises(ValueError, match="BF16 or FP32"):
+        tk.quantize_tensor_dual(u.half(), "e4m3", gate=g.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_swiglu_backward_kernel_matches_autograd(tk, dtype):
+    """One-pass SwiGLU backward vs PyTorch's autograd of ``F.silu(g) * u``: ``du`` bit-identical
+    (BF16, and FP32 on a GPU); ``dg`` within one unit in the last place, and no further from the
+    float64 derivative."""
+    g, u = _swiglu_halves(dtype, shape=(128, 320), seed=3)
+    dy = (structured(128, 320, seed=4) * 1e-2).to(DEV, dtype)
+    g1, u1 = g.clone().requires_grad_(), u.clone().requires_grad_()
+    (torch.nn.functional.silu(g1) * u1).backward(dy)
+    dg, du = tk.swiglu_backward(dy, g, u)
+    # the interpreter's BF16 store of subnormal results is not exact (g near -88 gives some):
+    # there, compare the normal range; a GPU compares everything
+    tiny = torch.finfo(torch.float32).tiny
+    def normal(t):
+        a = t.float().abs()
+        return torch.ones_like(a, dtype=torch.bool) if ON_GPU else (a == 0) | (a >= tiny)
+
+    keep_u, keep_g = normal(u1.grad), normal(g1.grad)
+    assert int(keep_u.sum()) > 0.99 * du.numel()
+    ulp = torch.finfo(dtype).eps
+    if ON_GPU or dtype == torch.bfloat16:
+        assert torch.equal(du[keep_u], u1.grad[keep_u])
+    else:  # FP32 on CPU: PyTorch's vectorised exp and the interpreter's (NumPy) may differ by an ulp
+        rel_u = (du.float() - u1.grad.float()).abs() / u1.grad.float().abs().clamp_min(1e-30)
+        assert float(rel_u[keep_u].max()) <= 4 * ulp
+    if dtype == torch.bfloat16:  # (in FP32 the derivative's cancellation near g = -1.28 makes
+        # relative differences meaningless; the float64 comparison below covers it)
+        rel = ((dg.float() - g1.grad.float()).abs() / g1.grad.float().abs().clamp_min(1e-30))[keep_g]
+        assert float(rel.max()) <= ulp
+    gd, ud, dyd = g.double(), u.double(), dy.double()
+    sig = torch.sigmoid(gd)
+    exact = dyd * ud * sig * (1 + gd * (1 - sig))
+    err_fused = (dg.double() - exact)[keep_g].abs().max()
+    err_autograd = (g1.grad.double() - exact)[keep_g].abs().max()
+    assert err_fused <= err_autograd * (1.01 if dtype == torch.bfloat16 else 2.0) + 1e-30
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_fused_swiglu_mlp_matches_the_unfused_mlp(tk, recipe, monkeypatch):
+    """``FeedForward`` with FP8 linears: the down projection gets the SwiGLU halves and fuses the
+    activation into its input quantisation (and the SwiGLU backward into one kernel). Same
+    output bits, same delayed-scaling state, the same gradients (w2, w3 and the input within the
+    one-ulp rounding of ``dg`` that the fused backward may differ by) as ``NEMO_FP8_FUSED_SWIGLU=0``.
+    On CPU the fused path is driven through Triton's interpreter with emulated GEMMs."""
+    import nemo_fp8_recipes.nn.linear as lin
+    import nemo_fp8_recipes.quant.dispatch as dispatch
+    from nemo_fp8_recipes.models.llama import FeedForward
+    from nemo_fp8_recipes.nn import Float8Linear
+    from nemo_fp8_recipes.recipes import get_recipe
+
+    if not ON_GPU:
+        monkeypatch.setattr(dispatch, "triton_enabled", lambda x, triton=None: triton is not False)
+        monkeypatch.setattr(lin, "triton_enabled", lambda x, triton=None: triton is not False)
+    emulate = not ON_GPU
+    calls = []
+    real_bwd = tk.swiglu_backward
+    monkeypatch.setattr(tk, "swiglu_backward", lambda *a: calls.append(1) or real_bwd(*a))
+
+    def run(fused: bool):
+        monkeypatch.setenv("NEMO_FP8_FUSED_SWIGLU", "1" if fused else "0")
+        torch.manual_seed(0)
+        ff = FeedForward(128, 256).to(DEV, torch.bfloat16)
+        for name in ("w1", "w2", "w3"):
+            setattr(ff, name, Float8Linear.from_linear(getattr(ff, name), get_recipe(recipe), emulate=emulate))
+        x = (structured(64, 128, seed=31) * 2).to(DEV, torch.bfloat16).reshape(2, 32, 128).requires_grad_()
+        outs = []
+        for step in range(2):  # delayed: the second step uses the history of the first
+            y = ff(x)
+            y.backward((structured(64, 128, seed=40 + step) * 1e-2).to(DEV, torch.bfloat16).reshape_as(y))
+            outs.append(y.detach().clone())
+        state = {k: v.clone() for k, v in ff.state_dict().items() if "fp8_" in k}
+        grads = {n: p.grad.clone() for n, p in ff.named_parameters()}
+        return outs, state, grads, x.grad.clone(), ff
+
+    outs_f, state_f, grads_f, dx_f, ff = run(True)
+    assert calls, "the fused backward did not run"
+    assert ff.w2.fuses_swiglu(torch.zeros(32, 256, device=DEV, dtype=torch.bfloat16),
+                              torch.zeros(32, 256, device=DEV, dtype=torch.bfloat16))
+    n_fused = len(calls)
+    outs_u, state_u, grads_u, dx_u, _ = run(False)
+    assert len(calls) == n_fused  # the unfused run did not use it
+    for a, b in zip(outs_f, outs_u):
+        assert torch.equal(a, b)
+    for k in state_u:
+        assert torch.equal(state_f[k], state_u[k]), k
+    assert torch.equal(grads_f["w2.weight"], grads_u["w2.weight"])
+    assert torch.equal(grads_f["w3.weight"], grads_u["w3.weight"])
+    for n in ("w1.weight",):
+        rel = (grads_f[n].float() - grads_u[n].float()).norm() / grads_u[n].float().norm()
+        assert float(rel) < 1e-2, (n, float(rel))
+    rel = (dx_f.float() - dx_u.float()).norm() / dx_u.float().norm()
+    assert float(rel) < 1e-2

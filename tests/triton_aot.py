@@ -82,8 +82,15 @@ def main() -> None:
                  "IS_E4M3": "constexpr", "HW_CVT": "constexpr"}
     comp("kernel_blocks128", tk._quant_block_kernel, block_sig,
          {"BLOCK": 128, "MODE": 1, "FMAX": 448.0, "IS_E4M3": True, "HW_CVT": True})
-    comp("kernel_amax_atomic", tk._amax_atomic_kernel,
-         {"x_ptr": "*bf16", "amax_bits_ptr": "*i32", "N": "i32", "BLOCK": "constexpr"}, {"BLOCK": 8192})
+    gate_sig = {"GATED": "constexpr", "LIBDEVICE": "constexpr", "IN_BF16": "constexpr"}
+    for gated in (False, True):
+        comp(f"kernel_amax_atomic_gated{int(gated)}", tk._amax_atomic_kernel,
+             {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_bits_ptr": "*i32", "N": "i32", "BLOCK": "constexpr",
+              **gate_sig}, {"BLOCK": 8192, "GATED": gated, "LIBDEVICE": True, "IN_BF16": True})
+    comp("kernel_swiglu_bwd", tk._swiglu_bwd_kernel,
+         {"dy_ptr": "*bf16", "g_ptr": "*bf16", "u_ptr": "*bf16", "dg_ptr": "*bf16", "du_ptr": "*bf16", "N": "i32",
+          "BLOCK": "constexpr", "LIBDEVICE": "constexpr", "IN_BF16": "constexpr"},
+         {"BLOCK": 4096, "LIBDEVICE": True, "IN_BF16": True})
     for fmt, e4 in (("e4m3", True), ("e5m2", False)):
         # current scaling (amax read), and a given scale with the amax folded in (int32 atomics)
         for has_scale in (True, False):
@@ -91,14 +98,16 @@ def main() -> None:
             comp(f"kernel_cast_{fmt}_scale{int(has_scale)}", tk._cast_kernel, sig,
                  {"BLOCK": 8192, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": has_scale,
                   "MODE": 0, "AMAX_OUT": has_scale})
-            dual = {"x_ptr": "*bf16", "amax_ptr": "*i32" if has_scale else "*fp32", "s_ptr": "*fp32",
+            dual = {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_ptr": "*i32" if has_scale else "*fp32", "s_ptr": "*fp32",
                     "si_ptr": "*fp32", "q_ptr": "*fp8e4nv" if e4 else "*fp8e5",
                     "qt_ptr": "*fp8e4nv" if e4 else "*fp8e5", "R": "i32", "C": "i32", "stride_x": "i32",
                     "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "FMAX": "constexpr", "IS_E4M3": "constexpr",
-                    "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr", "AMAX_OUT": "constexpr"}
+                    "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr", "AMAX_OUT": "constexpr",
+                    **gate_sig}
             comp(f"kernel_cast_dual_{fmt}_scale{int(has_scale)}", tk._cast_dual_kernel, dual,
                  {"BLOCK_R": 128, "BLOCK_C": 64, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
-                  "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale})
+                  "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale, "GATED": has_scale,
+                  "LIBDEVICE": True, "IN_BF16": True})
     print(json.dumps(out))
 
 

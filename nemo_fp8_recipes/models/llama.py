@@ -165,8 +165,13 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to the last dim."""
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        """Apply the MLP to the last dim. A down projection that takes the SwiGLU halves
+        (``Float8Linear``: ``w2(u, gate=g)``) gets them unmultiplied, so it can fuse the activation
+        into its input's quantisation; the result is the same."""
+        g, u = self.w1(x), self.w3(x)
+        if getattr(self.w2, "accepts_swiglu_gate", False):
+            return self.w2(u, gate=g)
+        return self.w2(F.silu(g) * u)
 
 
 class OutlierGain(nn.Module):

@@ -34,6 +34,7 @@ kernels, and no Python-side state), so a compiled model has no graph break at it
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, Dict, Optional
 
 import torch
@@ -183,9 +184,13 @@ def _fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple
     return y.reshape(*in_shape[:-1], y.shape[-1]), (*_tensors(qx_wgrad), *_tensors(w_dgrad))
 
 
-def _grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_operand):
+def _grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_operand,
+           need_dx: Optional[bool] = None):
     """dgrad and wgrad (each only if needed) and the bias gradient from ``dy`` and the tensors
-    :func:`_fprop` saved: returns ``(dx, dw, db)``, None for a gradient not needed."""
+    :func:`_fprop` saved: returns ``(dx, dw, db)``, None for a gradient not needed (``need_dx``:
+    whether dgrad runs; default: whether the input needs a gradient)."""
+    if need_dx is None:
+        need_dx = ctx.needs_input_grad[0]
     dy2 = dy.reshape(-1, dy.shape[-1])
     if ctx.pad:
         dy2 = torch.cat([dy2, dy2.new_zeros(ctx.pad, dy2.shape[1])])
@@ -198,7 +203,7 @@ def _grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_o
         qdy, qdy_wgrad = quantize_operand(_GO, dy2, pair=True)
     else:
         qdy, qdy_wgrad = quantize_operand(_GO, dy2), None
-    if ctx.needs_input_grad[0]:
+    if need_dx:
         dx = scaled_matmul(
             qdy, saved_w, emulate=emulate, out_dtype=ctx.x_dtype,
             fast_accum=recipe.dgrad.fast_accum,
@@ -244,6 +249,48 @@ class _Float8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
+class _Float8SwiGLULinearFn(torch.autograd.Function):
+    """The eager path for ``x = F.silu(g) * u``, fused (:meth:`Float8Linear.fuses_swiglu`): the
+    input's per-tensor codes and their transpose are computed from ``g`` and ``u`` inside the
+    Triton quantisers (the activation is never written), and backward turns the dgrad output
+    into ``(dg, du)`` in one kernel (:func:`~nemo_fp8_recipes.quant.triton_kernels.swiglu_backward`).
+    Saves ``g`` and ``u`` (which autograd of the unfused SwiGLU saves too, with SiLU's output)."""
+
+    @staticmethod
+    def forward(ctx, u, weight, bias, g, mod: "Float8Linear", out_dtype: torch.dtype):
+        g2 = g.reshape(-1, g.shape[-1])
+
+        def quantize_operand(i, t, pair=False):
+            return mod._quantize_operand(i, t, pair=pair, gate=g2 if i == _IN else None)
+
+        y, to_save = _fprop(
+            ctx, u, bias, mod._quantized_weight(), recipe=mod.recipe, emulate=mod.emulate,
+            row_multiple=mod._row_multiple, out_dtype=out_dtype, quantize_operand=quantize_operand,
+        )
+        mod._count("fprop")
+        ctx.save_for_backward(*to_save, g, u)
+        ctx.mod = mod
+        ctx.w_dtype = weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        from ..quant.triton_kernels import swiglu_backward
+
+        mod: Float8Linear = ctx.mod
+        *saved, g, u = ctx.saved_tensors
+        dact, dw, db = _grads(ctx, dy, saved, recipe=mod.recipe, emulate=mod.emulate, w_dtype=ctx.w_dtype,
+                              quantize_operand=mod._quantize_operand,
+                              need_dx=ctx.needs_input_grad[0] or ctx.needs_input_grad[3])
+        dg = du = None
+        if dact is not None:
+            mod._count("dgrad")
+            dg, du = swiglu_backward(dact.contiguous(), g, u)
+        if dw is not None:
+            mod._count("wgrad")
+        return du, dw, db, dg, None, None
+
+
 class _Float8LinearTracedFn(torch.autograd.Function):
     """Compile-traceable path (current scaling only): no Python-side state. The reference
     quantisers (plain torch ops) and the GEMM dispatch of :mod:`nemo_fp8_recipes.quant.gemm`,
@@ -286,6 +333,9 @@ class Float8Linear(nn.Linear):
     (quantise -> dequantise -> FP32 matmul); ``False`` runs ``torch._scaled_mm`` /
     ``torch.nn.functional.scaled_mm`` on the tensor cores.
     """
+
+    #: :meth:`forward` takes ``gate`` (the SwiGLU gate half): ``FeedForward`` passes it unmultiplied
+    accepts_swiglu_gate = True
 
     def __init__(
         self,
@@ -425,9 +475,12 @@ class Float8Linear(nn.Linear):
         self._pending[i] = False
         return False
 
-    def _quantize_operand(self, i: int, t: torch.Tensor, pair: bool = False):
+    def _quantize_operand(self, i: int, t: torch.Tensor, pair: bool = False,
+                          gate: Optional[torch.Tensor] = None):
         """Quantise operand ``i`` (input, weight, grad_output) of 2-D ``t`` along its last dim;
         with ``pair=True`` also along its first dim (the wgrad copy), from one read on CUDA.
+        ``gate``: the operand is ``F.silu(gate) * t`` (fused into the per-tensor pair kernels,
+        :meth:`fuses_swiglu`; materialised otherwise).
         Delayed scaling: commit the pending amax (lazy schedule), cast with the scale, and
         max-accumulate this tensor's amax into the pending amax — on CUDA inside the cast pass
         itself (the tensor is read once), so a delayed quantisation is two kernels."""
@@ -445,9 +498,12 @@ class Float8Linear(nn.Linear):
             # folded into the pending value.
             if not self.telemetry_enabled:
                 amax_out = self.fp8_amax_pending[i : i + 1]
+        if gate is not None and (not pair or self.telemetry_enabled):
+            t, gate = torch.nn.functional.silu(gate) * t, None
         try:
             if pair:
-                q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out)
+                q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out,
+                                           gate=gate)
             else:
                 q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale, amax_out=amax_out), None
         except BaseException:
@@ -533,8 +589,27 @@ class Float8Linear(nn.Linear):
             return False
         return True
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x · Wᵀ + b`` with the three GEMMs in FP8.
+    def fuses_swiglu(self, gate: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether ``self(x, gate=gate)`` runs the fused SwiGLU → quantise path: eager (not under
+        ``torch.compile``, where Inductor fuses SiLU, the product and the quantisers itself), on
+        CUDA with the Triton kernels, a per-tensor input (tensorwise, delayed),
+        telemetry off, ``gate`` and ``x`` contiguous with the same shape and dtype (BF16 or
+        FP32), whole GEMM tiles of rows (no padding), and ``NEMO_FP8_FUSED_SWIGLU`` not 0.
+        Otherwise the activation is materialised first — the same numbers either way."""
+        return (not torch.compiler.is_compiling()
+                and os.environ.get("NEMO_FP8_FUSED_SWIGLU", "1") != "0"
+                and self.recipe.input_granularity is Granularity.TENSOR and not self.telemetry_enabled
+                and triton_enabled(x) and gate.shape == x.shape and gate.dtype == x.dtype
+                and x.dtype in (torch.bfloat16, torch.float32) and gate.device == x.device
+                and x.is_contiguous() and gate.is_contiguous()
+                and (x.numel() // max(x.shape[-1], 1)) % self._row_multiple == 0)
+
+    def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x · Wᵀ + b`` with the three GEMMs in FP8; with ``gate``, ``(F.silu(gate) * x) · Wᵀ + b``
+        — a SwiGLU MLP's down projection called with the gate and up halves, so that the
+        activation can be fused into the input's quantisation (:meth:`fuses_swiglu`: computed
+        inside the Triton quantisers and never written; backward in one kernel), bit-identical
+        to materialising it.
 
         Eager mode runs :class:`_Float8LinearFn`: the fused Triton quantisers on CUDA, the FP8
         weight cached between optimizer steps, delayed-scaling state, telemetry, Python GEMM
@@ -558,6 +633,10 @@ class Float8Linear(nn.Linear):
         re-trace once for each state (a guard on ``telemetry_enabled``).
         """
         out_dtype = _out_dtype_for(x)
+        if gate is not None:
+            if self.fuses_swiglu(gate, x):
+                return self._forward_swiglu(gate, x, out_dtype)
+            x = torch.nn.functional.silu(gate) * x
         if torch.compiler.is_compiling() and self.traceable():
             self.fp8_fwd_count.add_(1)
             return _Float8LinearTracedFn.apply(
@@ -571,3 +650,7 @@ class Float8Linear(nn.Linear):
     @torch.compiler.disable
     def _forward_eager(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return _Float8LinearFn.apply(x, self.weight, self.bias, self, out_dtype)
+
+    def _forward_swiglu(self, gate: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        _check_device(x, self.emulate, self.fqn)
+        return _Float8SwiGLULinearFn.apply(x, self.weight, self.bias, gate, self, out_dtype)

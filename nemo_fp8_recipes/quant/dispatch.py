@@ -110,7 +110,7 @@ def _fold_amax(q: QuantizedTensor, amax_out: Optional[torch.Tensor]) -> Quantize
 
 def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding.FP32,
                        scale: Optional[torch.Tensor] = None, triton: Optional[bool] = None,
-                       amax_out: Optional[torch.Tensor] = None):
+                       amax_out: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None):
     """``(quantize(x, dim=-1), quantize(x, dim=0))`` — the operand for the GEMM contracting over
     ``x``'s last dim and the one contracting over its first dim (the wgrad copy, written already
     transposed and contiguous). Per tensor, both copies come from one read of ``x`` after the
@@ -122,9 +122,19 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
     of a whole tile costs more than the second read saves (docs/benchmarks.md).
     ``triton=False`` forces the reference quantisers (per-tensor and 128x128 copies are then
     transposed views of one quantisation). ``amax_out``: as in :func:`quantize_auto` (both
-    copies carry it)."""
+    copies carry it).
+
+    ``gate``: quantise the SwiGLU activation ``F.silu(gate) * x`` instead of ``x`` — per tensor
+    on CUDA computed inside the Triton kernels from the two halves and never written (same
+    codes, :func:`~.triton_kernels.quantize_tensor_dual`); elsewhere materialised first."""
     g = Granularity(granularity)
     _check_amax_out(g, scale, amax_out)
+    if gate is not None:
+        if g is Granularity.TENSOR and triton_enabled(x, triton):
+            from . import triton_kernels as tk
+
+            return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale, amax_out=amax_out, gate=gate)
+        x = torch.nn.functional.silu(gate) * x
     if not triton_enabled(x, triton) or g is Granularity.BLOCK_128x128:
         a = _fold_amax(quantize(x, fmt, g, rounding, dim=-1, scale=scale), amax_out)
         b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(

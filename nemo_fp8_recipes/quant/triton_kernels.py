@@ -37,6 +37,7 @@ import torch
 try:  # Triton is optional: GPU machines have it; CPU CI may install it for the interpreter.
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     HAVE_TRITON = True
 except Exception:  # pragma: no cover - depends on the environment
@@ -56,6 +57,7 @@ __all__ = [
     "quantize_dual",
     "quantize_tensor_dual",
     "delayed_commit",
+    "swiglu_backward",
 ]
 
 _MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
@@ -121,6 +123,74 @@ if HAVE_TRITON:
         """The transpose of a 2-D tile of FP8 codes, moved as bytes (the layout conversion
         through shared memory then carries 1 byte per element, not the 4 of the FP32 values)."""
         return tl.trans(codes.to(tl.uint8, bitcast=True)).to(codes.dtype, bitcast=True)
+
+    @triton.jit
+    def _rne_bf16(x):
+        """FP32 ``x`` rounded to the nearest BF16 value (ties to even), still as FP32 — explicit
+        on the bits, so the interpreter (whose BF16 cast truncates) and the GPU agree."""
+        b = x.to(tl.int32, bitcast=True)
+        r = ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, r)
+
+    @triton.jit
+    def _exp(x, LIBDEVICE: tl.constexpr):
+        # libdevice's expf on a GPU (what PyTorch's CUDA kernels call; tl.exp is the approximate
+        # ex2.approx there); the interpreter has no libdevice and evaluates tl.exp exactly
+        if LIBDEVICE:
+            return libdevice.exp(x)
+        else:
+            return tl.exp(x)
+
+    @triton.jit
+    def _sigmoid(g, LIBDEVICE: tl.constexpr):
+        return tl.math.div_rn(tl.zeros_like(g) + 1.0, 1.0 + _exp(-g, LIBDEVICE))
+
+    @triton.jit
+    def _swiglu(g, u, LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
+        """``silu(g) * u`` as PyTorch evaluates ``F.silu(g) * u`` in the inputs' dtype (FP32
+        math, IEEE division, each op's result rounded to that dtype): bit-identical values."""
+        s = tl.math.div_rn(g, 1.0 + _exp(-g, LIBDEVICE))
+        if IN_BF16:
+            s = _rne_bf16(s)
+        a = s * u
+        if IN_BF16:
+            a = _rne_bf16(a)
+        return a
+
+    @triton.jit
+    def _load_act(x_ptr, g_ptr, offs, m, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
+                  IN_BF16: tl.constexpr):
+        """The operand at ``offs`` as FP32: ``x`` itself, or (GATED) ``silu(g) * x``."""
+        x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        if GATED:
+            g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            x = _swiglu(g, x, LIBDEVICE, IN_BF16)
+        return x
+
+    @triton.jit
+    def _swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, BLOCK: tl.constexpr,
+                           LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
+        # autograd of F.silu(g) * u in one pass: du = dy * silu(g), dg = silu'(g) * (dy * u),
+        # each product rounded to the inputs' dtype where PyTorch's separate kernels round it
+        pid = tl.program_id(0)
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        m = offs < N
+        dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        s = tl.math.div_rn(g, 1.0 + _exp(-g, LIBDEVICE))
+        ds = dy * u
+        if IN_BF16:
+            s = _rne_bf16(s)
+            ds = _rne_bf16(ds)
+        sig = _sigmoid(g, LIBDEVICE)
+        dg = ds * sig * (1.0 + g * (1.0 - sig))
+        du = dy * s
+        if IN_BF16:  # rounded here: the interpreter's BF16 store truncates
+            dg = _rne_bf16(dg)
+            du = _rne_bf16(du)
+        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=m)
+        tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr):
@@ -251,10 +321,11 @@ if HAVE_TRITON:
         _fold_amax_bits(amax_bits_ptr, tl.max(tl.max(b, axis=1), axis=0))
 
     @triton.jit
-    def _amax_atomic_kernel(x_ptr, amax_bits_ptr, N, BLOCK: tl.constexpr):
+    def _amax_atomic_kernel(x_ptr, g_ptr, amax_bits_ptr, N, BLOCK: tl.constexpr, GATED: tl.constexpr,
+                            LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
         pid = tl.program_id(0)
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + offs, mask=offs < N, other=0.0).to(tl.float32)
+        x = _load_act(x_ptr, g_ptr, offs, offs < N, GATED, LIBDEVICE, IN_BF16)
         _fold_amax(amax_bits_ptr, x)
 
     @triton.jit
@@ -333,18 +404,20 @@ if HAVE_TRITON:
             tl.store(e8t_ptr + cols[None, :] * G_col + grow[:, None], e8t.to(tl.uint8), mask=mst)
 
     @triton.jit
-    def _cast_dual_kernel(x_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, qt_ptr, R, C, stride_x,
+    def _cast_dual_kernel(x_ptr, g_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, qt_ptr, R, C, stride_x,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr,
                           IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          MODE: tl.constexpr, AMAX_OUT: tl.constexpr):
+                          MODE: tl.constexpr, AMAX_OUT: tl.constexpr, GATED: tl.constexpr,
+                          LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
         # per-tensor scale: the codes and their transpose (the codes moved as bytes) from one read
+        # (GATED: of the SwiGLU halves g (g_ptr, same strides) and x, the activation never stored)
         pr = tl.program_id(0)
         pc = tl.program_id(1)
         rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         s = _tensor_scale(amax_ptr, s_ptr, si_ptr, (pr == 0) & (pc == 0), HAS_SCALE, MODE, FMAX)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        x = _load_act(x_ptr, g_ptr, rows[:, None] * stride_x + cols[None, :], m, GATED, LIBDEVICE, IN_BF16)
         if AMAX_OUT:  # first, so the FP32 tile need not stay live through the transpose
             _fold_amax_2d(amax_ptr, x)
         codes = _fp8_cast(_round_fp8(x * s, FMAX, IS_E4M3, HW_CVT), q_ptr.dtype.element_ty, IS_E4M3)
@@ -537,20 +610,67 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
     return QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
 
 
-def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
+                 gate: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-tensor amax max-accumulated into ``acc`` (a ``[1, 1]`` FP32 tensor; default a fresh
     zero), which is returned: one atomic-max pass over a contiguous ``x2`` (NaN if any element
-    is NaN), or a PyTorch reduction of a strided one."""
+    is NaN), or a PyTorch reduction of a strided one. ``gate``: the amax of ``silu(gate) * x2``
+    (both contiguous, :func:`_check_gate`)."""
     if acc is None:
         acc = torch.zeros((1, 1), dtype=torch.float32, device=x2.device)  # a base tensor, not a view
     n = x2.numel()
     if n and x2.is_contiguous():
         block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
-        _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, acc.view(torch.int32), n, BLOCK=block,
-                                                      num_warps=warps)
+        _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, x2 if gate is None else gate, acc.view(torch.int32), n,
+                                                      BLOCK=block, num_warps=warps, **_gate_args(x2, gate))
     elif n:
+        if gate is not None:
+            raise ValueError("a gated amax needs contiguous inputs")
         torch.maximum(acc, x2.float().abs().amax().reshape(1, 1), out=acc)
     return acc
+
+
+def _gate_args(x: torch.Tensor, gate: Optional[torch.Tensor]) -> dict:
+    """The SwiGLU-prologue constexprs of the per-tensor kernels."""
+    return {"GATED": gate is not None, "LIBDEVICE": x.is_cuda and not _interpreting(),
+            "IN_BF16": x.dtype == torch.bfloat16}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+def _check_gate(x: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
+    """``gate`` (the SwiGLU gate half ``g`` of ``silu(g) * x``) must match ``x`` exactly: same
+    shape, dtype (BF16 or FP32), device, and both contiguous."""
+    if gate is None:
+        return
+    if gate.shape != x.shape or gate.dtype != x.dtype or gate.device != x.device:
+        raise ValueError(f"gate must match the input: got {tuple(gate.shape)} {gate.dtype} on {gate.device} "
+                         f"for {tuple(x.shape)} {x.dtype} on {x.device}")
+    if x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the fused SwiGLU takes BF16 or FP32 inputs, not {x.dtype}")
+    if not (x.is_contiguous() and gate.is_contiguous()):
+        raise ValueError("the fused SwiGLU needs contiguous inputs")
+
+
+def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
+    """``(dg, du)``, the gradients of ``F.silu(g) * u`` for the output gradient ``dy``, in one
+    pass (PyTorch's autograd takes three kernels and two intermediate tensors). ``du`` is
+    bit-identical to autograd's; ``dg`` can differ by rounding where the compiler contracts the
+    derivative's multiply-add differently (tests: within one unit in the last place)."""
+    _require_triton()
+    _check_gate(u, g)
+    if dy.shape != u.shape or dy.dtype != u.dtype or not dy.is_contiguous():
+        raise ValueError("dy must be contiguous with the shape and dtype of u")
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    n = u.numel()
+    if n:
+        block = 4096
+        _swiglu_bwd_kernel[(triton.cdiv(n, block),)](dy, g, u, dg, du, n, BLOCK=block, num_warps=8,
+                                                     LIBDEVICE=u.is_cuda and not _interpreting(),
+                                                     IN_BF16=u.dtype == torch.bfloat16)
+    return dg, du
 
 
 def _tensor_scale_args(amax: torch.Tensor, fmt: Format, rounding: ScaleRounding, scale):
@@ -586,14 +706,14 @@ def _amax_accumulator(amax_out, device) -> torch.Tensor:
     return amax_out.view(1, 1)
 
 
-def _per_tensor_amax(x2: torch.Tensor, scale, amax_out):
+def _per_tensor_amax(x2: torch.Tensor, scale, amax_out, gate=None):
     """``(amax buffer, AMAX_OUT)``: current scaling runs the amax pass first; a given scale
     lets the cast pass itself fold the amax into :func:`_amax_accumulator`'s buffer."""
     if scale is None:
         if amax_out is not None:
             raise ValueError("amax_out collects the amax of a cast with a given (delayed) scale; "
                              "current scaling (scale=None) returns its amax in q.amax")
-        return _tensor_amax(x2), False
+        return _tensor_amax(x2, gate=gate), False
     return _amax_accumulator(amax_out, x2.device), True
 
 
@@ -657,31 +777,38 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
 
 
 def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None,
-                         amax_out: Optional[torch.Tensor] = None):
+                         amax_out: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None):
     """Per-tensor codes and their transpose (contiguous) from one read of ``x``: ``(q, q_t)``
     with the same scale — after the amax pass (current scaling, the scale computed on the device
     by the cast kernel), or in a single pass with a given ``scale`` that also folds the amax
-    into ``amax_out`` as :func:`quantize_tensor` does."""
+    into ``amax_out`` as :func:`quantize_tensor` does.
+
+    ``gate`` (SwiGLU → quantise): quantise ``F.silu(gate) * x`` — the activation is computed in
+    the kernels from its two halves (bit-identical to PyTorch's, :func:`_swiglu`) and never
+    written: the same codes as quantising the materialised activation, without its write and
+    read-back (and the separate SiLU and multiply kernels)."""
     _require_triton()
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    _check_gate(x, gate)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     R, C = x2.shape
     n = x2.numel()
-    amax, amax_in_cast = _per_tensor_amax(x2, scale, amax_out)
+    amax, amax_in_cast = _per_tensor_amax(x2, scale, amax_out, gate)
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     qt = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
     if n:
         s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
         cfg = LAUNCH["tensor_dual_delayed" if amax_in_cast else "tensor_dual"]
         if amax_in_cast and not cfg["fold_amax"]:  # the amax pass into the same accumulator
-            _tensor_amax(x2, amax)
+            _tensor_amax(x2, amax, gate=gate)
             amax_in_cast = False
         grid = (triton.cdiv(R, cfg["block_r"]), triton.cdiv(C, cfg["block_c"]))
-        _cast_dual_kernel[grid](x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
+        _cast_dual_kernel[grid](x2, x2 if gate is None else gate, amax.view(torch.int32) if amax_in_cast else amax,
+                                s_arg, si, q, qt,
                                 R, C, x2.stride(0), BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
                                 FMAX=fmt.max, num_warps=cfg["num_warps"],
                                 IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), HAS_SCALE=has_scale,
-                                MODE=mode, AMAX_OUT=amax_in_cast)
+                                MODE=mode, AMAX_OUT=amax_in_cast, **_gate_args(x2, gate))
     else:
         si = _scale_inv_of_empty(amax, fmt, rounding, scale)
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
