@@ -7,7 +7,9 @@ Bytes counted = source read once (BF16) + FP8 codes written + scales written (bo
 scaling cannot avoid a second read (the scale needs the whole tensor's amax before any code is
 written), so its "bytes moved" columns count the bytes it has to move (5 per element instead of 3).
 "ms" is what a caller sees (CUDA events around the Python call: launch and allocation overhead
-included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. All variants run in one process, CUDA events, median of
+included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. The last rows
+compare SwiGLU -> quantise fused (the activation computed inside the quantisers from its halves)
+and unfused, forward and backward (:func:`swiglu_rows`). All variants run in one process, CUDA events, median of
 ``--iters`` after warm-up, inputs rotated over 4 buffers. ``--smoke``: tiny CPU run for CI.
 """
 
@@ -155,6 +157,58 @@ def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
     return out
 
 
+def swiglu_rows(a, dev: str, copy_bw: float) -> list:
+    """SwiGLU -> quantise, fused vs unfused, on ``[rows, cols]`` BF16 halves g and u: the forward
+    (the down projection's per-tensor input pair, current and delayed scaling) and the backward
+    (``(dg, du)`` from the output gradient). Unfused = PyTorch's SiLU and multiply (backward: the
+    three autograd kernels, SiLU's output saved as autograd saves it), then the Triton pair
+    kernels; fused = :func:`quantize_tensor_dual` with ``gate`` / :func:`swiglu_backward`. Bytes
+    counted: what the fused kernels must move (halves read once, codes written; backward: three
+    reads, two writes); per-tensor current scaling reads the halves twice (factor 10/6)."""
+    import torch.nn.functional as F
+
+    from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto
+
+    n = a.rows * a.cols
+    gs = [torch.randn(a.rows, a.cols, device=dev, dtype=torch.bfloat16) * 2 for _ in range(2)]
+    us = [torch.randn(a.rows, a.cols, device=dev, dtype=torch.bfloat16) for _ in range(2)]
+    dys = [torch.randn(a.rows, a.cols, device=dev, dtype=torch.bfloat16) * 1e-2 for _ in range(2)]
+    ss = [F.silu(g) for g in gs]
+    scale = torch.tensor(0.5, device=dev)
+    accs = [torch.zeros(1, device=dev) for _ in range(2)]
+    cuda = dev == "cuda"
+    if cuda:
+        from nemo_fp8_recipes.quant.triton_kernels import swiglu_backward
+    else:  # smoke: the reference quantisers (CPU); the kernels are checked by the tests
+        def swiglu_backward(dy, g, u):
+            return torch.ops.aten.silu_backward(dy * u, g), dy * F.silu(g)
+    fwd = 6 * n + 8  # g, u read; codes + transposed codes written; scale
+    cases = [
+        ("SwiGLU -> tensorwise pair", "unfused (SiLU, multiply, pair kernels)",
+         lambda i: quantize_pair_auto(F.silu(gs[i]) * us[i], "e4m3", "tensor"), fwd, 10 / 6),
+        ("SwiGLU -> tensorwise pair", "fused (pair kernels read g, u)",
+         lambda i: quantize_pair_auto(us[i], "e4m3", "tensor", gate=gs[i]), fwd, 10 / 6),
+        ("SwiGLU -> delayed pair (scale given, amax folded)", "unfused (SiLU, multiply, pair kernel)",
+         lambda i: quantize_pair_auto(F.silu(gs[i]) * us[i], "e4m3", "tensor", scale=scale, amax_out=accs[i]),
+         fwd, 1.0),
+        ("SwiGLU -> delayed pair (scale given, amax folded)", "fused (one pass over g, u)",
+         lambda i: quantize_pair_auto(us[i], "e4m3", "tensor", scale=scale, amax_out=accs[i], gate=gs[i]),
+         fwd, 1.0),
+        ("SwiGLU backward (dg, du)", "unfused (autograd: 3 kernels)",
+         lambda i: (torch.ops.aten.silu_backward(dys[i] * us[i], gs[i]), dys[i] * ss[i]), 10 * n, 1.0),
+        ("SwiGLU backward (dg, du)", "fused (one kernel)",
+         lambda i: swiglu_backward(dys[i], gs[i], us[i]), 10 * n, 1.0),
+    ]
+    out = []
+    for name, impl, call, nbytes, factor in cases:
+        ms = bench(call, 2, iters=a.iters)
+        gms = bench_graph(call, 2, iters=a.iters) if cuda else None
+        out.append({"variant": name, "impl": impl, "ms": ms, "TB/s": nbytes / ms / 1e9, "graph_ms": gms,
+                    "graph_TB/s": nbytes / gms / 1e9 if gms else None, "bytes_counted": nbytes,
+                    "min_traffic_factor": factor})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=8192)
@@ -204,6 +258,8 @@ def main(argv=None) -> int:
             res.append({"variant": name, "impl": iname, "ms": ms, "TB/s": nbytes / ms / 1e9,
                         "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None,
                         "bytes_counted": nbytes, "min_traffic_factor": MIN_TRAFFIC.get(name, 1.0)})
+    res += swiglu_rows(a, dev, copy_bw)
+
     def pct(v, factor=1.0):
         return "—" if v is None else f"{v * factor / copy_bw:.0%}"
 

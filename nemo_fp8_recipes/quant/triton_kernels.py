@@ -142,10 +142,6 @@ if HAVE_TRITON:
             return tl.exp(x)
 
     @triton.jit
-    def _sigmoid(g, LIBDEVICE: tl.constexpr):
-        return tl.math.div_rn(tl.zeros_like(g) + 1.0, 1.0 + _exp(-g, LIBDEVICE))
-
-    @triton.jit
     def _swiglu(g, u, LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
         """``silu(g) * u`` as PyTorch evaluates ``F.silu(g) * u`` in the inputs' dtype (FP32
         math, IEEE division, each op's result rounded to that dtype): bit-identical values."""
@@ -178,12 +174,13 @@ if HAVE_TRITON:
         dy = tl.load(dy_ptr + offs, mask=m, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        s = tl.math.div_rn(g, 1.0 + _exp(-g, LIBDEVICE))
+        d = 1.0 + _exp(-g, LIBDEVICE)  # one exp for SiLU and its derivative
+        s = tl.math.div_rn(g, d)
+        sig = tl.math.div_rn(tl.zeros_like(d) + 1.0, d)
         ds = dy * u
         if IN_BF16:
             s = _rne_bf16(s)
             ds = _rne_bf16(ds)
-        sig = _sigmoid(g, LIBDEVICE)
         dg = ds * sig * (1.0 + g * (1.0 - sig))
         du = dy * s
         if IN_BF16:  # rounded here: the interpreter's BF16 store truncates
