@@ -21,9 +21,9 @@ FP8 (rows say ``skipped: torchao not installed`` without torchao). Compiled, our
 quantise their operand pairs with the fused Triton kernels as a custom operator
 (``nemo_fp8_recipes.quant.ops``); ``tensorwise-inductor`` is the same recipe with
 ``NEMO_FP8_COMPILED_QUANT=inductor`` (the reference quantisers, generated and fused by Inductor).
-In eager mode the per-tensor recipes fuse the SwiGLU activation into the down projection's input
-quantisation (``Float8Linear.fuses_swiglu``); ``tensorwise-unfused`` / ``delayed-unfused`` run
-the same recipe with ``NEMO_FP8_FUSED_SWIGLU=0`` (activation materialised) for an A/B in one run.
+``tensorwise-fused-swiglu`` / ``delayed-fused-swiglu``: the same recipe with the opt-in fused
+SwiGLU (``NEMO_FP8_FUSED_SWIGLU=1``, eager mode, ``Float8Linear.fuses_swiglu``) for an A/B in one
+run.
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
@@ -82,15 +82,15 @@ MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
 TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
 #: ``<recipe>-inductor``: the recipe with NEMO_FP8_COMPILED_QUANT=inductor (compiled mode: the
 #: reference quantisers generated and fused by Inductor instead of the Triton custom operator)
-#: ``<recipe>-unfused``: the recipe with NEMO_FP8_FUSED_SWIGLU=0 (eager mode: the SwiGLU activation
-#: materialised by PyTorch's SiLU and multiply, then quantised, instead of computed inside the
-#: down projection's quantisers)
+#: ``<recipe>-fused-swiglu``: the recipe with NEMO_FP8_FUSED_SWIGLU=1 (eager mode: the down
+#: projection gets the SwiGLU halves; delayed scaling computes the activation inside its one-pass
+#: quantiser, both fuse the SwiGLU backward into one kernel)
 ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
-                "tensorwise-unfused": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
-                "delayed-unfused": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "0"})}
+                "tensorwise-fused-swiglu": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "1"}),
+                "delayed-fused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "1"})}
 VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
-VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-unfused", "delayed", "delayed-unfused",
-            "blockwise", "mxfp8", *TORCHAO]
+VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-fused-swiglu", "delayed",
+            "delayed-fused-swiglu", "blockwise", "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

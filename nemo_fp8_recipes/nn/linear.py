@@ -605,10 +605,13 @@ class Float8Linear(nn.Linear):
         ``torch.compile``, where Inductor fuses SiLU, the product and the quantisers itself), on
         CUDA with the Triton kernels, a per-tensor input (tensorwise, delayed),
         telemetry off, ``gate`` and ``x`` contiguous with the same shape and dtype (BF16 or
-        FP32), whole GEMM tiles of rows (no padding), and ``NEMO_FP8_FUSED_SWIGLU`` not 0.
-        Otherwise the activation is materialised first — the same numbers either way."""
+        FP32), whole GEMM tiles of rows (no padding), and ``NEMO_FP8_FUSED_SWIGLU=1`` (opt-in
+        for now: the forward codes are bit-identical to materialising the activation under
+        Triton's interpreter, the backward's ``dg`` may differ by one unit in the last place, and
+        the GPU run of those tests is still to come — README "Fused SwiGLU"). Otherwise the
+        activation is materialised first."""
         return (not torch.compiler.is_compiling()
-                and os.environ.get("NEMO_FP8_FUSED_SWIGLU", "1") != "0"
+                and os.environ.get("NEMO_FP8_FUSED_SWIGLU", "0") == "1"
                 and self.recipe.input_granularity is Granularity.TENSOR and not self.telemetry_enabled
                 and triton_enabled(x) and gate.shape == x.shape and gate.dtype == x.dtype
                 and x.dtype in (torch.bfloat16, torch.float32) and gate.device == x.device

@@ -190,11 +190,16 @@ if HAVE_TRITON:
         tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr):
-        """(scale s, scale_inv, e8m0 biased exponent) per group, same rules as reference.py."""
+    def _scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr,
+                         MARGIN_DIV: tl.constexpr = 1.0):
+        """(scale s, scale_inv, e8m0 biased exponent) per group, same rules as reference.py.
+        ``MARGIN_DIV`` (FP32 and pow2 modes): ``2**margin`` of delayed scaling, divided out of
+        ``fmax / amax`` before the Inf and zero rules (nn/scaling.advance_delayed_scaling)."""
         if MODE < 2:
             # IEEE round-to-nearest division (Triton's plain `/` may be approximate on GPU)
             s = tl.math.div_rn(tl.zeros_like(amax) + FMAX, amax)
+            if MARGIN_DIV != 1.0:
+                s = tl.math.div_rn(s, tl.zeros_like(s) + MARGIN_DIV)
             s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
             if MODE == 1:
                 sb = s.to(tl.int32, bitcast=True)
@@ -442,11 +447,7 @@ if HAVE_TRITON:
         else:  # amaxes are >= 0: the padding (0) never wins; NaN anywhere makes the max NaN
             amax = tl.max(tl.where(m, new, 0.0), axis=0)
             amax = tl.where(tl.max(((new != new) & m).to(tl.int32), axis=0) > 0, float("nan"), amax)
-        sc = tl.math.div_rn(tl.zeros_like(amax) + FMAX, amax)
-        if MARGIN_DIV != 1.0:
-            sc = tl.math.div_rn(sc, tl.zeros_like(sc) + MARGIN_DIV)
-        sc = tl.where(sc == float("inf"), 3.4028234663852886e38, sc)
-        sc = tl.where(amax == 0, 1.0, sc)
+        sc, _si, _e8 = _scale_from_amax(amax, FMAX, 0, 0, 0, MARGIN_DIV)  # the FP32 rule, with the margin
         ok = (amax == amax) & (amax != float("inf")) & (amax > 0) & f
         old = tl.load(scale_ptr)
         tl.debug_barrier()  # every thread has read the old history before any entry is shifted
