@@ -41,17 +41,19 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
 
 
 def bench_back_to_back(fn: Callable[[int], object], n_inputs: int, window: int = 4, iters: int = 10,
-                       warmup: int = 2) -> float:
+                       warmup: int = 2, cuda: Optional[bool] = None) -> float:
     """Median milliseconds per call of ``fn`` when ``window`` calls are queued back to back, as
     a training loop that does not synchronise every step runs them: the host prepares call
     ``i + 1`` while the GPU still runs call ``i``, so the host time before the first kernel of a
     step (Python, guards, launches) hides behind the previous step's kernels. :func:`bench`
     synchronises after every call and so also counts that host latency once per call. CUDA
     events around each window, one synchronisation per window, the median over ``iters``
-    windows; on CPU the same with ``perf_counter``."""
+    windows; on CPU the same with ``perf_counter`` (``cuda`` forces one or the other, as in
+    :func:`bench`)."""
     import torch
 
-    cuda = torch.cuda.is_available()
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     for i in range(warmup):
         fn(i % n_inputs)
     if cuda:
@@ -123,18 +125,21 @@ def classify_kernel(name: str) -> str:
     return "other"
 
 
-def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int = 3, top: int = 10) -> dict:
+def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int = 3, top: int = 10,
+                          cuda: Optional[bool] = None) -> dict:
     """Where a step's time goes, from ``torch.profiler``: milliseconds per step of each kernel
     class (:func:`classify_kernel`), their sum (``kernels_ms``) and the ``top`` most expensive
     kernels by name as ``[name, ms per step, launches per step]``. On a GPU these are the CUDA kernels' own times (idle gaps between kernels
     are not included, so ``kernels_ms`` <= the event-timed step; the difference is host-bound
     time); on CPU (smoke runs) the self time of the ATen ops. One warm-up call, then ``steps``
-    profiled calls over the rotating inputs."""
+    profiled calls over the rotating inputs. ``cuda``: profile CUDA kernels (default: when CUDA
+    is available) or CPU ops (a benchmark forced onto the CPU, e.g. ``--smoke`` on a GPU host)."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    cuda = torch.cuda.is_available()
+    if cuda is None:
+        cuda = torch.cuda.is_available()
     fn(0)
     if cuda:
         torch.cuda.synchronize()

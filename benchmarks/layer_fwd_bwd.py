@@ -89,6 +89,12 @@ ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT"
                 "tensorwise-fused-swiglu": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "1"}),
                 "delayed-fused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "1"})}
 VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
+#: what every other variant runs with (set explicitly, so a value exported in the shell cannot
+#: turn a base variant into its A/B partner)
+ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "0"}
+#: variants that only differ from their recipe in eager mode (the fused SwiGLU is eager-only:
+#: under torch.compile Inductor fuses SiLU and the product itself)
+EAGER_ONLY = ("tensorwise-fused-swiglu", "delayed-fused-swiglu")
 VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-fused-swiglu", "delayed",
             "delayed-fused-swiglu", "blockwise", "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
@@ -224,11 +230,11 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
             out["graph_breaks"] = sum(counters["graph_break"].values())
         out["ms"] = bench(step, inputs.n, warmup=a.warmup, iters=a.iters, cuda=cuda)
         out["ms_b2b"] = bench_back_to_back(step, inputs.n, window=a.window, iters=max(3, a.iters // 2),
-                                           warmup=0)
+                                           warmup=0, cuda=cuda)
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it
-            out["breakdown"] = device_time_breakdown(step, inputs.n)
+            out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda)
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
         traceback.print_exc()
         out.update(status=error_status(e), ms=None)
@@ -330,8 +336,11 @@ def main(argv=None) -> int:
                     skip = error_status(e)
             for mode in modes:
                 row = dict(row0, mode=mode, status=skip)
-                if model is not None:
-                    env = ENV_VARIANTS.get(variant, (None, {}))[1]
+                if model is not None and mode == "compiled" and variant in EAGER_ONLY:
+                    row["status"] = ("skipped: the fused SwiGLU is eager-only (compiled, Inductor "
+                                     "fuses SiLU and the product itself)")
+                elif model is not None:
+                    env = {**ENV_DEFAULTS, **ENV_VARIANTS.get(variant, (None, {}))[1]}
                     prev = {k: os.environ.get(k) for k in env}
                     os.environ.update(env)  # read when the graph is traced / at every call
                     try:

@@ -96,7 +96,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             ms = bench(step, 3, iters=a.iters)
-            ms_b2b = bench_back_to_back(step, 3, window=a.window, iters=max(3, a.iters // 2))
+            ms_b2b = bench_back_to_back(step, 3, window=a.window, iters=max(3, a.iters // 2),
+                                        cuda=dev == "cuda")
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             flops = 3 * 2 * 2 * a.tokens * d * f
             name = recipe or "bf16"
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
                         "speedup": base_ms / ms, "ms_b2b": ms_b2b, "speedup_b2b": base_b2b / ms_b2b,
                         "peak_gib": peak})
             if a.breakdown:
-                res[-1]["breakdown"] = device_time_breakdown(step, 3)
+                res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda")
             del up, down
     rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
              f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x", f"{r['peak_gib']:.1f}") for r in res]

@@ -165,11 +165,14 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Apply the MLP to the last dim. A down projection that takes the SwiGLU halves
-        (``Float8Linear``: ``w2(u, gate=g)``) gets them unmultiplied, so it can fuse the activation
-        into its input's quantisation; the result is the same."""
+        """Apply the MLP to the last dim. An FP8 down projection that fuses the SwiGLU
+        (``Float8Linear.fuses_swiglu``, opt-in) gets the halves unmultiplied, ``w2(u, gate=g)``, so
+        the activation is computed inside its quantisation — its forward hooks then see ``u``
+        (and ``gate`` in the keyword arguments) instead of the activation; otherwise ``w2`` is
+        called with the activation as usual."""
         g, u = self.w1(x), self.w3(x)
-        if getattr(self.w2, "accepts_swiglu_gate", False):
+        fuses = getattr(self.w2, "fuses_swiglu", None)
+        if fuses is not None and fuses(g, u):
             return self.w2(u, gate=g)
         return self.w2(F.silu(g) * u)
 

@@ -345,9 +345,6 @@ class Float8Linear(nn.Linear):
     ``torch.nn.functional.scaled_mm`` on the tensor cores.
     """
 
-    #: :meth:`forward` takes ``gate`` (the SwiGLU gate half): ``FeedForward`` passes it unmultiplied
-    accepts_swiglu_gate = True
-
     def __init__(
         self,
         in_features: int,
@@ -622,8 +619,10 @@ class Float8Linear(nn.Linear):
         """``x · Wᵀ + b`` with the three GEMMs in FP8; with ``gate``, ``(F.silu(gate) * x) · Wᵀ + b``
         — a SwiGLU MLP's down projection called with the gate and up halves, so that the
         activation can be fused (:meth:`fuses_swiglu`: delayed scaling computes it inside the
-        one-pass quantiser and never writes it; the SwiGLU backward is one kernel), the same
-        numbers as materialising it.
+        one-pass quantiser and never writes it; the SwiGLU backward is one kernel). The forward
+        gives the same codes and outputs as materialising the activation; the gate's gradient
+        ``dg`` may differ in its last bit (and with it what depends on it downstream, e.g. the
+        gate projection's delayed-scaling amax of its output gradient).
 
         Eager mode runs :class:`_Float8LinearFn`: the fused Triton quantisers on CUDA, the FP8
         weight cached between optimizer steps, delayed-scaling state, telemetry, Python GEMM

@@ -125,15 +125,17 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
     copies carry it).
 
     ``gate``: quantise the SwiGLU activation ``F.silu(gate) * x`` instead of ``x`` — per tensor
-    on CUDA computed inside the Triton kernels from the two halves and never written (same
-    codes, :func:`~.triton_kernels.quantize_tensor_dual`); elsewhere materialised first."""
+    on CUDA, for contiguous BF16/FP32 halves of one shape, computed inside the Triton kernels and
+    never written (same codes, :func:`~.triton_kernels.quantize_tensor_dual`); otherwise
+    materialised first."""
     g = Granularity(granularity)
     _check_amax_out(g, scale, amax_out)
     if gate is not None:
         if g is Granularity.TENSOR and triton_enabled(x, triton):
             from . import triton_kernels as tk
 
-            return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale, amax_out=amax_out, gate=gate)
+            if tk.gate_fusable(x, gate):
+                return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale, amax_out=amax_out, gate=gate)
         x = torch.nn.functional.silu(gate) * x
     if not triton_enabled(x, triton) or g is Granularity.BLOCK_128x128:
         a = _fold_amax(quantize(x, fmt, g, rounding, dim=-1, scale=scale), amax_out)

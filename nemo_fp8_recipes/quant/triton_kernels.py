@@ -638,6 +638,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
+def gate_fusable(x: torch.Tensor, gate: torch.Tensor) -> bool:
+    """Whether the kernels can compute ``F.silu(gate) * x`` themselves (:func:`_check_gate`)."""
+    try:
+        _check_gate(x, gate)
+    except ValueError:
+        return False
+    return True
+
+
 def _check_gate(x: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
     """``gate`` (the SwiGLU gate half ``g`` of ``silu(g) * x``) must match ``x`` exactly: same
     shape, dtype (BF16 or FP32), device, and both contiguous."""
