@@ -12,44 +12,16 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 
 def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30,
-          cuda: Optional[bool] = None) -> float:
-    """Median milliseconds of ``fn(i)`` (``i`` cycles over ``n_inputs`` rotating input sets so the
-    L2 cache does not serve repeated reads). CUDA events on GPU, perf_counter on CPU; ``cuda``
-    forces one or the other (default: CUDA events when CUDA is available)."""
-    import torch
+          cuda: Optional[bool] = None, window: int = 1) -> float:
+    """Median milliseconds per call of ``fn(i)`` (``i`` cycles over ``n_inputs`` rotating input
+    sets so the L2 cache does not serve repeated reads). CUDA events on GPU, perf_counter on CPU;
+    ``cuda`` forces one or the other (default: CUDA events when CUDA is available).
 
-    if cuda is None:
-        cuda = torch.cuda.is_available()
-    for i in range(warmup):
-        fn(i % n_inputs)
-    if cuda:
-        torch.cuda.synchronize()
-    times: List[float] = []
-    for i in range(iters):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(i % n_inputs)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            fn(i % n_inputs)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def bench_back_to_back(fn: Callable[[int], object], n_inputs: int, window: int = 4, iters: int = 10,
-                       warmup: int = 2, cuda: Optional[bool] = None) -> float:
-    """Median milliseconds per call of ``fn`` when ``window`` calls are queued back to back, as
-    a training loop that does not synchronise every step runs them: the host prepares call
-    ``i + 1`` while the GPU still runs call ``i``, so the host time before the first kernel of a
-    step (Python, guards, launches) hides behind the previous step's kernels. :func:`bench`
-    synchronises after every call and so also counts that host latency once per call. CUDA
-    events around each window, one synchronisation per window, the median over ``iters``
-    windows; on CPU the same with ``perf_counter`` (``cuda`` forces one or the other, as in
-    :func:`bench`)."""
+    Each of the ``iters`` samples times ``window`` calls and synchronises once. ``window=1``
+    synchronises after every call, so each call also pays the host's latency before its first
+    kernel; ``window > 1`` ("back to back") queues the calls as a training loop that does not
+    wait on the GPU every step runs them: the host prepares call ``i + 1`` while the GPU still
+    runs call ``i``."""
     import torch
 
     if cuda is None:

@@ -66,7 +66,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench, bench_back_to_back, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
+    bench, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
     write_json,
 )
 from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
@@ -229,8 +229,8 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         if mode == "compiled":
             out["graph_breaks"] = sum(counters["graph_break"].values())
         out["ms"] = bench(step, inputs.n, warmup=a.warmup, iters=a.iters, cuda=cuda)
-        out["ms_b2b"] = bench_back_to_back(step, inputs.n, window=a.window, iters=max(3, a.iters // 2),
-                                           warmup=0, cuda=cuda)
+        out["ms_b2b"] = bench(step, inputs.n, warmup=0, iters=max(3, a.iters // 2), cuda=cuda,
+                              window=a.window)
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it

@@ -30,7 +30,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench, bench_back_to_back, device_time_breakdown, table  # noqa: E402
+from _timing import bench, device_time_breakdown, table  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             ms = bench(step, 3, iters=a.iters)
-            ms_b2b = bench_back_to_back(step, 3, window=a.window, iters=max(3, a.iters // 2),
-                                        cuda=dev == "cuda")
+            ms_b2b = bench(step, 3, warmup=2, iters=max(3, a.iters // 2), cuda=dev == "cuda",
+                           window=a.window)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             flops = 3 * 2 * 2 * a.tokens * d * f
             name = recipe or "bf16"

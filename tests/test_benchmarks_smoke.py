@@ -60,7 +60,7 @@ def test_layer_breakdown_profiles_each_variant_and_mode(tmp_path):
 
 
 def test_back_to_back_timing_is_per_call_and_runs_every_window(bench_modules):
-    """``bench_back_to_back``: per-call milliseconds (not per window), ``warmup + iters * window``
+    """``bench(window=...)``: per-call milliseconds (not per window), ``warmup + iters * window``
     calls cycling over the input sets."""
     import time as _time
 
@@ -71,7 +71,7 @@ def test_back_to_back_timing_is_per_call_and_runs_every_window(bench_modules):
         calls.append(i)
         _time.sleep(0.004)
 
-    ms = _timing.bench_back_to_back(fn, 3, window=3, iters=4, warmup=1)
+    ms = _timing.bench(fn, 3, window=3, iters=4, warmup=1)
     assert len(calls) == 1 + 4 * 3 and calls[:5] == [0, 0, 1, 2, 0]
     assert 4.0 <= ms < 3 * 4.0  # one call's sleep, not a window's
 

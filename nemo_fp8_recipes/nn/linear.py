@@ -226,27 +226,39 @@ class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype):
         _check_device(x, mod.emulate, mod.fqn)
-        y, to_save = _fprop(
-            ctx, x, bias, mod._quantized_weight(), recipe=mod.recipe, emulate=mod.emulate,
-            row_multiple=mod._row_multiple, out_dtype=out_dtype,
-            quantize_operand=mod._quantize_operand,
-        )
-        mod._count("fprop")
-        ctx.save_for_backward(*to_save)
-        ctx.mod = mod
-        ctx.w_dtype = weight.dtype
-        return y
+        return _module_fprop(ctx, x, weight, bias, mod, out_dtype, mod._quantize_operand)
 
     @staticmethod
     def backward(ctx, dy):
-        mod: Float8Linear = ctx.mod
-        dx, dw, db = _grads(ctx, dy, ctx.saved_tensors, recipe=mod.recipe, emulate=mod.emulate,
-                            w_dtype=ctx.w_dtype, quantize_operand=mod._quantize_operand)
-        if dx is not None:
-            mod._count("dgrad")
-        if dw is not None:
-            mod._count("wgrad")
+        dx, dw, db = _module_grads(ctx, dy, ctx.saved_tensors)
         return dx, dw, db, None, None
+
+
+def _module_fprop(ctx, x, weight, bias, mod: "Float8Linear", out_dtype, quantize_operand, keep=()):
+    """The eager autograd functions' forward: :func:`_fprop` with the module's cached FP8 weight
+    and ``quantize_operand``, the fprop count, and the saved tensors (plus ``keep``, appended)."""
+    y, to_save = _fprop(
+        ctx, x, bias, mod._quantized_weight(), recipe=mod.recipe, emulate=mod.emulate,
+        row_multiple=mod._row_multiple, out_dtype=out_dtype, quantize_operand=quantize_operand,
+    )
+    mod._count("fprop")
+    ctx.save_for_backward(*to_save, *keep)
+    ctx.mod = mod
+    ctx.w_dtype = weight.dtype
+    return y
+
+
+def _module_grads(ctx, dy, saved, need_dx: Optional[bool] = None):
+    """The eager autograd functions' dgrad/wgrad (:func:`_grads` with the module's quantisers),
+    counted."""
+    mod: Float8Linear = ctx.mod
+    dx, dw, db = _grads(ctx, dy, saved, recipe=mod.recipe, emulate=mod.emulate, w_dtype=ctx.w_dtype,
+                        quantize_operand=mod._quantize_operand, need_dx=need_dx)
+    if dx is not None:
+        mod._count("dgrad")
+    if dw is not None:
+        mod._count("wgrad")
+    return dx, dw, db
 
 
 class _Float8SwiGLULinearFn(torch.autograd.Function):
@@ -274,31 +286,17 @@ class _Float8SwiGLULinearFn(torch.autograd.Function):
             # vs 0.49 ms materialised), so the activation is materialised here, quantised, and
             # dropped (only its codes are saved); backward is fused either way.
             x, quantize_operand = torch.nn.functional.silu(g) * u, mod._quantize_operand
-        y, to_save = _fprop(
-            ctx, x, bias, mod._quantized_weight(), recipe=mod.recipe, emulate=mod.emulate,
-            row_multiple=mod._row_multiple, out_dtype=out_dtype, quantize_operand=quantize_operand,
-        )
-        mod._count("fprop")
-        ctx.save_for_backward(*to_save, g, u)
-        ctx.mod = mod
-        ctx.w_dtype = weight.dtype
-        return y
+        return _module_fprop(ctx, x, weight, bias, mod, out_dtype, quantize_operand, keep=(g, u))
 
     @staticmethod
     def backward(ctx, dy):
         from ..quant.triton_kernels import swiglu_backward
 
-        mod: Float8Linear = ctx.mod
         *saved, g, u = ctx.saved_tensors
-        dact, dw, db = _grads(ctx, dy, saved, recipe=mod.recipe, emulate=mod.emulate, w_dtype=ctx.w_dtype,
-                              quantize_operand=mod._quantize_operand,
-                              need_dx=ctx.needs_input_grad[0] or ctx.needs_input_grad[3])
+        dact, dw, db = _module_grads(ctx, dy, saved, need_dx=ctx.needs_input_grad[0] or ctx.needs_input_grad[3])
         dg = du = None
         if dact is not None:
-            mod._count("dgrad")
             dg, du = swiglu_backward(dact.contiguous(), g, u)
-        if dw is not None:
-            mod._count("wgrad")
         return du, dw, db, dg, None, None
 
 
