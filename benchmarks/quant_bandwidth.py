@@ -177,11 +177,16 @@ def swiglu_rows(a, dev: str, copy_bw: float) -> list:
     scale = torch.tensor(0.5, device=dev)
     accs = [torch.zeros(1, device=dev) for _ in range(2)]
     cuda = dev == "cuda"
+
+    def unfused_bwd(i):  # autograd's kernels for F.silu(g) * u (SiLU's output saved)
+        return torch.ops.aten.silu_backward(dys[i] * us[i], gs[i]), dys[i] * ss[i]
+
     if cuda:
         from nemo_fp8_recipes.quant.triton_kernels import swiglu_backward
-    else:  # smoke: the reference quantisers (CPU); the kernels are checked by the tests
-        def swiglu_backward(dy, g, u):
-            return torch.ops.aten.silu_backward(dy * u, g), dy * F.silu(g)
+
+        fused_bwd = lambda i: swiglu_backward(dys[i], gs[i], us[i])  # noqa: E731
+    else:  # smoke (CPU): no kernels to time, the row runs the unfused ops; the tests check the kernel
+        fused_bwd = unfused_bwd
     fwd = 6 * n + 8  # g, u read; codes + transposed codes written; scale
     cases = [
         ("SwiGLU -> tensorwise pair", "unfused (SiLU, multiply, pair kernels)",
@@ -194,10 +199,8 @@ def swiglu_rows(a, dev: str, copy_bw: float) -> list:
         ("SwiGLU -> delayed pair (scale given, amax folded)", "fused (one pass over g, u)",
          lambda i: quantize_pair_auto(us[i], "e4m3", "tensor", scale=scale, amax_out=accs[i], gate=gs[i]),
          fwd, 1.0),
-        ("SwiGLU backward (dg, du)", "unfused (autograd: 3 kernels)",
-         lambda i: (torch.ops.aten.silu_backward(dys[i] * us[i], gs[i]), dys[i] * ss[i]), 10 * n, 1.0),
-        ("SwiGLU backward (dg, du)", "fused (one kernel)",
-         lambda i: swiglu_backward(dys[i], gs[i], us[i]), 10 * n, 1.0),
+        ("SwiGLU backward (dg, du)", "unfused (autograd: 3 kernels)", unfused_bwd, 10 * n, 1.0),
+        ("SwiGLU backward (dg, du)", "fused (one kernel)", fused_bwd, 10 * n, 1.0),
     ]
     out = []
     for name, impl, call, nbytes, factor in cases:

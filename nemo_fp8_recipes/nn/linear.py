@@ -605,13 +605,13 @@ class Float8Linear(nn.Linear):
         Triton's interpreter, the backward's ``dg`` may differ by one unit in the last place, and
         the GPU run of those tests is still to come — README "Fused SwiGLU"). Otherwise the
         activation is materialised first."""
-        return (not torch.compiler.is_compiling()
-                and os.environ.get("NEMO_FP8_FUSED_SWIGLU", "0") == "1"
-                and self.recipe.input_granularity is Granularity.TENSOR and not self.telemetry_enabled
-                and triton_enabled(x) and gate.shape == x.shape and gate.dtype == x.dtype
-                and x.dtype in (torch.bfloat16, torch.float32) and gate.device == x.device
-                and x.is_contiguous() and gate.is_contiguous()
-                and (x.numel() // max(x.shape[-1], 1)) % self._row_multiple == 0)
+        if (torch.compiler.is_compiling() or os.environ.get("NEMO_FP8_FUSED_SWIGLU", "0") != "1"
+                or self.recipe.input_granularity is not Granularity.TENSOR or self.telemetry_enabled
+                or not triton_enabled(x)):
+            return False
+        from ..quant.triton_kernels import gate_fusable
+
+        return gate_fusable(x, gate) and (x.numel() // max(x.shape[-1], 1)) % self._row_multiple == 0
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x · Wᵀ + b`` with the three GEMMs in FP8; with ``gate``, ``(F.silu(gate) * x) · Wᵀ + b``

@@ -508,7 +508,7 @@ def launch_config(kernel: str, **cfg):
 def _hw_cvt(x: torch.Tensor) -> bool:
     """Whether the store's FP8 cast is the GPU's hardware RNE conversion (compiled for CUDA) rather
     than the interpreter's CPU emulation, which needs the explicit rounding of ``_round_fp8``."""
-    if not x.is_cuda or os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+    if not x.is_cuda or _interpreting():
         return False
     return _cvt_capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
@@ -628,10 +628,14 @@ def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
     return acc
 
 
+def _act_args(x: torch.Tensor) -> dict:
+    """The constexprs of the in-kernel SwiGLU math on ``x``'s dtype and device."""
+    return {"LIBDEVICE": x.is_cuda and not _interpreting(), "IN_BF16": x.dtype == torch.bfloat16}
+
+
 def _gate_args(x: torch.Tensor, gate: Optional[torch.Tensor]) -> dict:
     """The SwiGLU-prologue constexprs of the per-tensor kernels."""
-    return {"GATED": gate is not None, "LIBDEVICE": x.is_cuda and not _interpreting(),
-            "IN_BF16": x.dtype == torch.bfloat16}
+    return {"GATED": gate is not None, **_act_args(x)}
 
 
 def _interpreting() -> bool:
@@ -675,8 +679,7 @@ def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     if n:
         block = 4096
         _swiglu_bwd_kernel[(triton.cdiv(n, block),)](dy, g, u, dg, du, n, BLOCK=block, num_warps=8,
-                                                     LIBDEVICE=u.is_cuda and not _interpreting(),
-                                                     IN_BF16=u.dtype == torch.bfloat16)
+                                                     **_act_args(u))
     return dg, du
 
 
