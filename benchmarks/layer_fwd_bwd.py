@@ -21,9 +21,9 @@ FP8 (rows say ``skipped: torchao not installed`` without torchao). Compiled, our
 quantise their operand pairs with the fused Triton kernels as a custom operator
 (``nemo_fp8_recipes.quant.ops``); ``tensorwise-inductor`` is the same recipe with
 ``NEMO_FP8_COMPILED_QUANT=inductor`` (the reference quantisers, generated and fused by Inductor).
-``tensorwise-fused-swiglu`` / ``delayed-fused-swiglu``: the same recipe with the opt-in fused
-SwiGLU (``NEMO_FP8_FUSED_SWIGLU=1``, eager mode, ``Float8Linear.fuses_swiglu``) for an A/B in one
-run.
+``tensorwise-unfused-swiglu`` / ``delayed-unfused-swiglu``: the same recipe with the fused
+SwiGLU (on by default in eager mode, ``Float8Linear.fuses_swiglu``) turned off
+(``NEMO_FP8_FUSED_SWIGLU=0``: the activation is materialised), for an A/B in one run.
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
@@ -82,21 +82,22 @@ MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
 TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
 #: ``<recipe>-inductor``: the recipe with NEMO_FP8_COMPILED_QUANT=inductor (compiled mode: the
 #: reference quantisers generated and fused by Inductor instead of the Triton custom operator)
-#: ``<recipe>-fused-swiglu``: the recipe with NEMO_FP8_FUSED_SWIGLU=1 (eager mode: the down
-#: projection gets the SwiGLU halves; delayed scaling computes the activation inside its one-pass
-#: quantiser, both fuse the SwiGLU backward into one kernel)
+#: ``<recipe>-unfused-swiglu``: the recipe with NEMO_FP8_FUSED_SWIGLU=0 (eager mode: the SwiGLU
+#: activation materialised, as before the fusion; by default the down projection gets the halves,
+#: delayed scaling computes the activation inside its one-pass quantiser and both recipes fuse the
+#: SwiGLU backward into one kernel)
 ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
-                "tensorwise-fused-swiglu": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "1"}),
-                "delayed-fused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "1"})}
+                "tensorwise-unfused-swiglu": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
+                "delayed-unfused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "0"})}
 VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
 #: what every other variant runs with (set explicitly, so a value exported in the shell cannot
 #: turn a base variant into its A/B partner)
-ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "0"}
+ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1"}
 #: variants that only differ from their recipe in eager mode (the fused SwiGLU is eager-only:
 #: under torch.compile Inductor fuses SiLU and the product itself)
-EAGER_ONLY = ("tensorwise-fused-swiglu", "delayed-fused-swiglu")
-VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-fused-swiglu", "delayed",
-            "delayed-fused-swiglu", "blockwise", "mxfp8", *TORCHAO]
+EAGER_ONLY = ("tensorwise-unfused-swiglu", "delayed-unfused-swiglu")
+VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu", "delayed",
+            "delayed-unfused-swiglu", "blockwise", "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -337,8 +338,8 @@ def main(argv=None) -> int:
             for mode in modes:
                 row = dict(row0, mode=mode, status=skip)
                 if model is not None and mode == "compiled" and variant in EAGER_ONLY:
-                    row["status"] = ("skipped: the fused SwiGLU is eager-only (compiled, Inductor "
-                                     "fuses SiLU and the product itself)")
+                    row["status"] = ("skipped: the SwiGLU fusion is eager-only, so compiled this is "
+                                     "the recipe's own row (Inductor fuses SiLU and the product itself)")
                 elif model is not None:
                     env = {**ENV_DEFAULTS, **ENV_VARIANTS.get(variant, (None, {}))[1]}
                     prev = {k: os.environ.get(k) for k in env}

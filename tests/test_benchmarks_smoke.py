@@ -267,15 +267,16 @@ def test_quant_bandwidth_sweep_smoke(tmp_path):
     assert bad.returncode == 2 and "valid: all, rows128" in bad.stderr
 
 
-def test_layer_fused_swiglu_variant_is_eager_only(tmp_path):
-    """``*-fused-swiglu`` rows: measured eager, reported as skipped (with the reason) compiled."""
+def test_layer_unfused_swiglu_variant_is_eager_only(tmp_path):
+    """``*-unfused-swiglu`` rows (the fused SwiGLU turned off): measured eager, reported as
+    skipped (with the reason) compiled, where the fusion never applies."""
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", "mlp",
-                           "--variants", "bf16,delayed-fused-swiglu", "--out", str(out)],
+                           "--variants", "bf16,delayed-unfused-swiglu", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
-    assert rows[("delayed-fused-swiglu", "eager")]["status"] == "ok"
-    assert rows[("delayed-fused-swiglu", "eager")]["ms"] > 0
-    skipped = rows[("delayed-fused-swiglu", "compiled")]
-    assert skipped["status"].startswith("skipped: the fused SwiGLU is eager-only") and skipped["ms"] is None
+    assert rows[("delayed-unfused-swiglu", "eager")]["status"] == "ok"
+    assert rows[("delayed-unfused-swiglu", "eager")]["ms"] > 0
+    skipped = rows[("delayed-unfused-swiglu", "compiled")]
+    assert skipped["status"].startswith("skipped: the SwiGLU fusion is eager-only") and skipped["ms"] is None

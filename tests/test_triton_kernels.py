@@ -713,8 +713,10 @@ def test_fused_swiglu_mlp_matches_the_unfused_mlp(tk, recipe, params, monkeypatc
 
     outs_f, state_f, grads_f, dx_f, ff = run(True)
     assert calls, "the fused backward did not run"
-    assert ff.w2.fuses_swiglu(torch.zeros(32, 256, device=DEV, dtype=torch.bfloat16),
-                              torch.zeros(32, 256, device=DEV, dtype=torch.bfloat16))
+    halves = [torch.zeros(32, 256, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
+    assert ff.w2.fuses_swiglu(*halves)
+    monkeypatch.delenv("NEMO_FP8_FUSED_SWIGLU")
+    assert ff.w2.fuses_swiglu(*halves), "the fused SwiGLU is the default"
     assert ("w2.weight" in grads_f) == (params != "frozen-w2")
     n_fused = len(calls)
     # delayed scaling computes the activation inside its one-pass cast (a pair when w2's weight

@@ -166,7 +166,7 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to the last dim. An FP8 down projection that fuses the SwiGLU
-        (``Float8Linear.fuses_swiglu``, opt-in) gets the halves unmultiplied, ``w2(u, gate=g)``, so
+        (``Float8Linear.fuses_swiglu``; eager, on by default) gets the halves unmultiplied, ``w2(u, gate=g)``, so
         the activation is computed inside its quantisation — its forward hooks then see ``u``
         (and ``gate`` in the keyword arguments) instead of the activation; otherwise ``w2`` is
         called with the activation as usual."""

@@ -600,12 +600,12 @@ class Float8Linear(nn.Linear):
         ``torch.compile``, where Inductor fuses SiLU, the product and the quantisers itself), on
         CUDA with the Triton kernels, a per-tensor input (tensorwise, delayed),
         telemetry off, ``gate`` and ``x`` contiguous with the same shape and dtype (BF16 or
-        FP32), whole GEMM tiles of rows (no padding), and ``NEMO_FP8_FUSED_SWIGLU=1`` (opt-in
-        for now: the forward codes are bit-identical to materialising the activation under
-        Triton's interpreter, the backward's ``dg`` may differ by one unit in the last place, and
-        the GPU run of those tests is still to come — README "Fused SwiGLU"). Otherwise the
-        activation is materialised first."""
-        if (torch.compiler.is_compiling() or os.environ.get("NEMO_FP8_FUSED_SWIGLU", "0") != "1"
+        FP32), whole GEMM tiles of rows (no padding), and ``NEMO_FP8_FUSED_SWIGLU`` not ``0`` (on by
+        default: the forward codes are bit-identical to materialising the activation and the
+        backward's ``dg`` may differ by one unit in the last place — tested on an H200 and under
+        Triton's interpreter; ``NEMO_FP8_FUSED_SWIGLU=0`` turns it off for an A/B run). Otherwise
+        the activation is materialised first."""
+        if (torch.compiler.is_compiling() or os.environ.get("NEMO_FP8_FUSED_SWIGLU", "1") == "0"
                 or self.recipe.input_granularity is not Granularity.TENSOR or self.telemetry_enabled
                 or not triton_enabled(x)):
             return False
