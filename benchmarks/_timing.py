@@ -237,3 +237,111 @@ def free_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+#: NVML clock-event ("throttle") reason bits worth reporting next to a timing
+_CLOCK_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x20: "sw-thermal", 0x40: "hw-thermal",
+                  0x80: "hw-power-brake"}
+
+
+class GpuMonitor:
+    """What the GPU ran at while a measurement ran: NVML samples of the SM clock, the power draw,
+    the temperature and the clock-event reasons (power cap, thermal slowdown), taken every
+    ``interval`` seconds in a background thread during the ``with`` block::
+
+        with GpuMonitor("cuda") as mon:
+            ms = bench(step, 3)
+        mon.summary()  # {"sm_mhz_median": 1980, "power_w_mean": 612.0, ...} or None
+
+    ``summary()`` is None without a CUDA device or without NVML (``pip install nvidia-ml-py``;
+    the GPU drivers ship the library); ``reason`` then says why. Power is NVML's reading, which
+    the driver averages over a short window (about a second on recent GPUs), so runs shorter than
+    that mostly show the draw before them."""
+
+    def __init__(self, device="cuda", interval: float = 0.005) -> None:
+        self.device, self.interval = device, interval
+        self.samples: List[Tuple[float, float, float, int]] = []
+        self.reason: Optional[str] = None
+        self._nvml = self._handle = self._thread = None
+        self._stop = None
+
+    def _open(self) -> None:
+        import torch
+
+        if str(self.device).split(":")[0] != "cuda" or not torch.cuda.is_available():
+            self.reason = "no CUDA device"
+            return
+        try:
+            import pynvml
+        except ImportError:
+            self.reason = "NVML bindings not installed (pip install nvidia-ml-py)"
+            return
+        try:
+            pynvml.nvmlInit()
+            idx = torch.device(self.device).index
+            idx = torch.cuda.current_device() if idx is None else idx
+            uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
+            try:  # by UUID: CUDA_VISIBLE_DEVICES may renumber the devices NVML lists
+                h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
+            except Exception:  # noqa: BLE001 - no UUID from this torch: NVML's index
+                h = pynvml.nvmlDeviceGetHandleByIndex(idx)
+            self._nvml, self._handle = pynvml, h
+            self.power_limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3
+        except Exception as e:  # noqa: BLE001 - NVML present but unusable: say why, time anyway
+            self.reason = f"NVML: {type(e).__name__}: {e}"
+            self._nvml = self._handle = None
+
+    def _sample(self) -> None:
+        nv, h = self._nvml, self._handle
+        get_reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons",
+                              getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+        while not self._stop.is_set():
+            try:
+                self.samples.append((nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                                     nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                                     nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+                                     get_reasons(h) if get_reasons else 0))
+            except Exception as e:  # noqa: BLE001 - stop sampling, keep what was read
+                self.reason = f"NVML: {type(e).__name__}: {e}"
+                return
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> "GpuMonitor":
+        import threading
+
+        self.samples = []
+        self._open()
+        if self._handle is not None:
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+    def summary(self) -> Optional[dict]:
+        """Median / minimum SM clock (MHz), mean / maximum power (W) and the enforced limit,
+        maximum temperature (°C), the clock-event reasons seen in any sample, the sample count."""
+        if not self.samples:
+            return None
+        clk, pw, temp, bits = zip(*self.samples)
+        seen = 0
+        for b in bits:
+            seen |= b
+        return {"sm_mhz_median": statistics.median(clk), "sm_mhz_min": min(clk),
+                "power_w_mean": statistics.fmean(pw), "power_w_max": max(pw),
+                "power_limit_w": self.power_limit_w, "temp_c_max": max(temp),
+                "clock_reasons": [n for bit, n in _CLOCK_REASONS.items() if seen & bit],
+                "samples": len(self.samples)}
+
+
+def gpu_cell(s: Optional[dict]) -> str:
+    """A table cell for a :meth:`GpuMonitor.summary`: ``1980 MHz, 612 W`` (+ reasons)."""
+    if not s:
+        return "-"
+    cell = f"{s['sm_mhz_median']:.0f} MHz, {s['power_w_mean']:.0f} W"
+    return cell + (f" ({', '.join(s['clock_reasons'])})" if s["clock_reasons"] else "")

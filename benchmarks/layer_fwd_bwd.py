@@ -42,7 +42,9 @@ sets) allocated. A 405B layer is 3.19e9 parameters: 11.9 GiB FP32 + 11.9 GiB FP3
 Median of ``--iters`` steps after ``--warmup`` (CUDA events, a synchronisation after every step,
 so each step also pays the host's latency before its first kernel); "back to back": the median
 per-step time of windows of ``--window`` steps queued without synchronising in between, as a
-training loop runs them. The first call (compilation included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``; our
+training loop runs them; during each, the GPU's SM clock, power draw and clock-event reasons
+(power cap, thermal) are sampled through NVML (``nvidia-ml-py``; JSON ``gpu`` / ``gpu_b2b``).
+The first call (compilation included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``; our
 current-scaling FP8 linears are traced there (no graph break: Inductor generates the quantisers
 from the reference and fuses them with the neighbouring ops), delayed scaling runs as an eager
 island (a graph break per FP8 linear); the ``graph_breaks`` column counts the breaks dynamo
@@ -66,8 +68,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
-    write_json,
+    GpuMonitor, bench, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
+    gpu_cell, write_json,
 )
 from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
 from _torchao import convert_torchao, torchao_status  # noqa: E402
@@ -229,9 +231,14 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         out["first_call_s"] = time.perf_counter() - t0
         if mode == "compiled":
             out["graph_breaks"] = sum(counters["graph_break"].values())
-        out["ms"] = bench(step, inputs.n, warmup=a.warmup, iters=a.iters, cuda=cuda)
-        out["ms_b2b"] = bench(step, inputs.n, warmup=0, iters=max(3, a.iters // 2), cuda=cuda,
-                              window=a.window)
+        with GpuMonitor(dev) as mon:
+            out["ms"] = bench(step, inputs.n, warmup=a.warmup, iters=a.iters, cuda=cuda)
+        with GpuMonitor(dev) as mon_b2b:
+            out["ms_b2b"] = bench(step, inputs.n, warmup=0, iters=max(3, a.iters // 2), cuda=cuda,
+                                  window=a.window)
+        out["gpu"], out["gpu_b2b"] = mon.summary(), mon_b2b.summary()
+        if cuda and mon.reason:
+            out["gpu_reason"] = mon.reason
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it
@@ -370,7 +377,8 @@ def main(argv=None) -> int:
              fmt(r.get("speedup"), ".2f", "x"), fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
              fmt(r.get("ms_b2b"), ".2f"), fmt(r.get("speedup_b2b"), ".2f", "x"),
              fmt(r.get("vs_torchao_tensorwise_b2b"), ".2f", "x"),
-             fmt(r["peak_gib"], ".1f"), fmt(r["first_call_s"], ".1f"),
+             fmt(r["peak_gib"], ".1f"), gpu_cell(r.get("gpu")), gpu_cell(r.get("gpu_b2b")),
+             fmt(r["first_call_s"], ".1f"),
              "-" if r["fp8_linears"] is None else r["fp8_linears"],
              "-" if r.get("graph_breaks") is None else r["graph_breaks"], r["status"])
             for r in sorted(res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]),
@@ -381,7 +389,8 @@ def main(argv=None) -> int:
           f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
           f"{'re-quantised every step' if a.requant_weights else 'cached (as between optimizer steps)'}\n")
     print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs torchao tw",
-                 f"ms/step, {a.window} back to back", "vs BF16, b2b", "vs torchao tw, b2b", "peak GiB", "first call s", "FP8 linears", "graph breaks", "status"], rows))
+                 f"ms/step, {a.window} back to back", "vs BF16, b2b", "vs torchao tw, b2b", "peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)",
+                 "first call s", "FP8 linears", "graph breaks", "status"], rows))
     prof = [r for r in res if r.get("breakdown")]
     if prof:
         print(f"\nwhere the time goes ({prof[0]['breakdown']['source']}, ms per step, torch.profiler):\n")

@@ -16,7 +16,10 @@ updates its amax history right before its next quantisation, one kernel) and ``d
 ``--breakdown`` also profiles each variant (``torch.profiler``) and prints where a step's time
 goes: GEMM kernels, the Triton quantisers, everything else (ReLU, gradient accumulation,
 copies), with the most expensive kernels by name — the measured counterpart of the bytes/FLOPs
-account in docs/benchmarks.md.
+account in docs/benchmarks.md. While each timing runs, the GPU's SM clock, power draw and any
+clock-event reasons (power cap, thermal) are sampled through NVML (``nvidia-ml-py``; columns
+"SM clock, power", JSON ``gpu`` / ``gpu_b2b``), so a slower run can be told apart from a
+throttled GPU.
 ``--smoke``: tiny emulated CPU run for CI (no timing claims).
 """
 
@@ -30,7 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench, device_time_breakdown, table  # noqa: E402
+from _timing import GpuMonitor, bench, device_time_breakdown, gpu_cell, table  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -95,9 +98,11 @@ def main(argv=None) -> int:
             if dev == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            ms = bench(step, 3, iters=a.iters)
-            ms_b2b = bench(step, 3, warmup=2, iters=max(3, a.iters // 2), cuda=dev == "cuda",
-                           window=a.window)
+            with GpuMonitor(dev) as mon:
+                ms = bench(step, 3, iters=a.iters)
+            with GpuMonitor(dev) as mon_b2b:
+                ms_b2b = bench(step, 3, warmup=2, iters=max(3, a.iters // 2), cuda=dev == "cuda",
+                               window=a.window)
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             flops = 3 * 2 * 2 * a.tokens * d * f
             name = recipe or "bf16"
@@ -105,16 +110,19 @@ def main(argv=None) -> int:
                 base_ms, base_b2b = ms, ms_b2b
             res.append({"size": size, "recipe": name, "ms": ms, "tflops": flops / ms / 1e9,
                         "speedup": base_ms / ms, "ms_b2b": ms_b2b, "speedup_b2b": base_b2b / ms_b2b,
-                        "peak_gib": peak})
+                        "peak_gib": peak, "gpu": mon.summary(), "gpu_b2b": mon_b2b.summary()})
             if a.breakdown:
                 res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda")
             del up, down
     rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
-             f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x", f"{r['peak_gib']:.1f}") for r in res]
+             f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x", f"{r['peak_gib']:.1f}",
+             gpu_cell(r["gpu"]), gpu_cell(r["gpu_b2b"])) for r in res]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke)"
-    print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd\n")
+    print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd"
+          f"{'' if mon.summary() or dev != 'cuda' else f'; GPU clocks/power not recorded: {mon.reason}'}\n")
     print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16",
-                 f"ms/step, {a.window} back to back", "vs BF16, back to back", "peak GiB"], rows))
+                 f"ms/step, {a.window} back to back", "vs BF16, back to back", "peak GiB",
+                 "SM clock, power (sync)", "SM clock, power (b2b)"], rows))
     if a.breakdown:
         print(f"\nwhere the time goes ({res[0]['breakdown']['source']}, ms per step, torch.profiler):\n")
         print(table(["size", "recipe", "step ms (median)", "kernels ms", "GEMM", "quantise (Triton)", "other",

@@ -280,3 +280,44 @@ def test_layer_unfused_swiglu_variant_is_eager_only(tmp_path):
     assert rows[("delayed-unfused-swiglu", "eager")]["ms"] > 0
     skipped = rows[("delayed-unfused-swiglu", "compiled")]
     assert skipped["status"].startswith("skipped: the SwiGLU fusion is eager-only") and skipped["ms"] is None
+
+
+def _timing_module():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _timing
+    finally:
+        sys.path.pop(0)
+    return _timing
+
+
+def test_gpu_monitor_says_why_it_has_no_readings():
+    """Without a CUDA device the monitor records nothing and says so; the table cell is ``-``."""
+    t = _timing_module()
+    with t.GpuMonitor("cpu") as mon:
+        sum(range(1000))
+    assert mon.summary() is None and mon.reason == "no CUDA device"
+    assert t.gpu_cell(mon.summary()) == "-"
+    cell = t.gpu_cell({"sm_mhz_median": 1755.0, "power_w_mean": 699.6, "clock_reasons": ["sw-power-cap"]})
+    assert cell == "1755 MHz, 700 W (sw-power-cap)"
+
+
+@pytest.mark.gpu
+def test_gpu_monitor_samples_clock_and_power_while_the_gpu_works():
+    """On a GPU with NVML: samples taken during a second of GEMMs give a running SM clock, a power
+    draw inside (0, limit], a temperature; the reasons list only known names."""
+    import torch
+
+    pytest.importorskip("pynvml", reason="NVML bindings not installed (pip install nvidia-ml-py)")
+    t = _timing_module()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    with t.GpuMonitor("cuda", interval=0.005) as mon:
+        for _ in range(100):
+            a @ a
+        torch.cuda.synchronize()
+    s = mon.summary()
+    assert s is not None, mon.reason
+    assert s["samples"] >= 5 and 300 <= s["sm_mhz_min"] <= s["sm_mhz_median"] <= 4000
+    assert 0 < s["power_w_mean"] <= s["power_w_max"] <= 1.2 * s["power_limit_w"]
+    assert 0 < s["temp_c_max"] < 110
+    assert set(s["clock_reasons"]) <= set(t._CLOCK_REASONS.values())
