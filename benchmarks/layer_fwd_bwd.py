@@ -23,7 +23,10 @@ quantise their operand pairs with the fused Triton kernels as a custom operator
 ``NEMO_FP8_COMPILED_QUANT=inductor`` (the reference quantisers, generated and fused by Inductor).
 ``tensorwise-unfused-swiglu`` / ``delayed-unfused-swiglu``: the same recipe with the fused
 SwiGLU (on by default in eager mode, ``Float8Linear.fuses_swiglu``) turned off
-(``NEMO_FP8_FUSED_SWIGLU=0``: the activation is materialised), for an A/B in one run.
+(``NEMO_FP8_FUSED_SWIGLU=0``: the activation is materialised), for an A/B in one run;
+``tensorwise-unshared-input``: each FP8 linear quantises its input itself
+(``NEMO_FP8_SHARED_INPUT=0``; by default ``wq/wk/wv`` and ``w1/w3`` share one quantisation of
+their common input in eager mode).
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
@@ -88,18 +91,26 @@ TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
 #: activation materialised, as before the fusion; by default the down projection gets the halves,
 #: delayed scaling computes the activation inside its one-pass quantiser and both recipes fuse the
 #: SwiGLU backward into one kernel)
+#: ``tensorwise-unshared-input``: NEMO_FP8_SHARED_INPUT=0 (eager mode: every FP8 linear
+#: quantises its input itself; by default wq/wk/wv and w1/w3 share one quantisation)
 ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
                 "tensorwise-unfused-swiglu": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
-                "delayed-unfused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "0"})}
+                "delayed-unfused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
+                "tensorwise-unshared-input": ("tensorwise", {"NEMO_FP8_SHARED_INPUT": "0"})}
 VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
 #: what every other variant runs with (set explicitly, so a value exported in the shell cannot
 #: turn a base variant into its A/B partner)
-ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1"}
-#: variants that only differ from their recipe in eager mode (the fused SwiGLU is eager-only:
-#: under torch.compile Inductor fuses SiLU and the product itself)
-EAGER_ONLY = ("tensorwise-unfused-swiglu", "delayed-unfused-swiglu")
-VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu", "delayed",
-            "delayed-unfused-swiglu", "blockwise", "mxfp8", *TORCHAO]
+ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1", "NEMO_FP8_SHARED_INPUT": "1"}
+#: variants that only differ from their recipe in eager mode, with the reason their compiled row
+#: is skipped
+_SWIGLU_EAGER = ("the SwiGLU fusion is eager-only, so compiled this is the recipe's own row (Inductor fuses "
+                 "SiLU and the product itself)")
+_SHARE_EAGER = ("the shared input quantisation is eager-only, so compiled this is the recipe's own row (the "
+                "compiler de-duplicates the quantisations itself)")
+EAGER_ONLY = {"tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swiglu": _SWIGLU_EAGER,
+              "tensorwise-unshared-input": _SHARE_EAGER}
+VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu", "tensorwise-unshared-input",
+            "delayed", "delayed-unfused-swiglu", "blockwise", "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -345,8 +356,7 @@ def main(argv=None) -> int:
             for mode in modes:
                 row = dict(row0, mode=mode, status=skip)
                 if model is not None and mode == "compiled" and variant in EAGER_ONLY:
-                    row["status"] = ("skipped: the SwiGLU fusion is eager-only, so compiled this is "
-                                     "the recipe's own row (Inductor fuses SiLU and the product itself)")
+                    row["status"] = f"skipped: {EAGER_ONLY[variant]}"
                 elif model is not None:
                     env = {**ENV_DEFAULTS, **ENV_VARIANTS.get(variant, (None, {}))[1]}
                     prev = {k: os.environ.get(k) for k in env}

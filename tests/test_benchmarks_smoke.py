@@ -321,3 +321,17 @@ def test_gpu_monitor_samples_clock_and_power_while_the_gpu_works():
     assert 0 < s["power_w_mean"] <= s["power_w_max"] <= 1.2 * s["power_limit_w"]
     assert 0 < s["temp_c_max"] < 110
     assert set(s["clock_reasons"]) <= set(t._CLOCK_REASONS.values())
+
+
+def test_layer_unshared_input_variant_runs_eager(tmp_path):
+    """``tensorwise-unshared-input`` (NEMO_FP8_SHARED_INPUT=0): measured eager, skipped compiled
+    with its own reason."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", "layer",
+                           "--variants", "bf16,tensorwise,tensorwise-unshared-input", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
+    assert rows[("tensorwise-unshared-input", "eager")]["status"] == "ok"
+    assert rows[("tensorwise-unshared-input", "compiled")]["status"].startswith(
+        "skipped: the shared input quantisation is eager-only")

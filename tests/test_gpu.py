@@ -72,3 +72,31 @@ def test_mxfp8_on_hopper_raises_unless_emulated():
     convert_model(model, "mxfp8", emulate=True)
     y = model(torch.randn(64, 256, device="cuda"))
     assert torch.isfinite(y).all()
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "blockwise"])
+def test_linears_reading_one_input_share_its_quantisation_on_gpu(name, monkeypatch):
+    """q/k/v-like projections of one input with the Triton quantisers and real FP8 GEMMs: one
+    quantisation of the input, one saved wgrad copy, and the same bits (outputs, input and
+    weight gradients) as three linears each quantising its own copy."""
+    rec = get_recipe(name)
+    calls = []
+    real = Float8Linear._quantize_operand
+    monkeypatch.setattr(Float8Linear, "_quantize_operand",
+                        lambda self, i, t, pair=False, gate=None: calls.append(i) or real(self, i, t, pair=pair, gate=gate))
+
+    def run(share: bool):
+        torch.manual_seed(0)
+        mods = [Float8Linear.from_linear(torch.nn.Linear(1024, n, bias=False, device="cuda"), rec, emulate=False)
+                for n in (1024, 256, 256)]
+        x = (structured(2048, 1024, seed=5) * 3).to("cuda", torch.bfloat16).requires_grad_()
+        ys = [m(x if share else x.clone()) for m in mods]
+        sum((y.float() * structured(*y.shape, seed=k).cuda()).sum() for k, y in enumerate(ys)).backward()
+        return ys, x.grad, [m.weight.grad for m in mods]
+
+    ys, dx, dws = run(True)
+    assert calls.count(0) == 1
+    ys2, dx2, dws2 = run(False)
+    assert calls.count(0) == 4
+    assert all(torch.equal(a, b) for a, b in zip(ys, ys2))
+    assert torch.equal(dx, dx2) and all(torch.equal(a, b) for a, b in zip(dws, dws2))

@@ -189,3 +189,94 @@ def test_nan_inf_in_input_reach_the_output(name):
     y, dx, dw = run_module(mod, x, dy)
     assert not np.isfinite(y[5]).all() and not np.isfinite(y[9]).all()
     assert not np.isfinite(dw).all()
+
+
+# ---- one input quantisation shared by the FP8 linears that read the same tensor (eager) --------
+def _qkv(recipe, seed=0, frozen=()):
+    torch.manual_seed(seed)
+    mods = [Float8Linear.from_linear(torch.nn.Linear(128, n, bias=False), get_recipe(recipe), emulate=True)
+            for n in (128, 64, 64)]
+    for i in frozen:
+        mods[i].weight.requires_grad_(False)
+    return mods
+
+
+def _count_input_quantisations(monkeypatch):
+    calls = []
+    real = Float8Linear._quantize_operand
+
+    def counted(self, i, t, pair=False, gate=None):
+        if i == 0:
+            calls.append(pair)
+        return real(self, i, t, pair=pair, gate=gate)
+
+    monkeypatch.setattr(Float8Linear, "_quantize_operand", counted)
+    return calls
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8"])
+def test_linears_reading_one_input_share_its_quantisation(recipe, monkeypatch):
+    """q/k/v projections of one normed input: current scaling quantises it once (same outputs
+    and gradients, bit for bit, as three linears each quantising its own copy) and saves one
+    wgrad copy for the three backward passes."""
+    calls = _count_input_quantisations(monkeypatch)
+    x = (structured(64, 128, seed=3) * 4).requires_grad_()
+    mods = _qkv(recipe)
+    ys = [m(x) for m in mods]
+    assert len(calls) == 1
+    saved = [y.grad_fn.saved_tensors[0] for y in ys]  # the input's wgrad codes
+    assert saved[0].data_ptr() == saved[1].data_ptr() == saved[2].data_ptr()
+    sum((y * (structured(*y.shape, seed=9 + k))).sum() for k, y in enumerate(ys)).backward()
+
+    x2 = x.detach().clone().requires_grad_()
+    mods2 = _qkv(recipe)
+    ys2 = [m(x2.clone()) for m in mods2]  # three different tensors: no sharing
+    assert len(calls) == 4
+    sum((y * (structured(*y.shape, seed=9 + k))).sum() for k, y in enumerate(ys2)).backward()
+    for a, b in zip(ys, ys2):
+        assert torch.equal(a, b)
+    assert torch.equal(x.grad, x2.grad)
+    for m, m2 in zip(mods, mods2):
+        assert torch.equal(m.weight.grad, m2.weight.grad)
+
+
+def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
+    """An in-place change of the input re-quantises it; a linear that needs the wgrad copy after
+    one that did not (a frozen weight) quantises the pair; delayed scaling (a scale per module)
+    and telemetry (statistics per module) never share; ``NEMO_FP8_SHARED_INPUT=0`` turns it off;
+    freeing the input drops the entry and its codes."""
+    import gc
+
+    import nemo_fp8_recipes.nn.linear as lin
+
+    calls = _count_input_quantisations(monkeypatch)
+    x = structured(64, 128, seed=4).requires_grad_()
+    a, b, c = _qkv("tensorwise", frozen=(0,))
+    a(x)
+    b(x)  # needs the pair: a quantised the rows only
+    c(x)  # shares b's pair
+    assert calls == [False, True]
+    with torch.no_grad():
+        x.mul_(2.0)
+    ya = a(x)
+    assert calls == [False, True, False]
+    assert torch.equal(ya, _qkv("tensorwise", frozen=(0,))[0](x.detach().clone()))
+
+    def new_calls(mods, setup=lambda m: None):
+        n = len(calls)
+        for m in mods:
+            setup(m)
+            m(x)
+        return calls[n:]
+
+    assert new_calls(_qkv("delayed")) == [True, True, True]
+    assert new_calls(_qkv("tensorwise"), lambda m: setattr(m, "telemetry_enabled", True)) == [True] * 3
+    monkeypatch.setenv("NEMO_FP8_SHARED_INPUT", "0")
+    assert new_calls(_qkv("tensorwise")) == [True, True, True]
+    monkeypatch.delenv("NEMO_FP8_SHARED_INPUT")
+    y = torch.randn(64, 128)
+    a(y)
+    assert lin._SHARED_INPUT.ref() is y
+    del y
+    gc.collect()
+    assert lin._SHARED_INPUT.ref is None and not lin._SHARED_INPUT.results

@@ -144,6 +144,69 @@ def _quantize_weight(w: torch.Tensor, recipe: Recipe, emulate: bool, quantize_op
     return q, qt
 
 
+# ---- one quantisation of an input shared by the eager FP8 linears that read it ---------------
+class _SharedInput:
+    """The last stateless input quantisation of the eager FP8 linears, for the next linear that
+    reads the same tensor: a transformer's q/k/v projections all take the attention norm's
+    output, its gate and up projections the MLP norm's, so with current scaling (tensorwise,
+    blockwise, mxfp8) they would quantise the same values to the same codes three and two times,
+    and save the wgrad copy for backward as often. One entry: the input tensor (weakly
+    referenced: freeing it drops the entry and its codes), its version counter (an in-place
+    change invalidates it) and the results per quantisation spec. Under ``torch.compile`` the
+    compiler de-duplicates these calls itself (the traced path does not come here)."""
+
+    def __init__(self) -> None:
+        self.ref = None
+        self.version = -1
+        self.results: Dict[tuple, tuple] = {}
+
+    def _drop(self, ref=None) -> None:
+        if ref is None or ref is self.ref:
+            self.ref, self.version, self.results = None, -1, {}
+
+    def get(self, x: torch.Tensor, spec: tuple, pair: bool):
+        if self.ref is None or self.ref() is not x or self.version != x._version:
+            return None
+        got = self.results.get(spec)
+        if got is None or (pair and got[1] is None):
+            return None
+        return got if pair else (got[0], None)
+
+    def put(self, x: torch.Tensor, spec: tuple, result: tuple) -> None:
+        import weakref
+
+        if self.ref is None or self.ref() is not x or self.version != x._version:
+            self._drop()
+            self.ref = weakref.ref(x, self._drop)
+            self.version = x._version
+        self.results[spec] = result
+
+
+_SHARED_INPUT = _SharedInput()
+
+
+def _input_quantizer(mod: "Float8Linear", x: torch.Tensor):
+    """``mod._quantize_operand``, sharing the input's quantisation with the other eager FP8
+    linears that read the same ``x`` (:class:`_SharedInput`) where that gives the same codes:
+    current scaling (delayed scaling's scale is per module) and telemetry off (it records
+    statistics per module)."""
+    r = mod.recipe
+    if r.is_delayed or mod.telemetry_enabled or os.environ.get("NEMO_FP8_SHARED_INPUT", "1") == "0":
+        return mod._quantize_operand
+    spec = (*_operand_spec(r, _IN), r.scale_rounding, mod.emulate, mod._row_multiple)
+
+    def quantize_operand(i: int, t: torch.Tensor, pair: bool = False):
+        if i != _IN:
+            return mod._quantize_operand(i, t, pair=pair)
+        got = _SHARED_INPUT.get(x, spec, pair)
+        if got is None:
+            got = mod._quantize_operand(i, t, pair=True) if pair else (mod._quantize_operand(i, t), None)
+            _SHARED_INPUT.put(x, spec, got)
+        return got if pair else got[0]
+
+    return quantize_operand
+
+
 # ---- the three GEMMs, shared by the eager and the compile-traced autograd functions ----------
 def _check_device(x: torch.Tensor, emulate: bool, fqn: str) -> None:
     if not emulate and x.device.type != "cuda":
@@ -226,7 +289,7 @@ class _Float8LinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype):
         _check_device(x, mod.emulate, mod.fqn)
-        return _module_fprop(ctx, x, weight, bias, mod, out_dtype, mod._quantize_operand)
+        return _module_fprop(ctx, x, weight, bias, mod, out_dtype, _input_quantizer(mod, x))
 
     @staticmethod
     def backward(ctx, dy):
