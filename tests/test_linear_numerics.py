@@ -79,10 +79,7 @@ def test_fprop_dgrad_wgrad_match_contract_reference(name):
         scales = {"x": 1.0, "w": 1.0, "g": 1.0}
     ref = contract_reference(name, x, w, dy, scales)
     exact = (x.double() @ w.double().T, dy.double() @ w.double(), dy.double().T @ x.double())
-    lines = NUMERICS_REPORT.setdefault(
-        "FP8 linear (emulated) vs exact float64 GEMM, structured inputs 1e-3..1e3 (rel. Frobenius error)",
-        [f"{'recipe':<11}{'fprop':>10}{'dgrad':>10}{'wgrad':>10}"],
-    )
+    lines = _report_lines()
     errs = []
     for gemm, g, r, e in zip(("fprop", "dgrad", "wgrad"), got, ref, exact):
         assert rel(g, r) < 1e-6, f"{name} {gemm}: emulation differs from the contract reference"
@@ -97,6 +94,15 @@ def test_fprop_dgrad_wgrad_match_contract_reference(name):
         assert max(rel(g, r) for g, r in zip(got, oref)) > 1e-5, f"{name} also matches {other}"
     if name != "delayed":
         lines.append(f"{name:<11}" + "".join(f"{v:10.2e}" for v in errs))
+
+
+def _report_lines() -> list:
+    """The rows of this file's float64-error table (created with its header by whichever test
+    runs first: any order, any xdist worker)."""
+    return NUMERICS_REPORT.setdefault(
+        "FP8 linear (emulated) vs exact float64 GEMM, structured inputs 1e-3..1e3 (rel. Frobenius error)",
+        [f"{'recipe':<11}{'fprop':>10}{'dgrad':>10}{'wgrad':>10}"],
+    )
 
 
 def test_delayed_uses_history_through_previous_step():
@@ -126,7 +132,7 @@ def test_delayed_uses_history_through_previous_step():
     for g, r in zip(got3, contract_reference("delayed", x2, w3, dy2, s3)):
         assert rel(g, r) < 1e-6
     exact = (x2.double() @ w.double().T, dy2.double() @ w.double(), dy2.double().T @ x2.double())
-    NUMERICS_REPORT["FP8 linear (emulated) vs exact float64 GEMM, structured inputs 1e-3..1e3 (rel. Frobenius error)"].append(
+    _report_lines().append(
         f"{'delayed':<11}" + "".join(f"{rel(g, e.numpy()):10.2e}" for g, e in zip(got, exact)) + "   (step 2)")
 
 
