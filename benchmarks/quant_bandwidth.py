@@ -164,7 +164,8 @@ def swiglu_rows(a, dev: str, copy_bw: float) -> list:
     three autograd kernels, SiLU's output saved as autograd saves it), then the Triton pair
     kernels; fused = :func:`quantize_tensor_dual` with ``gate`` / :func:`swiglu_backward`. Bytes
     counted: what the fused kernels must move (halves read once, codes written; backward: three
-    reads, two writes); per-tensor current scaling reads the halves twice (factor 10/6)."""
+    reads, two writes); per-tensor current scaling moves 10 of those 6 bytes per element (its amax
+    pass reads the halves and writes the activation, which the cast reads back)."""
     import torch.nn.functional as F
 
     from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto
@@ -191,7 +192,7 @@ def swiglu_rows(a, dev: str, copy_bw: float) -> list:
     cases = [
         ("SwiGLU -> tensorwise pair", "unfused (SiLU, multiply, pair kernels)",
          lambda i: quantize_pair_auto(F.silu(gs[i]) * us[i], "e4m3", "tensor"), fwd, 10 / 6),
-        ("SwiGLU -> tensorwise pair", "fused (pair kernels read g, u)",
+        ("SwiGLU -> tensorwise pair", "fused (amax pass reads g, u and writes the activation; cast)",
          lambda i: quantize_pair_auto(us[i], "e4m3", "tensor", gate=gs[i]), fwd, 10 / 6),
         ("SwiGLU -> delayed pair (scale given, amax folded)", "unfused (SiLU, multiply, pair kernel)",
          lambda i: quantize_pair_auto(F.silu(gs[i]) * us[i], "e4m3", "tensor", scale=scale, amax_out=accs[i]),

@@ -83,10 +83,11 @@ def main() -> None:
     comp("kernel_blocks128", tk._quant_block_kernel, block_sig,
          {"BLOCK": 128, "MODE": 1, "FMAX": 448.0, "IS_E4M3": True, "HW_CVT": True})
     gate_sig = {"GATED": "constexpr", "LIBDEVICE": "constexpr", "IN_BF16": "constexpr"}
-    for gated in (False, True):
-        comp(f"kernel_amax_atomic_gated{int(gated)}", tk._amax_atomic_kernel,
-             {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_bits_ptr": "*i32", "N": "i32", "BLOCK": "constexpr",
-              **gate_sig}, {"BLOCK": 8192, "GATED": gated, "LIBDEVICE": True, "IN_BF16": True})
+    for gated, write in ((False, False), (True, False), (True, True)):
+        comp(f"kernel_amax_atomic_gated{int(gated)}_write{int(write)}", tk._amax_atomic_kernel,
+             {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_bits_ptr": "*i32", "act_ptr": "*bf16", "N": "i32",
+              "BLOCK": "constexpr", **gate_sig, "WRITE_ACT": "constexpr"},
+             {"BLOCK": 8192, "GATED": gated, "LIBDEVICE": True, "IN_BF16": True, "WRITE_ACT": write})
     comp("kernel_swiglu_bwd", tk._swiglu_bwd_kernel,
          {"dy_ptr": "*bf16", "g_ptr": "*bf16", "u_ptr": "*bf16", "dg_ptr": "*bf16", "du_ptr": "*bf16", "N": "i32",
           "BLOCK": "constexpr", "LIBDEVICE": "constexpr", "IN_BF16": "constexpr"},

@@ -325,10 +325,11 @@ def _module_grads(ctx, dy, saved, need_dx: Optional[bool] = None):
 
 
 class _Float8SwiGLULinearFn(torch.autograd.Function):
-    """The eager path for ``x = F.silu(g) * u``, fused (:meth:`Float8Linear.fuses_swiglu`).
-    Delayed scaling: the input's per-tensor codes and their transpose are computed from ``g`` and
-    ``u`` inside the one-pass Triton cast (the activation is never written); current scaling
-    materialises the activation for its two passes (faster, measured). Backward turns the dgrad
+    """The eager path for ``x = F.silu(g) * u``, fused (:meth:`Float8Linear.fuses_swiglu`): the
+    input's per-tensor codes and their transpose are computed from ``g`` and ``u`` by the Triton
+    quantisers — delayed scaling inside its one-pass cast (the activation is never written),
+    current scaling in its amax pass, which writes the activation once for the cast to read
+    (:func:`~nemo_fp8_recipes.quant.triton_kernels.quantize_tensor_dual`). Backward turns the dgrad
     output into ``(dg, du)`` in one kernel
     (:func:`~nemo_fp8_recipes.quant.triton_kernels.swiglu_backward`) instead of autograd's
     three. Saves ``g`` and ``u`` (autograd of the unfused SwiGLU saves them too, and SiLU's
@@ -336,20 +337,12 @@ class _Float8SwiGLULinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, u, weight, bias, g, mod: "Float8Linear", out_dtype: torch.dtype):
-        if mod.recipe.is_delayed:  # one pass over g and u computes, casts and takes the amax
-            g2 = g.reshape(-1, g.shape[-1])
+        g2 = g.reshape(-1, g.shape[-1])
 
-            def quantize_operand(i, t, pair=False):
-                return mod._quantize_operand(i, t, pair=pair, gate=g2 if i == _IN else None)
+        def quantize_operand(i, t, pair=False):
+            return mod._quantize_operand(i, t, pair=pair, gate=g2 if i == _IN else None)
 
-            x = u
-        else:
-            # Current scaling reads its input twice (amax, then cast): computing SiLU in both
-            # passes costs more than writing the activation once (H200, 8192x14336: 0.65 ms fused
-            # vs 0.49 ms materialised), so the activation is materialised here, quantised, and
-            # dropped (only its codes are saved); backward is fused either way.
-            x, quantize_operand = torch.nn.functional.silu(g) * u, mod._quantize_operand
-        return _module_fprop(ctx, x, weight, bias, mod, out_dtype, quantize_operand, keep=(g, u))
+        return _module_fprop(ctx, u, weight, bias, mod, out_dtype, quantize_operand, keep=(g, u))
 
     @staticmethod
     def backward(ctx, dy):
@@ -680,7 +673,8 @@ class Float8Linear(nn.Linear):
         """``x · Wᵀ + b`` with the three GEMMs in FP8; with ``gate``, ``(F.silu(gate) * x) · Wᵀ + b``
         — a SwiGLU MLP's down projection called with the gate and up halves, so that the
         activation can be fused (:meth:`fuses_swiglu`: delayed scaling computes it inside the
-        one-pass quantiser and never writes it; the SwiGLU backward is one kernel). The forward
+        one-pass quantiser and never writes it, current scaling computes it once in its amax
+        pass; the SwiGLU backward is one kernel). The forward
         gives the same codes and outputs as materialising the activation; the gate's gradient
         ``dg`` may differ in its last bit (and with it what depends on it downstream, e.g. the
         gate projection's delayed-scaling amax of its output gradient).
