@@ -249,7 +249,8 @@ def test_linears_reading_one_input_share_its_quantisation(recipe, monkeypatch):
 def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     """An in-place change of the input re-quantises it; a linear that needs the wgrad copy after
     one that did not (a frozen weight) quantises the pair; delayed scaling (a scale per module)
-    and telemetry (statistics per module) never share; ``NEMO_FP8_SHARED_INPUT=0`` turns it off;
+    and telemetry (statistics per module) never share, nor do inference tensors (no version
+    counter); ``NEMO_FP8_SHARED_INPUT=0`` turns it off;
     freeing the input drops the entry and its codes."""
     import gc
 
@@ -280,6 +281,14 @@ def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     monkeypatch.setenv("NEMO_FP8_SHARED_INPUT", "0")
     assert new_calls(_qkv("tensorwise")) == [True, True, True]
     monkeypatch.delenv("NEMO_FP8_SHARED_INPUT")
+    mods = _qkv("tensorwise")
+    with torch.inference_mode():  # no version counter: each linear quantises (and nothing raises)
+        xi = structured(64, 128, seed=6)
+        n = len(calls)
+        outs = [m(xi) for m in mods]
+        assert len(calls) - n == 3
+        inside = _qkv("tensorwise")  # weights created here are inference tensors too
+        assert all(torch.equal(m(xi), o) for m, o in zip(inside, outs))
     y = torch.randn(64, 128)
     a(y)
     assert lin._SHARED_INPUT.ref() is y

@@ -191,7 +191,9 @@ def _input_quantizer(mod: "Float8Linear", x: torch.Tensor):
     current scaling (delayed scaling's scale is per module) and telemetry off (it records
     statistics per module)."""
     r = mod.recipe
-    if r.is_delayed or mod.telemetry_enabled or os.environ.get("NEMO_FP8_SHARED_INPUT", "1") == "0":
+    if (r.is_delayed or mod.telemetry_enabled or x.is_inference()
+            or os.environ.get("NEMO_FP8_SHARED_INPUT", "1") == "0"):
+        # inference tensors have no version counter to tell an in-place change: not shared
         return mod._quantize_operand
     spec = (*_operand_spec(r, _IN), r.scale_rounding, mod.emulate, mod._row_multiple)
 
@@ -587,8 +589,11 @@ class Float8Linear(nn.Linear):
     # ---- weight cache ------------------------------------------------------------------------
     def _quantized_weight(self):
         """(W quantised along K as [N, K], W quantised along N as [K, N]) — cached until the
-        weight changes."""
+        weight changes. A weight created under ``torch.inference_mode`` has no version counter,
+        so a change could not be seen: it is quantised at every call instead."""
         w = self.weight
+        if w.is_inference():
+            return _quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
         key = (w._version, _OPTIMIZER_GENERATION[0], w.data_ptr(), w.dtype, w.device)
         if self._wcache_key == key and self._wcache is not None:
             return self._wcache
