@@ -295,3 +295,21 @@ def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     del y
     gc.collect()
     assert lin._SHARED_INPUT.ref is None and not lin._SHARED_INPUT.results
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_evaluation_skips_the_wgrad_copy(recipe, monkeypatch):
+    """Under ``torch.no_grad`` (evaluation, the first pass of reentrant checkpointing) a linear
+    with a trainable weight quantises its input once, not as the (fprop, wgrad) pair — the
+    autograd function's ``needs_input_grad`` alone says True there — with the same output; with
+    grad enabled it quantises the pair."""
+    calls = _count_input_quantisations(monkeypatch)
+    x = structured(64, 128, seed=8)
+    mod = _qkv(recipe)[0]
+    with torch.no_grad():
+        y0 = mod(x)
+    assert calls == [False]
+    y1 = mod(x.clone())
+    assert calls == [False, True]
+    if recipe != "delayed":  # delayed: the second call's scale comes from the first's amax
+        assert torch.equal(y0, y1.detach())

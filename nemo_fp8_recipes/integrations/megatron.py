@@ -358,7 +358,7 @@ class Float8MegatronLinear(Float8Linear):
                 "supported by the FP8 swap; keep that layer in BF16 (it is, by the output role)"
             )
         bias = None if self.skip_bias_add else self.bias
-        out = _Float8LinearFn.apply(input_, self.weight, bias, self, _out_dtype_for(input_))
+        out = _Float8LinearFn.apply(input_, self.weight, bias, self, _out_dtype_for(input_), torch.is_grad_enabled())
         return out, (self.bias if self.skip_bias_add else None)
 
 

@@ -219,10 +219,12 @@ def _check_device(x: torch.Tensor, emulate: bool, fqn: str) -> None:
 
 
 def _fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple: int, out_dtype,
-           quantize_operand):
+           quantize_operand, grad_enabled: bool):
     """fprop of ``x`` (any leading dims) with ``weights`` = (W along K, W along N) from
     :func:`_quantize_weight`: returns ``(y, tensors to save)`` and records on ``ctx`` what
-    :func:`_grads` needs."""
+    :func:`_grads` needs. ``grad_enabled``: the caller's grad mode (inside ``forward`` autograd
+    is always off, and ``ctx.needs_input_grad`` says True for a trainable weight even under
+    ``torch.no_grad``), so evaluation skips the wgrad copy of ``x``."""
     in_shape = x.shape
     x2 = x.reshape(-1, in_shape[-1])
     m = x2.shape[0]
@@ -230,7 +232,7 @@ def _fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple
     if pad:
         x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
     w_fprop, w_dgrad = weights
-    if ctx.needs_input_grad[1]:  # both copies of X from one read (fprop rows, wgrad columns)
+    if ctx.needs_input_grad[1] and grad_enabled:  # both copies of X from one read (fprop rows, wgrad columns)
         qx, qx_wgrad = quantize_operand(_IN, x2, pair=True)
     else:
         qx, qx_wgrad = quantize_operand(_IN, x2), None
@@ -289,22 +291,24 @@ class _Float8LinearFn(torch.autograd.Function):
     delayed-scaling state, telemetry and Python GEMM counters."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype):
+    def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype, grad_enabled: bool):
         _check_device(x, mod.emulate, mod.fqn)
-        return _module_fprop(ctx, x, weight, bias, mod, out_dtype, _input_quantizer(mod, x))
+        return _module_fprop(ctx, x, weight, bias, mod, out_dtype, _input_quantizer(mod, x), grad_enabled)
 
     @staticmethod
     def backward(ctx, dy):
         dx, dw, db = _module_grads(ctx, dy, ctx.saved_tensors)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
-def _module_fprop(ctx, x, weight, bias, mod: "Float8Linear", out_dtype, quantize_operand, keep=()):
+def _module_fprop(ctx, x, weight, bias, mod: "Float8Linear", out_dtype, quantize_operand, grad_enabled: bool,
+                  keep=()):
     """The eager autograd functions' forward: :func:`_fprop` with the module's cached FP8 weight
     and ``quantize_operand``, the fprop count, and the saved tensors (plus ``keep``, appended)."""
     y, to_save = _fprop(
         ctx, x, bias, mod._quantized_weight(), recipe=mod.recipe, emulate=mod.emulate,
         row_multiple=mod._row_multiple, out_dtype=out_dtype, quantize_operand=quantize_operand,
+        grad_enabled=grad_enabled,
     )
     mod._count("fprop")
     ctx.save_for_backward(*to_save, *keep)
@@ -338,13 +342,13 @@ class _Float8SwiGLULinearFn(torch.autograd.Function):
     output)."""
 
     @staticmethod
-    def forward(ctx, u, weight, bias, g, mod: "Float8Linear", out_dtype: torch.dtype):
+    def forward(ctx, u, weight, bias, g, mod: "Float8Linear", out_dtype: torch.dtype, grad_enabled: bool):
         g2 = g.reshape(-1, g.shape[-1])
 
         def quantize_operand(i, t, pair=False):
             return mod._quantize_operand(i, t, pair=pair, gate=g2 if i == _IN else None)
 
-        return _module_fprop(ctx, u, weight, bias, mod, out_dtype, quantize_operand, keep=(g, u))
+        return _module_fprop(ctx, u, weight, bias, mod, out_dtype, quantize_operand, grad_enabled, keep=(g, u))
 
     @staticmethod
     def backward(ctx, dy):
@@ -355,7 +359,7 @@ class _Float8SwiGLULinearFn(torch.autograd.Function):
         dg = du = None
         if dact is not None:
             dg, du = swiglu_backward(dact.contiguous(), g, u)
-        return du, dw, db, dg, None, None
+        return du, dw, db, dg, None, None, None
 
 
 class _Float8LinearTracedFn(torch.autograd.Function):
@@ -366,13 +370,13 @@ class _Float8LinearTracedFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, bwd_counts, recipe: Recipe, emulate: bool,
-                row_multiple: int, out_dtype: torch.dtype, fqn: str):
+                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool):
         _check_device(x, emulate, fqn)
         quantize_operand = functools.partial(_quantize_current, recipe)
         weights = _quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
         y, to_save = _fprop(
             ctx, x, bias, weights, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
-            out_dtype=out_dtype, quantize_operand=quantize_operand,
+            out_dtype=out_dtype, quantize_operand=quantize_operand, grad_enabled=grad_enabled,
         )
         ctx.save_for_backward(*to_save, bwd_counts)
         ctx.recipe, ctx.emulate = recipe, emulate
@@ -389,7 +393,7 @@ class _Float8LinearTracedFn(torch.autograd.Function):
             bwd_counts[0].add_(1)
         if dw is not None:
             bwd_counts[1].add_(1)
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None, None
 
 
 class Float8Linear(nn.Linear):
@@ -714,7 +718,7 @@ class Float8Linear(nn.Linear):
             self.fp8_fwd_count.add_(1)
             return _Float8LinearTracedFn.apply(
                 x, self.weight, self.bias, self.fp8_bwd_count, self.recipe, self.emulate,
-                self._row_multiple, out_dtype, self.fqn)
+                self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled())
         return self._forward_eager(x, out_dtype)
 
     # The eager island: under torch.compile this call is a graph break; quantisation (fused
@@ -722,8 +726,8 @@ class Float8Linear(nn.Linear):
     # exact Python-side.
     @torch.compiler.disable
     def _forward_eager(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return _Float8LinearFn.apply(x, self.weight, self.bias, self, out_dtype)
+        return _Float8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
 
     def _forward_swiglu(self, gate: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         _check_device(x, self.emulate, self.fqn)
-        return _Float8SwiGLULinearFn.apply(x, self.weight, self.bias, gate, self, out_dtype)
+        return _Float8SwiGLULinearFn.apply(x, self.weight, self.bias, gate, self, out_dtype, torch.is_grad_enabled())
