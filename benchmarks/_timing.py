@@ -254,16 +254,24 @@ class GpuMonitor:
         mon.summary()  # {"sm_mhz_median": 1980, "power_w_mean": 612.0, ...} or None
 
     ``summary()`` is None without a CUDA device or without NVML (``pip install nvidia-ml-py``;
-    the GPU drivers ship the library); ``reason`` then says why. Power is NVML's reading, which
-    the driver averages over a short window (about a second on recent GPUs), so runs shorter than
-    that mostly show the draw before them."""
+    the GPU drivers ship the library); ``reason`` then says why. A metric the device does not
+    report (e.g. power on some virtual GPUs) is None in the summary and named in ``reason``;
+    the others are still sampled. The device is found by its UUID, so ``CUDA_VISIBLE_DEVICES``
+    renumbering cannot make it read another GPU (by index only when nothing renumbers them).
+    Power is NVML's reading, which the driver averages over a short window (about a second on
+    recent GPUs), so runs shorter than that mostly show the draw before them."""
 
-    def __init__(self, device="cuda", interval: float = 0.005) -> None:
+    _METRICS = ("sm_mhz", "power_w", "temp_c", "reasons")
+
+    def __init__(self, device="cuda", interval: float = 0.02) -> None:
         self.device, self.interval = device, interval
-        self.samples: List[Tuple[float, float, float, int]] = []
+        self.samples: List[dict] = []
         self.reason: Optional[str] = None
-        self._nvml = self._handle = self._thread = None
-        self._stop = None
+        self.power_limit_w: Optional[float] = None
+        self._nvml = self._handle = self._thread = self._stop = None
+
+    def _note(self, msg: str) -> None:
+        self.reason = msg if not self.reason else f"{self.reason}; {msg}"
 
     def _open(self) -> None:
         import torch
@@ -278,32 +286,57 @@ class GpuMonitor:
             return
         try:
             pynvml.nvmlInit()
-            idx = torch.device(self.device).index
-            idx = torch.cuda.current_device() if idx is None else idx
-            uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
-            try:  # by UUID: CUDA_VISIBLE_DEVICES may renumber the devices NVML lists
-                h = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith("GPU-") else f"GPU-{uuid}")
-            except Exception:  # noqa: BLE001 - no UUID from this torch: NVML's index
-                h = pynvml.nvmlDeviceGetHandleByIndex(idx)
-            self._nvml, self._handle = pynvml, h
-            self.power_limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1e3
-        except Exception as e:  # noqa: BLE001 - NVML present but unusable: say why, time anyway
+        except Exception as e:  # noqa: BLE001 - no driver library: say why, time anyway
             self.reason = f"NVML: {type(e).__name__}: {e}"
-            self._nvml = self._handle = None
+            return
+        self._nvml = pynvml
+        idx = torch.device(self.device).index
+        idx = torch.cuda.current_device() if idx is None else idx
+        uuid = str(getattr(torch.cuda.get_device_properties(idx), "uuid", "") or "")
+        try:
+            if not uuid:
+                raise LookupError("this torch reports no device UUID")
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
+        except Exception as e:  # noqa: BLE001
+            if os.environ.get("CUDA_VISIBLE_DEVICES") is None:  # torch's index is NVML's
+                self._handle = pynvml.nvmlDeviceGetHandleByIndex(idx)
+            else:
+                self._note(f"NVML: device {idx} not found by UUID ({type(e).__name__}: {e}) and "
+                           "CUDA_VISIBLE_DEVICES renumbers devices: not sampled")
+                self._close()
+                return
+        try:
+            self.power_limit_w = pynvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1e3
+        except Exception as e:  # noqa: BLE001 - e.g. not supported on this device
+            self._note(f"NVML power limit: {type(e).__name__}")
+
+    def _close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception:  # noqa: BLE001 - shutting down: nothing to do about it
+                pass
+        self._nvml = self._handle = None
 
     def _sample(self) -> None:
         nv, h = self._nvml, self._handle
         get_reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons",
                               getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+        reads = {"sm_mhz": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                 "power_w": lambda: nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                 "temp_c": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+                 "reasons": lambda: get_reasons(h)}
         while not self._stop.is_set():
-            try:
-                self.samples.append((nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                                     nv.nvmlDeviceGetPowerUsage(h) / 1e3,
-                                     nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
-                                     get_reasons(h) if get_reasons else 0))
-            except Exception as e:  # noqa: BLE001 - stop sampling, keep what was read
-                self.reason = f"NVML: {type(e).__name__}: {e}"
+            sample = {}
+            for name, read in list(reads.items()):
+                try:
+                    sample[name] = read()
+                except Exception as e:  # noqa: BLE001 - drop this metric, keep the others
+                    self._note(f"NVML {name}: {type(e).__name__}")
+                    del reads[name]
+            if not reads:
                 return
+            self.samples.append(sample)
             self._stop.wait(self.interval)
 
     def __enter__(self) -> "GpuMonitor":
@@ -320,21 +353,29 @@ class GpuMonitor:
     def __exit__(self, *exc) -> None:
         if self._thread is not None:
             self._stop.set()
-            self._thread.join()
+            self._thread.join(timeout=5.0)  # a hung driver call must not hang the benchmark
+            if self._thread.is_alive():
+                self._note("NVML sampler did not stop within 5 s")
             self._thread = None
+        self._close()
 
     def summary(self) -> Optional[dict]:
         """Median / minimum SM clock (MHz), mean / maximum power (W) and the enforced limit,
-        maximum temperature (°C), the clock-event reasons seen in any sample, the sample count."""
+        maximum temperature (°C), the clock-event reasons seen in any sample, the sample count;
+        None for a metric that was not read."""
         if not self.samples:
             return None
-        clk, pw, temp, bits = zip(*self.samples)
+
+        def col(name):
+            return [x[name] for x in self.samples if name in x]
+
+        clk, pw, temp, bits = (col(m) for m in self._METRICS)
         seen = 0
         for b in bits:
             seen |= b
-        return {"sm_mhz_median": statistics.median(clk), "sm_mhz_min": min(clk),
-                "power_w_mean": statistics.fmean(pw), "power_w_max": max(pw),
-                "power_limit_w": self.power_limit_w, "temp_c_max": max(temp),
+        return {"sm_mhz_median": statistics.median(clk) if clk else None, "sm_mhz_min": min(clk, default=None),
+                "power_w_mean": statistics.fmean(pw) if pw else None, "power_w_max": max(pw, default=None),
+                "power_limit_w": self.power_limit_w, "temp_c_max": max(temp, default=None),
                 "clock_reasons": [n for bit, n in _CLOCK_REASONS.items() if seen & bit],
                 "samples": len(self.samples)}
 
@@ -343,5 +384,7 @@ def gpu_cell(s: Optional[dict]) -> str:
     """A table cell for a :meth:`GpuMonitor.summary`: ``1980 MHz, 612 W`` (+ reasons)."""
     if not s:
         return "-"
-    cell = f"{s['sm_mhz_median']:.0f} MHz, {s['power_w_mean']:.0f} W"
-    return cell + (f" ({', '.join(s['clock_reasons'])})" if s["clock_reasons"] else "")
+    parts = [f"{s['sm_mhz_median']:.0f} MHz" if s.get("sm_mhz_median") is not None else None,
+             f"{s['power_w_mean']:.0f} W" if s.get("power_w_mean") is not None else None]
+    cell = ", ".join(p for p in parts if p) or "-"
+    return cell + (f" ({', '.join(s['clock_reasons'])})" if s.get("clock_reasons") else "")

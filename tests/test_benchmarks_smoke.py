@@ -300,6 +300,8 @@ def test_gpu_monitor_says_why_it_has_no_readings():
     assert t.gpu_cell(mon.summary()) == "-"
     cell = t.gpu_cell({"sm_mhz_median": 1755.0, "power_w_mean": 699.6, "clock_reasons": ["sw-power-cap"]})
     assert cell == "1755 MHz, 700 W (sw-power-cap)"
+    # a metric the device does not report is left out, not shown as a number
+    assert t.gpu_cell({"sm_mhz_median": 1500.0, "power_w_mean": None, "clock_reasons": []}) == "1500 MHz"
 
 
 @pytest.mark.gpu

@@ -89,10 +89,11 @@ def test_linears_reading_one_input_share_its_quantisation_on_gpu(name, monkeypat
         torch.manual_seed(0)
         mods = [Float8Linear.from_linear(torch.nn.Linear(1024, n, bias=False, device="cuda"), rec, emulate=False)
                 for n in (1024, 256, 256)]
-        x = (structured(2048, 1024, seed=5) * 3).to("cuda", torch.bfloat16).requires_grad_()
+        leaf = (structured(2048, 1024, seed=5) * 3).to("cuda", torch.bfloat16).requires_grad_()
+        x = leaf * 1.0  # an intermediate, like a norm's output
         ys = [m(x if share else x.clone()) for m in mods]
         sum((y.float() * structured(*y.shape, seed=k).cuda()).sum() for k, y in enumerate(ys)).backward()
-        return ys, x.grad, [m.weight.grad for m in mods]
+        return ys, leaf.grad, [m.weight.grad for m in mods]
 
     ys, dx, dws = run(True)
     assert calls.count(0) == 1
@@ -100,3 +101,20 @@ def test_linears_reading_one_input_share_its_quantisation_on_gpu(name, monkeypat
     assert calls.count(0) == 4
     assert all(torch.equal(a, b) for a, b in zip(ys, ys2))
     assert torch.equal(dx, dx2) and all(torch.equal(a, b) for a, b in zip(dws, dws2))
+
+
+def test_no_shared_input_quantisation_while_a_cuda_graph_is_captured():
+    """Inside a CUDA-graph capture each linear quantises its input itself (the graph must
+    contain the quantisation, not reuse codes made before the capture)."""
+    import nemo_fp8_recipes.nn.linear as lin
+
+    mod = Float8Linear.from_linear(torch.nn.Linear(256, 256, bias=False, device="cuda"), get_recipe("tensorwise"),
+                                   emulate=False)
+    x = torch.randn(256, 256, device="cuda", requires_grad=True) * 1.0
+    assert lin._input_quantizer(mod, x) is not mod._quantize_operand  # shared outside a capture
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(g):
+            inside = lin._input_quantizer(mod, x)
+    assert inside == mod._quantize_operand

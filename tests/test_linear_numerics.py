@@ -222,11 +222,12 @@ def _count_input_quantisations(monkeypatch):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8"])
 def test_linears_reading_one_input_share_its_quantisation(recipe, monkeypatch):
-    """q/k/v projections of one normed input: current scaling quantises it once (same outputs
-    and gradients, bit for bit, as three linears each quantising its own copy) and saves one
-    wgrad copy for the three backward passes."""
+    """q/k/v projections of one normed input (an autograd intermediate): current scaling
+    quantises it once (same outputs and gradients, bit for bit, as three linears each quantising
+    its own copy) and saves one wgrad copy for the three backward passes."""
     calls = _count_input_quantisations(monkeypatch)
-    x = (structured(64, 128, seed=3) * 4).requires_grad_()
+    leaf = (structured(64, 128, seed=3) * 4).requires_grad_()
+    x = leaf * 1.0
     mods = _qkv(recipe)
     ys = [m(x) for m in mods]
     assert len(calls) == 1
@@ -234,30 +235,32 @@ def test_linears_reading_one_input_share_its_quantisation(recipe, monkeypatch):
     assert saved[0].data_ptr() == saved[1].data_ptr() == saved[2].data_ptr()
     sum((y * (structured(*y.shape, seed=9 + k))).sum() for k, y in enumerate(ys)).backward()
 
-    x2 = x.detach().clone().requires_grad_()
+    leaf2 = leaf.detach().clone().requires_grad_()
     mods2 = _qkv(recipe)
-    ys2 = [m(x2.clone()) for m in mods2]  # three different tensors: no sharing
+    ys2 = [m(leaf2 * 1.0) for m in mods2]  # three different tensors: no sharing
     assert len(calls) == 4
     sum((y * (structured(*y.shape, seed=9 + k))).sum() for k, y in enumerate(ys2)).backward()
     for a, b in zip(ys, ys2):
         assert torch.equal(a, b)
-    assert torch.equal(x.grad, x2.grad)
+    assert torch.equal(leaf.grad, leaf2.grad)
     for m, m2 in zip(mods, mods2):
         assert torch.equal(m.weight.grad, m2.weight.grad)
 
 
 def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     """An in-place change of the input re-quantises it; a linear that needs the wgrad copy after
-    one that did not (a frozen weight) quantises the pair; delayed scaling (a scale per module)
-    and telemetry (statistics per module) never share, nor do inference tensors (no version
-    counter); ``NEMO_FP8_SHARED_INPUT=0`` turns it off;
-    freeing the input drops the entry and its codes."""
+    one that did not (a frozen weight) quantises the pair; never shared: leaves (parameters,
+    buffers, static inputs, which can change without their version counter moving), anything
+    under ``no_grad`` / ``inference_mode``, delayed scaling (a scale per module), telemetry
+    (statistics per module), ``NEMO_FP8_SHARED_INPUT=0``; the entry is per thread; freeing the
+    input drops the entry and its codes."""
     import gc
+    import threading
 
     import nemo_fp8_recipes.nn.linear as lin
 
     calls = _count_input_quantisations(monkeypatch)
-    x = structured(64, 128, seed=4).requires_grad_()
+    x = structured(64, 128, seed=4).requires_grad_() * 1.0
     a, b, c = _qkv("tensorwise", frozen=(0,))
     a(x)
     b(x)  # needs the pair: a quantised the rows only
@@ -269,32 +272,39 @@ def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     assert calls == [False, True, False]
     assert torch.equal(ya, _qkv("tensorwise", frozen=(0,))[0](x.detach().clone()))
 
-    def new_calls(mods, setup=lambda m: None):
+    def new_calls(mods, inp=x, setup=lambda m: None):
         n = len(calls)
         for m in mods:
             setup(m)
-            m(x)
-        return calls[n:]
+            m(inp)
+        return len(calls) - n
 
-    assert new_calls(_qkv("delayed")) == [True, True, True]
-    assert new_calls(_qkv("tensorwise"), lambda m: setattr(m, "telemetry_enabled", True)) == [True] * 3
+    assert new_calls(_qkv("tensorwise")) == 1
+    assert new_calls(_qkv("tensorwise"), inp=torch.randn(64, 128, requires_grad=True)) == 3  # a leaf
+    assert new_calls(_qkv("delayed")) == 3
+    assert new_calls(_qkv("tensorwise"), setup=lambda m: setattr(m, "telemetry_enabled", True)) == 3
+    with torch.no_grad():
+        assert new_calls(_qkv("tensorwise"), inp=x.detach()) == 3
     monkeypatch.setenv("NEMO_FP8_SHARED_INPUT", "0")
-    assert new_calls(_qkv("tensorwise")) == [True, True, True]
+    assert new_calls(_qkv("tensorwise")) == 3
     monkeypatch.delenv("NEMO_FP8_SHARED_INPUT")
     mods = _qkv("tensorwise")
-    with torch.inference_mode():  # no version counter: each linear quantises (and nothing raises)
+    with torch.inference_mode():  # inference tensors: no version counter, never shared, no error
         xi = structured(64, 128, seed=6)
-        n = len(calls)
         outs = [m(xi) for m in mods]
-        assert len(calls) - n == 3
         inside = _qkv("tensorwise")  # weights created here are inference tensors too
         assert all(torch.equal(m(xi), o) for m, o in zip(inside, outs))
-    y = torch.randn(64, 128)
+    y = torch.randn(64, 128, requires_grad=True) * 1.0
     a(y)
-    assert lin._SHARED_INPUT.ref() is y
+    assert lin._SHARED_INPUT.entry[0]() is y
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(lin._SHARED_INPUT.entry))
+    t.start()
+    t.join()
+    assert seen == [None]  # another thread has its own (empty) entry
     del y
     gc.collect()
-    assert lin._SHARED_INPUT.ref is None and not lin._SHARED_INPUT.results
+    assert lin._SHARED_INPUT.entry is None
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
+import weakref
 from typing import Callable, Dict, Optional
 
 import torch
@@ -145,41 +147,44 @@ def _quantize_weight(w: torch.Tensor, recipe: Recipe, emulate: bool, quantize_op
 
 
 # ---- one quantisation of an input shared by the eager FP8 linears that read it ---------------
-class _SharedInput:
+class _SharedInput(threading.local):
     """The last stateless input quantisation of the eager FP8 linears, for the next linear that
     reads the same tensor: a transformer's q/k/v projections all take the attention norm's
     output, its gate and up projections the MLP norm's, so with current scaling (tensorwise,
     blockwise, mxfp8) they would quantise the same values to the same codes three and two times,
-    and save the wgrad copy for backward as often. One entry: the input tensor (weakly
-    referenced: freeing it drops the entry and its codes), its version counter (an in-place
-    change invalidates it) and the results per quantisation spec. Under ``torch.compile`` the
-    compiler de-duplicates these calls itself (the traced path does not come here)."""
+    and save the wgrad copy for backward as often.
 
-    def __init__(self) -> None:
-        self.ref = None
-        self.version = -1
-        self.results: Dict[tuple, tuple] = {}
+    One entry per thread: the input tensor (weakly referenced: freeing it drops the entry and
+    its codes), its version counter (an in-place change invalidates it), the CUDA stream it was
+    quantised on, and the results per quantisation spec — replaced as a whole, never mutated in
+    place. Only autograd intermediates are shared (:func:`_input_quantizer`): a leaf — a
+    parameter, a buffer, a static input — can be changed without its version counter moving
+    (fused optimizers, ``.data``, NumPy or DLPack views, CUDA-graph replays), an intermediate is
+    made anew by every forward. The compile-traced path (tensorwise, emulated block recipes)
+    does not come here, the compiler de-duplicates those calls itself; eager islands under
+    ``torch.compile`` (real block-scaled GEMMs) do."""
 
-    def _drop(self, ref=None) -> None:
-        if ref is None or ref is self.ref:
-            self.ref, self.version, self.results = None, -1, {}
+    entry = None  # (weakref to x, x._version, stream, {spec: (q, qt or None)})
 
-    def get(self, x: torch.Tensor, spec: tuple, pair: bool):
-        if self.ref is None or self.ref() is not x or self.version != x._version:
+    def _drop(self, ref) -> None:
+        if self.entry is not None and self.entry[0] is ref:
+            self.entry = None
+
+    def get(self, x: torch.Tensor, stream, spec: tuple, pair: bool):
+        e = self.entry
+        if e is None or e[0]() is not x or e[1] != x._version or e[2] != stream:
             return None
-        got = self.results.get(spec)
+        got = e[3].get(spec)
         if got is None or (pair and got[1] is None):
             return None
         return got if pair else (got[0], None)
 
-    def put(self, x: torch.Tensor, spec: tuple, result: tuple) -> None:
-        import weakref
-
-        if self.ref is None or self.ref() is not x or self.version != x._version:
-            self._drop()
-            self.ref = weakref.ref(x, self._drop)
-            self.version = x._version
-        self.results[spec] = result
+    def put(self, x: torch.Tensor, stream, spec: tuple, result: tuple) -> None:
+        e = self.entry
+        if e is None or e[0]() is not x or e[1] != x._version or e[2] != stream:
+            self.entry = (weakref.ref(x, self._drop), x._version, stream, {spec: result})
+        else:
+            self.entry = (*e[:3], {**e[3], spec: result})
 
 
 _SHARED_INPUT = _SharedInput()
@@ -187,23 +192,26 @@ _SHARED_INPUT = _SharedInput()
 
 def _input_quantizer(mod: "Float8Linear", x: torch.Tensor):
     """``mod._quantize_operand``, sharing the input's quantisation with the other eager FP8
-    linears that read the same ``x`` (:class:`_SharedInput`) where that gives the same codes:
-    current scaling (delayed scaling's scale is per module) and telemetry off (it records
-    statistics per module)."""
+    linears that read the same ``x`` (:class:`_SharedInput`) where that is safe and gives the
+    same codes: current scaling (delayed scaling's scale is per module), telemetry off (it
+    records statistics per module), ``x`` an autograd intermediate (it has a ``grad_fn``; so
+    never under ``torch.no_grad``), not while a CUDA graph is captured (the graph must contain
+    its own quantisation). ``NEMO_FP8_SHARED_INPUT=0`` turns the sharing off (for A/B runs)."""
     r = mod.recipe
-    if (r.is_delayed or mod.telemetry_enabled or x.is_inference()
+    if (r.is_delayed or mod.telemetry_enabled or x.grad_fn is None
+            or (x.is_cuda and torch.cuda.is_current_stream_capturing())
             or os.environ.get("NEMO_FP8_SHARED_INPUT", "1") == "0"):
-        # inference tensors have no version counter to tell an in-place change: not shared
         return mod._quantize_operand
-    spec = (*_operand_spec(r, _IN), r.scale_rounding, mod.emulate, mod._row_multiple)
+    spec = (type(mod), *_operand_spec(r, _IN), r.scale_rounding, mod.emulate, mod._row_multiple)
+    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
 
     def quantize_operand(i: int, t: torch.Tensor, pair: bool = False):
         if i != _IN:
             return mod._quantize_operand(i, t, pair=pair)
-        got = _SHARED_INPUT.get(x, spec, pair)
+        got = _SHARED_INPUT.get(x, stream, spec, pair)
         if got is None:
             got = mod._quantize_operand(i, t, pair=True) if pair else (mod._quantize_operand(i, t), None)
-            _SHARED_INPUT.put(x, spec, got)
+            _SHARED_INPUT.put(x, stream, spec, got)
         return got if pair else got[0]
 
     return quantize_operand
