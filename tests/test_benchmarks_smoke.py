@@ -267,19 +267,24 @@ def test_quant_bandwidth_sweep_smoke(tmp_path):
     assert bad.returncode == 2 and "valid: all, rows128" in bad.stderr
 
 
-def test_layer_unfused_swiglu_variant_is_eager_only(tmp_path):
-    """``*-unfused-swiglu`` rows (the fused SwiGLU turned off): measured eager, reported as
-    skipped (with the reason) compiled, where the fusion never applies."""
+@pytest.mark.parametrize("block, variant, reason", [
+    ("mlp", "delayed-unfused-swiglu", "skipped: the SwiGLU fusion is eager-only"),
+    ("layer", "tensorwise-unshared-input", "skipped: the shared input quantisation is eager-only"),
+])
+def test_layer_eager_only_variants(tmp_path, block, variant, reason):
+    """The eager-only A/B variants (``*-unfused-swiglu``: the fused SwiGLU turned off;
+    ``tensorwise-unshared-input``: NEMO_FP8_SHARED_INPUT=0): measured eager, reported as skipped
+    compiled with the reason (the compiled path is the recipe's own there)."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", "mlp",
-                           "--variants", "bf16,delayed-unfused-swiglu", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", block,
+                           "--variants", f"bf16,{variant}", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
-    assert rows[("delayed-unfused-swiglu", "eager")]["status"] == "ok"
-    assert rows[("delayed-unfused-swiglu", "eager")]["ms"] > 0
-    skipped = rows[("delayed-unfused-swiglu", "compiled")]
-    assert skipped["status"].startswith("skipped: the SwiGLU fusion is eager-only") and skipped["ms"] is None
+    assert rows[(variant, "eager")]["status"] == "ok"
+    assert rows[(variant, "eager")]["ms"] > 0
+    skipped = rows[(variant, "compiled")]
+    assert skipped["status"].startswith(reason) and skipped["ms"] is None
 
 
 def _timing_module():
@@ -323,17 +328,3 @@ def test_gpu_monitor_samples_clock_and_power_while_the_gpu_works():
     assert 0 < s["power_w_mean"] <= s["power_w_max"] <= 1.2 * s["power_limit_w"]
     assert 0 < s["temp_c_max"] < 110
     assert set(s["clock_reasons"]) <= set(t._CLOCK_REASONS.values())
-
-
-def test_layer_unshared_input_variant_runs_eager(tmp_path):
-    """``tensorwise-unshared-input`` (NEMO_FP8_SHARED_INPUT=0): measured eager, skipped compiled
-    with its own reason."""
-    out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", "layer",
-                           "--variants", "bf16,tensorwise,tensorwise-unshared-input", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
-    assert rows[("tensorwise-unshared-input", "eager")]["status"] == "ok"
-    assert rows[("tensorwise-unshared-input", "compiled")]["status"].startswith(
-        "skipped: the shared input quantisation is eager-only")
