@@ -125,9 +125,9 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
     copies carry it).
 
     ``gate``: quantise the SwiGLU activation ``F.silu(gate) * x`` instead of ``x`` — per tensor
-    on CUDA, for contiguous BF16/FP32 halves of one shape, computed inside the Triton kernels and
-    never written (same codes, :func:`~.triton_kernels.quantize_tensor_dual`); otherwise
-    materialised first."""
+    on CUDA, for contiguous BF16/FP32 halves of one shape, computed inside the Triton kernels
+    (never written with a given scale; written once by the amax pass with current scaling; same
+    codes, :func:`~.triton_kernels.quantize_tensor_dual`); otherwise materialised first."""
     g = Granularity(granularity)
     _check_amax_out(g, scale, amax_out)
     if gate is not None:

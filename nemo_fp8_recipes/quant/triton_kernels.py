@@ -46,6 +46,7 @@ except Exception:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
 
 from ..recipes import Format, ScaleRounding
+from .dispatch import accumulate_amax
 from .reference import QuantizedTensor
 
 __all__ = [
@@ -632,7 +633,7 @@ def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
     elif n:
         if gate is not None:
             raise ValueError("a gated amax needs contiguous inputs")
-        torch.maximum(acc, x2.float().abs().amax().reshape(1, 1), out=acc)
+        accumulate_amax(acc, x2.float().abs().amax())
     return acc
 
 
