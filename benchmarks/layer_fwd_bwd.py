@@ -26,7 +26,10 @@ SwiGLU (on by default in eager mode, ``Float8Linear.fuses_swiglu``) turned off
 (``NEMO_FP8_FUSED_SWIGLU=0``: the activation is materialised), for an A/B in one run;
 ``tensorwise-unshared-input``: each FP8 linear quantises its input itself
 (``NEMO_FP8_SHARED_INPUT=0``; by default ``wq/wk/wv`` and ``w1/w3`` share one quantisation of
-their common input in eager mode).
+their common input in eager mode); ``bf16-unfused-norm`` / ``tensorwise-unfused-norm`` /
+``blockwise-unfused-norm``: the RMSNorms as PyTorch's FP32 formula (``NEMO_FP8_FUSED_NORM=0``)
+instead of the fused norm (eager mode, default on; for FP8 it also starts the q/k/v and gate/up
+input quantisation, ``nemo_fp8_recipes.nn.norm``).
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
@@ -93,24 +96,35 @@ TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
 #: SwiGLU backward into one kernel)
 #: ``tensorwise-unshared-input``: NEMO_FP8_SHARED_INPUT=0 (eager mode: every FP8 linear
 #: quantises its input itself; by default wq/wk/wv and w1/w3 share one quantisation)
+#: ``<recipe>-unfused-norm``: NEMO_FP8_FUSED_NORM=0 (eager mode: the RMSNorms run PyTorch's FP32
+#: formula, as before the fused norm; by default one Triton pass, which also takes the amax /
+#: the row codes of its output for the FP8 q/k/v and gate/up projections)
 ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
                 "tensorwise-unfused-swiglu": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
                 "delayed-unfused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
-                "tensorwise-unshared-input": ("tensorwise", {"NEMO_FP8_SHARED_INPUT": "0"})}
+                "tensorwise-unshared-input": ("tensorwise", {"NEMO_FP8_SHARED_INPUT": "0"}),
+                "bf16-unfused-norm": ("bf16", {"NEMO_FP8_FUSED_NORM": "0"}),
+                "tensorwise-unfused-norm": ("tensorwise", {"NEMO_FP8_FUSED_NORM": "0"}),
+                "blockwise-unfused-norm": ("blockwise", {"NEMO_FP8_FUSED_NORM": "0"})}
 VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
 #: what every other variant runs with (set explicitly, so a value exported in the shell cannot
 #: turn a base variant into its A/B partner)
-ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1", "NEMO_FP8_SHARED_INPUT": "1"}
+ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1", "NEMO_FP8_SHARED_INPUT": "1",
+                "NEMO_FP8_FUSED_NORM": "1"}
 #: variants that only differ from their recipe in eager mode, with the reason their compiled row
 #: is skipped
 _SWIGLU_EAGER = ("the SwiGLU fusion is eager-only, so compiled this is the recipe's own row (Inductor fuses "
                  "SiLU and the product itself)")
 _SHARE_EAGER = ("the shared input quantisation is eager-only, so compiled this is the recipe's own row (the "
                 "compiler de-duplicates the quantisations itself)")
+_NORM_EAGER = ("the fused RMSNorm is eager-only, so compiled this is the recipe's own row (Inductor fuses the "
+               "norm itself)")
 EAGER_ONLY = {"tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swiglu": _SWIGLU_EAGER,
-              "tensorwise-unshared-input": _SHARE_EAGER}
-VARIANTS = ["bf16", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu", "tensorwise-unshared-input",
-            "delayed", "delayed-unfused-swiglu", "blockwise", "mxfp8", *TORCHAO]
+              "tensorwise-unshared-input": _SHARE_EAGER, "bf16-unfused-norm": _NORM_EAGER,
+              "tensorwise-unfused-norm": _NORM_EAGER, "blockwise-unfused-norm": _NORM_EAGER}
+VARIANTS = ["bf16", "bf16-unfused-norm", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu",
+            "tensorwise-unshared-input", "tensorwise-unfused-norm", "delayed", "delayed-unfused-swiglu", "blockwise",
+            "blockwise-unfused-norm", "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -172,7 +186,7 @@ def build(cfg, block: str, variant: str, dev: str, smoke: bool) -> nn.Module:
     policy = PrecisionPolicy()
     if variant in TORCHAO:
         convert_torchao(model, TORCHAO[variant], policy_filter(policy), emulate=smoke)
-    elif variant != "bf16":
+    elif VARIANT_RECIPE.get(variant, variant) != "bf16":
         convert_model(model, get_recipe(VARIANT_RECIPE.get(variant, variant)), policy,
                       emulate=True if smoke else None)
     return model
@@ -339,7 +353,7 @@ def main(argv=None) -> int:
             skip = None
             if variant in TORCHAO:
                 skip = ao_reason or None
-            elif variant != "bf16":
+            elif VARIANT_RECIPE.get(variant, variant) != "bf16":
                 how, reason = recipe_mode(VARIANT_RECIPE.get(variant, variant), dev)
                 skip = f"skipped: {reason}" if how == "skipped" else None
             model = None

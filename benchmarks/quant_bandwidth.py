@@ -9,7 +9,8 @@ written), so its "bytes moved" columns count the bytes it has to move (5 per ele
 "ms" is what a caller sees (CUDA events around the Python call: launch and allocation overhead
 included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. The last rows
 compare SwiGLU -> quantise fused (the activation computed inside the quantisers from its halves)
-and unfused, forward and backward (:func:`swiglu_rows`). All variants run in one process, CUDA events, median of
+and unfused, forward and backward (:func:`swiglu_rows`), and RMSNorm -> quantise
+(:func:`norm_rows`, on ``[rows, --norm-dim]``). All variants run in one process, CUDA events, median of
 ``--iters`` after warm-up, inputs rotated over 4 buffers. ``--smoke``: tiny CPU run for CI.
 """
 
@@ -213,11 +214,91 @@ def swiglu_rows(a, dev: str, copy_bw: float) -> list:
     return out
 
 
+def norm_rows(a, dev: str, copy_bw: float) -> list:
+    """RMSNorm and RMSNorm -> quantise on ``[rows, --norm-dim]`` BF16 (the norm before the q/k/v
+    and gate/up projections; FP32 weight): the norm alone, forward and backward, PyTorch's FP32
+    formula in eager mode (as the model runs it without the fused kernel) against the fused
+    kernels (:mod:`nemo_fp8_recipes.nn.norm`); then the norm followed by its consumers' input
+    pair — tensorwise (amax + codes + transposed codes), blockwise 1x128 and mxfp8 1x32 (rows +
+    transposed columns) — three ways: the formula then the quantisers; the fused norm then the
+    quantisers; the fused norm doing the first step itself (the amax, or the row codes), then the
+    rest. Bytes counted: what the norm must move (x read, y written; backward dy, x read, dx
+    written) plus the codes and scales; the pair's second read of ``y`` is the extra traffic
+    (8 of 6 bytes per element). GPU only for the fused rows (the CPU smoke times the formula)."""
+    from nemo_fp8_recipes.nn.norm import rms_norm_reference
+
+    R, D = a.rows, a.norm_dim
+    n = R * D
+    xs = [torch.randn(R, D, device=dev, dtype=torch.bfloat16) * 3 for _ in range(2)]
+    dys = [torch.randn(R, D, device=dev, dtype=torch.bfloat16) * 1e-2 for _ in range(2)]
+    w = (1.0 + 0.1 * torch.randn(D, device=dev)).requires_grad_()
+    xgs = [x.clone().requires_grad_() for x in xs]
+    eps = 1e-5
+    cuda = dev == "cuda"
+
+    def formula_bwd(i):
+        y = rms_norm_reference(xgs[i], w, eps)  # forward outside the timed region would keep the graph
+        return torch.autograd.grad(y, (xgs[i], w), dys[i])
+
+    def pair_of(y, gran):
+        return quantize_pair(y, "e4m3", gran, {"tensor": "fp32", "1x128": "pow2", "1x32": "e8m0_ceil"}[gran])
+
+    cases = [("RMSNorm forward", "PyTorch FP32 formula (eager)", lambda i: rms_norm_reference(xs[i], w, eps),
+              4 * n, 1.0)]
+    bwd_formula = ("RMSNorm forward + backward (dx, dw)", "PyTorch FP32 formula + autograd (eager)", formula_bwd,
+                   10 * n, 1.0)
+    pairs = []
+    for gran, label, g in (("tensor", "tensorwise pair", 0), ("1x128", "1x128 rows + cols^T (blockwise)", 128),
+                           ("1x32", "1x32 E8M0 rows + cols^T (mxfp8)", 32)):
+        nbytes = 6 * n + (8 if gran == "tensor" else 2 * 4 * (n // g))
+        pairs.append((f"RMSNorm -> {label}", "formula, then the quantisers",
+                      lambda i, gran=gran: pair_of(rms_norm_reference(xs[i], w, eps), gran), nbytes, 8 / 6))
+        if cuda:
+            from nemo_fp8_recipes.quant import triton_kernels as tk
+
+            def plain(i, gran=gran):
+                return pair_of(tk.rmsnorm_forward(xs[i], w, eps)[0], gran)
+
+            def fused(i, gran=gran, g=g):
+                rnd = {"tensor": "fp32", "1x128": "pow2", "1x32": "e8m0_ceil"}[gran]
+                if gran == "tensor":
+                    y, _, amax, _ = tk.rmsnorm_forward(xs[i], w, eps, amax=True)
+                    return tk.quantize_tensor_dual(y, "e4m3", rnd, amax=amax)
+                y, _, _, q = tk.rmsnorm_forward(xs[i], w, eps, rows=("e4m3", g, rnd))
+                return q, tk.quantize_cols_t(y, "e4m3", g, rnd)
+
+            pairs.append((f"RMSNorm -> {label}", "fused norm, then the quantisers", plain, nbytes, 8 / 6))
+            pairs.append((f"RMSNorm -> {label}", "fused norm + " + ("amax" if gran == "tensor" else "row codes")
+                          + " in one pass, then the rest", fused, nbytes, 8 / 6))
+    if cuda:
+        from nemo_fp8_recipes.quant import triton_kernels as tk
+
+        def fused_bwd(i):
+            y, rstd, _, _ = tk.rmsnorm_forward(xs[i], w, eps)
+            return tk.rmsnorm_backward(dys[i], xs[i], w, rstd)
+
+        cases.append(("RMSNorm forward", "fused (one kernel)", lambda i: tk.rmsnorm_forward(xs[i], w, eps)[0],
+                      4 * n, 1.0))
+        cases += [bwd_formula, ("RMSNorm forward + backward (dx, dw)", "fused (two kernels)", fused_bwd, 10 * n, 1.0)]
+    else:
+        cases.append(bwd_formula)
+    out = []
+    for name, impl, call, nbytes, factor in cases + pairs:
+        ms = bench(call, 2, iters=a.iters)
+        gms = bench_graph(call, 2, iters=a.iters) if cuda else None
+        out.append({"variant": f"{name} [{R}x{D}]", "impl": impl, "ms": ms, "TB/s": nbytes / ms / 1e9,
+                    "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None, "bytes_counted": nbytes,
+                    "min_traffic_factor": factor if "quantisers" in impl or "the rest" in impl else 1.0})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--cols", type=int, default=14336)
     p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--norm-dim", type=int, default=4096,
+                   help="row length of the RMSNorm rows (model dim: 4096 = Llama 3 8B, 8192 = 70B, 16384 = 405B)")
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (no timing claims)")
     p.add_argument("--sweep", default=None, metavar="KERNELS",
@@ -225,7 +306,7 @@ def main(argv=None) -> int:
                         f"{', '.join(SWEEP)}); GPU only")
     a = p.parse_args(argv)
     if a.smoke:
-        a.rows, a.cols, a.iters = 256, 384, 2
+        a.rows, a.cols, a.iters, a.norm_dim = 256, 384, 2, 256
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     xs = [torch.randn(a.rows, a.cols, device=dev, dtype=torch.bfloat16) for _ in range(4)]
     n = a.rows * a.cols
@@ -263,6 +344,7 @@ def main(argv=None) -> int:
                         "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None,
                         "bytes_counted": nbytes, "min_traffic_factor": MIN_TRAFFIC.get(name, 1.0)})
     res += swiglu_rows(a, dev, copy_bw)
+    res += norm_rows(a, dev, copy_bw)
 
     def pct(v, factor=1.0):
         return "—" if v is None else f"{v * factor / copy_bw:.0%}"

@@ -270,10 +270,12 @@ def test_quant_bandwidth_sweep_smoke(tmp_path):
 @pytest.mark.parametrize("block, variant, reason", [
     ("mlp", "delayed-unfused-swiglu", "skipped: the SwiGLU fusion is eager-only"),
     ("layer", "tensorwise-unshared-input", "skipped: the shared input quantisation is eager-only"),
+    ("layer", "bf16-unfused-norm", "skipped: the fused RMSNorm is eager-only"),
 ])
 def test_layer_eager_only_variants(tmp_path, block, variant, reason):
     """The eager-only A/B variants (``*-unfused-swiglu``: the fused SwiGLU turned off;
-    ``tensorwise-unshared-input``: NEMO_FP8_SHARED_INPUT=0): measured eager, reported as skipped
+    ``tensorwise-unshared-input``: NEMO_FP8_SHARED_INPUT=0; ``*-unfused-norm``: NEMO_FP8_FUSED_NORM=0):
+    measured eager, reported as skipped
     compiled with the reason (the compiled path is the recipe's own there)."""
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", block,

@@ -109,6 +109,20 @@ def main() -> None:
                  {"BLOCK_R": 128, "BLOCK_C": 64, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
                   "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale, "GATED": has_scale,
                   "LIBDEVICE": True, "IN_BF16": True})
+    norm_sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "amax_ptr": "*i32",
+                "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "D": "i32", "G": "i32", "stride_x": "i32",
+                "stride_y": "i32", "inv_d": "fp32", "eps": "fp32", "BLOCK_D": "constexpr", "OUT_BF16": "constexpr",
+                "AMAX": "constexpr", "GROUP": "constexpr", "MODE": "constexpr", "FMAX": "constexpr",
+                "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr", "HW_CVT": "constexpr"}
+    for amax, group, mode in ((False, 0, 0), (True, 0, 0), (False, 128, 1), (False, 32, 2)):
+        comp(f"kernel_rmsnorm_fwd_amax{int(amax)}_rows{group}", tk._rmsnorm_fwd_kernel, norm_sig,
+             {**common, "HW_CVT": True, "BLOCK_D": 4096, "OUT_BF16": True, "AMAX": amax, "GROUP": group,
+              "MODE": mode})
+    comp("kernel_rmsnorm_bwd", tk._rmsnorm_bwd_kernel,
+         {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*fp32", "rstd_ptr": "*fp32", "dx_ptr": "*bf16",
+          "dw_ptr": "*fp32", "R": "i32", "D": "i32", "stride_dy": "i32", "stride_x": "i32", "inv_d": "fp32",
+          "ROWS": "constexpr", "BLOCK_D": "constexpr", "HAS_DW": "constexpr", "OUT_BF16": "constexpr"},
+         {"ROWS": 16, "BLOCK_D": 16384, "HAS_DW": True, "OUT_BF16": True})
     print(json.dumps(out))
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..nn.norm import rms_norm
 from .config import ModelConfig
 
 __all__ = [
@@ -67,18 +68,19 @@ class ModelOutput(NamedTuple):
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in FP32 whatever the input dtype (output in input dtype)."""
+    """Root-mean-square norm computed in FP32 whatever the input dtype (output in input dtype).
+    In eager mode on CUDA one fused Triton pass (:func:`nemo_fp8_recipes.nn.norm.rms_norm`)."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise the last dim of ``x``."""
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+    def forward(self, x: torch.Tensor, consumer: Optional[nn.Module] = None) -> torch.Tensor:
+        """Normalise the last dim of ``x``. ``consumer``: the (first) linear that reads the
+        result — an FP8 linear's input quantisation can then start inside the norm's pass
+        (RMSNorm → quantise); the result is the same either way."""
+        return rms_norm(x, self.weight, self.eps, consumer)
 
     def reset_parameters(self) -> None:
         """Weights to one."""
@@ -301,10 +303,11 @@ class TransformerBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden states, raw MoE aux loss or 0)."""
-        h = x + self.attention(self.attention_norm(x), rope)
-        z = self.ffn_norm(h)
+        h = x + self.attention(self.attention_norm(x, consumer=self.attention.wq), rope)
         if self.ffn_outliers is not None:  # outlier stress on the SwiGLU input
-            z = self.ffn_outliers(z)
+            z = self.ffn_outliers(self.ffn_norm(h))
+        else:
+            z = self.ffn_norm(h, consumer=None if self.is_moe else self.feed_forward.w1)
         if self.is_moe:
             f, aux = self.feed_forward(z)
         else:

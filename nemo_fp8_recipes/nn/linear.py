@@ -37,7 +37,7 @@ import functools
 import os
 import threading
 import weakref
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -47,10 +47,10 @@ from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
 from ..quant.dispatch import accumulate_amax, compiled_quantizer, quantize_pair_auto, triton_enabled
 from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
-from ..recipes import Granularity, Recipe, ScaleRounding
+from ..recipes import Format, Granularity, Recipe, ScaleRounding
 from .scaling import advance_delayed_scaling
 
-__all__ = ["Float8Linear", "OPERANDS"]
+__all__ = ["Float8Linear", "OPERANDS", "input_prequantization", "share_input_quantization"]
 
 OPERANDS = ("input", "weight", "grad_output")
 _IN, _W, _GO = 0, 1, 2
@@ -190,6 +190,53 @@ class _SharedInput(threading.local):
 _SHARED_INPUT = _SharedInput()
 
 
+def _shareable(mod: "Float8Linear", x: torch.Tensor) -> bool:
+    """:func:`_input_quantizer`'s conditions on the module and the moment (not on ``x``'s
+    ``grad_fn``, which a producer checks once it has made ``x``)."""
+    return not (mod.recipe.is_delayed or mod.telemetry_enabled
+                or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+                or os.environ.get("NEMO_FP8_SHARED_INPUT", "1") == "0")
+
+
+def _share_key(mod: "Float8Linear", x: torch.Tensor):
+    """(quantisation spec, CUDA stream) under which ``mod``'s input quantisation of ``x`` is shared."""
+    r = mod.recipe
+    spec = (type(mod), *_operand_spec(r, _IN), r.scale_rounding, mod.emulate, mod._row_multiple)
+    return spec, (torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None)
+
+
+def input_prequantization(mod, x: torch.Tensor) -> Optional[Tuple[Format, Granularity, ScaleRounding]]:
+    """What the producer of ``mod``'s coming input ``x`` — the fused RMSNorm
+    (:func:`nemo_fp8_recipes.nn.norm.rms_norm`) — may quantise for it in its own pass and hand over
+    with :func:`share_input_quantization`: ``(format, granularity, rounding)`` of ``mod``'s input
+    when that is per tensor or 1x32 / 1x128 along rows and ``mod`` shares its input quantisation
+    (:func:`_input_quantizer`: an eager FP8 linear with current scaling and telemetry off, no CUDA
+    graph being captured, ``NEMO_FP8_SHARED_INPUT`` not ``0``) and takes ``x``'s rows unpadded;
+    else None. ``x``: the producer's input (same rows, device)."""
+    if not isinstance(mod, Float8Linear) or torch.compiler.is_compiling() or not _shareable(mod, x):
+        return None
+    fmt, gran = _operand_spec(mod.recipe, _IN)
+    if gran is not Granularity.TENSOR and gran.block not in ((1, 32), (1, 128)):
+        return None
+    rows = x.numel() // max(x.shape[-1], 1)
+    if not mod.emulate and rows % mod._row_multiple:
+        return None
+    return fmt, gran, mod.recipe.scale_rounding
+
+
+def share_input_quantization(mod, x: torch.Tensor, q: QuantizedTensor, q_wgrad: QuantizedTensor) -> bool:
+    """Hand ``mod`` (and the other FP8 linears that read ``x`` with the same spec) the pair its
+    input quantisation of ``x`` would give — ``(x`` quantised along its last dim, the wgrad copy
+    ``[K, rows]``) for :func:`input_prequantization`'s spec, bit-identical to what ``mod`` would
+    compute (the caller's contract). Only for an autograd intermediate ``x`` (returns False and
+    keeps nothing otherwise)."""
+    if x.grad_fn is None or input_prequantization(mod, x) is None:
+        return False
+    spec, stream = _share_key(mod, x)
+    _SHARED_INPUT.put(x, stream, spec, (q, q_wgrad))
+    return True
+
+
 def _input_quantizer(mod: "Float8Linear", x: torch.Tensor):
     """``mod._quantize_operand``, sharing the input's quantisation with the other eager FP8
     linears that read the same ``x`` (:class:`_SharedInput`) where that is safe and gives the
@@ -197,13 +244,9 @@ def _input_quantizer(mod: "Float8Linear", x: torch.Tensor):
     records statistics per module), ``x`` an autograd intermediate (it has a ``grad_fn``; so
     never under ``torch.no_grad``), not while a CUDA graph is captured (the graph must contain
     its own quantisation). ``NEMO_FP8_SHARED_INPUT=0`` turns the sharing off (for A/B runs)."""
-    r = mod.recipe
-    if (r.is_delayed or mod.telemetry_enabled or x.grad_fn is None
-            or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-            or os.environ.get("NEMO_FP8_SHARED_INPUT", "1") == "0"):
+    if x.grad_fn is None or not _shareable(mod, x):
         return mod._quantize_operand
-    spec = (type(mod), *_operand_spec(r, _IN), r.scale_rounding, mod.emulate, mod._row_multiple)
-    stream = torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None
+    spec, stream = _share_key(mod, x)
 
     def quantize_operand(i: int, t: torch.Tensor, pair: bool = False):
         if i != _IN:

@@ -59,6 +59,9 @@ __all__ = [
     "quantize_tensor_dual",
     "delayed_commit",
     "swiglu_backward",
+    "rmsnorm_forward",
+    "rmsnorm_backward",
+    "RMSNORM_MAX_D",
 ]
 
 _MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
@@ -229,6 +232,20 @@ if HAVE_TRITON:
             return s, si, tl.where(bad, 255, e + 127)
 
     @triton.jit
+    def _quant_last_groups(x3, ELEM: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
+                           TOP_MANT: tl.constexpr, MODE: tl.constexpr, IS_E4M3: tl.constexpr,
+                           HW_CVT: tl.constexpr):
+        """Quantise FP32 ``x3`` ``[A, NG, GROUP]`` in groups along its last axis: ``(codes
+        [A, NG, GROUP], scale_inv [A, NG], e8m0 [A, NG])`` by the reference's rules (a NaN makes
+        its group's amax NaN). The row quantiser and the fused RMSNorm both call it."""
+        amax = tl.max(tl.abs(x3), axis=2)
+        has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
+        amax = tl.where(has_nan, float("nan"), amax)
+        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
+        q = _round_fp8(x3 * s[:, :, None], FMAX, IS_E4M3, HW_CVT)
+        return _fp8_cast(q, ELEM, IS_E4M3), si, e8
+
+    @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
                            GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_R: tl.constexpr,
                            MODE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
@@ -241,14 +258,9 @@ if HAVE_TRITON:
         cols = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        x3 = tl.reshape(x, (BLOCK_R, NG, GROUP))
-        amax = tl.max(tl.abs(x3), axis=2)
-        has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
-        amax = tl.where(has_nan, float("nan"), amax)
-        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)  # [BLOCK_R, NG]
-        q = _round_fp8(x3 * s[:, :, None], FMAX, IS_E4M3, HW_CVT)
-        codes = tl.reshape(_fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), (BLOCK_R, NG * GROUP))
-        tl.store(q_ptr + rows[:, None] * C + cols[None, :], codes, mask=m)
+        codes, si, e8 = _quant_last_groups(tl.reshape(x, (BLOCK_R, NG, GROUP)), q_ptr.dtype.element_ty,
+                                           FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], tl.reshape(codes, (BLOCK_R, NG * GROUP)), mask=m)
         gi = pg * NG + tl.arange(0, NG)
         sm = (rows[:, None] < R) & (gi[None, :] < G)
         tl.store(si_ptr + rows[:, None] * G + gi[None, :], si, mask=sm)
@@ -381,14 +393,9 @@ if HAVE_TRITON:
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         NG: tl.constexpr = TILE // GROUP
         # row-wise groups: [TILE, NG, GROUP]
-        xr = tl.reshape(x, (TILE, NG, GROUP))
-        amax = tl.max(tl.abs(xr), axis=2)
-        nan_r = tl.max((xr != xr).to(tl.int32), axis=2) > 0
-        amax = tl.where(nan_r, float("nan"), amax)
-        s, si, e8 = _scale_from_amax(amax, FMAX, EMAX, TOP_MANT, MODE)
-        q = _round_fp8(xr * s[:, :, None], FMAX, IS_E4M3, HW_CVT)
-        q = tl.reshape(q, (TILE, TILE))
-        tl.store(q_ptr + rows[:, None] * C + cols[None, :], _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3), mask=m)
+        codes, si, e8 = _quant_last_groups(tl.reshape(x, (TILE, NG, GROUP)), q_ptr.dtype.element_ty,
+                                           FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], tl.reshape(codes, (TILE, TILE)), mask=m)
         gcol = pc * NG + tl.arange(0, NG)
         ms = (rows[:, None] < R) & (gcol[None, :] < G_row)
         tl.store(si_ptr + rows[:, None] * G_row + gcol[None, :], si, mask=ms)
@@ -433,6 +440,71 @@ if HAVE_TRITON:
         mt = (cols[:, None] < C) & (rows[None, :] < R)
         tl.store(qt_ptr + cols[:, None] * R + rows[None, :], _trans_codes(codes), mask=mt)
 
+
+    @triton.jit
+    def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_ptr, q_ptr, si_ptr, e8_ptr, D, G,
+                            stride_x, stride_y, inv_d, eps, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
+                            AMAX: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
+                            FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
+                            IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+        # One row per program: y = (x * rstd) * w in FP32, rstd = 1 / sqrt(mean(x^2) + eps),
+        # rounded to the output dtype; rstd kept for backward. AMAX: fold max|y| into amax_ptr
+        # (per-tensor current scaling of y). GROUP > 0: also quantise y in 1xGROUP groups along the
+        # row (the fprop/dgrad copy of blockwise / mxfp8) — the values quantised are y as stored.
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        m = cols < D
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        ms = tl.sum(x * x, axis=0) * inv_d
+        rstd = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
+        y = (x * rstd) * w
+        if OUT_BF16:
+            y = _rne_bf16(y)  # the store's rounding made explicit (the interpreter truncates)
+        tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(rstd_ptr + row, rstd)
+        if AMAX:
+            _fold_amax(amax_ptr, y)
+        if GROUP > 0:
+            NG: tl.constexpr = BLOCK_D // GROUP
+            codes, si, e8 = _quant_last_groups(tl.reshape(y, (1, NG, GROUP)), q_ptr.dtype.element_ty,
+                                               FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
+            tl.store(q_ptr + row * D + cols, tl.reshape(codes, (BLOCK_D,)), mask=m)
+            gi = tl.arange(0, NG)
+            tl.store(si_ptr + row * G + gi, tl.reshape(si, (NG,)), mask=gi < G)
+            if MODE >= 2:
+                tl.store(e8_ptr + row * G + gi, tl.reshape(e8, (NG,)).to(tl.uint8), mask=gi < G)
+
+    @triton.jit
+    def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, D, stride_dy, stride_x, inv_d,
+                            ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DW: tl.constexpr,
+                            OUT_BF16: tl.constexpr):
+        # ROWS consecutive rows per program: dx = rstd * (dy*w - xh * mean(dy*w*xh)),
+        # xh = x * rstd; the program's partial sum of dy * xh (the weight gradient) goes to row
+        # pid of dw_ptr ([programs, D], FP32), summed afterwards.
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK_D)
+        m = cols < D
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for i in range(0, ROWS):
+            row = pid * ROWS + i
+            ok = row < R
+            mr = m & ok
+            dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mr, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + row * stride_x + cols, mask=mr, other=0.0).to(tl.float32)
+            r = tl.load(rstd_ptr + row, mask=ok, other=0.0)
+            xh = x * r
+            dt = dy * w
+            c = tl.sum(dt * xh, axis=0) * inv_d
+            dx = (dt - xh * c) * r
+            if OUT_BF16:
+                dx = _rne_bf16(dx)
+            tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mr)
+            if HAS_DW:
+                acc += dy * xh
+        if HAS_DW:
+            tl.store(dw_ptr + pid * D + cols, acc, mask=m)
 
     @triton.jit
     def _delayed_commit_kernel(hist_ptr, scale_ptr, pending_ptr, flag_ptr, L, flag_after,
@@ -487,7 +559,15 @@ LAUNCH = {
     # tiles and 4 warps, against 0.201 ms for the best two-pass configuration (and 0.25-0.39 ms
     # folded with larger tiles, whose FP32 tile then no longer fits the registers)
     "tensor_dual_delayed": {"block_r": 32, "block_c": 256, "num_warps": 4, "fold_amax": True},
+    # fused RMSNorm: one row per program, warps = row length / (32 threads x elems_per_thread)
+    # (1 to 16); backward: rows_per_program consecutive rows per program (each program writes
+    # one partial weight gradient)
+    "rmsnorm": {"elems_per_thread": 8},
+    "rmsnorm_bwd": {"elems_per_thread": 8, "rows_per_program": 16},
 }
+
+#: Longest row the fused RMSNorm takes (a whole row lives in registers: 16384 = Llama 3 405B).
+RMSNORM_MAX_D = 16384
 
 
 @contextlib.contextmanager
@@ -797,7 +877,8 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
 
 
 def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None,
-                         amax_out: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None):
+                         amax_out: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
+                         amax: Optional[torch.Tensor] = None):
     """Per-tensor codes and their transpose (contiguous) from one read of ``x``: ``(q, q_t)``
     with the same scale — after the amax pass (current scaling, the scale computed on the device
     by the cast kernel), or in a single pass with a given ``scale`` that also folds the amax
@@ -807,9 +888,14 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     the kernels from its two halves (bit-identical to PyTorch's, :func:`_swiglu`): with a given
     scale inside the one-pass cast, never written; with current scaling once, in the amax pass,
     which writes it for the cast to read. The same codes as quantising the materialised
-    activation, without PyTorch's separate SiLU and multiply kernels and their intermediate."""
+    activation, without PyTorch's separate SiLU and multiply kernels and their intermediate.
+
+    ``amax`` (current scaling): ``x``'s amax, already taken by its producer (a ``[1, 1]`` FP32
+    tensor, e.g. :func:`rmsnorm_forward`'s): the amax pass is skipped, the cast pass runs alone."""
     _require_triton()
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    if amax is not None and (scale is not None or gate is not None or amax_out is not None):
+        raise ValueError("a precomputed amax is for current scaling of x itself (no scale, gate or amax_out)")
     _check_gate(x, gate)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     R, C = x2.shape
@@ -819,7 +905,10 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     # element like evaluating SiLU in both passes, which was ALU-bound (H200, 8192x14336: 0.65 ms
     # against 0.49 ms for materialising the activation with PyTorch)
     act = torch.empty_like(x2) if gate is not None and scale is None else None
-    amax, amax_in_cast = _per_tensor_amax(x2, scale, amax_out, gate, act_out=act)
+    if amax is not None:
+        amax, amax_in_cast = amax.reshape(1, 1), False
+    else:
+        amax, amax_in_cast = _per_tensor_amax(x2, scale, amax_out, gate, act_out=act)
     if act is not None:
         x2, gate = act, None
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
@@ -842,6 +931,90 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
     b = QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax)
     return a, b
+
+
+def _row_warps(block_d: int, elems_per_thread: int) -> int:
+    return int(min(16, max(1, block_d // (32 * elems_per_thread))))
+
+
+def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bool = False,
+                    rows: Optional[tuple] = None):
+    """Fused RMSNorm of the rows of 2-D ``x2`` (BF16 or FP32, last dim contiguous, at most
+    :data:`RMSNORM_MAX_D` long): ``y = (x * rstd) * weight`` in FP32 with
+    ``rstd = 1 / sqrt(mean(x**2) + eps)`` (each correctly rounded), stored in ``x2``'s dtype — one
+    read of ``x``, one write of ``y``. Returns ``(y, rstd [R] FP32, amax, q)``:
+
+    * ``amax=True``: the per-tensor amax of ``y`` as stored (a ``[1, 1]`` FP32 tensor, NaN if any
+      value is NaN), taken in the same pass — what current per-tensor scaling of ``y`` needs first
+      (:func:`quantize_tensor_dual`'s ``amax``);
+    * ``rows=(fmt, group, rounding)``: ``y`` quantised in 1x``group`` groups along its rows, the
+      same codes and scales as :func:`quantize_rows` of ``y``, from the same pass.
+    Otherwise ``amax``/``q`` are None."""
+    _require_triton()
+    R, D = x2.shape
+    if x2.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the fused RMSNorm takes BF16 or FP32 input, not {x2.dtype}")
+    if D > RMSNORM_MAX_D:
+        raise ValueError(f"the fused RMSNorm takes rows of at most {RMSNORM_MAX_D} elements, got {D}")
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight.contiguous()
+    dev = x2.device
+    y = torch.empty((R, D), dtype=x2.dtype, device=dev)
+    rstd = torch.empty((R,), dtype=torch.float32, device=dev)
+    acc = torch.zeros((1, 1), dtype=torch.float32, device=dev) if amax else None
+    group, q = 0, None
+    fmt, rounding = Format.E4M3, ScaleRounding.FP32
+    if rows is not None:
+        fmt, group, rounding = _fmt(rows[0]), int(rows[1]), ScaleRounding(rows[2])
+        if group not in (32, 128):
+            raise ValueError(f"row groups of 32 or 128 elements, not {group}")
+    block_d = max(triton.next_power_of_2(D), group, 16)
+    G = -(-D // group) if group else 1
+    qd = torch.empty((R, D), dtype=fmt.dtype, device=dev) if group else y
+    si = torch.empty((R, G), dtype=torch.float32, device=dev) if group else rstd
+    mx = _MODE[rounding] >= 2
+    e8 = torch.empty((R, G), dtype=torch.uint8, device=dev) if group and mx else si
+    if R:
+        _rmsnorm_fwd_kernel[(R,)](x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, D, G,
+                                  x2.stride(0), y.stride(0), 1.0 / D, float(eps), BLOCK_D=block_d,
+                                  OUT_BF16=x2.dtype == torch.bfloat16, AMAX=amax, GROUP=group,
+                                  MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=_top_mant(fmt),
+                                  IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x2),
+                                  num_warps=_row_warps(block_d, LAUNCH["rmsnorm"]["elems_per_thread"]))
+    if group:
+        q = QuantizedTensor(data=qd, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
+                            scale_e8m0=_e8m0_view(e8) if mx else None)
+    return y, rstd, acc, q
+
+
+def rmsnorm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                     need_dw: bool = True):
+    """Gradients of :func:`rmsnorm_forward`'s ``y`` for ``dy2`` (``[R, D]``): ``(dx`` in ``x2``'s
+    dtype, ``dw`` in ``weight``'s dtype or None) in one pass over ``dy`` and ``x``; ``dw`` is
+    summed in FP32 from per-program partial sums."""
+    _require_triton()
+    R, D = x2.shape
+    if dy2.stride(-1) != 1:
+        dy2 = dy2.contiguous()
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    w = weight.contiguous()
+    dx = torch.empty((R, D), dtype=x2.dtype, device=x2.device)
+    cfg = LAUNCH["rmsnorm_bwd"]
+    per = cfg["rows_per_program"]
+    progs = -(-R // per)
+    part = torch.empty((max(progs, 1), D), dtype=torch.float32, device=x2.device) if need_dw else dx
+    block_d = max(triton.next_power_of_2(D), 16)
+    if R:
+        _rmsnorm_bwd_kernel[(progs,)](dy2, x2, w, rstd, dx, part, R, D, dy2.stride(0), x2.stride(0), 1.0 / D,
+                                      ROWS=per, BLOCK_D=block_d, HAS_DW=need_dw,
+                                      OUT_BF16=dx.dtype == torch.bfloat16,
+                                      num_warps=_row_warps(block_d, cfg["elems_per_thread"]))
+    dw = None
+    if need_dw:
+        dw = (part[:progs].sum(0) if R else torch.zeros(D, dtype=torch.float32, device=x2.device)).to(weight.dtype)
+    return dx, dw
 
 
 def delayed_commit(history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, flag: torch.Tensor,
