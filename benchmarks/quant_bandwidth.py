@@ -75,6 +75,11 @@ SWEEP = {
                             for r, c, w in ((64, 256, 8), (64, 128, 4), (128, 64, 4), (128, 128, 8),
                                             (256, 64, 8), (32, 256, 4))],
 }
+#: the tile order of the tiled kernels (bands of group_r row tiles; the default 0 = row tiles
+#: fastest over the whole grid), tried with each kernel's default tile configuration
+for _k in ("rows128", "rows32", "cols_t128", "cols_t32", "blocks128", "dual128", "dual32", "tensor_dual",
+           "tensor_dual_delayed"):
+    SWEEP[_k] = SWEEP[_k] + [{"group_r": g} for g in (1, 2, 4, 8, 16)]
 
 
 def _sweep_call(tk, kernel):
@@ -145,7 +150,7 @@ def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
                     err = None
                 except Exception as e:  # noqa: BLE001 - e.g. out of registers/shared memory: reported
                     same, gms, ms, err = None, None, None, f"{type(e).__name__}: {str(e)[:120]}"
-            out.append({"kernel": kernel, "config": cfg, "default": cfg == default, "same_bits": same,
+            out.append({"kernel": kernel, "config": cfg, "default": {**default, **cfg} == default, "same_bits": same,
                         "graph_ms": gms, "ms": ms, "bytes_moved": nbytes,
                         "graph_of_copy": (nbytes / gms / 1e9 / copy_bw) if gms else None, "error": err})
             r = out[-1]
@@ -304,6 +309,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", default=None, metavar="KERNELS",
                    help="also time the launch configurations of these kernels (comma list, or 'all': "
                         f"{', '.join(SWEEP)}); GPU only")
+    p.add_argument("--sweep-order-only", action="store_true",
+                   help="with --sweep: only the tile-order configurations (group_r) and the default")
     a = p.parse_args(argv)
     if a.smoke:
         a.rows, a.cols, a.iters, a.norm_dim = 256, 384, 2, 256
@@ -365,6 +372,9 @@ def main(argv=None) -> int:
             p.error(f"--sweep: unknown kernel(s) {', '.join(bad)}; valid: all, {', '.join(SWEEP)}")
         if dev != "cuda" and not a.smoke:
             p.error("--sweep times GPU kernels: it needs a CUDA GPU (--smoke checks it on CPU)")
+        if a.sweep_order_only:
+            for k in kernels:
+                SWEEP[k] = [{}] + [c for c in SWEEP[k] if "group_r" in c]
         if a.smoke:  # CPU check of the mechanics: the default and one alternative per kernel
             for k in kernels:
                 SWEEP[k] = SWEEP[k][:2]

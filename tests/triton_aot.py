@@ -50,7 +50,8 @@ def main() -> None:
             comp(f"cast_{fmt}_sm{cc}", tk._cast_kernel, cast_sig(e4), consts, cc)
 
     rows_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "R": "i32", "C": "i32",
-                "G": "i32", "stride_x": "i32", "GROUP": "constexpr", "NG": "constexpr", "BLOCK_R": "constexpr",
+                "G": "i32", "stride_x": "i32", "n_r": "i32", "n_c": "i32", "group_r": "i32", "GROUP": "constexpr",
+                "NG": "constexpr", "BLOCK_R": "constexpr",
                 "MODE": "constexpr",
                 "FMAX": "constexpr", "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr",
                 "HW_CVT": "constexpr"}
@@ -65,7 +66,8 @@ def main() -> None:
                      {**common, "HW_CVT": hw, "GROUP": group, "NG": ng, "BLOCK_C": 64, "MODE": mode})
     dual_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "qt_ptr": "*fp8e4nv",
                 "sit_ptr": "*fp32", "e8t_ptr": "*u8", "R": "i32", "C": "i32", "G_row": "i32", "G_col": "i32",
-                "stride_x": "i32", "GROUP": "constexpr", "TILE": "constexpr", "MODE": "constexpr",
+                "stride_x": "i32", "n_r": "i32", "n_c": "i32", "group_r": "i32", "GROUP": "constexpr",
+                "TILE": "constexpr", "MODE": "constexpr",
                 "FMAX": "constexpr", "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr",
                 "HW_CVT": "constexpr"}
     comp("kernel_dual32", tk._quant_dual_kernel, dual_sig, {**common, "HW_CVT": True, "GROUP": 32, "TILE": 64,
@@ -78,7 +80,8 @@ def main() -> None:
           "MOST_RECENT": "constexpr"},
          {"BLOCK_L": 1024, "FMAX": 448.0, "MARGIN_DIV": 2.0, "MOST_RECENT": False})
     block_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "R": "i32", "C": "i32", "GC": "i32",
-                 "stride_x": "i32", "BLOCK": "constexpr", "MODE": "constexpr", "FMAX": "constexpr",
+                 "stride_x": "i32", "n_r": "i32", "n_c": "i32", "group_r": "i32", "BLOCK": "constexpr",
+                 "MODE": "constexpr", "FMAX": "constexpr",
                  "IS_E4M3": "constexpr", "HW_CVT": "constexpr"}
     comp("kernel_blocks128", tk._quant_block_kernel, block_sig,
          {"BLOCK": 128, "MODE": 1, "FMAX": 448.0, "IS_E4M3": True, "HW_CVT": True})
@@ -102,6 +105,7 @@ def main() -> None:
             dual = {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_ptr": "*i32" if has_scale else "*fp32", "s_ptr": "*fp32",
                     "si_ptr": "*fp32", "q_ptr": "*fp8e4nv" if e4 else "*fp8e5",
                     "qt_ptr": "*fp8e4nv" if e4 else "*fp8e5", "R": "i32", "C": "i32", "stride_x": "i32",
+                    "n_r": "i32", "n_c": "i32", "group_r": "i32",
                     "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "FMAX": "constexpr", "IS_E4M3": "constexpr",
                     "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr", "AMAX_OUT": "constexpr",
                     **gate_sig}

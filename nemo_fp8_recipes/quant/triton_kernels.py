@@ -232,6 +232,19 @@ if HAVE_TRITON:
             return s, si, tl.where(bad, 255, e + 127)
 
     @triton.jit
+    def _tile_ids(n_r, n_c, group_r):
+        """(row tile, column tile) of this program in a 1-D grid of ``n_r * n_c`` tiles, visited in
+        bands of ``group_r`` row tiles: within a band the row tiles vary fastest, then the column
+        tiles. ``group_r >= n_r``: row tiles fastest over the whole grid; ``1``: column tiles
+        fastest (each band one row of tiles, read left to right). Only the order in which tiles
+        run changes (which the DRAM pages of concurrently running tiles are), never a code."""
+        pid = tl.program_id(0)
+        per_band = group_r * n_c
+        first = (pid // per_band) * group_r
+        rows_in_band = tl.minimum(n_r - first, group_r)
+        return first + (pid % per_band) % rows_in_band, (pid % per_band) // rows_in_band
+
+    @triton.jit
     def _quant_last_groups(x3, ELEM: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
                            TOP_MANT: tl.constexpr, MODE: tl.constexpr, IS_E4M3: tl.constexpr,
                            HW_CVT: tl.constexpr):
@@ -246,14 +259,13 @@ if HAVE_TRITON:
         return _fp8_cast(q, ELEM, IS_E4M3), si, e8
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
+    def _quant_rows_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x, n_r, n_c, group_r,
                            GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_R: tl.constexpr,
                            MODE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
                            TOP_MANT: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
         # a tile of BLOCK_R rows x NG groups of GROUP columns: NG > 1 makes each row's load one
         # contiguous NG*GROUP-element segment (a 1x32 group alone is only 64 bytes of BF16)
-        pr = tl.program_id(0)
-        pg = tl.program_id(1)
+        pr, pg = _tile_ids(n_r, n_c, group_r)
         rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         m = (rows[:, None] < R) & (cols[None, :] < C)
@@ -268,7 +280,7 @@ if HAVE_TRITON:
             tl.store(e8_ptr + rows[:, None] * G + gi[None, :], e8.to(tl.uint8), mask=sm)
 
     @triton.jit
-    def _quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x,
+    def _quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x, n_r, n_c, group_r,
                              GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_C: tl.constexpr,
                              MODE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
                              TOP_MANT: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
@@ -277,8 +289,7 @@ if HAVE_TRITON:
         # quantised in the loaded layout; only the 1-byte codes are transposed (the layout
         # conversion moves a quarter of the bytes an FP32 transpose would), and NG > 1 makes each
         # stored row of x.T one contiguous NG*GROUP-byte segment.
-        pg = tl.program_id(0)
-        pc = tl.program_id(1)
+        pg, pc = _tile_ids(n_r, n_c, group_r)
         rows = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
         m = (rows[:, None] < R) & (cols[None, :] < C)
@@ -300,11 +311,10 @@ if HAVE_TRITON:
             tl.store(e8_ptr + cols[None, :] * G + gi[:, None], e8.to(tl.uint8), mask=sm)
 
     @triton.jit
-    def _quant_block_kernel(x_ptr, q_ptr, si_ptr, R, C, GC, stride_x,
+    def _quant_block_kernel(x_ptr, q_ptr, si_ptr, R, C, GC, stride_x, n_r, n_c, group_r,
                             BLOCK: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr,
                             IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
-        pr = tl.program_id(0)
-        pc = tl.program_id(1)
+        pr, pc = _tile_ids(n_r, n_c, group_r)
         rows = pr * BLOCK + tl.arange(0, BLOCK)
         cols = pc * BLOCK + tl.arange(0, BLOCK)
         m = (rows[:, None] < R) & (cols[None, :] < C)
@@ -380,13 +390,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _quant_dual_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, qt_ptr, sit_ptr, e8t_ptr, R, C, G_row, G_col,
-                           stride_x, GROUP: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr,
+                           stride_x, n_r, n_c, group_r, GROUP: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr,
                            FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
                            IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
         # One read of a TILE x TILE tile; writes the row-grouped codes [R, C] and the
         # column-grouped codes transposed [C, R] (GROUP divides TILE).
-        pr = tl.program_id(0)
-        pc = tl.program_id(1)
+        pr, pc = _tile_ids(n_r, n_c, group_r)
         rows = pr * TILE + tl.arange(0, TILE)
         cols = pc * TILE + tl.arange(0, TILE)
         m = (rows[:, None] < R) & (cols[None, :] < C)
@@ -419,15 +428,14 @@ if HAVE_TRITON:
             tl.store(e8t_ptr + cols[None, :] * G_col + grow[:, None], e8t.to(tl.uint8), mask=mst)
 
     @triton.jit
-    def _cast_dual_kernel(x_ptr, g_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, qt_ptr, R, C, stride_x,
+    def _cast_dual_kernel(x_ptr, g_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, qt_ptr, R, C, stride_x, n_r, n_c, group_r,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr,
                           IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, HAS_SCALE: tl.constexpr,
                           MODE: tl.constexpr, AMAX_OUT: tl.constexpr, GATED: tl.constexpr,
                           LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
         # per-tensor scale: the codes and their transpose (the codes moved as bytes) from one read
         # (GATED: of the SwiGLU halves g (g_ptr, same strides) and x, the activation never stored)
-        pr = tl.program_id(0)
-        pc = tl.program_id(1)
+        pr, pc = _tile_ids(n_r, n_c, group_r)
         rows = pr * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
         m = (rows[:, None] < R) & (cols[None, :] < C)
@@ -541,24 +549,26 @@ if HAVE_TRITON:
 #: GPU-only time; docs/benchmarks.md): e.g. 1x32 columns 0.385 -> 0.208 ms with 2 warps and
 #: 128-column tiles. Override temporarily with :func:`launch_config`.
 LAUNCH = {
+    # group_r (tiled kernels): the order the tiles run in, bands of group_r row tiles
+    # (_tile_ids; 0 = all rows of tiles, row tiles fastest)
     # groups: scaling groups per tile along the grouped dim (1x128 / 1x32 rows and columns).
     # 1x32 rows: 0.202 -> 0.119 ms with 16 groups per tile (each row's load a contiguous 1 KiB);
     # 1x32 columns 0.211 -> 0.197 ms with 2; 1x128 columns are fastest with 1 (0.155 ms)
-    "rows128": {"block_r": 64, "num_warps": 2, "groups": 1},
-    "rows32": {"block_r": 16, "num_warps": 4, "groups": 16},
-    "cols_t128": {"block_c": 64, "num_warps": 2, "groups": 1},
-    "cols_t32": {"block_c": 128, "num_warps": 2, "groups": 2},
-    "blocks128": {"num_warps": 16},
+    "rows128": {"block_r": 64, "num_warps": 2, "groups": 1, "group_r": 0},
+    "rows32": {"block_r": 16, "num_warps": 4, "groups": 16, "group_r": 0},
+    "cols_t128": {"block_c": 64, "num_warps": 2, "groups": 1, "group_r": 0},
+    "cols_t32": {"block_c": 128, "num_warps": 2, "groups": 2, "group_r": 0},
+    "blocks128": {"num_warps": 16, "group_r": 0},
     "tensor": {"block": 8192, "num_warps": 8},
-    "dual128": {"num_warps": 4},
-    "dual32": {"tile": 64, "num_warps": 8},
+    "dual128": {"num_warps": 4, "group_r": 0},
+    "dual32": {"tile": 64, "num_warps": 8, "group_r": 0},
     # per-tensor codes + transpose: 0.228 -> 0.200 ms with 64x256 tiles (with the amax pass)
-    "tensor_dual": {"block_r": 64, "block_c": 256, "num_warps": 8},
+    "tensor_dual": {"block_r": 64, "block_c": 256, "num_warps": 8, "group_r": 0},
     # given scale (delayed): fold_amax=True takes the amax inside the cast pass (one read),
     # False runs the atomic amax pass first (two reads). Measured: 0.174 ms folded with 32x256
     # tiles and 4 warps, against 0.201 ms for the best two-pass configuration (and 0.25-0.39 ms
     # folded with larger tiles, whose FP32 tile then no longer fits the registers)
-    "tensor_dual_delayed": {"block_r": 32, "block_c": 256, "num_warps": 4, "fold_amax": True},
+    "tensor_dual_delayed": {"block_r": 32, "block_c": 256, "num_warps": 4, "fold_amax": True, "group_r": 0},
     # fused RMSNorm: one row per program, warps = row length / (32 threads x elems_per_thread)
     # (1 to 16); backward: rows_per_program consecutive rows per program (each program writes
     # one partial weight gradient)
@@ -610,6 +620,13 @@ def _cvt_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
+def _group_r(cfg: dict, n_r: int) -> int:
+    """The ``group_r`` of a launch configuration (row tiles per band, :func:`_tile_ids`; 0 or
+    absent = all of them: row tiles fastest over the whole grid)."""
+    g = int(cfg.get("group_r", 0))
+    return n_r if g <= 0 else min(g, n_r)
+
+
 def _require_triton():
     if not HAVE_TRITON:
         raise RuntimeError("Triton is not installed: `pip install triton` (GPU machines ship it)")
@@ -643,8 +660,8 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     e8 = torch.empty((R, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
     cfg = LAUNCH["rows128" if group == 128 else "rows32"]
     block_r, ng = cfg["block_r"], cfg["groups"]
-    grid = (triton.cdiv(R, block_r), triton.cdiv(G, ng))
-    _quant_rows_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, NG=ng, BLOCK_R=block_r,
+    n_r, n_c = triton.cdiv(R, block_r), triton.cdiv(G, ng)
+    _quant_rows_kernel[(n_r * n_c,)](x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r), GROUP=group, NG=ng, BLOCK_R=block_r,
                              num_warps=cfg["num_warps"],
                              MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                              TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
@@ -667,8 +684,9 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     e8 = torch.empty((C, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
     cfg = LAUNCH["cols_t128" if group == 128 else "cols_t32"]
     block_c, ng = cfg["block_c"], cfg["groups"]
-    grid = (triton.cdiv(G, ng), triton.cdiv(C, block_c))
-    _quant_cols_t_kernel[grid](x, q, si, e8, R, C, G, x.stride(0), GROUP=group, NG=ng, BLOCK_C=block_c,
+    n_r, n_c = triton.cdiv(G, ng), triton.cdiv(C, block_c)
+    _quant_cols_t_kernel[(n_r * n_c,)](x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r),
+                                       GROUP=group, NG=ng, BLOCK_C=block_c,
                                num_warps=cfg["num_warps"],
                                MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                                TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
@@ -688,7 +706,8 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
     GR, GC = -(-R // 128), -(-C // 128)
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     si = torch.empty((GR, GC), dtype=torch.float32, device=x.device)
-    _quant_block_kernel[(GR, GC)](x, q, si, R, C, GC, x.stride(0), BLOCK=128, MODE=_MODE[rounding],
+    _quant_block_kernel[(GR * GC,)](x, q, si, R, C, GC, x.stride(0), GR, GC, _group_r(LAUNCH["blocks128"], GR),
+                                    BLOCK=128, MODE=_MODE[rounding],
                                   num_warps=LAUNCH["blocks128"]["num_warps"],
                                   FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     return QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
@@ -864,8 +883,9 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     e8t = torch.empty((C, Gc), dtype=torch.uint8, device=dev) if mx else sit
     cfg = LAUNCH["dual128" if group == 128 else "dual32"]
     tile = 128 if group == 128 else cfg["tile"]
-    grid = (triton.cdiv(R, tile), triton.cdiv(C, tile))
-    _quant_dual_kernel[grid](x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), GROUP=group,
+    n_r, n_c = triton.cdiv(R, tile), triton.cdiv(C, tile)
+    _quant_dual_kernel[(n_r * n_c,)](x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), n_r, n_c,
+                                     _group_r(cfg, n_r), GROUP=group,
                              num_warps=cfg["num_warps"],
                              TILE=tile, MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                              TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
@@ -919,13 +939,14 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
         if amax_in_cast and not cfg["fold_amax"]:  # the amax pass into the same accumulator
             _tensor_amax(x2, amax, gate=gate)
             amax_in_cast = False
-        grid = (triton.cdiv(R, cfg["block_r"]), triton.cdiv(C, cfg["block_c"]))
-        _cast_dual_kernel[grid](x2, x2 if gate is None else gate, amax.view(torch.int32) if amax_in_cast else amax,
-                                s_arg, si, q, qt,
-                                R, C, x2.stride(0), BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
-                                FMAX=fmt.max, num_warps=cfg["num_warps"],
-                                IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), HAS_SCALE=has_scale,
-                                MODE=mode, AMAX_OUT=amax_in_cast, **_gate_args(x2, gate))
+        n_r, n_c = triton.cdiv(R, cfg["block_r"]), triton.cdiv(C, cfg["block_c"])
+        _cast_dual_kernel[(n_r * n_c,)](x2, x2 if gate is None else gate,
+                                        amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
+                                        R, C, x2.stride(0), n_r, n_c, _group_r(cfg, n_r),
+                                        BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
+                                        FMAX=fmt.max, num_warps=cfg["num_warps"],
+                                        IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), HAS_SCALE=has_scale,
+                                        MODE=mode, AMAX_OUT=amax_in_cast, **_gate_args(x2, gate))
     else:
         si = _scale_inv_of_empty(amax, fmt, rounding, scale)
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
