@@ -77,8 +77,7 @@ SWEEP = {
 }
 #: the tile order of the tiled kernels (bands of group_r row tiles; the default 0 = row tiles
 #: fastest over the whole grid), tried with each kernel's default tile configuration
-for _k in ("rows128", "rows32", "cols_t128", "cols_t32", "blocks128", "dual128", "dual32", "tensor_dual",
-           "tensor_dual_delayed"):
+for _k in ("rows128", "rows32", "cols_t128", "cols_t32", "blocks128", "dual128", "dual32"):
     SWEEP[_k] = SWEEP[_k] + [{"group_r": g} for g in (1, 2, 4, 8, 16)]
 
 

@@ -105,7 +105,6 @@ def main() -> None:
             dual = {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_ptr": "*i32" if has_scale else "*fp32", "s_ptr": "*fp32",
                     "si_ptr": "*fp32", "q_ptr": "*fp8e4nv" if e4 else "*fp8e5",
                     "qt_ptr": "*fp8e4nv" if e4 else "*fp8e5", "R": "i32", "C": "i32", "stride_x": "i32",
-                    "n_r": "i32", "n_c": "i32", "group_r": "i32",
                     "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "FMAX": "constexpr", "IS_E4M3": "constexpr",
                     "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr", "AMAX_OUT": "constexpr",
                     **gate_sig}
