@@ -93,9 +93,11 @@ if HAVE_TRITON:
         inf = (y == float("inf")) | (y == float("-inf"))
         yc = tl.where(y > FMAX, FMAX, tl.where(y < -FMAX, -FMAX, y))
         if HW_CVT:
-            # (the explicit clamp and NaN rule are what satfinite does anyway; without them the
-            # per-tensor pair kernel with an FP32 source was miscompiled on sm_90 by Triton 3.6 —
-            # wrong transposed codes, tests/test_gpu.py — so the other kernels keep them)
+            # (the explicit clamp and NaN rule are what satfinite does anyway; but dropping them
+            # together with a 1-D tile order made the per-tensor pair kernel write wrong
+            # transposed codes for FP32 sources on sm_90 with Triton 3.6 (tests/test_gpu.py;
+            # which of the two changes triggers it was not isolated), so the per-tensor kernels
+            # keep both as they were)
             if IS_E4M3:
                 r = tl.where(inf, float("nan"), yc)
             else:
@@ -457,7 +459,7 @@ if HAVE_TRITON:
         x = _load_act(x_ptr, g_ptr, rows[:, None] * stride_x + cols[None, :], m, GATED, LIBDEVICE, IN_BF16)
         if AMAX_OUT:  # first, so the FP32 tile need not stay live through the transpose
             _fold_amax_2d(amax_ptr, x)
-        # NO_INF stays False here even for current scaling (see _round_fp8)
+        # NO_INF stays False here even for current scaling, and the grid stays 2-D (see _round_fp8)
         codes = _fp8_cast(_round_fp8(x * s, FMAX, IS_E4M3, HW_CVT), q_ptr.dtype.element_ty, IS_E4M3)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], codes, mask=m)
         mt = (cols[:, None] < C) & (rows[None, :] < R)
