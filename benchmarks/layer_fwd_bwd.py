@@ -50,7 +50,8 @@ so each step also pays the host's latency before its first kernel); "back to bac
 per-step time of windows of ``--window`` steps queued without synchronising in between, as a
 training loop runs them; during each, the GPU's SM clock, power draw and clock-event reasons
 (power cap, thermal) are sampled through NVML (``nvidia-ml-py``; JSON ``gpu`` / ``gpu_b2b``).
-The first call (compilation included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``; our
+The first call (compilation included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``
+(``--compile-mode reduce-overhead``: its graphs replayed as CUDA graphs); our
 current-scaling FP8 linears are traced there (no graph break: Inductor generates the quantisers
 from the reference and fuses them with the neighbouring ops), delayed scaling runs as an eager
 island (a graph break per FP8 linear); the ``graph_breaks`` column counts the breaks dynamo
@@ -232,13 +233,16 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
             counters["graph_break"].clear()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
-            fn = torch.compile(model, backend=a.compile_backend, dynamic=False)
+            fn = torch.compile(model, backend=a.compile_backend, dynamic=False, mode=a.compile_mode)
         else:
             fn = model
 
         requant = a.requant_weights and any(type(m) is Float8Linear for m in model.modules())
+        graphs = mode == "compiled" and a.compile_mode in ("reduce-overhead", "max-autotune")
 
         def step(i: int) -> None:
+            if graphs:  # CUDA-graph trees: a new training step (the last one's outputs are dead)
+                torch.compiler.cudagraph_mark_step_begin()
             x = inputs.xs[i]
             x.grad = None
             for q in params:  # zero_grad(set_to_none=True), as every training step
@@ -295,6 +299,10 @@ def main(argv=None) -> int:
                    help="steps queued back to back per timed window for the 'back to back' columns "
                         "(no synchronisation between them, as in a training loop; default %(default)s)")
     p.add_argument("--compile-backend", default="inductor")
+    p.add_argument("--compile-mode", default=None,
+                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                   help="torch.compile mode (Inductor only; default: torch's default). reduce-overhead "
+                        "replays each compiled graph as a CUDA graph (no launch gaps)")
     p.add_argument("--requant-weights", action="store_true",
                    help="re-quantise our FP8 weights every step (one micro-batch per optimizer "
                         "step, as torchao always does) instead of using the cached copies")
@@ -338,7 +346,8 @@ def main(argv=None) -> int:
     header = {"benchmark": "layer_fwd_bwd", "block": a.block, "device": name,
               "torch": torch.__version__, "torchao": ao_version, "seq": a.seq, "batch": a.batch,
               "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
-              "compile_backend": a.compile_backend, "warmup": a.warmup, "iters": a.iters,
+              "compile_backend": a.compile_backend, "compile_mode": a.compile_mode, "warmup": a.warmup,
+              "iters": a.iters,
               "requant_weights": a.requant_weights}
     failed = False
 

@@ -169,11 +169,13 @@ def test_benchmarks_refuse_to_time_without_fp8(bench_modules, capsys):
     assert t.recipe_mode("tensorwise", "cpu")[0] == "emulated"
 
 
-@pytest.mark.parametrize("block,n_fp8,extra", [("layer", 7, ()), ("mlp", 3, ("--requant-weights",))])
+@pytest.mark.parametrize("block,n_fp8,extra", [("layer", 7, ()),
+                                                ("mlp", 3, ("--requant-weights", "--compile-mode", "reduce-overhead"))])
 def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
     data = _run_smoke("layer_fwd_bwd.py", tmp_path, "--block", block, *extra)
     assert data["block"] == block and data["param_dtype"] == "fp32"
     assert data["requant_weights"] == bool(extra)
+    assert data["compile_mode"] == ("reduce-overhead" if extra else None)
     rows = {(r["variant"], r["mode"]): r for r in data["results"]}
     variants = ("bf16", "tensorwise", "delayed", "blockwise", "torchao-tensorwise", "torchao-rowwise")
     assert set(rows) == {(v, m) for v in variants for m in ("eager", "compiled")}
