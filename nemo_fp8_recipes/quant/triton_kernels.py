@@ -14,6 +14,9 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
 * :func:`quantize_tensor_dual` — per-tensor codes and their transpose from one read (the
   transpose moves the 1-byte codes); :func:`quantize_dual` — the same for 1xN groups.
 * :func:`delayed_commit`    — one delayed-scaling history update (append, max, new scale).
+* :func:`rmsnorm_forward` / :func:`rmsnorm_backward` — the fused RMSNorm (one pass each way),
+  whose forward can also take its output's per-tensor amax or write its 1xN row codes (RMSNorm →
+  quantise, :mod:`nemo_fp8_recipes.nn.norm`).
 
 Scales follow the exact rules of the reference (pow-2 by dropping mantissa bits, E8M0 from the
 amax's binary exponent). Saturation and the NaN/Inf rules are applied explicitly; the
