@@ -517,11 +517,12 @@ if HAVE_TRITON:
         acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
         for i in range(0, ROWS):
             row = pid * ROWS + i
-            ok = row < R
-            mr = m & ok
+            # rows past the end load zeros (they add nothing to dw); the row test is made a
+            # vector (Triton 3.9's interpreter rejects a scalar-and-vector mask)
+            mr = m & ((tl.zeros_like(cols) + row) < R)
             dy = tl.load(dy_ptr + row * stride_dy + cols, mask=mr, other=0.0).to(tl.float32)
             x = tl.load(x_ptr + row * stride_x + cols, mask=mr, other=0.0).to(tl.float32)
-            r = tl.load(rstd_ptr + row, mask=ok, other=0.0)
+            r = tl.load(rstd_ptr + tl.minimum(row, R - 1))  # in bounds without a scalar mask
             xh = x * r
             dt = dy * w
             c = tl.sum(dt * xh, axis=0) * inv_d
