@@ -104,6 +104,39 @@ def test_row_codes_and_amax_are_the_reference_quantisers_of_y(tk, dtype, fmt, gr
     assert torch.equal(a.scale_inv, ra.scale_inv)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("D", [300, 4096])
+def test_norm_values_do_not_depend_on_what_the_pass_also_does(tk, dtype, D):
+    """y and rstd are bit-identical whether the pass also takes the amax or writes row codes
+    (on an H200 a version that quantised the register tile changed the sum's order, and so rstd,
+    for FP32 rows: the norm's output then depended on the recipe)."""
+    x, w = _rows(64, D, 15, dtype), _weight(D, 16)
+    y0, r0, _, _ = tk.rmsnorm_forward(x, w, EPS)
+    for kw in ({"amax": True}, {"rows": ("e4m3", 128, "pow2")}, {"rows": ("e4m3", 32, "e8m0_ceil")}):
+        y, r, _, _ = tk.rmsnorm_forward(x, w, EPS, **kw)
+        assert torch.equal(r, r0), kw
+        assert torch.equal(y, y0), kw
+
+
+def test_output_takes_in_place_ops_and_double_backward_says_no(fused_on_cpu):
+    """The fused norm's output is an ordinary tensor (in-place ops and in-place dropout work, as
+    on the formula's); a second-order gradient through it raises instead of silently dropping
+    the norm's term."""
+    norm = fused_on_cpu
+    x = _rows(8, 64, 17, torch.float32).view(2, 4, 64).requires_grad_()
+    w = _weight(64, 18).requires_grad_()
+    y = norm.rms_norm(x, w, EPS)
+    assert type(y.grad_fn).__name__ == "_RMSNormFnBackward" and y.shape == x.shape
+    y.mul_(2.0)
+    torch.nn.functional.dropout(y, p=0.1, inplace=True)
+    y.sum().backward()
+    assert x.grad is not None and w.grad is not None
+    g, = torch.autograd.grad(norm.rms_norm(x, w, EPS).pow(2).sum(), x, create_graph=True)
+    penalty = (g ** 2).sum() + (x ** 2).sum()  # a gradient penalty: the norm's term must not vanish
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        penalty.backward()
+
+
 def test_nan_row_poisons_its_row_and_the_amax(tk):
     x, w = _rows(8, 256, 5, torch.bfloat16), _weight(256, 6)
     x[3, 17] = float("nan")
@@ -140,6 +173,12 @@ def test_limits_are_explicit(tk):
         tk.rmsnorm_forward(torch.zeros(2, 8, device=DEV, dtype=torch.float16), torch.ones(8, device=DEV), EPS)
     with pytest.raises(ValueError, match="precomputed amax"):
         tk.quantize_tensor_dual(torch.zeros(4, 4, device=DEV), "e4m3", scale=torch.ones(()), amax=torch.zeros(1, 1))
+    with pytest.raises(ValueError, match="one-element float32"):
+        tk.quantize_tensor_dual(torch.zeros(4, 4, device=DEV), "e4m3",
+                                amax=torch.zeros(1, 1, device=DEV, dtype=torch.float64))
+    with pytest.raises(ValueError, match="out must be"):
+        tk.rmsnorm_forward(torch.zeros(2, 8, device=DEV), torch.ones(8, device=DEV), EPS,
+                           out=torch.empty(8, 2, device=DEV))
 
 
 def test_module_fused_matches_formula_and_falls_back(fused_on_cpu):
@@ -252,6 +291,9 @@ def test_no_handover_where_it_would_not_be_shared(fused_on_cpu, monkeypatch):
     blk, _ = _block("tensorwise")
     assert input_prequantization(blk.attention.wq, x) is not None
     assert input_prequantization(torch.nn.Linear(256, 256), x) is None
+    blk.attention.wq.weight.requires_grad_(False)  # frozen: no wgrad copy to hand over
+    assert input_prequantization(blk.attention.wq, x) is None
+    blk.attention.wq.weight.requires_grad_(True)
     set_telemetry(blk, True)
     assert input_prequantization(blk.attention.wq, x) is None
     set_telemetry(blk, False)

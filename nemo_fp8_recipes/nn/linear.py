@@ -211,9 +211,10 @@ def input_prequantization(mod, x: torch.Tensor) -> Optional[Tuple[Format, Granul
     with :func:`share_input_quantization`: ``(format, granularity, rounding)`` of ``mod``'s input
     when that is per tensor or 1x32 / 1x128 along rows and ``mod`` shares its input quantisation
     (:func:`_input_quantizer`: an eager FP8 linear with current scaling and telemetry off, no CUDA
-    graph being captured, ``NEMO_FP8_SHARED_INPUT`` not ``0``) and takes ``x``'s rows unpadded;
-    else None. ``x``: the producer's input (same rows, device)."""
-    if not isinstance(mod, Float8Linear) or torch.compiler.is_compiling() or not _shareable(mod, x):
+    graph being captured, ``NEMO_FP8_SHARED_INPUT`` not ``0``) with a trainable weight (the pair
+    includes the wgrad copy) and takes ``x``'s rows unpadded; else None. ``x``: the producer's input (same rows, device)."""
+    if (not isinstance(mod, Float8Linear) or torch.compiler.is_compiling() or not _shareable(mod, x)
+            or not mod.weight.requires_grad):  # a frozen weight takes no wgrad copy of x
         return None
     fmt, gran = _operand_spec(mod.recipe, _IN)
     if gran is not Granularity.TENSOR and gran.block not in ((1, 32), (1, 128)):

@@ -17,6 +17,11 @@ The result is handed to the linears through their shared input quantisation — 
 and scales, bit for bit, as their own quantisers give for ``y`` (the same quantisation core,
 :mod:`nemo_fp8_recipes.quant.triton_kernels`).
 
+The values of ``y`` (and the saved ``rstd``) are the same whichever of these the pass also does,
+so the norm's output does not depend on the recipe. The backward is first-order only
+(``once_differentiable``: a second-order gradient through the fused norm raises; use
+``NEMO_FP8_FUSED_NORM=0`` for gradient penalties).
+
 Under ``torch.compile`` the plain PyTorch formula is traced instead (Inductor fuses the norm
 with its neighbours itself); on CPU, for other dtypes, rows longer than
 :data:`~nemo_fp8_recipes.quant.triton_kernels.RMSNORM_MAX_D`, tensor subclasses, or with
@@ -76,14 +81,19 @@ class _RMSNormFn(torch.autograd.Function):
             fmt, gran, rounding = plan
             amax = gran is Granularity.TENSOR
             rows = None if amax else (fmt, gran.block[1], rounding)
-        y, rstd, acc, q = tk.rmsnorm_forward(x2, weight, eps, amax=amax, rows=rows or None)
+        # y is made in x's shape (not a view of a 2-D result: a custom Function's view output
+        # could not be modified in place by the caller)
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _, rstd, acc, q = tk.rmsnorm_forward(x2, weight, eps, amax=amax, rows=rows or None,
+                                             out=y.view(-1, x.shape[-1]))
         if extras is not None:
             extras["amax"], extras["rows"] = acc, q
         ctx.save_for_backward(x2, weight, rstd)
         ctx.in_shape = x.shape
-        return y.view(x.shape)
+        return y
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the backward kernels are not differentiable
     def backward(ctx, dy):
         from ..quant import triton_kernels as tk
 

@@ -478,7 +478,10 @@ if HAVE_TRITON:
         # One row per program: y = (x * rstd) * w in FP32, rstd = 1 / sqrt(mean(x^2) + eps),
         # rounded to the output dtype; rstd kept for backward. AMAX: fold max|y| into amax_ptr
         # (per-tensor current scaling of y). GROUP > 0: also quantise y in 1xGROUP groups along the
-        # row (the fprop/dgrad copy of blockwise / mxfp8) — the values quantised are y as stored.
+        # row (the fprop/dgrad copy of blockwise / mxfp8) — the values quantised are y as stored,
+        # read back after a barrier: reshaping the register tile instead let the compiler pick
+        # another layout for the whole row, and with it another order for the sum of squares
+        # (a different rstd than the plain norm's on an H200), so y would depend on the recipe.
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
@@ -495,9 +498,12 @@ if HAVE_TRITON:
             _fold_amax(amax_ptr, y)
         if GROUP > 0:
             NG: tl.constexpr = BLOCK_D // GROUP
-            codes, si, e8 = _quant_last_groups(tl.reshape(y, (1, NG, GROUP)), q_ptr.dtype.element_ty,
+            tl.debug_barrier()  # this program's stores of y are visible to all its threads
+            offs = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+            y2 = tl.load(y_ptr + row * stride_y + offs, mask=offs < D, other=0.0).to(tl.float32)
+            codes, si, e8 = _quant_last_groups(tl.reshape(y2, (1, NG, GROUP)), q_ptr.dtype.element_ty,
                                                FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
-            tl.store(q_ptr + row * D + cols, tl.reshape(codes, (BLOCK_D,)), mask=m)
+            tl.store(q_ptr + row * D + offs, tl.reshape(codes, (NG, GROUP)), mask=offs < D)
             gi = tl.arange(0, NG)
             tl.store(si_ptr + row * G + gi, tl.reshape(si, (NG,)), mask=gi < G)
             if MODE >= 2:
@@ -937,6 +943,9 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     if amax is not None and (scale is not None or gate is not None or amax_out is not None):
         raise ValueError("a precomputed amax is for current scaling of x itself (no scale, gate or amax_out)")
+    if amax is not None and (amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device):
+        raise ValueError(f"amax must be a one-element float32 tensor on {x.device}, got {amax.dtype} "
+                         f"of shape {tuple(amax.shape)} on {amax.device}")
     _check_gate(x, gate)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     R, C = x2.shape
@@ -980,11 +989,14 @@ def _row_warps(block_d: int, elems_per_thread: int) -> int:
 
 
 def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bool = False,
-                    rows: Optional[tuple] = None):
+                    rows: Optional[tuple] = None, out: Optional[torch.Tensor] = None):
     """Fused RMSNorm of the rows of 2-D ``x2`` (BF16 or FP32, last dim contiguous, at most
     :data:`RMSNORM_MAX_D` long): ``y = (x * rstd) * weight`` in FP32 with
-    ``rstd = 1 / sqrt(mean(x**2) + eps)`` (each correctly rounded), stored in ``x2``'s dtype — one
-    read of ``x``, one write of ``y``. Returns ``(y, rstd [R] FP32, amax, q)``:
+    ``rstd = 1 / sqrt(mean(x**2) + eps)`` (the sum of squares in FP32 in the kernel's order, times
+    FP32 ``1/D``; square root and division correctly rounded), stored in ``x2``'s dtype — one
+    read of ``x``, one write of ``y`` (into ``out``, a contiguous ``[R, D]`` tensor of that dtype,
+    if given). The values of ``y`` and ``rstd`` do not depend on ``amax``/``rows``. Returns
+    ``(y, rstd [R] FP32, amax, q)``:
 
     * ``amax=True``: the per-tensor amax of ``y`` as stored (a ``[1, 1]`` FP32 tensor, NaN if any
       value is NaN), taken in the same pass — what current per-tensor scaling of ``y`` needs first
@@ -1002,7 +1014,12 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
         x2 = x2.contiguous()
     w = weight.contiguous()
     dev = x2.device
-    y = torch.empty((R, D), dtype=x2.dtype, device=dev)
+    if out is None:
+        y = torch.empty((R, D), dtype=x2.dtype, device=dev)
+    elif out.shape != (R, D) or out.dtype != x2.dtype or not out.is_contiguous() or out.device != dev:
+        raise ValueError(f"out must be a contiguous {x2.dtype} tensor of shape {(R, D)} on {dev}")
+    else:
+        y = out
     rstd = torch.empty((R,), dtype=torch.float32, device=dev)
     acc = torch.zeros((1, 1), dtype=torch.float32, device=dev) if amax else None
     group, q = 0, None
