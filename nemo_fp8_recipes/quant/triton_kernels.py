@@ -264,12 +264,21 @@ if HAVE_TRITON:
         return first + (pid % per_band) % rows_in_band, (pid % per_band) // rows_in_band
 
     @triton.jit
-    def _group_amax(x, axis: tl.constexpr):
-        """max|x| along ``axis``, NaN if a NaN is there: one integer max over the IEEE bits with
-        the sign cleared (they order like the magnitudes, every NaN pattern above +Inf) — two
-        instructions per element instead of the five of a float max plus a NaN flag."""
-        m = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=axis)
+    def _abs_bits(x):
+        """The IEEE bits of FP32 ``x`` with the sign cleared, as int32: they order like the
+        magnitudes, with every NaN pattern above +Inf, so one integer max gives the amax and NaN
+        at once (two instructions per element instead of the five of a float max plus a NaN flag)."""
+        return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+    @triton.jit
+    def _amax_from_bits(m):
+        """The amax of a max of :func:`_abs_bits`: its float value, NaN for a NaN pattern."""
         return tl.where(m > 0x7F800000, float("nan"), m.to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _group_amax(x, axis: tl.constexpr):
+        """max|x| along ``axis``, NaN if a NaN is there (:func:`_abs_bits`)."""
+        return _amax_from_bits(tl.max(_abs_bits(x), axis=axis))
 
     @triton.jit
     def _quant_last_groups(x3, ELEM: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
@@ -340,8 +349,7 @@ if HAVE_TRITON:
         cols = pc * BLOCK + tl.arange(0, BLOCK)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        m_bits = tl.max(tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1), axis=0)
-        amax = tl.where(m_bits > 0x7F800000, float("nan"), m_bits.to(tl.float32, bitcast=True))
+        amax = _amax_from_bits(tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
         s, si, e8 = _scale_from_amax(amax, FMAX, 0, 0, MODE)
         q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT, NO_INF=True)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :],
@@ -358,13 +366,12 @@ if HAVE_TRITON:
     def _fold_amax(amax_bits_ptr, x):
         """Fold max|x| of a 1-D block into ``amax_bits_ptr`` (int32) with one atomic max: a
         single integer reduction gives the amax and NaN at once."""
-        _fold_amax_bits(amax_bits_ptr, tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=0))
+        _fold_amax_bits(amax_bits_ptr, tl.max(_abs_bits(x), axis=0))
 
     @triton.jit
     def _fold_amax_2d(amax_bits_ptr, x):
         """:func:`_fold_amax` for a 2-D tile (rows, then across rows: no layout conversion)."""
-        b = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        _fold_amax_bits(amax_bits_ptr, tl.max(tl.max(b, axis=1), axis=0))
+        _fold_amax_bits(amax_bits_ptr, tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
 
     @triton.jit
     def _amax_atomic_kernel(x_ptr, g_ptr, amax_bits_ptr, act_ptr, N, BLOCK: tl.constexpr, GATED: tl.constexpr,
