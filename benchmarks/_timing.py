@@ -380,6 +380,22 @@ class GpuMonitor:
                 "samples": len(self.samples)}
 
 
+def bench_with_gpu(fn: Callable[[int], object], n_inputs: int, device, *, warmup: int, iters: int,
+                   window: int, b2b_warmup: int = 0) -> dict:
+    """The two timings the linear and layer benchmarks report, each under a :class:`GpuMonitor`:
+    ``ms`` synchronised after every call (:func:`bench`, ``warmup`` calls first) and ``ms_b2b``
+    per call of ``window`` calls queued back to back (``b2b_warmup`` calls first, half as many
+    samples, at least 3). Returns ``{"ms", "ms_b2b", "gpu", "gpu_b2b", "gpu_reason"}`` (the
+    monitors' summaries, and why the first recorded nothing, if it did not)."""
+    cuda = str(device).startswith("cuda")
+    with GpuMonitor(device) as mon:
+        ms = bench(fn, n_inputs, warmup=warmup, iters=iters, cuda=cuda)
+    with GpuMonitor(device) as mon_b2b:
+        ms_b2b = bench(fn, n_inputs, warmup=b2b_warmup, iters=max(3, iters // 2), cuda=cuda, window=window)
+    return {"ms": ms, "ms_b2b": ms_b2b, "gpu": mon.summary(), "gpu_b2b": mon_b2b.summary(),
+            "gpu_reason": mon.reason}
+
+
 def gpu_cell(s: Optional[dict]) -> str:
     """A table cell for a :meth:`GpuMonitor.summary`: ``1980 MHz, 612 W`` (+ reasons)."""
     if not s:

@@ -75,7 +75,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    GpuMonitor, bench, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
+    bench_with_gpu, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
     gpu_cell, write_json,
 )
 from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
@@ -264,14 +264,10 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         out["first_call_s"] = time.perf_counter() - t0
         if mode == "compiled":
             out["graph_breaks"] = sum(counters["graph_break"].values())
-        with GpuMonitor(dev) as mon:
-            out["ms"] = bench(step, inputs.n, warmup=a.warmup, iters=a.iters, cuda=cuda)
-        with GpuMonitor(dev) as mon_b2b:
-            out["ms_b2b"] = bench(step, inputs.n, warmup=0, iters=max(3, a.iters // 2), cuda=cuda,
-                                  window=a.window)
-        out["gpu"], out["gpu_b2b"] = mon.summary(), mon_b2b.summary()
-        if cuda and mon.reason:
-            out["gpu_reason"] = mon.reason
+        t = bench_with_gpu(step, inputs.n, dev, warmup=a.warmup, iters=a.iters, window=a.window)
+        out["ms"], out["ms_b2b"], out["gpu"], out["gpu_b2b"] = t["ms"], t["ms_b2b"], t["gpu"], t["gpu_b2b"]
+        if cuda and t["gpu_reason"]:
+            out["gpu_reason"] = t["gpu_reason"]
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it

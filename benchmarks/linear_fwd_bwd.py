@@ -33,7 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import GpuMonitor, bench, device_time_breakdown, gpu_cell, table  # noqa: E402
+from _timing import bench_with_gpu, device_time_breakdown, gpu_cell, table  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -98,11 +98,8 @@ def main(argv=None) -> int:
             if dev == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
-            with GpuMonitor(dev) as mon:
-                ms = bench(step, 3, iters=a.iters)
-            with GpuMonitor(dev) as mon_b2b:
-                ms_b2b = bench(step, 3, warmup=2, iters=max(3, a.iters // 2), cuda=dev == "cuda",
-                               window=a.window)
+            t = bench_with_gpu(step, 3, dev, warmup=5, iters=a.iters, window=a.window, b2b_warmup=2)
+            ms, ms_b2b = t["ms"], t["ms_b2b"]
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             flops = 3 * 2 * 2 * a.tokens * d * f
             name = recipe or "bf16"
@@ -110,7 +107,7 @@ def main(argv=None) -> int:
                 base_ms, base_b2b = ms, ms_b2b
             res.append({"size": size, "recipe": name, "ms": ms, "tflops": flops / ms / 1e9,
                         "speedup": base_ms / ms, "ms_b2b": ms_b2b, "speedup_b2b": base_b2b / ms_b2b,
-                        "peak_gib": peak, "gpu": mon.summary(), "gpu_b2b": mon_b2b.summary()})
+                        "peak_gib": peak, "gpu": t["gpu"], "gpu_b2b": t["gpu_b2b"], "gpu_reason": t["gpu_reason"]})
             if a.breakdown:
                 res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda")
             del up, down
@@ -118,8 +115,9 @@ def main(argv=None) -> int:
              f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x", f"{r['peak_gib']:.1f}",
              gpu_cell(r["gpu"]), gpu_cell(r["gpu_b2b"])) for r in res]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke)"
-    print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd"
-          f"{'' if mon.summary() or dev != 'cuda' else f'; GPU clocks/power not recorded: {mon.reason}'}\n")
+    last = res[-1]
+    no_gpu_log = "" if last["gpu"] or dev != "cuda" else f"; GPU clocks/power not recorded: {last['gpu_reason']}"
+    print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd{no_gpu_log}\n")
     print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16",
                  f"ms/step, {a.window} back to back", "vs BF16, back to back", "peak GiB",
                  "SM clock, power (sync)", "SM clock, power (b2b)"], rows))

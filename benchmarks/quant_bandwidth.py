@@ -239,13 +239,17 @@ def norm_rows(a, dev: str, copy_bw: float) -> list:
     xgs = [x.clone().requires_grad_() for x in xs]
     eps = 1e-5
     cuda = dev == "cuda"
+    if cuda:
+        from nemo_fp8_recipes.quant import triton_kernels as tk
 
     def formula_bwd(i):
         y = rms_norm_reference(xgs[i], w, eps)  # forward outside the timed region would keep the graph
         return torch.autograd.grad(y, (xgs[i], w), dys[i])
 
+    rounding = {"tensor": "fp32", "1x128": "pow2", "1x32": "e8m0_ceil"}  # per tensor, blockwise, mxfp8
+
     def pair_of(y, gran):
-        return quantize_pair(y, "e4m3", gran, {"tensor": "fp32", "1x128": "pow2", "1x32": "e8m0_ceil"}[gran])
+        return quantize_pair(y, "e4m3", gran, rounding[gran])
 
     cases = [("RMSNorm forward", "PyTorch FP32 formula (eager)", lambda i: rms_norm_reference(xs[i], w, eps),
               4 * n, 1.0)]
@@ -258,13 +262,11 @@ def norm_rows(a, dev: str, copy_bw: float) -> list:
         pairs.append((f"RMSNorm -> {label}", "formula, then the quantisers",
                       lambda i, gran=gran: pair_of(rms_norm_reference(xs[i], w, eps), gran), nbytes, 8 / 6))
         if cuda:
-            from nemo_fp8_recipes.quant import triton_kernels as tk
-
             def plain(i, gran=gran):
                 return pair_of(tk.rmsnorm_forward(xs[i], w, eps)[0], gran)
 
             def fused(i, gran=gran, g=g):
-                rnd = {"tensor": "fp32", "1x128": "pow2", "1x32": "e8m0_ceil"}[gran]
+                rnd = rounding[gran]
                 if gran == "tensor":
                     y, _, amax, _ = tk.rmsnorm_forward(xs[i], w, eps, amax=True)
                     return tk.quantize_tensor_dual(y, "e4m3", rnd, amax=amax)
@@ -275,8 +277,6 @@ def norm_rows(a, dev: str, copy_bw: float) -> list:
             pairs.append((f"RMSNorm -> {label}", "fused norm + " + ("amax" if gran == "tensor" else "row codes")
                           + " in one pass, then the rest", fused, nbytes, 8 / 6))
     if cuda:
-        from nemo_fp8_recipes.quant import triton_kernels as tk
-
         def fused_bwd(i):
             y, rstd, _, _ = tk.rmsnorm_forward(xs[i], w, eps)
             return tk.rmsnorm_backward(dys[i], xs[i], w, rstd)
@@ -292,7 +292,7 @@ def norm_rows(a, dev: str, copy_bw: float) -> list:
         gms = bench_graph(call, 2, iters=a.iters) if cuda else None
         out.append({"variant": f"{name} [{R}x{D}]", "impl": impl, "ms": ms, "TB/s": nbytes / ms / 1e9,
                     "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None, "bytes_counted": nbytes,
-                    "min_traffic_factor": factor if "quantisers" in impl or "the rest" in impl else 1.0})
+                    "min_traffic_factor": factor})
     return out
 
 
