@@ -76,15 +76,16 @@ class _RMSNormFn(torch.autograd.Function):
         from ..quant import triton_kernels as tk
 
         x2 = x.reshape(-1, x.shape[-1])
-        amax = rows = False
+        amax, rows = False, None
         if plan is not None:
             fmt, gran, rounding = plan
             amax = gran is Granularity.TENSOR
-            rows = None if amax else (fmt, gran.block[1], rounding)
+            if not amax:
+                rows = (fmt, gran.block[1], rounding)
         # y is made in x's shape (not a view of a 2-D result: a custom Function's view output
         # could not be modified in place by the caller)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _, rstd, acc, q = tk.rmsnorm_forward(x2, weight, eps, amax=amax, rows=rows or None,
+        _, rstd, acc, q = tk.rmsnorm_forward(x2, weight, eps, amax=amax, rows=rows,
                                              out=y.view(-1, x.shape[-1]))
         if extras is not None:
             extras["amax"], extras["rows"] = acc, q
