@@ -17,9 +17,10 @@ converted by ``convert_model`` with the default precision policy (attention proj
 in FP8; norms and the attention core in BF16/FP32); ``torchao-tensorwise``,
 ``torchao-rowwise``: the same block converted by torchao's ``convert_to_float8_training`` with
 ``Float8LinearConfig.from_recipe_name(...)``, filtered by the same policy so the same linears are
-FP8 (rows say ``skipped: torchao not installed`` without torchao). Compiled, our tensorwise linears
-quantise their operand pairs with the fused Triton kernels as a custom operator
-(``nemo_fp8_recipes.quant.ops``); ``tensorwise-inductor`` is the same recipe with
+FP8 (rows say ``skipped: torchao not installed`` without torchao). Compiled, our tensorwise and
+blockwise linears quantise with the fused Triton kernels as custom operators
+(``nemo_fp8_recipes.quant.ops``; blockwise's block-scaled GEMM is one too);
+``tensorwise-inductor`` / ``blockwise-inductor`` are the same recipes with
 ``NEMO_FP8_COMPILED_QUANT=inductor`` (the reference quantisers, generated and fused by Inductor).
 ``tensorwise-unfused-swiglu`` / ``delayed-unfused-swiglu``: the same recipe with the fused
 SwiGLU (on by default in eager mode, ``Float8Linear.fuses_swiglu``) turned off
@@ -52,7 +53,8 @@ training loop runs them; during each, the GPU's SM clock, power draw and clock-e
 (power cap, thermal) are sampled through NVML (``nvidia-ml-py``; JSON ``gpu`` / ``gpu_b2b``).
 The first call (compilation included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``
 (``--compile-mode reduce-overhead``: its graphs replayed as CUDA graphs); our
-current-scaling FP8 linears are traced there (no graph break: Inductor generates the quantisers
+current-scaling FP8 linears are traced there (no graph break: the quantisers and the
+block-scaled GEMM are custom operators, or with ``-inductor`` Inductor generates the quantisers
 from the reference and fuses them with the neighbouring ops), delayed scaling runs as an eager
 island (a graph break per FP8 linear); the ``graph_breaks`` column counts the breaks dynamo
 reported while compiling the variant (0 = one graph). Ratios are within one size and mode:
@@ -101,6 +103,7 @@ TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
 #: formula, as before the fused norm; by default one Triton pass, which also takes the amax /
 #: the row codes of its output for the FP8 q/k/v and gate/up projections)
 ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
+                "blockwise-inductor": ("blockwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
                 "tensorwise-unfused-swiglu": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
                 "delayed-unfused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
                 "tensorwise-unshared-input": ("tensorwise", {"NEMO_FP8_SHARED_INPUT": "0"}),
@@ -125,7 +128,7 @@ EAGER_ONLY = {"tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swigl
               "tensorwise-unfused-norm": _NORM_EAGER, "blockwise-unfused-norm": _NORM_EAGER}
 VARIANTS = ["bf16", "bf16-unfused-norm", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu",
             "tensorwise-unshared-input", "tensorwise-unfused-norm", "delayed", "delayed-unfused-swiglu", "blockwise",
-            "blockwise-unfused-norm", "mxfp8", *TORCHAO]
+            "blockwise-inductor", "blockwise-unfused-norm", "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

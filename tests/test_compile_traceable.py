@@ -32,6 +32,9 @@ from nemo_fp8_recipes.quant.reference import quantize
 from nemo_fp8_recipes.recipes import get_recipe
 
 TRACED = ["tensorwise", "blockwise", "mxfp8"]
+#: torch 2.11 (the GPU machine's) fails two dynamo cases that torch 2.13 (CI) traces; marked
+#: non-strict so that they report XPASS once the GPU machine's torch traces them
+_TORCH_211 = torch.torch_version.TorchVersion(torch.__version__) < "2.12"
 D, H, T = 256, 384, 192  # model dim, SwiGLU hidden dim, tokens per step (2 x 96)
 
 
@@ -159,6 +162,9 @@ def test_bf16_autocast_bit_for_bit(recipe):
     assert all(torch.equal(g, w) for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]))
 
 
+@pytest.mark.xfail(_TORCH_211, strict=False, reason=(
+    "torch 2.11's dynamo fails an internal assertion (overwrite_tensor_vt_proxy) tracing the FP8 "
+    "autograd function with dynamic=True; seen on the H200 machine, order-dependent; torch 2.13 traces it"))
 @pytest.mark.parametrize("recipe", TRACED)
 def test_dynamic_shapes_bit_for_bit(recipe):
     """``dynamic=True`` (symbolic token count), including token counts that leave a short
@@ -258,7 +264,7 @@ def _capture_scaled_mm(gm, example_inputs):
         if not isinstance(mod, torch.fx.GraphModule):
             continue
         for n in mod.graph.nodes:
-            if n.op == "call_function" and "scaled_mm" in str(n.target):
+            if n.op == "call_function" and ("scaled_mm" in str(n.target) or "blockwise_mm" in str(n.target)):
                 def val(a):
                     if isinstance(a, torch.fx.Node):
                         return a.meta.get("example_value")
@@ -269,28 +275,27 @@ def _capture_scaled_mm(gm, example_inputs):
     raise _Captured(calls)
 
 
-@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8"])
-def test_real_block_scaled_gemms_keep_the_eager_island(recipe):
-    """Real blockwise / mxfp8 GEMMs are not traced (on the H200 with torch 2.11 the traced
-    blockwise layer broke the graph 30 times and ran 2.5x slower than the island); emulated
-    they are."""
-    model, _ = _pair(recipe)
+def test_real_mxfp8_gemms_keep_the_eager_island():
+    """Real MXFP8 GEMMs (SM100) are not traced: their dispatch is not an operator and has not
+    been traced on a machine that runs it; emulated (as on Hopper) they are. Real blockwise
+    GEMMs are traced (test_real_fp8_path_traces_to_scaled_mm_in_one_graph)."""
+    model, _ = _pair("mxfp8")
     assert all(m.traceable() for m in _fp8(model))  # emulated
     for m in _fp8(model):
         m.emulate = False
     assert not any(m.traceable() for m in _fp8(model))
 
 
-@pytest.mark.parametrize("recipe,op", [("tensorwise", "_scaled_mm")])
+@pytest.mark.parametrize("recipe,op", [("tensorwise", "_scaled_mm"), ("blockwise", "blockwise_mm.default")])
 def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, monkeypatch):
     """``emulate=False`` (the H200 path): dynamo traces forward and backward into one graph
-    (``fullgraph``) whose six GEMMs are ``torch._scaled_mm`` / ``F.scaled_mm`` with the operand
-    layouts cuBLAS needs (A row-major, B column-major, dims multiples of 16; blockwise scale
-    grids outer-dim major). Faked on CPU: the device check is lifted and the graph never runs
-    (``torch._scaled_mm`` needs the GPU); the ``gpu`` tests below run it on the H200. Which entry
-    point appears depends on the torch version (``F.scaled_mm`` where it exists)."""
+    (``fullgraph``) whose six GEMMs are ``torch._scaled_mm`` (tensorwise) or the block-scaled
+    GEMM operator ``nemo_fp8_recipes::blockwise_mm`` (blockwise: 128x128 weight blocks in fprop
+    and dgrad, 1x128 x 1x128 in wgrad) with FP8 operands of whole GEMM tiles, A row-major, B
+    column-major for ``_scaled_mm`` / as ``[N, K]`` codes for the operator (which lays out what
+    cuBLAS needs itself), the 1x128 scale grids one per 128 K. Faked on CPU: the device check is lifted and the graph never runs (the FP8
+    GEMMs need the GPU); the ``gpu`` tests below run it on the H200."""
     import nemo_fp8_recipes.nn.linear as L
-    from nemo_fp8_recipes.quant.gemm import _has_v2
 
     model, _ = _pair(recipe)
     for m in _fp8(model):
@@ -305,16 +310,23 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, monkeypatch)
     assert err is not None, f"not captured in one graph: {info.value}"
     calls = err.args[0]
     assert len(calls) == 6  # fprop, dgrad, wgrad of each linear
-    want = op if recipe == "tensorwise" or _has_v2() else "_scaled_mm"
+    blocks = []
     for name, args in calls:
-        a, b = args[0], args[1]
-        assert name == want
+        a, b = args[0], args[1] if recipe == "tensorwise" else args[2]
+        assert name == op
         assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-        assert a.stride()[1] == 1 and b.stride()[0] == 1, (a.stride(), b.stride())  # row x col major
-        assert a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
-        if recipe == "blockwise" and name == "_scaled_mm_v2":
-            scale_a = args[2][0]
-            assert scale_a.dtype == torch.float32 and scale_a.stride()[0] == 1  # outer-dim major
+        assert a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0
+        if recipe == "tensorwise":
+            assert a.stride()[1] == 1 and b.stride()[0] == 1 and b.shape[1] % 16 == 0, b.stride()  # row x col major
+            continue
+        sa, sb, weight_blocks = args[1], args[3], args[4]
+        M, K = a.shape
+        assert b.shape[1] == K and a.shape[0] % 128 == 0 and K % 128 == 0
+        assert sa.dtype == sb.dtype == torch.float32 and tuple(sa.shape) == (M, K // 128)
+        assert tuple(sb.shape) == ((b.shape[0] // 128, K // 128) if weight_blocks else (b.shape[0], K // 128))
+        blocks.append(weight_blocks)
+    if recipe == "blockwise":
+        assert sorted(blocks) == [False, False, True, True, True, True]  # wgrad x2; fprop, dgrad x2
 
 
 # ---- deliberate eager islands: delayed scaling, telemetry ------------------------------------
@@ -395,6 +407,9 @@ class _WithHead(nn.Module):
         return a + self.output(h * 2)
 
 
+@pytest.mark.xfail(_TORCH_211, strict=False, reason=(
+    "torch 2.11's dynamo turns the gradient hook on the head's output into an autograd function, "
+    "whose output may not be modified in place; torch 2.13 keeps the output a plain tensor"))
 def test_high_precision_audit_counters_trace_without_graph_breaks():
     """The audit's counters on GEMM modules kept in high precision count in-graph (int64 buffers
     mutated by a forward hook and a gradient hook): no graph break, the same counts compiled and
@@ -476,11 +491,52 @@ def test_tensor_pair_operator_is_a_valid_custom_op_with_the_reference_bits():
         torch.library.opcheck(tensor_pair, (x, fmt, "fp32"))
 
 
-def test_traced_linear_with_the_triton_operator_has_no_graph_break(monkeypatch):
-    """The compiled tensorwise linear quantising its operand pairs with the Triton operator (what
-    runs on CUDA by default; forced here on CPU through Triton's interpreter): one graph, no
-    break (fullgraph), the operator in the graph, the eager numbers and counts. On a GPU machine
-    the same checks run for real in test_gpu_compiled_real_fp8_matches_eager."""
+def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
+    """``nemo_fp8_recipes::group_rows`` / ``group_cols_t`` / ``blocks128`` (quant/ops.py, the
+    blockwise quantisers of compiled graphs): schema, fake implementation and aliasing pass
+    ``torch.library.opcheck``; codes and scales equal the reference quantiser's on data with
+    outlier channels and a short trailing group (rows and columns not multiples of 128); E8M0
+    scales are refused with what to use."""
+    _interpreted_triton()
+    from nemo_fp8_recipes.quant import ops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 328, generator=g)
+    x[:, ::37] *= 300.0
+    x[7] *= 1e-3
+    for dtype in (torch.bfloat16, torch.float32):
+        xd = x.to(dev, dtype)
+        for fmt, rnd in (("e4m3", "fp32"), ("e5m2", "pow2")):
+            q, si = ops.group_rows(xd, fmt, 128, rnd)
+            ref = quantize(xd, fmt, "1x128", rnd)
+            assert torch.equal(q.float(), ref.data.float()) and torch.equal(si, ref.scale_inv)
+            qt, sit = ops.group_cols_t(xd, fmt, 128, rnd)
+            ref = quantize(xd, fmt, "1x128", rnd, dim=0)
+            assert qt.shape == (328, 200) and qt.is_contiguous()
+            assert torch.equal(qt.float(), ref.data.float()) and torch.equal(sit, ref.scale_inv)
+            qb, sib = ops.blocks128(xd, fmt, rnd)
+            ref = quantize(xd, fmt, "128x128", rnd)
+            assert torch.equal(qb.float(), ref.data.float()) and torch.equal(sib, ref.scale_inv)
+    xd = x.to(dev, torch.bfloat16)
+    for op, args in ((ops.group_rows, (xd, "e4m3", 128, "fp32")), (ops.group_cols_t, (xd, "e4m3", 128, "pow2")),
+                     (ops.blocks128, (xd, "e4m3", "fp32"))):
+        torch.library.opcheck(op, args)
+    with pytest.raises(ValueError, match="fp32 or pow2.*reference quantisers"):
+        ops.group_rows(xd, "e4m3", 32, "e8m0_ceil")
+
+
+@pytest.mark.parametrize("recipe,operators", [
+    ("tensorwise", {"tensor_pair": 4}),
+    ("blockwise", {"group_rows": 4, "group_cols_t": 4, "blocks128": 2}),
+])
+def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch, recipe, operators):
+    """The compiled linear quantising with the Triton operators (what runs on CUDA by default;
+    forced here on CPU through Triton's interpreter): one graph, no break (fullgraph), the
+    operators in the graph (tensorwise: X and W pairs in forward, dY pairs in backward;
+    blockwise: X and dY rows and transposed columns, the 128x128 weight blocks), the eager
+    numbers and counts. On a GPU machine the same checks run for real, with the block-scaled
+    GEMM operator too, in test_gpu_compiled_real_fp8_matches_eager."""
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
@@ -489,12 +545,13 @@ def test_traced_linear_with_the_triton_operator_has_no_graph_break(monkeypatch):
     from nemo_fp8_recipes.nn import linear as linear_mod
 
     monkeypatch.setattr(linear_mod, "_use_quant_ops", lambda t: True)
-    model, ref = _pair("tensorwise")
+    model, ref = _pair(recipe)
     x, dy = _data(0)
     ex, reasons = _break_reasons(model, x)
     assert (ex.graph_count, ex.graph_break_count, reasons) == (1, 0, [])
     code = "".join(str(m.graph) for m in ex.graphs[0].modules() if isinstance(m, torch.fx.GraphModule))
-    assert code.count("nemo_fp8_recipes.tensor_pair") >= 4  # X and W in forward, dY in backward
+    for name, n in operators.items():
+        assert code.count(f"nemo_fp8_recipes.{name}") >= n, name
     torch._dynamo.reset()
     reset_gemm_counts(model)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -541,8 +598,7 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
     model, ref = models
     assert all(m.emulate == (emulate is True) for m in _fp8(model))
     traced = all(m.traceable() for m in _fp8(model))
-    # real block-scaled GEMMs keep the eager island on purpose (Float8Linear.traceable)
-    assert traced == (name == "tensorwise" or emulate is True)
+    assert traced  # tensorwise and blockwise with real GEMMs, mxfp8 emulated on Hopper
     compiled = torch.compile(model, fullgraph=traced, dynamic=False)
     lines = NUMERICS_REPORT.setdefault(
         f"H200: compiled (traced) vs eager FP8 linear ({torch.cuda.get_device_name()}), rel. error",
@@ -621,3 +677,40 @@ def test_gpu_inductor_quantisers_match_the_triton_kernels(gran, rnd):
             f"{torch.equal(got[1], want.scale_inv)}")
         assert torch.equal(got[1], want.scale_inv), (gran, dim)
         assert codes_differ == 0.0, (gran, dim, codes_differ)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weight_blocks,M", [(True, 2048), (True, 1000), (False, 1024)],
+                         ids=["fprop-128x128", "fprop-128x128-M1000-padded", "wgrad-1x128"])
+def test_gpu_blockwise_mm_operator_matches_the_dispatch_and_float64(weight_blocks, M):
+    """``nemo_fp8_recipes::blockwise_mm`` (the block-scaled GEMM of compiled graphs) passes
+    ``torch.library.opcheck`` and gives the eager dispatch's output bit for bit, and both are the
+    exact product of the dequantised operands to FP32-accumulation accuracy (float64 reference),
+    on operands with outlier channels; K = 1152 has 9 K blocks (scale grid padded to 12)."""
+    rec, why = _gpu_recipe("blockwise")
+    if why is not None:
+        pytest.skip(why)
+    from nemo_fp8_recipes.quant.gemm import blockwise_matmul
+    from nemo_fp8_recipes.quant.ops import blockwise_mm
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    N, K = 768, 1152
+    a = torch.randn(M, K, device="cuda", generator=g)
+    a[:, ::41] *= 200.0
+    b = torch.randn(N, K, device="cuda", generator=g)
+    b[::13] *= 50.0
+    qa = quantize(a, "e4m3", "1x128", "fp32")
+    qb = quantize(b, "e4m3", "128x128" if weight_blocks else "1x128", "fp32")
+    args = (qa.data, qa.scale_inv, qb.data, qb.scale_inv, weight_blocks, torch.bfloat16)
+    got = blockwise_mm(*args)
+    assert got.shape == (M, N) and got.dtype == torch.bfloat16
+    assert torch.equal(got, blockwise_matmul(*args))
+    exact = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()
+    err = _rel(got.float(), exact)
+    assert err < 4e-3, err  # BF16 output rounding (2^-9) dominates
+    # opcheck's schema test multiplies the inputs, which FP8 tensors do not support; the other
+    # checks (fake implementation, autograd registration, AOT dispatch) run, and no input is
+    # aliased by the output
+    torch.library.opcheck(blockwise_mm, args,
+                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    assert all(got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in args[:4])

@@ -105,21 +105,34 @@ def _operand_spec(recipe: Recipe, i: int):
 
 def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False):
     """Stateless current scaling of operand ``i``: the quantiser of the compile-traced path.
-    Per-tensor operand pairs on CUDA go through the fused Triton kernels as a custom operator
-    (:mod:`nemo_fp8_recipes.quant.ops`) unless ``NEMO_FP8_COMPILED_QUANT=inductor``; everything
-    else uses the reference quantisers (plain torch ops, which the compiler fuses into its own
-    kernels). Same codes either way, and on CPU the same calls as
-    :meth:`Float8Linear._quantize_operand` of a current-scaling recipe in eager mode."""
+    On CUDA the fused Triton kernels run as custom operators (:mod:`nemo_fp8_recipes.quant.ops`:
+    per-tensor pairs, 1x128 groups along rows and down columns, 128x128 weight blocks) unless
+    ``NEMO_FP8_COMPILED_QUANT=inductor``; everything else (and E8M0 scales) uses the reference
+    quantisers (plain torch ops, which the compiler fuses into its own kernels). Same codes
+    either way, and on CPU the same calls as :meth:`Float8Linear._quantize_operand` of a
+    current-scaling recipe in eager mode."""
     fmt, gran = _operand_spec(recipe, i)
-    if pair:
-        if gran is Granularity.TENSOR and _use_quant_ops(t):
-            from ..quant.ops import tensor_pair
+    rounding = recipe.scale_rounding
+    if _use_quant_ops(t):
+        from ..quant import ops
 
-            q, qt, si, amax = tensor_pair(t, fmt.value, recipe.scale_rounding.value)
+        if gran is Granularity.TENSOR and pair:
+            q, qt, si, amax = ops.tensor_pair(t, fmt.value, rounding.value)
             return (QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
                     QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax))
-        return quantize_pair_auto(t, fmt, gran, recipe.scale_rounding, triton=False)
-    return quantize(t, fmt, gran, recipe.scale_rounding, dim=-1, triton=False)
+        if gran is Granularity.TILE_1x128 and rounding in (ScaleRounding.FP32, ScaleRounding.POW2):
+            q, si = ops.group_rows(t, fmt.value, 128, rounding.value)
+            rows = QuantizedTensor(data=q, scale_inv=si, block=(1, 128), fmt=fmt, amax=si)
+            if not pair:
+                return rows
+            qt, sit = ops.group_cols_t(t, fmt.value, 128, rounding.value)
+            return rows, QuantizedTensor(data=qt, scale_inv=sit, block=(1, 128), fmt=fmt, amax=sit)
+        if gran is Granularity.BLOCK_128x128 and not pair:
+            q, si = ops.blocks128(t, fmt.value, rounding.value)
+            return QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
+    if pair:
+        return quantize_pair_auto(t, fmt, gran, rounding, triton=False)
+    return quantize(t, fmt, gran, rounding, dim=-1, triton=False)
 
 
 def _use_quant_ops(t: torch.Tensor) -> bool:
@@ -160,9 +173,8 @@ class _SharedInput(threading.local):
     place. Only autograd intermediates are shared (:func:`_input_quantizer`): a leaf — a
     parameter, a buffer, a static input — can be changed without its version counter moving
     (fused optimizers, ``.data``, NumPy or DLPack views, CUDA-graph replays), an intermediate is
-    made anew by every forward. The compile-traced path (tensorwise, emulated block recipes)
-    does not come here, the compiler de-duplicates those calls itself; eager islands under
-    ``torch.compile`` (real block-scaled GEMMs) do."""
+    made anew by every forward. The compile-traced path (current scaling without telemetry)
+    does not come here, the compiler de-duplicates those calls itself."""
 
     entry = None  # (weakref to x, x._version, stream, {spec: (q, qt or None)})
 
@@ -694,21 +706,20 @@ class Float8Linear(nn.Linear):
     # ---- forward -------------------------------------------------------------------------------
     def traceable(self) -> bool:
         """Whether ``torch.compile`` traces this module's FP8 linear (no graph break): current
-        scaling with telemetry off — tensorwise with real or emulated GEMMs, blockwise and mxfp8
-        emulated. Delayed scaling, telemetry, real block-scaled GEMMs (blockwise, mxfp8: graph
-        breaks in the scaled-GEMM dispatch on torch 2.11, measured) and emulation on CUDA while
-        TF32 matmuls are enabled (the exact FP32 product needs TF32 switched off for one op,
-        which a compiled graph cannot do) keep the eager island (see :meth:`forward`). Decided
-        when the graph is traced."""
+        scaling with telemetry off — tensorwise and blockwise with real or emulated GEMMs, mxfp8
+        emulated. Delayed scaling, telemetry, real MXFP8 GEMMs (SM100) and emulation on CUDA
+        while TF32 matmuls are enabled (the exact FP32 product needs TF32 switched off for one
+        op, which a compiled graph cannot do) keep the eager island (see :meth:`forward`).
+        Decided when the graph is traced."""
         if self.recipe.is_delayed or self.telemetry_enabled:
             return False
         if self.emulate and self.weight.is_cuda and torch.backends.cuda.matmul.allow_tf32:
             return False
-        if not self.emulate and self.recipe.input_granularity is not Granularity.TENSOR:
-            # Real block-scaled GEMMs (blockwise, mxfp8): on the H200 with torch 2.11 the traced
-            # blockwise layer had 30 graph breaks in the scaled-GEMM dispatch and ran 2.5x slower
-            # than the eager island (52.4 vs 21.4 ms, 8B layer), so they keep the island until
-            # that path traces cleanly. Per-tensor real GEMMs are traced (measured: 0 breaks).
+        if not self.emulate and self.recipe.input_granularity is Granularity.BLOCK_1x32:
+            # Real MXFP8 GEMMs (SM100) keep the island: their dispatch is not wrapped as an
+            # operator and has not been traced on a machine that runs it. Blockwise traces: its
+            # GEMM is one operator (quant.ops.blockwise_mm; the bare dispatch broke the graph
+            # 30 times in the 8B layer on torch 2.11).
             return False
         return True
 
@@ -757,7 +768,7 @@ class Float8Linear(nn.Linear):
         Deliberate fallbacks to the eager island (one graph break per FP8 linear) under
         ``torch.compile``: delayed scaling (its amax histories and scales are state that each
         quantisation reads and writes), telemetry (its statistics are collected Python-side,
-        also in backward), real block-scaled GEMMs and CUDA emulation with TF32 on
+        also in backward), real MXFP8 GEMMs and CUDA emulation with TF32 on
         (:meth:`traceable`). Turning telemetry on or off between steps makes the compiler
         re-trace once for each state (a guard on ``telemetry_enabled``).
         """

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .reference import QuantizedTensor
 
-__all__ = ["scaled_matmul", "emulated_matmul", "real_matmul", "to_blocked_e8m0"]
+__all__ = ["blockwise_matmul", "scaled_matmul", "emulated_matmul", "real_matmul", "to_blocked_e8m0"]
 
 
 def emulated_matmul(
@@ -116,44 +116,14 @@ def _real_matmul(a, b, out_dtype, fast_accum):
         )
         return out[:M]
     if ba == (1, 128) and bb in ((128, 128), (1, 128)):  # blockwise on SM90
-        a_data = _pad_rows(a.data.contiguous(), 128)
-        sa = _pad_rows(a.scale_inv.float(), 128)
-        sa[M:] = 1.0
-        if bb == (128, 128):
-            # 128x128 weight blocks: shape (L4, N/128) with strides (1, L4), L4 = K/128 rounded
-            # up to a multiple of 4 — the transpose of a contiguous (N/128, L4) grid
-            sw = b.scale_inv.float()
-            kb = sw.shape[1]
-            l4 = -(-kb // 4) * 4
-            if l4 != kb:
-                sw = torch.cat([sw, sw.new_ones(sw.shape[0], l4 - kb)], dim=1)
-            sb = sw.contiguous().t()
-            recipe_b = "BlockWise128x128"
-        else:
-            # 1x128 x 1x128 (wgrad): scale_b shape (N, K/128), outer-dim major like scale_a
-            sb = _outer_major(b.scale_inv.float())
-            recipe_b = "BlockWise1x128"
-        if _has_v2():
-            out = F.scaled_mm(
-                a_data,
-                b.data.contiguous().t(),
-                _outer_major(sa),
-                F.ScalingType.BlockWise1x128,
-                sb,
-                getattr(F.ScalingType, recipe_b),
-                output_dtype=out_dtype,
-                use_fast_accum=False,
-            )
-        else:
-            out = torch._scaled_mm(
-                a_data,
-                b.data.contiguous().t(),
-                scale_a=_outer_major(sa),
-                scale_b=sb,
-                out_dtype=out_dtype,
-                use_fast_accum=False,
-            )
-        return out[:M]
+        weight_blocks = bb == (128, 128)
+        if torch.compiler.is_compiling():
+            # the same function as one opaque node: dynamo does not trace the block-scaled
+            # dispatch (graph breaks on torch 2.11), the operator it can schedule
+            from .ops import blockwise_mm
+
+            return blockwise_mm(a.data, a.scale_inv, b.data, b.scale_inv, weight_blocks, out_dtype)
+        return blockwise_matmul(a.data, a.scale_inv, b.data, b.scale_inv, weight_blocks, out_dtype)
     if ba == (1, 32) and bb == (1, 32):  # MXFP8 on SM100
         if a.scale_e8m0 is None or b.scale_e8m0 is None:
             raise ValueError("MXFP8 operands need E8M0 scales")
@@ -176,6 +146,57 @@ def _real_matmul(a, b, out_dtype, fast_accum):
             a_data, b.data.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype
         )[:M]
     raise ValueError(f"no real FP8 GEMM for scaling groups {ba} x {bb}")
+
+
+def blockwise_matmul(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor,
+                     b_scale_inv: torch.Tensor, weight_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
+    """The SM90 block-scaled GEMM ``A · Bᵀ`` on raw tensors: ``a_data`` ``[M, K]`` FP8 codes with
+    1x128 groups along K (``a_scale_inv`` ``[M, K/128]``); ``b_data`` ``[N, K]`` with 128x128 blocks
+    (``weight_blocks``, ``b_scale_inv`` ``[N/128, K/128]``: fprop, dgrad) or 1x128 groups along K
+    (``[N, K/128]``: wgrad). Lays the scales out as cuBLAS wants them (outer-dim major, the
+    128x128 grid's K blocks padded to a multiple of 4) and pads A's rows to 128 with zero rows
+    of scale 1; returns ``[M, N]`` in ``out_dtype``. FP32 accumulation (no fast accumulation:
+    cuBLAS' block-scaled kernels promote every K block)."""
+    M = a_data.shape[0]
+    a_data = _pad_rows(a_data.contiguous(), 128)
+    sa = _pad_rows(a_scale_inv.float(), 128)
+    if sa.shape[0] != M:
+        sa[M:] = 1.0
+    if weight_blocks:
+        # 128x128 weight blocks: shape (L4, N/128) with strides (1, L4), L4 = K/128 rounded
+        # up to a multiple of 4 — the transpose of a contiguous (N/128, L4) grid
+        sw = b_scale_inv.float()
+        kb = sw.shape[1]
+        l4 = -(-kb // 4) * 4
+        if l4 != kb:
+            sw = torch.cat([sw, sw.new_ones(sw.shape[0], l4 - kb)], dim=1)
+        sb = sw.contiguous().t()
+        recipe_b = "BlockWise128x128"
+    else:
+        # 1x128 x 1x128 (wgrad): scale_b shape (N, K/128), outer-dim major like scale_a
+        sb = _outer_major(b_scale_inv.float())
+        recipe_b = "BlockWise1x128"
+    if _has_v2():
+        out = F.scaled_mm(
+            a_data,
+            b_data.contiguous().t(),
+            _outer_major(sa),
+            F.ScalingType.BlockWise1x128,
+            sb,
+            getattr(F.ScalingType, recipe_b),
+            output_dtype=out_dtype,
+            use_fast_accum=False,
+        )
+    else:
+        out = torch._scaled_mm(
+            a_data,
+            b_data.contiguous().t(),
+            scale_a=_outer_major(sa),
+            scale_b=sb,
+            out_dtype=out_dtype,
+            use_fast_accum=False,
+        )
+    return out[:M]
 
 
 def scaled_matmul(

@@ -1,18 +1,25 @@
-"""The fused per-tensor Triton quantisers as PyTorch custom operators, for compiled graphs.
+"""The fused Triton quantisers and the block-scaled GEMM as PyTorch custom operators, for
+compiled graphs.
 
 Under ``torch.compile`` the FP8 linear's traced path (:class:`~nemo_fp8_recipes.nn.Float8Linear`)
 must quantise with something the compiler can put in its graph. Two choices, picked by
 :func:`~nemo_fp8_recipes.quant.dispatch.compiled_quantizer` (``NEMO_FP8_COMPILED_QUANT``):
 
 ``triton`` (default on CUDA)
-    these operators: :func:`~.triton_kernels.quantize_tensor_dual` as one opaque node — the
-    atomic amax pass and the one-read cast that writes the codes and their transpose. The
+    these operators — :func:`tensor_pair` (per tensor: the atomic amax pass and the one-read
+    cast that writes the codes and their transpose), :func:`group_rows` / :func:`group_cols_t`
+    (1x128 groups along rows, and down columns written transposed: blockwise activations and
+    gradients) and :func:`blocks128` (128x128 weight blocks) — each one opaque node. The
     compiler schedules them like any extern kernel (no graph break) but cannot fuse them with
     neighbouring element-wise ops.
 ``inductor``
     the reference quantisers (plain torch ops), which Inductor generates and fuses itself.
 
 Both give the same codes and scales bit for bit (the kernels are checked against the reference).
+
+:func:`blockwise_mm` is :func:`~.gemm.blockwise_matmul` (the SM90 block-scaled ``F.scaled_mm``
+with its scale layouts and row padding) as one node: dynamo does not trace that dispatch, so
+without it every real blockwise GEMM would be a graph break.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from torch import Tensor
 
 from ..recipes import Format
 
-__all__ = ["tensor_pair"]
+__all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair"]
 
 
 @torch.library.custom_op("nemo_fp8_recipes::tensor_pair", mutates_args=())
@@ -44,3 +51,79 @@ def _tensor_pair_fake(x: Tensor, fmt: str, rounding: str):
     one = (1, 1)
     return (x.new_empty((rows, cols), dtype=dt), x.new_empty((cols, rows), dtype=dt),
             x.new_empty(one, dtype=torch.float32), x.new_empty(one, dtype=torch.float32))
+
+
+def _check_group_rounding(rounding: str) -> None:
+    from ..recipes import ScaleRounding
+
+    if ScaleRounding(rounding) not in (ScaleRounding.FP32, ScaleRounding.POW2):
+        raise ValueError(f"the group quantiser operators take fp32 or pow2 scales (FP32 scale_inv), got {rounding!r}; "
+                         "E8M0 (mxfp8) operands are quantised by the reference quantisers under torch.compile")
+
+
+@torch.library.custom_op("nemo_fp8_recipes::group_rows", mutates_args=())
+def group_rows(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor, Tensor]:
+    """Groups of ``group`` along each row of 2-D ``x``: ``(codes [R, C], scale_inv [R, C/group])``
+    (:func:`~.triton_kernels.quantize_rows`; fp32 or pow2 scales)."""
+    from . import triton_kernels as tk
+
+    _check_group_rounding(rounding)
+    q = tk.quantize_rows(x, fmt, group, rounding)
+    return q.data, q.scale_inv
+
+
+@group_rows.register_fake
+def _group_rows_fake(x: Tensor, fmt: str, group: int, rounding: str):
+    rows, cols = x.shape
+    return (x.new_empty((rows, cols), dtype=Format(fmt).dtype),
+            x.new_empty((rows, -(-cols // group)), dtype=torch.float32))
+
+
+@torch.library.custom_op("nemo_fp8_recipes::group_cols_t", mutates_args=())
+def group_cols_t(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor, Tensor]:
+    """Groups of ``group`` down each column of 2-D ``x``, written for ``x.T``: ``(codes [C, R],
+    scale_inv [C, R/group])`` — the wgrad operand (:func:`~.triton_kernels.quantize_cols_t`)."""
+    from . import triton_kernels as tk
+
+    _check_group_rounding(rounding)
+    q = tk.quantize_cols_t(x, fmt, group, rounding)
+    return q.data, q.scale_inv
+
+
+@group_cols_t.register_fake
+def _group_cols_t_fake(x: Tensor, fmt: str, group: int, rounding: str):
+    rows, cols = x.shape
+    return (x.new_empty((cols, rows), dtype=Format(fmt).dtype),
+            x.new_empty((cols, -(-rows // group)), dtype=torch.float32))
+
+
+@torch.library.custom_op("nemo_fp8_recipes::blocks128", mutates_args=())
+def blocks128(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor]:
+    """128x128 blocks of 2-D ``x`` (blockwise weights): ``(codes [R, C], scale_inv [R/128, C/128])``
+    (:func:`~.triton_kernels.quantize_blocks128`)."""
+    from . import triton_kernels as tk
+
+    q = tk.quantize_blocks128(x, fmt, rounding)
+    return q.data, q.scale_inv
+
+
+@blocks128.register_fake
+def _blocks128_fake(x: Tensor, fmt: str, rounding: str):
+    rows, cols = x.shape
+    return (x.new_empty((rows, cols), dtype=Format(fmt).dtype),
+            x.new_empty((-(-rows // 128), -(-cols // 128)), dtype=torch.float32))
+
+
+@torch.library.custom_op("nemo_fp8_recipes::blockwise_mm", mutates_args=())
+def blockwise_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, weight_blocks: bool,
+                 out_dtype: torch.dtype) -> Tensor:
+    """:func:`~.gemm.blockwise_matmul`: ``A · Bᵀ`` ``[M, N]`` from 1x128-scaled ``a`` ``[M, K]`` and
+    ``b`` ``[N, K]`` with 128x128 blocks (``weight_blocks``) or 1x128 groups."""
+    from .gemm import blockwise_matmul
+
+    return blockwise_matmul(a, a_scale_inv, b, b_scale_inv, weight_blocks, out_dtype)
+
+
+@blockwise_mm.register_fake
+def _blockwise_mm_fake(a, a_scale_inv, b, b_scale_inv, weight_blocks, out_dtype):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
