@@ -92,7 +92,7 @@ from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
 MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
 TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
 #: ``<recipe>-inductor``: the recipe with NEMO_FP8_COMPILED_QUANT=inductor (compiled mode: the
-#: reference quantisers generated and fused by Inductor instead of the Triton custom operator)
+#: reference quantisers generated and fused by Inductor instead of the Triton custom operators)
 #: ``<recipe>-unfused-swiglu``: the recipe with NEMO_FP8_FUSED_SWIGLU=0 (eager mode: the SwiGLU
 #: activation materialised, as before the fusion; by default the down projection gets the halves,
 #: delayed scaling computes the activation inside its one-pass quantiser and both recipes fuse the

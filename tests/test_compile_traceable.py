@@ -51,13 +51,14 @@ class SwiGLU(nn.Module):
         return self.w2(F.silu(a) * b)
 
 
-def _pair(recipe: str, emulate=True, device="cpu", seed=0):
-    """Two identical converted models (one to compile, one to run eagerly)."""
+def _pair(recipe: str, emulate=True, device="cpu", seed=0, **overrides):
+    """Two identical converted models (one to compile, one to run eagerly); ``overrides``: recipe
+    fields (``get_recipe(recipe, **overrides)``)."""
     models = []
     for _ in range(2):
         torch.manual_seed(seed)
         m = SwiGLU().to(device)
-        convert_model(m, get_recipe(recipe), emulate=emulate)
+        convert_model(m, get_recipe(recipe, **overrides), emulate=emulate)
         models.append(m)
     return models
 
@@ -259,11 +260,13 @@ class _Captured(Exception):
 def _capture_scaled_mm(gm, example_inputs):
     """A dynamo backend that stops after capture, with the FP8 GEMM calls of the graph (the
     autograd function's forward and backward subgraphs included) and their operand metadata."""
-    calls = []
+    calls, ops = [], []
     for mod in gm.modules():
         if not isinstance(mod, torch.fx.GraphModule):
             continue
         for n in mod.graph.nodes:
+            if n.op == "call_function" and "nemo_fp8_recipes" in str(n.target):
+                ops.append(str(n.target))
             if n.op == "call_function" and ("scaled_mm" in str(n.target) or "blockwise_mm" in str(n.target)):
                 def val(a):
                     if isinstance(a, torch.fx.Node):
@@ -272,7 +275,7 @@ def _capture_scaled_mm(gm, example_inputs):
                         return [val(b) for b in a]
                     return a
                 calls.append((getattr(n.target, "__name__", str(n.target)), [val(a) for a in n.args]))
-    raise _Captured(calls)
+    raise _Captured(calls, ops)
 
 
 def test_real_mxfp8_gemms_keep_the_eager_island():
@@ -286,21 +289,30 @@ def test_real_mxfp8_gemms_keep_the_eager_island():
     assert not any(m.traceable() for m in _fp8(model))
 
 
-@pytest.mark.parametrize("recipe,op", [("tensorwise", "_scaled_mm"), ("blockwise", "blockwise_mm.default")])
-def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, monkeypatch):
+@pytest.mark.parametrize("recipe,op,overrides,quant_ops", [
+    ("tensorwise", "_scaled_mm", {}, False),
+    ("tensorwise", "_scaled_mm", {}, True),
+    ("blockwise", "blockwise_mm.default", {}, False),
+    ("blockwise", "blockwise_mm.default", {}, True),
+    ("blockwise", "blockwise_mm.default", {"weight_granularity": "1x128"}, True),
+], ids=["tensorwise", "tensorwise-triton-ops", "blockwise", "blockwise-triton-ops", "blockwise-1x128-weights-triton-ops"])
+def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, overrides, quant_ops, monkeypatch):
     """``emulate=False`` (the H200 path): dynamo traces forward and backward into one graph
     (``fullgraph``) whose six GEMMs are ``torch._scaled_mm`` (tensorwise) or the block-scaled
     GEMM operator ``nemo_fp8_recipes::blockwise_mm`` (blockwise: 128x128 weight blocks in fprop
     and dgrad, 1x128 x 1x128 in wgrad) with FP8 operands of whole GEMM tiles, A row-major, B
     column-major for ``_scaled_mm`` / as ``[N, K]`` codes for the operator (which lays out what
-    cuBLAS needs itself), the 1x128 scale grids one per 128 K. Faked on CPU: the device check is lifted and the graph never runs (the FP8
-    GEMMs need the GPU); the ``gpu`` tests below run it on the H200."""
+    cuBLAS needs itself), the 1x128 scale grids one per 128 K. ``triton-ops``: the quantisers are
+    the Triton custom operators, as on CUDA (only their fake implementations run here). Faked on
+    CPU: the device check is lifted and the graph never runs (the FP8 GEMMs need the GPU); the
+    ``gpu`` tests below run it on the H200."""
     import nemo_fp8_recipes.nn.linear as L
 
-    model, _ = _pair(recipe)
+    model, _ = _pair(recipe, **overrides)
     for m in _fp8(model):
         m.emulate = False
     monkeypatch.setattr(L, "_check_device", lambda *a: None)
+    monkeypatch.setattr(L, "_use_quant_ops", lambda t: quant_ops)
     x, _ = _data(0)
     with pytest.raises(Exception) as info:
         torch.compile(model, backend=_capture_scaled_mm, fullgraph=True)(x.requires_grad_(True))
@@ -308,7 +320,14 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, monkeypatch)
     while err is not None and not isinstance(err, _Captured):
         err = err.__cause__ or err.__context__
     assert err is not None, f"not captured in one graph: {info.value}"
-    calls = err.args[0]
+    calls, ops = err.args
+    quantisers = {o.split(".")[1] for o in ops if "blockwise_mm" not in o}
+    if not quant_ops:
+        assert quantisers == set()
+    elif recipe == "tensorwise":
+        assert quantisers == {"tensor_pair"}
+    else:  # X, dY (and 1x128 weights) in rows and transposed columns; 128x128 weight blocks
+        assert quantisers == ({"group_rows", "group_cols_t"} | ({"blocks128"} if not overrides else set()))
     assert len(calls) == 6  # fprop, dgrad, wgrad of each linear
     blocks = []
     for name, args in calls:
@@ -325,8 +344,8 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, monkeypatch)
         assert sa.dtype == sb.dtype == torch.float32 and tuple(sa.shape) == (M, K // 128)
         assert tuple(sb.shape) == ((b.shape[0] // 128, K // 128) if weight_blocks else (b.shape[0], K // 128))
         blocks.append(weight_blocks)
-    if recipe == "blockwise":
-        assert sorted(blocks) == [False, False, True, True, True, True]  # wgrad x2; fprop, dgrad x2
+    if recipe == "blockwise":  # wgrad x2 (1x128 x 1x128); fprop, dgrad x2 (128x128 weight blocks unless 1x128)
+        assert sorted(blocks) == ([False] * 6 if overrides else [False, False, True, True, True, True])
 
 
 # ---- deliberate eager islands: delayed scaling, telemetry ------------------------------------
@@ -507,7 +526,7 @@ def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
     x[7] *= 1e-3
     for dtype in (torch.bfloat16, torch.float32):
         xd = x.to(dev, dtype)
-        for fmt, rnd in (("e4m3", "fp32"), ("e5m2", "pow2")):
+        for fmt, rnd in (("e4m3", "pow2"), ("e4m3", "fp32"), ("e5m2", "pow2")):
             q, si = ops.group_rows(xd, fmt, 128, rnd)
             ref = quantize(xd, fmt, "1x128", rnd)
             assert torch.equal(q.float(), ref.data.float()) and torch.equal(si, ref.scale_inv)
@@ -580,9 +599,10 @@ def test_compiled_quantizer_setting_names_the_valid_choices(monkeypatch):
                               "mxfp8-emulated-M2048"])
 def test_gpu_compiled_real_fp8_matches_eager(name, M):
     """As the benchmark runs a block: FP32 master weights, BF16 autocast, Inductor. 0 graph
-    breaks (fullgraph), compiled (Inductor-generated quantisers + ``torch._scaled_mm``) vs eager
-    (Triton quantisers + the same GEMMs) within FP8 GEMM tolerance, counts right. mxfp8 runs
-    emulated on Hopper (traced too)."""
+    breaks (fullgraph), compiled (the Triton quantisers as custom operators + ``torch._scaled_mm``
+    or the block-scaled GEMM operator, with Inductor's kernels around them) vs eager (the same
+    quantisers and GEMMs) within FP8 GEMM tolerance, counts right. mxfp8 runs emulated on Hopper
+    (traced too)."""
     rec, why = _gpu_recipe(name)
     emulate = None
     if why is not None:
@@ -598,7 +618,9 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
     model, ref = models
     assert all(m.emulate == (emulate is True) for m in _fp8(model))
     traced = all(m.traceable() for m in _fp8(model))
-    assert traced  # tensorwise and blockwise with real GEMMs, mxfp8 emulated on Hopper
+    # tensorwise and blockwise traced with real GEMMs, mxfp8 only emulated (as on Hopper); real
+    # MXFP8 GEMMs (SM100) keep the eager island on purpose (Float8Linear.traceable)
+    assert traced == (name != "mxfp8" or emulate is True)
     compiled = torch.compile(model, fullgraph=traced, dynamic=False)
     lines = NUMERICS_REPORT.setdefault(
         f"H200: compiled (traced) vs eager FP8 linear ({torch.cuda.get_device_name()}), rel. error",
@@ -702,7 +724,11 @@ def test_gpu_blockwise_mm_operator_matches_the_dispatch_and_float64(weight_block
     qa = quantize(a, "e4m3", "1x128", "fp32")
     qb = quantize(b, "e4m3", "128x128" if weight_blocks else "1x128", "fp32")
     args = (qa.data, qa.scale_inv, qb.data, qb.scale_inv, weight_blocks, torch.bfloat16)
+    before = [t.clone() for t in args[:4]]
     got = blockwise_mm(*args)
+    # the operator must not write its inputs (the padded scale rows are set on a copy)
+    assert all(torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t,
+                           c.view(torch.uint8) if c.element_size() == 1 else c) for t, c in zip(args[:4], before))
     assert got.shape == (M, N) and got.dtype == torch.bfloat16
     assert torch.equal(got, blockwise_matmul(*args))
     exact = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()

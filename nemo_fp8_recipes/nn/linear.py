@@ -26,8 +26,9 @@ lives in :mod:`nemo_fp8_recipes.nn.scaling`.
 Two autograd functions share the GEMM code (:func:`_fprop`, :func:`_grads`): the eager one
 (:class:`_Float8LinearFn`: fused Triton quantisers on CUDA, weight cache, delayed scaling,
 telemetry) and, under ``torch.compile``, a traceable one for the current-scaling recipes
-(:class:`_Float8LinearTracedFn`: the reference quantisers, which the compiler fuses into its own
-kernels, and no Python-side state), so a compiled model has no graph break at its FP8 linears.
+(:class:`_Float8LinearTracedFn`: on CUDA the same Triton quantisers as custom operators, else the
+reference quantisers, which the compiler fuses into its own kernels; no Python-side state), so a
+compiled model has no graph break at its FP8 linears.
 :meth:`Float8Linear.forward` says which path runs when.
 """
 
@@ -427,8 +428,9 @@ class _Float8SwiGLULinearFn(torch.autograd.Function):
 
 
 class _Float8LinearTracedFn(torch.autograd.Function):
-    """Compile-traceable path (current scaling only): no Python-side state. The reference
-    quantisers (plain torch ops) and the GEMM dispatch of :mod:`nemo_fp8_recipes.quant.gemm`,
+    """Compile-traceable path (current scaling only): no Python-side state. The quantisers of
+    :func:`_quantize_current` (Triton custom operators on CUDA, else the reference quantisers in
+    plain torch ops) and the GEMM dispatch of :mod:`nemo_fp8_recipes.quant.gemm`,
     the weight quantised in every forward (no cache), and the dgrad/wgrad counts added in-graph
     to ``bwd_counts`` (an int64 buffer of the module, only ever mutated in backward)."""
 
@@ -757,11 +759,13 @@ class Float8Linear(nn.Linear):
 
         Under ``torch.compile`` a current-scaling module (:meth:`traceable`) runs
         :class:`_Float8LinearTracedFn`, which the compiler traces like any other op, so the
-        model has no graph break here and Inductor fuses the amax, scale and cast of each operand
-        into the neighbouring kernels. It quantises with the reference quantisers (the numerics
-        contract, plain torch ops: the same numbers as the eager path) and the GEMM dispatch of
-        :mod:`nemo_fp8_recipes.quant.gemm` (``torch._scaled_mm`` / ``F.scaled_mm``, or
-        emulation), re-quantises the weight in every forward (no cache: no Python-side state in
+        model has no graph break here. On CUDA it quantises with the eager path's Triton kernels
+        as custom operators (:mod:`nemo_fp8_recipes.quant.ops`; per-tensor pairs, 1x128 groups,
+        128x128 blocks), elsewhere — or with ``NEMO_FP8_COMPILED_QUANT=inductor`` — with the
+        reference quantisers (the numerics contract in plain torch ops, which Inductor fuses into
+        the neighbouring kernels); the same numbers either way. The GEMMs are the dispatch of
+        :mod:`nemo_fp8_recipes.quant.gemm` (``torch._scaled_mm``; blockwise's block-scaled GEMM
+        as the operator ``blockwise_mm``; or emulation). It re-quantises the weight in every forward (no cache: no Python-side state in
         the graph), and counts its GEMMs in the int64 buffers ``fp8_fwd_count`` /
         ``fp8_bwd_count`` with in-graph adds, so :func:`~nemo_fp8_recipes.nn.audit` stays exact.
 

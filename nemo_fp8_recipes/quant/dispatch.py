@@ -21,9 +21,9 @@ from .reference import QuantizedTensor, quantize
 __all__ = ["COMPILED_QUANTIZERS", "accumulate_amax", "compiled_quantizer", "quantize_auto", "quantize_pair_auto",
            "triton_enabled"]
 
-#: Quantisers of the compile-traced FP8 linear for per-tensor operands on CUDA (see
-#: :mod:`nemo_fp8_recipes.quant.ops`): the fused Triton kernels as custom operators, or the
-#: reference ops generated and fused by Inductor.
+#: Quantisers of the compile-traced FP8 linear on CUDA (per-tensor pairs, 1x128 groups, 128x128
+#: blocks; see :mod:`nemo_fp8_recipes.quant.ops`): the fused Triton kernels as custom operators,
+#: or the reference ops generated and fused by Inductor.
 COMPILED_QUANTIZERS = ("triton", "inductor")
 
 
@@ -40,8 +40,8 @@ def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
 
 
 def compiled_quantizer() -> str:
-    """``NEMO_FP8_COMPILED_QUANT`` (default ``triton``): which quantisers a compiled per-tensor
-    FP8 linear uses on CUDA. Read when the graph is traced."""
+    """``NEMO_FP8_COMPILED_QUANT`` (default ``triton``): which quantisers a compiled FP8 linear
+    with current scaling uses on CUDA. Read when the graph is traced."""
     v = os.environ.get("NEMO_FP8_COMPILED_QUANT", "triton").strip().lower()
     if v not in COMPILED_QUANTIZERS:
         raise ValueError(f"NEMO_FP8_COMPILED_QUANT={v!r} is not valid; choose one of: {', '.join(COMPILED_QUANTIZERS)}")

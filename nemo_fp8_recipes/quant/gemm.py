@@ -157,7 +157,9 @@ def blockwise_matmul(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: to
     128x128 grid's K blocks padded to a multiple of 4) and pads A's rows to 128 with zero rows
     of scale 1; returns ``[M, N]`` in ``out_dtype``. FP32 accumulation (no fast accumulation:
     cuBLAS' block-scaled kernels promote every K block)."""
-    M = a_data.shape[0]
+    M, K = a_data.shape
+    if b_data.shape[1] != K:
+        raise ValueError(f"contraction dims differ: {tuple(a_data.shape)} x {tuple(b_data.shape)}")
     a_data = _pad_rows(a_data.contiguous(), 128)
     sa = _pad_rows(a_scale_inv.float(), 128)
     if sa.shape[0] != M:

@@ -34,6 +34,11 @@ from ..recipes import Format
 __all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair"]
 
 
+def _format(fmt: str) -> Format:
+    """``fmt`` as the kernels' wrappers read it (case-insensitive), so fake and real agree."""
+    return Format(str(fmt).lower())
+
+
 @torch.library.custom_op("nemo_fp8_recipes::tensor_pair", mutates_args=())
 def tensor_pair(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """Per-tensor current scaling of 2-D ``x``: ``(codes [R, C], codes transposed [C, R],
@@ -47,7 +52,7 @@ def tensor_pair(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor, Ten
 @tensor_pair.register_fake
 def _tensor_pair_fake(x: Tensor, fmt: str, rounding: str):
     rows, cols = x.shape
-    dt = Format(fmt).dtype
+    dt = _format(fmt).dtype
     one = (1, 1)
     return (x.new_empty((rows, cols), dtype=dt), x.new_empty((cols, rows), dtype=dt),
             x.new_empty(one, dtype=torch.float32), x.new_empty(one, dtype=torch.float32))
@@ -75,7 +80,7 @@ def group_rows(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor, 
 @group_rows.register_fake
 def _group_rows_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=Format(fmt).dtype),
+    return (x.new_empty((rows, cols), dtype=_format(fmt).dtype),
             x.new_empty((rows, -(-cols // group)), dtype=torch.float32))
 
 
@@ -93,7 +98,7 @@ def group_cols_t(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor
 @group_cols_t.register_fake
 def _group_cols_t_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((cols, rows), dtype=Format(fmt).dtype),
+    return (x.new_empty((cols, rows), dtype=_format(fmt).dtype),
             x.new_empty((cols, -(-rows // group)), dtype=torch.float32))
 
 
@@ -103,6 +108,7 @@ def blocks128(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor]:
     (:func:`~.triton_kernels.quantize_blocks128`)."""
     from . import triton_kernels as tk
 
+    _check_group_rounding(rounding)
     q = tk.quantize_blocks128(x, fmt, rounding)
     return q.data, q.scale_inv
 
@@ -110,7 +116,7 @@ def blocks128(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor]:
 @blocks128.register_fake
 def _blocks128_fake(x: Tensor, fmt: str, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=Format(fmt).dtype),
+    return (x.new_empty((rows, cols), dtype=_format(fmt).dtype),
             x.new_empty((-(-rows // 128), -(-cols // 128)), dtype=torch.float32))
 
 
@@ -126,4 +132,6 @@ def blockwise_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor,
 
 @blockwise_mm.register_fake
 def _blockwise_mm_fake(a, a_scale_inv, b, b_scale_inv, weight_blocks, out_dtype):
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"contraction dims differ: {tuple(a.shape)} x {tuple(b.shape)}")
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
