@@ -242,6 +242,32 @@ def test_per_tensor_strided_and_empty_inputs(tk):
     assert e.data.shape == (0, 64) and e.scale_inv.item() == 1.0 and e.amax.item() == 0.0
 
 
+def test_tensors_beyond_32_bit_offsets_are_refused_with_what_to_do():
+    """The kernels index with 32-bit element offsets. A source of 2^31 elements or more (e.g.
+    65536 tokens x 53248, a 405B FFN activation at micro-batch 8 x 8192) — or a view whose last
+    element lies that far — would make them read and write wrong elements; every wrapper refuses
+    it before launching, naming the limit and the ways out. Meta tensors: nothing is allocated."""
+    from nemo_fp8_recipes.quant import triton_kernels as tk
+
+    big = torch.empty(65536, 53248, dtype=torch.bfloat16, device="meta")
+    wide = torch.empty(2, 2**31, dtype=torch.bfloat16, device="meta")[:, :256]  # 512 elements, row stride 2^31
+    calls = [lambda t: tk.quantize_rows(t, "e4m3", 128, "pow2"), lambda t: tk.quantize_cols_t(t, "e4m3", 128, "pow2"),
+             lambda t: tk.quantize_blocks128(t, "e4m3", "pow2"), lambda t: tk.quantize_tensor(t, "e4m3"),
+             lambda t: tk.quantize_tensor_dual(t, "e4m3"), lambda t: tk.quantize_dual(t, "e4m3", 128, "pow2"),
+             lambda t: tk.rmsnorm_forward(t, torch.ones(t.shape[1], device="meta"), 1e-5),
+             lambda t: tk.swiglu_backward(t, t, t)]
+    for t in (big, wide):
+        for call in calls:
+            with pytest.raises(ValueError, match=r"32-bit offsets.*NEMO_FP8_TRITON=0"):
+                call(t)
+    # what fits passes the check: the largest offset just inside, and a view with a large row
+    # stride along a non-contiguous last dim (the wrappers copy it first)
+    tk._require_triton(torch.empty(2**31 - 1, dtype=torch.bfloat16, device="meta"))
+    tk._require_triton(torch.empty(4, 2**31, device="meta")[:, :1].t())  # shape (1, 4), strides (1, 2^31)
+    with pytest.raises(ValueError, match="2,147,483,648 elements"):
+        tk._require_triton(torch.empty(2**31, dtype=torch.bfloat16, device="meta"))
+
+
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_infinities_with_a_given_scale(tk, fmt):
     """Delayed scaling casts with a given scale, so an infinite element meets the conversion

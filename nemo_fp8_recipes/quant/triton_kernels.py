@@ -661,9 +661,29 @@ def _group_r(cfg: dict, n_r: int) -> int:
     return n_r if g <= 0 else min(g, n_r)
 
 
-def _require_triton():
+#: The kernels address elements with 32-bit offsets (Triton's default for int arguments and
+#: program ids): the largest element offset of every tensor they read or write must fit.
+INT32_MAX = 2**31 - 1
+
+
+def _require_triton(*tensors: torch.Tensor):
+    """Triton is there, and each of ``tensors`` (the sources; every output a kernel writes has the
+    same number of elements or fewer) can be addressed with 32-bit element offsets — else a clear
+    error instead of wrapped offsets that would read and write the wrong elements."""
     if not HAVE_TRITON:
         raise RuntimeError("Triton is not installed: `pip install triton` (GPU machines ship it)")
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        # a source whose last dim is not contiguous is copied first (then numel is what counts);
+        # otherwise the kernels read it through its own strides
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.stride(-1) == 1 else 0
+        if t.numel() > INT32_MAX or last > INT32_MAX:
+            raise ValueError(
+                f"tensor of shape {tuple(t.shape)} ({t.numel():,} elements) is too large for the fused Triton "
+                f"quantisers, which index with 32-bit offsets (at most {INT32_MAX:,} elements): use fewer tokens "
+                "per micro-batch or shard the layer (tensor parallelism), or set NEMO_FP8_TRITON=0 to use the "
+                "reference quantisers (same codes, slower)")
 
 
 def _fmt(fmt) -> Format:
@@ -683,7 +703,7 @@ def _e8m0_view(e8: torch.Tensor) -> torch.Tensor:
 def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor:
     """Groups of ``group`` along each row of a 2-D tensor (same result as
     ``reference.quantize_blocks(x, fmt, (1, group), rounding)``)."""
-    _require_triton()
+    _require_triton(x)
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -707,7 +727,7 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     """Groups of ``group`` down each column, returned for ``x.T`` (``[cols, rows]``, groups along
     its rows) — the wgrad operand, quantised and transposed in one pass (same result as
     ``reference.quantize(x, fmt, ..., dim=0)``)."""
-    _require_triton()
+    _require_triton(x)
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -730,7 +750,7 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
 
 def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
     """128x128 blocks (blockwise weights); FP32 scales (``fp32`` or ``pow2``)."""
-    _require_triton()
+    _require_triton(x)
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     if _MODE[rounding] >= 2:
         raise ValueError("128x128 blocks take fp32 or pow2 scales")
@@ -812,7 +832,7 @@ def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     pass (PyTorch's autograd takes three kernels and two intermediate tensors). ``du`` is
     bit-identical to autograd's; ``dg`` can differ by rounding where the compiler contracts the
     derivative's multiply-add differently (tests: within one unit in the last place)."""
-    _require_triton()
+    _require_triton(dy, g, u)
     _check_gate(u, g)
     if dy.shape != u.shape or dy.dtype != u.dtype or not dy.is_contiguous():
         raise ValueError("dy must be contiguous with the shape and dtype of u")
@@ -877,7 +897,7 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     memset, no host synchronisation, no small PyTorch ops in between. With a given ``scale``
     (delayed scaling): one pass that casts and folds this tensor's amax (for the history) into
     ``amax_out`` by an atomic max (or into a fresh buffer); ``q.amax`` is that buffer."""
-    _require_triton()
+    _require_triton(x)
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if not x2.is_contiguous():
@@ -901,7 +921,7 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
 def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     """Both copies from one read: ``(quantize_rows(x), quantize_cols_t(x))`` — the fprop/dgrad
     operand grouped along rows and the wgrad operand grouped down columns, transposed."""
-    _require_triton()
+    _require_triton(x)
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -946,7 +966,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
 
     ``amax`` (current scaling): ``x``'s amax, already taken by its producer (a ``[1, 1]`` FP32
     tensor, e.g. :func:`rmsnorm_forward`'s): the amax pass is skipped, the cast pass runs alone."""
-    _require_triton()
+    _require_triton(x, gate)
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     if amax is not None and (scale is not None or gate is not None or amax_out is not None):
         raise ValueError("a precomputed amax is for current scaling of x itself (no scale, gate or amax_out)")
@@ -1011,7 +1031,7 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
     * ``rows=(fmt, group, rounding)``: ``y`` quantised in 1x``group`` groups along its rows, the
       same codes and scales as :func:`quantize_rows` of ``y``, from the same pass.
     Otherwise ``amax``/``q`` are None."""
-    _require_triton()
+    _require_triton(x2)
     R, D = x2.shape
     if x2.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the fused RMSNorm takes BF16 or FP32 input, not {x2.dtype}")
@@ -1059,7 +1079,7 @@ def rmsnorm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
     """Gradients of :func:`rmsnorm_forward`'s ``y`` for ``dy2`` (``[R, D]``): ``(dx`` in ``x2``'s
     dtype, ``dw`` in ``weight``'s dtype or None) in one pass over ``dy`` and ``x``; ``dw`` is
     summed in FP32 from per-program partial sums."""
-    _require_triton()
+    _require_triton(dy2, x2)
     R, D = x2.shape
     if dy2.stride(-1) != 1:
         dy2 = dy2.contiguous()
