@@ -29,7 +29,7 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..recipes import Format
+from ..recipes import Format, ScaleRounding
 
 __all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair"]
 
@@ -59,8 +59,7 @@ def _tensor_pair_fake(x: Tensor, fmt: str, rounding: str):
 
 
 def _check_group_rounding(rounding: str) -> None:
-    from ..recipes import ScaleRounding
-
+    """The 1xN operators return FP32 ``scale_inv`` only (no E8M0 scales)."""
     if ScaleRounding(rounding) not in (ScaleRounding.FP32, ScaleRounding.POW2):
         raise ValueError(f"the group quantiser operators take fp32 or pow2 scales (FP32 scale_inv), got {rounding!r}; "
                          "E8M0 (mxfp8) operands are quantised by the reference quantisers under torch.compile")
@@ -108,8 +107,7 @@ def blocks128(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor]:
     (:func:`~.triton_kernels.quantize_blocks128`)."""
     from . import triton_kernels as tk
 
-    _check_group_rounding(rounding)
-    q = tk.quantize_blocks128(x, fmt, rounding)
+    q = tk.quantize_blocks128(x, fmt, rounding)  # refuses E8M0 itself
     return q.data, q.scale_inv
 
 
