@@ -537,12 +537,16 @@ def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
             qb, sib = ops.blocks128(xd, fmt, rnd)
             ref = quantize(xd, fmt, "128x128", rnd)
             assert torch.equal(qb.float(), ref.data.float()) and torch.equal(sib, ref.scale_inv)
+            # the 1x128 scale grids come outer-dim major, as the block-scaled GEMM reads them
+            assert si.stride() == (1, 200) and sit.stride() == (1, 328)
     xd = x.to(dev, torch.bfloat16)
     for op, args in ((ops.group_rows, (xd, "e4m3", 128, "fp32")), (ops.group_cols_t, (xd, "e4m3", 128, "pow2")),
                      (ops.blocks128, (xd, "e4m3", "fp32"))):
         torch.library.opcheck(op, args)
     with pytest.raises(ValueError, match="fp32 or pow2.*reference quantisers"):
         ops.group_rows(xd, "e4m3", 32, "e8m0_ceil")
+    with pytest.raises(ValueError, match="fp32 or pow2.*reference quantisers"):
+        ops.group_cols_t(xd, "e4m3", 32, "e8m0_floor")
 
 
 @pytest.mark.parametrize("recipe,operators", [

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fp8_ref import structured
+from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto
 from nemo_fp8_recipes.quant.reference import quantize
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
@@ -64,11 +65,40 @@ def test_rows_and_transposed_cols(tk, dtype, fmt, group, rounding):
 def test_blocks_and_tensor(tk, dtype):
     x = _input(dtype, special=False)
     for rnd in ("pow2", "fp32"):
-        _same(tk.quantize_blocks128(x, "e4m3", rnd), quantize(x, "e4m3", "128x128", rnd))
+        ref = quantize(x, "e4m3", "128x128", rnd)
+        _same(tk.quantize_blocks128(x, "e4m3", rnd), ref)
+        q, qt = tk.quantize_blocks128(x, "e4m3", rnd, transposed=True)  # + the dgrad copy, one pass
+        _same(q, ref)
+        assert qt.data.shape == (300, 200) and qt.data.is_contiguous()
+        _same(qt, ref.t())
+        # what the weight's dgrad copy is built from, with and without the kernels
+        for triton in (True, False):
+            a, b = quantize_pair_auto(x, "e4m3", "128x128", rnd, triton=triton)
+            _same(a, ref)
+            _same(b, ref.t())
     for fmt in ("e4m3", "e5m2"):
         _same(tk.quantize_tensor(x, fmt), quantize(x, fmt, "tensor"))
         s = torch.tensor(3.7, device=DEV)
         _same(tk.quantize_tensor(x, fmt, scale=s), quantize(x, fmt, "tensor", scale=s))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1536, 2048), (384, 1000)], ids=["12x16-blocks", "ragged"])
+def test_weight_blocks_with_their_transposed_copy(tk, dtype, shape):
+    """A weight of many 128x128 blocks (an FP32 master weight, as the linear quantises it, and
+    BF16), with outlier rows and columns: the kernel's transposed copy is exactly the reference
+    codes transposed, and the same pass's row-major codes are unchanged."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.empty(shape).uniform_(-0.03, 0.03, generator=g)
+    w[:, 5] *= 40.0
+    w[700 % shape[0]] *= 1e-4
+    w = w.to(DEV, dtype)
+    for rnd in ("pow2", "fp32"):
+        ref = quantize(w, "e4m3", "128x128", rnd)
+        q, qt = tk.quantize_blocks128(w, "e4m3", rnd, transposed=True)
+        _same(q, ref)
+        _same(qt, ref.t())
+        assert qt.data.is_contiguous() and not torch.isnan(qt.data.float()).any()
 
 
 @pytest.mark.parametrize("fmt, group, rounding", CASES)
@@ -95,6 +125,26 @@ def test_both_copies_from_one_read(tk, fmt, group, rounding, shape):
     _same(a, quantize(x, fmt, f"1x{group}", rounding))
     _same(b, quantize(x, fmt, f"1x{group}", rounding, dim=0))
     assert b.data.is_contiguous() and b.data.shape == (shape[1], shape[0])
+
+
+@pytest.mark.parametrize("group, rounding", [(128, "pow2"), (32, "e8m0_ceil")])
+def test_group_scale_grids_are_written_outer_dim_major(tk, group, rounding):
+    """Every 1xN quantiser (rows, transposed columns, both from one read, the RMSNorm's row
+    codes) writes its ``[rows, groups]`` scale grid with strides ``(1, rows)`` — the layout the
+    block-scaled GEMM reads — so ``gemm._outer_major`` hands it over without a copy; the values
+    are the reference's (the other tests here)."""
+    from nemo_fp8_recipes.quant.gemm import _outer_major
+
+    x = structured(200, 384, seed=3).to(DEV, torch.bfloat16)
+    qs = [tk.quantize_rows(x, "e4m3", group, rounding), tk.quantize_cols_t(x, "e4m3", group, rounding),
+          *tk.quantize_dual(x, "e4m3", group, rounding),
+          tk.rmsnorm_forward(x, torch.ones(384, device=DEV), 1e-5, rows=("e4m3", group, rounding))[3]]
+    for q in qs:
+        rows = q.data.shape[0]
+        grids = [q.scale_inv] + ([q.scale_e8m0] if q.scale_e8m0 is not None else [])
+        for g in grids:
+            assert g.shape == (rows, -(-q.data.shape[1] // group)) and g.stride() == (1, rows), g.stride()
+        assert _outer_major(q.scale_inv).data_ptr() == q.scale_inv.data_ptr()
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -79,12 +79,13 @@ def main() -> None:
           "flag_after": "fp32", "BLOCK_L": "constexpr", "FMAX": "constexpr", "MARGIN_DIV": "constexpr",
           "MOST_RECENT": "constexpr"},
          {"BLOCK_L": 1024, "FMAX": 448.0, "MARGIN_DIV": 2.0, "MOST_RECENT": False})
-    block_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "R": "i32", "C": "i32", "GC": "i32",
-                 "stride_x": "i32", "n_r": "i32", "n_c": "i32", "group_r": "i32", "BLOCK": "constexpr",
-                 "MODE": "constexpr", "FMAX": "constexpr",
-                 "IS_E4M3": "constexpr", "HW_CVT": "constexpr"}
-    comp("kernel_blocks128", tk._quant_block_kernel, block_sig,
-         {"BLOCK": 128, "MODE": 1, "FMAX": 448.0, "IS_E4M3": True, "HW_CVT": True})
+    block_sig = {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "qt_ptr": "*fp8e4nv", "si_ptr": "*fp32", "R": "i32",
+                 "C": "i32", "GC": "i32", "stride_x": "i32", "n_r": "i32", "n_c": "i32", "group_r": "i32",
+                 "BLOCK": "constexpr", "MODE": "constexpr", "FMAX": "constexpr",
+                 "IS_E4M3": "constexpr", "HW_CVT": "constexpr", "TRANS": "constexpr"}
+    for trans in (False, True):
+        comp(f"kernel_blocks128_trans{int(trans)}", tk._quant_block_kernel, block_sig,
+             {"BLOCK": 128, "MODE": 1, "FMAX": 448.0, "IS_E4M3": True, "HW_CVT": True, "TRANS": trans})
     gate_sig = {"GATED": "constexpr", "LIBDEVICE": "constexpr", "IN_BF16": "constexpr"}
     for gated, write in ((False, False), (True, False), (True, True)):
         comp(f"kernel_amax_atomic_gated{int(gated)}_write{int(write)}", tk._amax_atomic_kernel,
@@ -113,7 +114,7 @@ def main() -> None:
                   "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale, "GATED": has_scale,
                   "LIBDEVICE": True, "IN_BF16": True})
     norm_sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "amax_ptr": "*i32",
-                "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "D": "i32", "G": "i32", "stride_x": "i32",
+                "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "R": "i32", "D": "i32", "G": "i32", "stride_x": "i32",
                 "stride_y": "i32", "inv_d": "fp32", "eps": "fp32", "BLOCK_D": "constexpr", "OUT_BF16": "constexpr",
                 "AMAX": "constexpr", "GROUP": "constexpr", "MODE": "constexpr", "FMAX": "constexpr",
                 "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr", "HW_CVT": "constexpr"}

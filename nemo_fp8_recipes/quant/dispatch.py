@@ -120,6 +120,8 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
     0.109 + 0.152 ms (1x128) and 0.197 + 0.208 ms (1x32) at 8192x14336 against 0.361 and 0.498 ms
     for the one-read kernel :func:`~.triton_kernels.quantize_dual`, whose in-register transpose
     of a whole tile costs more than the second read saves (docs/benchmarks.md).
+    128x128 blocks are symmetric: the Triton kernel writes the second copy's codes transposed
+    and contiguous in the same pass (a weight's dgrad operand), same scale grid transposed.
     ``triton=False`` forces the reference quantisers (per-tensor and 128x128 copies are then
     transposed views of one quantisation). ``amax_out``: as in :func:`quantize_auto` (both
     copies carry it).
@@ -137,6 +139,10 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
             if tk.gate_fusable(x, gate):
                 return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale, amax_out=amax_out, gate=gate)
         x = torch.nn.functional.silu(gate) * x
+    if g is Granularity.BLOCK_128x128 and scale is None and triton_enabled(x, triton):
+        from . import triton_kernels as tk
+
+        return tk.quantize_blocks128(x, fmt, rounding, transposed=True)  # the dgrad copy written too
     if not triton_enabled(x, triton) or g is Granularity.BLOCK_128x128:
         a = _fold_amax(quantize(x, fmt, g, rounding, dim=-1, scale=scale), amax_out)
         b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(

@@ -63,7 +63,8 @@ def _pad_rows(t: torch.Tensor, mult: int) -> torch.Tensor:
 
 
 def _outer_major(s: torch.Tensor) -> torch.Tensor:
-    """Same values, column-major strides (1, rows): the layout cuBLAS wants for block scales."""
+    """Same values, column-major strides (1, rows): the layout cuBLAS wants for block scales
+    (no copy for a grid already laid out so, :func:`~.reference.scale_grid`)."""
     return s.t().contiguous().t()
 
 
@@ -155,7 +156,8 @@ def blockwise_matmul(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: to
     (``weight_blocks``, ``b_scale_inv`` ``[N/128, K/128]``: fprop, dgrad) or 1x128 groups along K
     (``[N, K/128]``: wgrad). Lays the scales out as cuBLAS wants them (outer-dim major, the
     128x128 grid's K blocks padded to a multiple of 4) and pads A's rows to 128 with zero rows
-    of scale 1; returns ``[M, N]`` in ``out_dtype``. FP32 accumulation (no fast accumulation:
+    of scale 1; the fused quantisers already write 1x128 grids outer-dim major
+    (:func:`~.reference.scale_grid`), which then pass through without a copy. Returns ``[M, N]`` in ``out_dtype``. FP32 accumulation (no fast accumulation:
     cuBLAS' block-scaled kernels promote every K block)."""
     M, K = a_data.shape
     if b_data.shape[1] != K:

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ..recipes import Format, ScaleRounding
+from .reference import scale_grid
 
 __all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair"]
 
@@ -80,7 +81,7 @@ def group_rows(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor, 
 def _group_rows_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
     return (x.new_empty((rows, cols), dtype=_format(fmt).dtype),
-            x.new_empty((rows, -(-cols // group)), dtype=torch.float32))
+            scale_grid(rows, -(-cols // group), torch.float32, x.device))
 
 
 @torch.library.custom_op("nemo_fp8_recipes::group_cols_t", mutates_args=())
@@ -98,7 +99,7 @@ def group_cols_t(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor
 def _group_cols_t_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
     return (x.new_empty((cols, rows), dtype=_format(fmt).dtype),
-            x.new_empty((cols, -(-rows // group)), dtype=torch.float32))
+            scale_grid(cols, -(-rows // group), torch.float32, x.device))
 
 
 @torch.library.custom_op("nemo_fp8_recipes::blocks128", mutates_args=())

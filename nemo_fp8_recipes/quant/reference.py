@@ -37,8 +37,16 @@ __all__ = [
     "fake_quantize",
     "quantization_stats",
     "STAT_NAMES",
+    "scale_grid",
 ]
 
+
+def scale_grid(rows: int, groups: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An empty ``[rows, groups]`` grid of 1xN group scales laid out outer-dim major (strides
+    ``(1, rows)``): the layout cuBLAS' block-scaled GEMMs read 1x128 scales in, so the fused
+    quantisers write it directly and no layout copy sits between them and the GEMM. Values and
+    indexing are those of any ``[rows, groups]`` tensor; only the memory order differs."""
+    return torch.empty((groups, rows), dtype=dtype, device=device).t()
 
 
 def _fmt(fmt: Union[Format, str]) -> Format:

@@ -50,7 +50,7 @@ except Exception:  # pragma: no cover - depends on the environment
 
 from ..recipes import Format, ScaleRounding
 from .dispatch import accumulate_amax
-from .reference import QuantizedTensor
+from .reference import QuantizedTensor, scale_grid
 
 __all__ = [
     "HAVE_TRITON",
@@ -308,9 +308,9 @@ if HAVE_TRITON:
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], tl.reshape(codes, (BLOCK_R, NG * GROUP)), mask=m)
         gi = pg * NG + tl.arange(0, NG)
         sm = (rows[:, None] < R) & (gi[None, :] < G)
-        tl.store(si_ptr + rows[:, None] * G + gi[None, :], si, mask=sm)
+        tl.store(si_ptr + gi[None, :] * R + rows[:, None], si, mask=sm)  # outer-dim major [R, G]
         if MODE >= 2:
-            tl.store(e8_ptr + rows[:, None] * G + gi[None, :], e8.to(tl.uint8), mask=sm)
+            tl.store(e8_ptr + gi[None, :] * R + rows[:, None], e8.to(tl.uint8), mask=sm)
 
     @triton.jit
     def _quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x, n_r, n_c, group_r,
@@ -336,14 +336,16 @@ if HAVE_TRITON:
         tl.store(q_ptr + cols[:, None] * R + rows[None, :], codes, mask=mt)
         gi = pg * NG + tl.arange(0, NG)
         sm = (gi[:, None] < G) & (cols[None, :] < C)
-        tl.store(si_ptr + cols[None, :] * G + gi[:, None], si, mask=sm)
+        tl.store(si_ptr + gi[:, None] * C + cols[None, :], si, mask=sm)  # outer-dim major [C, G]
         if MODE >= 2:
-            tl.store(e8_ptr + cols[None, :] * G + gi[:, None], e8.to(tl.uint8), mask=sm)
+            tl.store(e8_ptr + gi[:, None] * C + cols[None, :], e8.to(tl.uint8), mask=sm)
 
     @triton.jit
-    def _quant_block_kernel(x_ptr, q_ptr, si_ptr, R, C, GC, stride_x, n_r, n_c, group_r,
+    def _quant_block_kernel(x_ptr, q_ptr, qt_ptr, si_ptr, R, C, GC, stride_x, n_r, n_c, group_r,
                             BLOCK: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr,
-                            IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+                            IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, TRANS: tl.constexpr):
+        # one 128x128 block per program; TRANS: also write the codes transposed ([C, R], the
+        # dgrad copy of a weight: 128x128 blocks are symmetric, so the same codes and scale)
         pr, pc = _tile_ids(n_r, n_c, group_r)
         rows = pr * BLOCK + tl.arange(0, BLOCK)
         cols = pc * BLOCK + tl.arange(0, BLOCK)
@@ -351,9 +353,15 @@ if HAVE_TRITON:
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         amax = _amax_from_bits(tl.max(tl.max(_abs_bits(x), axis=1), axis=0))
         s, si, e8 = _scale_from_amax(amax, FMAX, 0, 0, MODE)
-        q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT, NO_INF=True)
-        tl.store(q_ptr + rows[:, None] * C + cols[None, :],
-                 _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3, NO_INF=True), mask=m)
+        # with TRANS the explicit saturation stays (NO_INF off), as in the other kernels that
+        # store transposed codes: without it Triton 3.6 wrote wrong transposed codes for FP32
+        # weights of several blocks on sm_90 (dgrad NaN in tests/test_gpu.py)
+        q = _round_fp8(x * s, FMAX, IS_E4M3, HW_CVT, NO_INF=not TRANS)
+        codes = _fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3, NO_INF=not TRANS)
+        tl.store(q_ptr + rows[:, None] * C + cols[None, :], codes, mask=m)
+        if TRANS:
+            mt = (cols[:, None] < C) & (rows[None, :] < R)
+            tl.store(qt_ptr + cols[:, None] * R + rows[None, :], _trans_codes(codes), mask=mt)
         tl.store(si_ptr + pr * GC + pc, si)
 
     @triton.jit
@@ -435,9 +443,9 @@ if HAVE_TRITON:
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], tl.reshape(codes, (TILE, TILE)), mask=m)
         gcol = pc * NG + tl.arange(0, NG)
         ms = (rows[:, None] < R) & (gcol[None, :] < G_row)
-        tl.store(si_ptr + rows[:, None] * G_row + gcol[None, :], si, mask=ms)
+        tl.store(si_ptr + gcol[None, :] * R + rows[:, None], si, mask=ms)  # outer-dim major [R, G_row]
         if MODE >= 2:
-            tl.store(e8_ptr + rows[:, None] * G_row + gcol[None, :], e8.to(tl.uint8), mask=ms)
+            tl.store(e8_ptr + gcol[None, :] * R + rows[:, None], e8.to(tl.uint8), mask=ms)
         # column-wise groups, reduced in the loaded layout ([NG, GROUP(rows), TILE(cols)]); only
         # the 1-byte codes are transposed for the [C, R] store
         xc = tl.reshape(x, (NG, GROUP, TILE))
@@ -448,9 +456,9 @@ if HAVE_TRITON:
         tl.store(qt_ptr + cols[:, None] * R + rows[None, :], codes_t, mask=mt)
         grow = pr * NG + tl.arange(0, NG)
         mst = (grow[:, None] < G_col) & (cols[None, :] < C)
-        tl.store(sit_ptr + cols[None, :] * G_col + grow[:, None], sit, mask=mst)
+        tl.store(sit_ptr + grow[:, None] * C + cols[None, :], sit, mask=mst)  # outer-dim major [C, G_col]
         if MODE >= 2:
-            tl.store(e8t_ptr + cols[None, :] * G_col + grow[:, None], e8t.to(tl.uint8), mask=mst)
+            tl.store(e8t_ptr + grow[:, None] * C + cols[None, :], e8t.to(tl.uint8), mask=mst)
 
     @triton.jit
     def _cast_dual_kernel(x_ptr, g_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, qt_ptr, R, C, stride_x,
@@ -477,7 +485,7 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_ptr, q_ptr, si_ptr, e8_ptr, D, G,
+    def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_ptr, q_ptr, si_ptr, e8_ptr, R, D, G,
                             stride_x, stride_y, inv_d, eps, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
                             AMAX: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
                             FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
@@ -512,9 +520,9 @@ if HAVE_TRITON:
                                                FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
             tl.store(q_ptr + row * D + offs, tl.reshape(codes, (NG, GROUP)), mask=offs < D)
             gi = tl.arange(0, NG)
-            tl.store(si_ptr + row * G + gi, tl.reshape(si, (NG,)), mask=gi < G)
+            tl.store(si_ptr + gi * R + row, tl.reshape(si, (NG,)), mask=gi < G)  # outer-dim major [R, G]
             if MODE >= 2:
-                tl.store(e8_ptr + row * G + gi, tl.reshape(e8, (NG,)).to(tl.uint8), mask=gi < G)
+                tl.store(e8_ptr + gi * R + row, tl.reshape(e8, (NG,)).to(tl.uint8), mask=gi < G)
 
     @triton.jit
     def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, D, stride_dy, stride_x, inv_d,
@@ -710,8 +718,8 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     R, C = x.shape
     G = -(-C // group)
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
-    si = torch.empty((R, G), dtype=torch.float32, device=x.device)
-    e8 = torch.empty((R, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
+    si = scale_grid(R, G, torch.float32, x.device)
+    e8 = scale_grid(R, G, torch.uint8, x.device) if _MODE[rounding] >= 2 else si
     cfg = LAUNCH["rows128" if group == 128 else "rows32"]
     block_r, ng = cfg["block_r"], cfg["groups"]
     n_r, n_c = triton.cdiv(R, block_r), triton.cdiv(G, ng)
@@ -734,8 +742,8 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     R, C = x.shape
     G = -(-R // group)
     q = torch.empty((C, R), dtype=fmt.dtype, device=x.device)
-    si = torch.empty((C, G), dtype=torch.float32, device=x.device)
-    e8 = torch.empty((C, G), dtype=torch.uint8, device=x.device) if _MODE[rounding] >= 2 else si
+    si = scale_grid(C, G, torch.float32, x.device)
+    e8 = scale_grid(C, G, torch.uint8, x.device) if _MODE[rounding] >= 2 else si
     cfg = LAUNCH["cols_t128" if group == 128 else "cols_t32"]
     block_c, ng = cfg["block_c"], cfg["groups"]
     n_r, n_c = triton.cdiv(G, ng), triton.cdiv(C, block_c)
@@ -748,8 +756,10 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
                            scale_e8m0=_e8m0_view(e8) if _MODE[rounding] >= 2 else None)
 
 
-def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
-    """128x128 blocks (blockwise weights); FP32 scales (``fp32`` or ``pow2``)."""
+def quantize_blocks128(x: torch.Tensor, fmt, rounding, transposed: bool = False):
+    """128x128 blocks (blockwise weights); FP32 scales (``fp32`` or ``pow2``). ``transposed``:
+    return ``(q, qt)``, ``qt`` the same blocks for ``x.T`` with contiguous codes ``[C, R]``
+    written by the same pass (a weight's dgrad copy) and ``q.scale_inv.T`` as its scales."""
     _require_triton(x)
     fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
     if _MODE[rounding] >= 2:
@@ -759,12 +769,16 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding) -> QuantizedTensor:
     R, C = x.shape
     GR, GC = -(-R // 128), -(-C // 128)
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
+    qt = torch.empty((C, R), dtype=fmt.dtype, device=x.device) if transposed else q
     si = torch.empty((GR, GC), dtype=torch.float32, device=x.device)
-    _quant_block_kernel[(GR * GC,)](x, q, si, R, C, GC, x.stride(0), GR, GC, _group_r(LAUNCH["blocks128"], GR),
+    _quant_block_kernel[(GR * GC,)](x, q, qt, si, R, C, GC, x.stride(0), GR, GC, _group_r(LAUNCH["blocks128"], GR),
                                     BLOCK=128, MODE=_MODE[rounding],
                                   num_warps=LAUNCH["blocks128"]["num_warps"],
-                                  FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
-    return QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
+                                  FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), TRANS=transposed)
+    a = QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
+    if not transposed:
+        return a
+    return a, QuantizedTensor(data=qt, scale_inv=si.t(), block=(128, 128), fmt=fmt, amax=si.t())
 
 
 def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
@@ -930,11 +944,11 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     dev = x.device
     q = torch.empty((R, C), dtype=fmt.dtype, device=dev)
     qt = torch.empty((C, R), dtype=fmt.dtype, device=dev)
-    si = torch.empty((R, Gr), dtype=torch.float32, device=dev)
-    sit = torch.empty((C, Gc), dtype=torch.float32, device=dev)
+    si = scale_grid(R, Gr, torch.float32, dev)
+    sit = scale_grid(C, Gc, torch.float32, dev)
     mx = _MODE[rounding] >= 2
-    e8 = torch.empty((R, Gr), dtype=torch.uint8, device=dev) if mx else si
-    e8t = torch.empty((C, Gc), dtype=torch.uint8, device=dev) if mx else sit
+    e8 = scale_grid(R, Gr, torch.uint8, dev) if mx else si
+    e8t = scale_grid(C, Gc, torch.uint8, dev) if mx else sit
     cfg = LAUNCH["dual128" if group == 128 else "dual32"]
     tile = 128 if group == 128 else cfg["tile"]
     n_r, n_c = triton.cdiv(R, tile), triton.cdiv(C, tile)
@@ -1058,11 +1072,11 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
     block_d = max(triton.next_power_of_2(D), group, 16)
     G = -(-D // group) if group else 1
     qd = torch.empty((R, D), dtype=fmt.dtype, device=dev) if group else y
-    si = torch.empty((R, G), dtype=torch.float32, device=dev) if group else rstd
+    si = scale_grid(R, G, torch.float32, dev) if group else rstd
     mx = _MODE[rounding] >= 2
-    e8 = torch.empty((R, G), dtype=torch.uint8, device=dev) if group and mx else si
+    e8 = scale_grid(R, G, torch.uint8, dev) if group and mx else si
     if R:
-        _rmsnorm_fwd_kernel[(R,)](x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, D, G,
+        _rmsnorm_fwd_kernel[(R,)](x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, R, D, G,
                                   x2.stride(0), y.stride(0), 1.0 / D, float(eps), BLOCK_D=block_d,
                                   OUT_BF16=x2.dtype == torch.bfloat16, AMAX=amax, GROUP=group,
                                   MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=_top_mant(fmt),
