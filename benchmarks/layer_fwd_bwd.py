@@ -77,7 +77,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench_with_gpu, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, recipe_mode, table,
+    bench_with_gpu, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, peak_memory_report,
+    recipe_mode, table,
     gpu_cell, write_json,
 )
 from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
@@ -273,6 +274,8 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
             out["gpu_reason"] = t["gpu_reason"]
         if cuda:
             out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if a.peak_report and cuda:  # after the peak is read, like the profile below
+            out["peak_live"] = peak_memory_report(step, 0)
         if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it
             out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda)
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
@@ -313,6 +316,10 @@ def main(argv=None) -> int:
                    help="also profile each variant and mode (torch.profiler) and report device time "
                         "per kernel class (GEMM / Triton quantisers / attention / other) and the "
                         "top kernels")
+    p.add_argument("--peak-report", action="store_true",
+                   help="also record one step's allocator history per variant and mode (CUDA) and "
+                        "list the largest blocks alive at its peak, with where each was allocated "
+                        "(JSON 'peak_live')")
     p.add_argument("--out", default=None, help="write the results as JSON here (after every variant)")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)

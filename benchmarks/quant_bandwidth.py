@@ -31,7 +31,9 @@ from nemo_fp8_recipes.quant.reference import quantize  # noqa: E402
 
 VARIANTS = [
     # name, granularity, fmt, rounding, dim, kind (one | delayed | pair | delayed-pair | dual: the
-    # one-read 1xN kernel). Delayed = a given scale; its cast also folds the amax for the history.
+    # one-read 1xN kernel | then-t: one copy, then its codes transposed by PyTorch; then-t-inductor:
+    # the same compiled, the kernel as its custom operator and the transpose Inductor's). Delayed =
+    # a given scale; its cast also folds the amax for the history.
     ("per-tensor (amax + cast)", "tensor", "e4m3", "fp32", -1, "one"),
     ("per-tensor cast + amax, scale given (delayed)", "tensor", "e4m3", "fp32", -1, "delayed"),
     ("per-tensor both copies: amax + one-read cast (tensorwise pair)", "tensor", "e4m3", "fp32", -1, "pair"),
@@ -42,6 +44,11 @@ VARIANTS = [
     ("1x128 rows + cols^T, two kernels (dispatch)", "1x128", "e4m3", "pow2", -1, "pair"),
     ("1x128 rows + cols^T from one read", "1x128", "e4m3", "pow2", -1, "dual"),
     ("128x128 blocks", "128x128", "e4m3", "pow2", -1, "one"),
+    ("128x128 blocks, then the transposed codes copied (weight dgrad copy)", "128x128", "e4m3", "pow2", -1,
+     "then-t"),
+    ("128x128 blocks, then the transposed codes copied by Inductor (compiled)", "128x128", "e4m3", "pow2", -1,
+     "then-t-inductor"),
+    ("128x128 blocks + transposed codes from one pass (weight pair)", "128x128", "e4m3", "pow2", -1, "pair"),
     ("1x32 E8M0 rows", "1x32", "e4m3", "e8m0_ceil", -1, "one"),
     ("1x32 E8M0 cols + transpose", "1x32", "e4m3", "e8m0_ceil", 0, "one"),
 ]
@@ -330,16 +337,26 @@ def main(argv=None) -> int:
     scale = torch.tensor(0.5, device=dev)
     for name, g, f, r, d, kind in VARIANTS:
         group = {"tensor": n, "1x128": 128, "128x128": 128 * 128, "1x32": 32}[g]
-        copies = 2 if kind in ("pair", "delayed-pair", "dual") else 1
+        copies = 2 if kind in ("pair", "delayed-pair", "dual", "then-t", "then-t-inductor") else 1
         nbytes = 2 * n + copies * (n + 4 * (n // group))
         sc = scale if kind in ("delayed", "delayed-pair") else None
         for iname, fn, pair in impls:
-            if kind == "dual" and iname != "triton":
+            if kind in ("dual", "then-t", "then-t-inductor") and iname != "triton":
                 continue  # the reference has no one-read variant: its pair row is the comparison
+            if kind == "pair" and g == "128x128" and iname != "triton":
+                continue  # the reference's pair is a transposed view (no second copy written)
             if kind == "dual":
                 from nemo_fp8_recipes.quant.triton_kernels import quantize_dual
 
                 call = lambda i: quantize_dual(xs[i], f, int(g.split("x")[1]), r)  # noqa: E731
+            elif kind == "then-t-inductor":
+                from nemo_fp8_recipes.quant import ops
+
+                blocks_t = torch.compile(lambda x, f=f, r=r: (lambda q, s: (q, q.t().contiguous(), s))(
+                    *ops.blocks128(x, f, r)), dynamic=False)
+                call = lambda i: blocks_t(xs[i])  # noqa: E731
+            elif kind == "then-t":
+                call = lambda i: (lambda q: (q, q.data.t().contiguous()))(fn(xs[i], g, f, r, d, sc))  # noqa: E731
             elif kind in ("pair", "delayed-pair"):
                 call = lambda i: pair(xs[i], g, f, r, sc)  # noqa: E731
             else:

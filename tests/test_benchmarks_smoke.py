@@ -76,6 +76,39 @@ def test_back_to_back_timing_is_per_call_and_runs_every_window(bench_modules):
     assert 4.0 <= ms < 3 * 4.0  # one call's sleep, not a window's
 
 
+def test_live_at_peak_replays_an_allocator_trace(bench_modules, tmp_path):
+    """``--peak-report``'s trace replay (the CUDA run is on the H200): the peak is taken at the
+    right event, blocks freed before it are not listed, blocks allocated before the trace count
+    in ``before_gib`` (and their frees lower the running total), and an Inductor frame is named
+    with its line and source-node comment."""
+    _timing = bench_modules[0]
+    code = tmp_path / "torchinductor_x" / "ab" / "cab.py"
+    code.parent.mkdir(parents=True)
+    code.write_text("def call(args):\n    # Topologically Sorted Source Nodes: [silu, mul]\n"
+                    "    buf3 = empty_strided_cuda((8192, 14336), (14336, 1), torch.bfloat16)\n")
+    mib = 2**20
+    ind = [{"filename": str(code), "line": 3, "name": "call"}]
+    ours = [{"filename": "/x/site-packages/torch/_ops.py", "line": 1, "name": "__call__"},
+            {"filename": "/r/nemo_fp8_recipes/quant/triton_kernels.py", "line": 712, "name": "quantize_rows"}]
+    ev = [
+        {"action": "alloc", "addr": 1, "size": 100 * mib, "frames": ind},
+        {"action": "alloc", "addr": 2, "size": 50 * mib, "frames": ours},
+        {"action": "free_requested", "addr": 1, "size": 100 * mib},
+        {"action": "free_completed", "addr": 1, "size": 100 * mib},
+        {"action": "free_requested", "addr": 99, "size": 10 * mib},  # a block from before the trace
+        {"action": "alloc", "addr": 3, "size": 120 * mib, "frames": ind},  # peak: 1000-10+50+120
+        {"action": "free_requested", "addr": 3, "size": 120 * mib},
+        {"action": "alloc", "addr": 4, "size": 30 * mib, "frames": []},
+    ]
+    r = _timing.live_at_peak(ev, base_bytes=1000 * mib)
+    assert r["peak_gib"] * 1024 == pytest.approx(1160)
+    assert r["during_gib"] * 1024 == pytest.approx(170) and r["before_gib"] * 1024 == pytest.approx(990)
+    assert [round(t[0]) for t in r["top"]] == [120, 50]
+    assert r["top"][0][1].startswith("cab.py:3 call: buf3 = empty_strided_cuda((8192, 14336)")
+    assert r["top"][0][1].endswith("# Topologically Sorted Source Nodes: [silu, mul]")
+    assert r["top"][1][1] == "triton_kernels.py:712 quantize_rows"
+
+
 def test_kernel_classes_of_gpu_kernel_names(bench_modules):
     _timing = bench_modules[0]
     assert _timing.classify_kernel("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x64") == "gemm"
