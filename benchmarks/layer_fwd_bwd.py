@@ -319,7 +319,8 @@ def main(argv=None) -> int:
     p.add_argument("--peak-report", action="store_true",
                    help="also record one step's allocator history per variant and mode (CUDA) and "
                         "list the largest blocks alive at its peak, with where each was allocated "
-                        "(JSON 'peak_live')")
+                        "(JSON 'peak_live'). Under --compile-mode reduce-overhead the CUDA-graph "
+                        "replays take their memory from the graphs' pool, which the history does not show")
     p.add_argument("--out", default=None, help="write the results as JSON here (after every variant)")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)

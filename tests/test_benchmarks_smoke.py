@@ -109,6 +109,34 @@ def test_live_at_peak_replays_an_allocator_trace(bench_modules, tmp_path):
     assert r["top"][1][1] == "triton_kernels.py:712 quantize_rows"
 
 
+def test_peak_memory_report_records_one_step_and_turns_the_history_off(bench_modules, monkeypatch):
+    """``peak_memory_report`` around CUDA's allocator-history calls (faked here; the H200 runs them
+    for real): the step runs once between enabling and disabling the history, the replay starts
+    from the memory allocated before it, and the history is turned off even when the step fails."""
+    import torch
+
+    _timing = bench_modules[0]
+    mib, calls = 2**20, []
+    ev = [{"action": "alloc", "addr": 1, "size": 64 * mib, "frames": []}]
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 100 * mib)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled="all", **kw: calls.append(("history", enabled)))
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [ev]})
+    r = _timing.peak_memory_report(lambda i: calls.append(("step", i)), 3)
+    assert calls == ["sync", ("history", "all"), ("step", 3), "sync", ("history", None)]
+    assert r["peak_gib"] * 1024 == pytest.approx(164) and r["before_gib"] * 1024 == pytest.approx(100)
+    calls.clear()
+
+    def fail(i):
+        raise RuntimeError("out of memory")
+
+    with pytest.raises(RuntimeError):
+        _timing.peak_memory_report(fail)
+    assert calls[-1] == ("history", None)
+
+
 def test_kernel_classes_of_gpu_kernel_names(bench_modules):
     _timing = bench_modules[0]
     assert _timing.classify_kernel("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x64") == "gemm"
@@ -202,13 +230,15 @@ def test_benchmarks_refuse_to_time_without_fp8(bench_modules, capsys):
     assert t.recipe_mode("tensorwise", "cpu")[0] == "emulated"
 
 
-@pytest.mark.parametrize("block,n_fp8,extra", [("layer", 7, ()),
+@pytest.mark.parametrize("block,n_fp8,extra", [("layer", 7, ("--peak-report",)),
                                                 ("mlp", 3, ("--requant-weights", "--compile-mode", "reduce-overhead"))])
 def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
     data = _run_smoke("layer_fwd_bwd.py", tmp_path, "--block", block, *extra)
     assert data["block"] == block and data["param_dtype"] == "fp32"
-    assert data["requant_weights"] == bool(extra)
-    assert data["compile_mode"] == ("reduce-overhead" if extra else None)
+    assert data["requant_weights"] == ("--requant-weights" in extra)
+    # the allocator history is CUDA's: on CPU the option is accepted and reports nothing
+    assert not any("peak_live" in r for r in data["results"])
+    assert data["compile_mode"] == ("reduce-overhead" if "--compile-mode" in extra else None)
     rows = {(r["variant"], r["mode"]): r for r in data["results"]}
     variants = ("bf16", "tensorwise", "delayed", "blockwise", "torchao-tensorwise", "torchao-rowwise")
     assert set(rows) == {(v, m) for v in variants for m in ("eager", "compiled")}

@@ -155,8 +155,12 @@ def _quantize_weight(w: torch.Tensor, recipe: Recipe, emulate: bool, quantize_op
     """``(W quantised along K as [N, K], W quantised along N as [K, N])`` from ``w`` (detached),
     with ``quantize_operand(i, t, pair=True)`` — the module's (eager) or the stateless one.
     Per tensor the two share the scale; 1xN groups are taken along N for dgrad; 128x128 blocks
-    are symmetric, so the second copy is the first transposed (its codes written by the same
-    pass of the Triton kernel in eager mode, by the compiler's transpose when traced)."""
+    are symmetric, so the second copy is the first transposed (real GEMMs: its codes written by
+    the same pass of the Triton kernel in eager mode, by the compiler's transpose when traced;
+    emulated: a transposed view, as the emulated GEMM takes any layout)."""
+    if emulate and recipe.weight_granularity is Granularity.BLOCK_128x128:
+        q = quantize_operand(_W, w)
+        return q, q.t()
     q, qt = quantize_operand(_W, w, pair=True)
     if not emulate:
         q, qt = _contiguous_codes(q), _contiguous_codes(qt)

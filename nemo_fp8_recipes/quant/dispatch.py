@@ -139,20 +139,18 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
             if tk.gate_fusable(x, gate):
                 return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale, amax_out=amax_out, gate=gate)
         x = torch.nn.functional.silu(gate) * x
-    if g is Granularity.BLOCK_128x128 and scale is None and triton_enabled(x, triton):
-        from . import triton_kernels as tk
-
-        return tk.quantize_blocks128(x, fmt, rounding, transposed=True)  # the dgrad copy written too
-    if not triton_enabled(x, triton) or g is Granularity.BLOCK_128x128:
+    if not triton_enabled(x, triton):
         a = _fold_amax(quantize(x, fmt, g, rounding, dim=-1, scale=scale), amax_out)
         b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(
             x, fmt, g, rounding, dim=0)
         return a, b
     from . import triton_kernels as tk
 
+    if scale is not None and g is not Granularity.TENSOR:
+        raise ValueError("an explicit scale (delayed scaling) is only defined per tensor")
+    if g is Granularity.BLOCK_128x128:
+        return tk.quantize_blocks128(x, fmt, rounding, transposed=True)  # the dgrad copy written too
     if g is Granularity.TENSOR:
         return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale, amax_out=amax_out)
-    if scale is not None:
-        raise ValueError("an explicit scale (delayed scaling) is only defined per tensor")
     group = g.block[1]
     return tk.quantize_rows(x, fmt, group, rounding), tk.quantize_cols_t(x, fmt, group, rounding)

@@ -157,7 +157,8 @@ def blockwise_matmul(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: to
     (``[N, K/128]``: wgrad). Lays the scales out as cuBLAS wants them (outer-dim major, the
     128x128 grid's K blocks padded to a multiple of 4) and pads A's rows to 128 with zero rows
     of scale 1; the fused quantisers already write 1x128 grids outer-dim major
-    (:func:`~.reference.scale_grid`), which then pass through without a copy. Returns ``[M, N]`` in ``out_dtype``. FP32 accumulation (no fast accumulation:
+    (:func:`~.reference.scale_grid`), which then pass through without a copy (unless A's rows
+    need padding, which makes a new grid). Returns ``[M, N]`` in ``out_dtype``. FP32 accumulation (no fast accumulation:
     cuBLAS' block-scaled kernels promote every K block)."""
     M, K = a_data.shape
     if b_data.shape[1] != K:

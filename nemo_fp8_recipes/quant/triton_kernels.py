@@ -3,10 +3,12 @@
 One read of the source, one write of the FP8 codes and the scales, no intermediate tensors:
 
 * :func:`quantize_rows`     — groups of ``GROUP`` (32 or 128) consecutive elements along each row
-  (1x128 activations/gradients, 1x32 MXFP8), scales in FP32 (``fp32``/``pow2``) or E8M0.
+  (1x128 activations/gradients, 1x32 MXFP8), scales in FP32 (``fp32``/``pow2``) or E8M0. The
+  1xN quantisers write their scale grids outer-dim major (:func:`~.reference.scale_grid`).
 * :func:`quantize_cols_t`   — groups of ``GROUP`` consecutive elements down each column, written
   *transposed* (``[cols, rows]``): the wgrad copy, fused with the transpose.
-* :func:`quantize_blocks128` — 128x128 weight blocks.
+* :func:`quantize_blocks128` — 128x128 weight blocks (``transposed=True``: also the codes of the
+  transpose from the same pass, a weight's dgrad copy).
 * :func:`quantize_tensor`   — per-tensor: an atomic-max amax kernel, then a cast kernel whose
   programs compute the scale from that amax on the device (no host sync, no small PyTorch ops
   in between); with a given scale (delayed scaling, from the amax history) one kernel casts with
