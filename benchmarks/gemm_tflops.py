@@ -59,21 +59,14 @@ PASSES = ("fprop", "dgrad", "wgrad")
 N_SETS = 2
 
 
-def _contiguous(q):
-    """The quantised operand with contiguous codes and its scales as the quantiser wrote them —
-    what Float8Linear hands the GEMM (``_contiguous_codes``), so the timed GEMM makes the same
-    copies as the linear's (none of the codes; the 1x128 scale grids already come in the
-    layout the block-scaled GEMM reads)."""
-    return _contiguous_codes(q)
-
-
 def fp8_operands(recipe, x, w, dy, gemm: str):
     """``(A, B, fast_accum, out_dtype)`` of one FP8 GEMM ``A·Bᵀ``, each operand quantised along
     the GEMM's contraction dim with the recipe's format, group and scale rule."""
     r = recipe
 
     def q(t, f, g, dim):
-        return _contiguous(quantize_auto(t, f, g, r.scale_rounding, dim=dim))
+        # contiguous codes, scales as the quantiser wrote them: what Float8Linear hands the GEMM
+        return _contiguous_codes(quantize_auto(t, f, g, r.scale_rounding, dim=dim))
 
     if gemm == "fprop":  # X [M,K] · W [N,K]ᵀ, contraction K
         return (q(x, r.input_format, r.input_granularity, -1),

@@ -29,15 +29,10 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..recipes import Format, ScaleRounding
-from .reference import scale_grid
+from ..recipes import ScaleRounding
+from .reference import _fmt, scale_grid  # _fmt: how the kernels read ``fmt``, so fake and real agree
 
 __all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair"]
-
-
-def _format(fmt: str) -> Format:
-    """``fmt`` as the kernels' wrappers read it (case-insensitive), so fake and real agree."""
-    return Format(str(fmt).lower())
 
 
 @torch.library.custom_op("nemo_fp8_recipes::tensor_pair", mutates_args=())
@@ -53,7 +48,7 @@ def tensor_pair(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor, Ten
 @tensor_pair.register_fake
 def _tensor_pair_fake(x: Tensor, fmt: str, rounding: str):
     rows, cols = x.shape
-    dt = _format(fmt).dtype
+    dt = _fmt(fmt).dtype
     one = (1, 1)
     return (x.new_empty((rows, cols), dtype=dt), x.new_empty((cols, rows), dtype=dt),
             x.new_empty(one, dtype=torch.float32), x.new_empty(one, dtype=torch.float32))
@@ -80,7 +75,7 @@ def group_rows(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor, 
 @group_rows.register_fake
 def _group_rows_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=_format(fmt).dtype),
+    return (x.new_empty((rows, cols), dtype=_fmt(fmt).dtype),
             scale_grid(rows, -(-cols // group), torch.float32, x.device))
 
 
@@ -98,7 +93,7 @@ def group_cols_t(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor
 @group_cols_t.register_fake
 def _group_cols_t_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((cols, rows), dtype=_format(fmt).dtype),
+    return (x.new_empty((cols, rows), dtype=_fmt(fmt).dtype),
             scale_grid(cols, -(-rows // group), torch.float32, x.device))
 
 
@@ -115,7 +110,7 @@ def blocks128(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor]:
 @blocks128.register_fake
 def _blocks128_fake(x: Tensor, fmt: str, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=_format(fmt).dtype),
+    return (x.new_empty((rows, cols), dtype=_fmt(fmt).dtype),
             x.new_empty((-(-rows // 128), -(-cols // 128)), dtype=torch.float32))
 
 

@@ -52,7 +52,7 @@ except Exception:  # pragma: no cover - depends on the environment
 
 from ..recipes import Format, ScaleRounding
 from .dispatch import accumulate_amax
-from .reference import QuantizedTensor, scale_grid
+from .reference import QuantizedTensor, _fmt, scale_grid
 
 __all__ = [
     "HAVE_TRITON",
@@ -694,10 +694,6 @@ def _require_triton(*tensors: torch.Tensor):
                 f"quantisers, which index with 32-bit offsets (at most {INT32_MAX:,} elements): use fewer tokens "
                 "per micro-batch or shard the layer (tensor parallelism), or set NEMO_FP8_TRITON=0 to use the "
                 "reference quantisers (same codes, slower)")
-
-
-def _fmt(fmt) -> Format:
-    return fmt if isinstance(fmt, Format) else Format(str(fmt).lower())
 
 
 def _top_mant(fmt: Format) -> int:
