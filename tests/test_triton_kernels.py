@@ -30,9 +30,16 @@ def tk():
 
 
 def _same(a, b, nan_codes=True):
+    """Same codes bit for bit (signed zeros included; a NaN may differ only in its sign bit) and
+    the same scales. ``nan_codes=False``: where either side holds a NaN code, not compared (the
+    interpreter's FP8 cast of NaN is numpy's, not the hardware's)."""
     fa, fb = a.data.float(), b.data.float()
+    nan = torch.isnan(fa)
     if nan_codes:
-        assert torch.equal(torch.nan_to_num(fa, nan=1e9), torch.nan_to_num(fb, nan=1e9))
+        assert torch.equal(nan, torch.isnan(fb))
+    else:
+        nan = nan | torch.isnan(fb)
+    assert torch.equal(a.data.view(torch.uint8)[~nan], b.data.view(torch.uint8)[~nan])
     assert torch.equal(torch.nan_to_num(a.scale_inv, nan=-1.0), torch.nan_to_num(b.scale_inv, nan=-1.0))
     if b.scale_e8m0 is not None:
         assert torch.equal(a.scale_e8m0.view(torch.uint8), b.scale_e8m0.view(torch.uint8))
@@ -123,6 +130,17 @@ def test_nan_inf_groups(tk, fmt, group, rounding, groups):
 
 
 @pytest.mark.parametrize("fmt, group, rounding", CASES)
+def test_bf16_tile_amax_keeps_nan_inf_and_tiny_groups(tk, fmt, group, rounding):
+    """``bf16_tile`` takes the column amax on BF16's 16-bit magnitudes: NaN, ±Inf, all-zero,
+    subnormal and huge groups give the scales and codes of the FP32 path and the reference."""
+    x = _input(torch.bfloat16, special=True)
+    ref = quantize(x, fmt, f"1x{group}", rounding, dim=0)
+    for cfg in ({"bf16_tile": True}, {"bf16_tile": True, "groups": 2, "block_c": 32}):
+        with tk.launch_config(f"cols_t{group}", **cfg):
+            _same(tk.quantize_cols_t(x, fmt, group, rounding), ref, nan_codes=ON_GPU)
+
+
+@pytest.mark.parametrize("fmt, group, rounding", CASES)
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300)], ids=["aligned", "ragged"])
 def test_both_copies_from_one_read(tk, fmt, group, rounding, shape):
     x = structured(*shape, seed=9).to(DEV, torch.bfloat16)
@@ -209,6 +227,11 @@ def test_rounding_ties_subnormals_and_saturation(tk, fmt):
     ("rows128", {"group_r": 3}), ("rows32", {"group_r": 5}), ("cols_t128", {"group_r": 1}),
     ("cols_t32", {"group_r": 2, "block_c": 32}), ("blocks128", {"group_r": 1}), ("dual128", {"group_r": 1}),
     ("dual32", {"group_r": 2}),
+    # the BF16 tile kept in BF16 through the amax (the test's input is BF16)
+    ("cols_t128", {"bf16_tile": False}), ("cols_t128", {"bf16_tile": True, "groups": 2, "block_c": 32}),
+    ("cols_t32", {"bf16_tile": False}), ("cols_t32", {"bf16_tile": True, "groups": 4, "block_c": 32}),
+    ("tensor_delayed", {"block": 2048, "num_warps": 4}),
+    ("tensor_dual_delayed", {"bf16_tile": False}), ("tensor_dual_delayed", {"bf16_tile": True, "block_r": 32, "block_c": 256}),
 ])
 def test_launch_configurations_change_speed_not_bits(tk, kernel, cfg):
     """The tuning knobs of benchmarks/quant_bandwidth.py --sweep: any tile size and tile order
@@ -234,6 +257,12 @@ def test_launch_configurations_change_speed_not_bits(tk, kernel, cfg):
             _same(tk.quantize_blocks128(x, "e4m3", "pow2"), quantize(x, "e4m3", "128x128", "pow2"))
         elif kernel == "tensor":
             _same(tk.quantize_tensor(x, "e4m3"), quantize(x, "e4m3", "tensor"))
+        elif kernel == "tensor_delayed":  # the given-scale cast with its amax folded in
+            s = torch.tensor(0.25, device=DEV)
+            acc = torch.zeros(1, device=DEV)
+            ref = quantize(x, "e5m2", "tensor", scale=s)
+            _same(tk.quantize_tensor(x, "e5m2", scale=s, amax_out=acc), ref)
+            assert torch.equal(acc, ref.amax.reshape(1))
         elif kernel == "tensor_dual_delayed":
             s = torch.tensor(0.25, device=DEV)
             ref = quantize(x, "e5m2", "tensor", scale=s)
@@ -248,6 +277,21 @@ def test_launch_configurations_change_speed_not_bits(tk, kernel, cfg):
             _same(a, ref)
             assert torch.equal(b.data.float(), ref.data.float().t())
     assert tk.LAUNCH[kernel] == before  # restored
+
+
+def test_triton_true_asks_for_the_kernels(tk, monkeypatch):
+    """``triton=True`` runs the kernels (on CPU: under the interpreter, as the benchmark smoke
+    does) and says why it cannot, instead of falling back to the reference."""
+    from nemo_fp8_recipes.quant.dispatch import quantize_auto
+
+    x = structured(64, 256, seed=5).to(DEV, torch.bfloat16)
+    _same(quantize_auto(x, "e4m3", "1x128", "pow2", dim=0, triton=True), quantize(x, "e4m3", "1x128", "pow2", dim=0))
+    a, b = quantize_pair_auto(x, "e4m3", "128x128", "pow2", triton=True)
+    assert b.data.is_contiguous()  # the kernel's own transposed copy, not the reference's view
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="CUDA tensors .*TRITON_INTERPRET=1"):
+            quantize_auto(x, "e4m3", "1x128", "pow2", triton=True)
 
 
 def test_launch_config_names_the_valid_choices(tk):
@@ -348,9 +392,16 @@ def _bits(t):
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
-def test_given_scale_cast_folds_the_amax_into_one_pass(tk, fmt):
+@pytest.mark.parametrize("bf16_tile", [False, True], ids=["fp32-tile", "bf16-tile"])
+def test_given_scale_cast_folds_the_amax_into_one_pass(tk, fmt, bf16_tile):
     """Delayed scaling: the cast with a given scale also takes the tensor's amax (no amax pass)
-    and max-accumulates it into ``amax_out`` (NaN sticks); codes and scale_inv as the reference."""
+    and max-accumulates it into ``amax_out`` (NaN sticks); codes and scale_inv as the reference.
+    ``bf16_tile``: the pair kernel takes that amax on the BF16 tile's 16-bit magnitudes."""
+    with tk.launch_config("tensor_dual_delayed", bf16_tile=bf16_tile):
+        _given_scale_cast_folds_the_amax(tk, fmt)
+
+
+def _given_scale_cast_folds_the_amax(tk, fmt):
     x = structured(200, 300, seed=15).to(DEV, torch.bfloat16)
     s = torch.tensor(3.0, device=DEV)
     ref = quantize(x, fmt, "tensor", scale=s)

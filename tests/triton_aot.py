@@ -55,15 +55,17 @@ def main() -> None:
                 "MODE": "constexpr",
                 "FMAX": "constexpr", "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr",
                 "HW_CVT": "constexpr"}
-    cols_sig = {("BLOCK_C" if k == "BLOCK_R" else k): v for k, v in rows_sig.items()}
+    cols_sig = {**{("BLOCK_C" if k == "BLOCK_R" else k): v for k, v in rows_sig.items()}, "BF16_TILE": "constexpr"}
     common = {"FMAX": 448.0, "EMAX": 8, "TOP_MANT": tk._top_mant(Format.E4M3), "IS_E4M3": True}
     for hw in (True, False):
         for group, mode in ((128, 1), (32, 2)):
             for ng in (1, 4):
                 comp(f"kernel_rows{group}_ng{ng}_hw{int(hw)}", tk._quant_rows_kernel, rows_sig,
                      {**common, "HW_CVT": hw, "GROUP": group, "NG": ng, "BLOCK_R": 64 // ng, "MODE": mode})
-                comp(f"kernel_cols{group}_ng{ng}_hw{int(hw)}", tk._quant_cols_t_kernel, cols_sig,
-                     {**common, "HW_CVT": hw, "GROUP": group, "NG": ng, "BLOCK_C": 64, "MODE": mode})
+                for bf16 in (False, True):  # the tile in FP32, or (BF16 sources) in BF16 through the amax
+                    comp(f"kernel_cols{group}_ng{ng}_bf16{int(bf16)}_hw{int(hw)}", tk._quant_cols_t_kernel,
+                         cols_sig, {**common, "HW_CVT": hw, "GROUP": group, "NG": ng, "BLOCK_C": 64, "MODE": mode,
+                                    "BF16_TILE": bf16})
     dual_sig = {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "qt_ptr": "*fp8e4nv",
                 "sit_ptr": "*fp32", "e8t_ptr": "*u8", "R": "i32", "C": "i32", "G_row": "i32", "G_col": "i32",
                 "stride_x": "i32", "n_r": "i32", "n_c": "i32", "group_r": "i32", "GROUP": "constexpr",
@@ -113,6 +115,12 @@ def main() -> None:
                  {"BLOCK_R": 128, "BLOCK_C": 64, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
                   "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale, "GATED": has_scale,
                   "LIBDEVICE": True, "IN_BF16": True})
+        # the delayed pair with the amax taken on the BF16 tile as loaded (bf16_tile)
+        comp(f"kernel_cast_dual_{fmt}_bf16_tile", tk._cast_dual_kernel, {**dual, "amax_ptr": "*i32",
+                                                                         "BF16_TILE": "constexpr"},
+             {"BLOCK_R": 32, "BLOCK_C": 256, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
+              "HAS_SCALE": True, "MODE": 1, "AMAX_OUT": True, "GATED": False, "LIBDEVICE": True, "IN_BF16": True,
+              "BF16_TILE": True})
     norm_sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "amax_ptr": "*i32",
                 "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "R": "i32", "D": "i32", "G": "i32", "stride_x": "i32",
                 "stride_y": "i32", "inv_d": "fp32", "eps": "fp32", "BLOCK_D": "constexpr", "OUT_BF16": "constexpr",

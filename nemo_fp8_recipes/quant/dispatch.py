@@ -29,9 +29,23 @@ COMPILED_QUANTIZERS = ("triton", "inductor")
 
 def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
     """True when ``x`` is on CUDA, Triton imports, and NEMO_FP8_TRITON is not 0 (and
-    ``triton`` is not False: ``False`` always picks the reference quantisers)."""
+    ``triton`` is not False: ``False`` always picks the reference quantisers).
+
+    ``triton=True`` asks for the kernels whatever the defaults say: on CUDA, or on CPU under
+    Triton's interpreter (``TRITON_INTERPRET=1``: slow, for checking the kernels where there is
+    no GPU, as the CI's benchmark smoke runs do); anything else is an error, not a silent
+    fallback to the reference."""
     if triton is False:
         return False
+    if triton is True:
+        from . import triton_kernels
+
+        if not triton_kernels.HAVE_TRITON:
+            raise RuntimeError("triton=True: Triton is not installed (`pip install triton`)")
+        if x.device.type != "cuda" and not triton_kernels._interpreting():
+            raise RuntimeError(f"triton=True: the Triton kernels run on CUDA tensors (got {x.device.type}), or on "
+                               "CPU under Triton's interpreter (TRITON_INTERPRET=1 set before Triton is imported)")
+        return True
     if x.device.type != "cuda" or os.environ.get("NEMO_FP8_TRITON", "1") == "0":
         return False
     from . import triton_kernels

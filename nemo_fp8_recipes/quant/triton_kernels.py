@@ -123,7 +123,9 @@ if HAVE_TRITON:
             ay = tl.abs(yc)
             sub = (ay + 128.0) - 128.0
             small = tl.abs(yc) < 6.103515625e-05
-        sub = tl.where(yc < 0, -sub, sub)
+        # the sign copied as a bit (``-sub`` is ``0 - sub`` in Triton: +0, where a negative value
+        # that rounds to zero must give -0, as the hardware conversion and PyTorch's cast do)
+        sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
         r = tl.where(small, sub, rb.to(tl.float32, bitcast=True))
         if IS_E4M3:
             r = tl.where(inf, float("nan"), r)
@@ -318,19 +320,31 @@ if HAVE_TRITON:
     def _quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x, n_r, n_c, group_r,
                              GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_C: tl.constexpr,
                              MODE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
-                             TOP_MANT: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+                             TOP_MANT: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
+                             BF16_TILE: tl.constexpr = False):
         # groups of GROUP rows down each column; output is x.T quantised along its rows: [C, R].
         # A tile is NG groups (NG*GROUP rows) x BLOCK_C columns. The groups are reduced and
         # quantised in the loaded layout; only the 1-byte codes are transposed (the layout
         # conversion moves a quarter of the bytes an FP32 transpose would), and NG > 1 makes each
         # stored row of x.T one contiguous NG*GROUP-byte segment.
         pg, pc = _tile_ids(n_r, n_c, group_r)
-        rows = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
+        rows = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         m = (rows[:, None] < R) & (cols[None, :] < C)
-        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        x3 = tl.reshape(x, (NG, GROUP, BLOCK_C))
-        s, si, e8 = _scale_from_amax(_group_amax(x3, 1), FMAX, EMAX, TOP_MANT, MODE)  # [NG, BLOCK_C]
+        if BF16_TILE:
+            # the tile stays BF16 (half the registers of FP32) through the amax, taken on its
+            # 16-bit magnitudes (BF16 -> FP32 is a 16-bit shift, so the same amax and NaN): the
+            # FP32 tile of 128 values per thread kept these kernels latency-bound (session 15's
+            # profile: 167 registers, 8 warps per SM)
+            xb = tl.reshape(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0),
+                            (NG, GROUP, BLOCK_C))
+            mb = tl.max(xb.to(tl.int16, bitcast=True) & 0x7FFF, axis=1).to(tl.int32) << 16
+            s, si, e8 = _scale_from_amax(_amax_from_bits(mb), FMAX, EMAX, TOP_MANT, MODE)
+            x3 = xb.to(tl.float32)
+        else:
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
+            x3 = tl.reshape(x, (NG, GROUP, BLOCK_C))
+            s, si, e8 = _scale_from_amax(_group_amax(x3, 1), FMAX, EMAX, TOP_MANT, MODE)  # [NG, BLOCK_C]
         q = _round_fp8(x3 * s[:, None, :], FMAX, IS_E4M3, HW_CVT, NO_INF=True)
         codes = tl.reshape(_fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3, NO_INF=True), (NG * GROUP, BLOCK_C))
         codes = _trans_codes(codes)  # [BLOCK_C, NG * GROUP]
@@ -467,7 +481,7 @@ if HAVE_TRITON:
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr,
                           IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, HAS_SCALE: tl.constexpr,
                           MODE: tl.constexpr, AMAX_OUT: tl.constexpr, GATED: tl.constexpr,
-                          LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
+                          LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr, BF16_TILE: tl.constexpr = False):
         # per-tensor scale: the codes and their transpose (the codes moved as bytes) from one read
         # (GATED: of the SwiGLU halves g (g_ptr, same strides) and x, the activation never stored)
         pr = tl.program_id(0)
@@ -476,9 +490,15 @@ if HAVE_TRITON:
         cols = pc * BLOCK_C + tl.arange(0, BLOCK_C)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         s = _tensor_scale(amax_ptr, s_ptr, si_ptr, (pr == 0) & (pc == 0), HAS_SCALE, MODE, FMAX)
-        x = _load_act(x_ptr, g_ptr, rows[:, None] * stride_x + cols[None, :], m, GATED, LIBDEVICE, IN_BF16)
-        if AMAX_OUT:  # first, so the FP32 tile need not stay live through the transpose
-            _fold_amax_2d(amax_ptr, x)
+        if BF16_TILE:  # (a BF16 x, not GATED, AMAX_OUT) the amax on the 16-bit magnitudes, as loaded
+            xb = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
+            _fold_amax_bits(amax_ptr, tl.max(tl.max(xb.to(tl.int16, bitcast=True) & 0x7FFF, axis=1),
+                                             axis=0).to(tl.int32) << 16)
+            x = xb.to(tl.float32)
+        else:
+            x = _load_act(x_ptr, g_ptr, rows[:, None] * stride_x + cols[None, :], m, GATED, LIBDEVICE, IN_BF16)
+            if AMAX_OUT:  # first, so the FP32 tile need not stay live through the transpose
+                _fold_amax_2d(amax_ptr, x)
         # NO_INF stays False here even for current scaling, and the grid stays 2-D (see _round_fp8)
         codes = _fp8_cast(_round_fp8(x * s, FMAX, IS_E4M3, HW_CVT), q_ptr.dtype.element_ty, IS_E4M3)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], codes, mask=m)
@@ -597,13 +617,19 @@ LAUNCH = {
     # (_tile_ids; 0 = all rows of tiles, row tiles fastest)
     # groups: scaling groups per tile along the grouped dim (1x128 / 1x32 rows and columns).
     # 1x32 rows: 0.202 -> 0.119 ms with 16 groups per tile (each row's load a contiguous 1 KiB);
-    # 1x32 columns 0.211 -> 0.197 ms with 2; 1x128 columns are fastest with 1 (0.155 ms)
+    # 1x32 columns 0.211 -> 0.197 ms with 2 (session 13; with bf16_tile, below, 1 is fastest)
     "rows128": {"block_r": 64, "num_warps": 2, "groups": 1, "group_r": 0},
     "rows32": {"block_r": 16, "num_warps": 4, "groups": 16, "group_r": 0},
-    "cols_t128": {"block_c": 64, "num_warps": 2, "groups": 1, "group_r": 0},
-    "cols_t32": {"block_c": 128, "num_warps": 2, "groups": 2, "group_r": 0},
+    # bf16_tile (BF16 sources): the loaded tile kept in BF16 through the amax. On an H200
+    # (session 18 sweeps `cols_t128_bf16`, `cols_t32_bf16`): 1x128 columns 0.126 -> 0.107 ms,
+    # 1x32 columns 0.136 -> 0.099 ms with one group of 128 columns per program
+    "cols_t128": {"block_c": 64, "num_warps": 2, "groups": 1, "group_r": 0, "bf16_tile": True},
+    "cols_t32": {"block_c": 128, "num_warps": 2, "groups": 1, "group_r": 0, "bf16_tile": True},
     "blocks128": {"num_warps": 16, "group_r": 0},
     "tensor": {"block": 8192, "num_warps": 8},
+    # the per-tensor cast with a given scale (delayed scaling: one read, the amax folded in):
+    # 0.112 -> 0.107 ms with 4096-element blocks on an H200 (session 18 sweep, `tensor_delayed`)
+    "tensor_delayed": {"block": 4096, "num_warps": 8},
     "dual128": {"num_warps": 4, "group_r": 0},
     "dual32": {"tile": 64, "num_warps": 8, "group_r": 0},
     # per-tensor codes + transpose: 0.228 -> 0.200 ms with 64x256 tiles (with the amax pass)
@@ -612,7 +638,9 @@ LAUNCH = {
     # False runs the atomic amax pass first (two reads). Measured: 0.174 ms folded with 32x256
     # tiles and 4 warps, against 0.201 ms for the best two-pass configuration (and 0.25-0.39 ms
     # folded with larger tiles, whose FP32 tile then no longer fits the registers)
-    "tensor_dual_delayed": {"block_r": 32, "block_c": 256, "num_warps": 4, "fold_amax": True},
+    # bf16_tile (BF16 sources, folded amax): the amax on the tile's 16-bit magnitudes as loaded,
+    # fewer registers: 0.174 -> 0.161 ms with 64x128 tiles (session 18 sweep, `tensor_dual_delayed_bf16`)
+    "tensor_dual_delayed": {"block_r": 64, "block_c": 128, "num_warps": 4, "fold_amax": True, "bf16_tile": True},
     # fused RMSNorm: one row per program, warps = row length / (32 threads x elems_per_thread)
     # (1 to 16); backward: rows_per_program consecutive rows per program (each program writes
     # one partial weight gradient)
@@ -747,6 +775,7 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     n_r, n_c = triton.cdiv(G, ng), triton.cdiv(C, block_c)
     _quant_cols_t_kernel[(n_r * n_c,)](x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r),
                                        GROUP=group, NG=ng, BLOCK_C=block_c,
+                                       BF16_TILE=bool(cfg.get("bf16_tile")) and x.dtype == torch.bfloat16,
                                num_warps=cfg["num_warps"],
                                MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
                                TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
@@ -921,7 +950,8 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
         return QuantizedTensor(data=q, scale_inv=_scale_inv_of_empty(amax, fmt, rounding, scale), block=None,
                                fmt=fmt, amax=amax)
     s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
-    block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
+    cfg = LAUNCH["tensor" if scale is None else "tensor_delayed"]
+    block, warps = cfg["block"], cfg["num_warps"]
     _cast_kernel[(triton.cdiv(n, block),)](x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q,
                                            n, BLOCK=block, FMAX=fmt.max,
                                            IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x),
@@ -1015,7 +1045,9 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
                                 BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
                                 FMAX=fmt.max, num_warps=cfg["num_warps"],
                                 IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), HAS_SCALE=has_scale,
-                                MODE=mode, AMAX_OUT=amax_in_cast, **_gate_args(x2, gate))
+                                MODE=mode, AMAX_OUT=amax_in_cast, **_gate_args(x2, gate),
+                                BF16_TILE=(bool(cfg.get("bf16_tile")) and amax_in_cast and gate is None
+                                           and x2.dtype == torch.bfloat16))
     else:
         si = _scale_inv_of_empty(amax, fmt, rounding, scale)
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
