@@ -7,7 +7,10 @@ Bytes counted = source read once (BF16) + FP8 codes written + scales written (bo
 scaling cannot avoid a second read (the scale needs the whole tensor's amax before any code is
 written), so its "bytes moved" columns count the bytes it has to move (5 per element instead of 3).
 "ms" is what a caller sees (CUDA events around the Python call: launch and allocation overhead
-included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. The last rows
+included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. Each is
+a fraction of the copy timed the same way (the copy's caller time includes its own launch; before
+2026-11-30 session 18 the GPU-only columns were fractions of the copy's caller time, which made
+them up to ~10% too high). The last rows
 compare SwiGLU -> quantise fused (the activation computed inside the quantisers from its halves)
 and unfused, forward and backward (:func:`swiglu_rows`), and RMSNorm -> quantise
 (:func:`norm_rows`, on ``[rows, --norm-dim]``). All variants run in one process, CUDA events, median of
@@ -71,6 +74,18 @@ SWEEP = {
     "cols_t32": [{"block_c": b, "num_warps": w, "groups": g} for g in (1, 2, 4, 8) for b in (32, 64, 128)
                  for w in (2, 4, 8) if b * g * 32 <= 16384],
     "blocks128": [{"num_warps": w} for w in (4, 8, 16)],
+    # the column kernels with the loaded tile kept in BF16 through the amax (bf16_tile), and without
+    "cols_t128_bf16": [{"bf16_tile": b16, "block_c": b, "num_warps": w, "groups": g}
+                       for b16 in (True, False) for b in (32, 64, 128) for w in (2, 4) for g in (1, 2)
+                       if b * g <= 128],
+    "cols_t32_bf16": [{"bf16_tile": b16, "block_c": b, "num_warps": w, "groups": g}
+                      for b16 in (True, False) for b in (64, 128) for w in (2, 4) for g in (1, 2, 4)],
+    "tensor_dual_delayed_bf16": [{"bf16_tile": True, "block_r": r, "block_c": c, "num_warps": w}
+                                 for r, c, w in ((32, 256, 4), (64, 256, 8), (64, 256, 4), (64, 128, 4),
+                                                 (32, 128, 2), (128, 128, 8), (32, 512, 8))],
+    # the per-tensor cast with a given scale (delayed scaling, the amax folded in: one read)
+    "tensor_delayed": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384, 32768) for w in (4, 8, 16)
+                       if b // (w * 32) <= 128],
     "tensor": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)],
     "dual128": [{"num_warps": w} for w in (4, 8, 16)],
     "dual32": [{"tile": t, "num_warps": w} for t in (64, 128) for w in (4, 8, 16)],
@@ -82,14 +97,21 @@ SWEEP = {
                             for r, c, w in ((64, 256, 8), (64, 128, 4), (128, 64, 4), (128, 128, 8),
                                             (256, 64, 8), (32, 256, 4))],
 }
+#: sweep families that tune another entry of ``LAUNCH`` (the kernel they time)
+SWEEP_KERNEL = {"cols_t128_bf16": "cols_t128", "cols_t32_bf16": "cols_t32",
+                "tensor_dual_delayed_bf16": "tensor_dual_delayed"}
 #: the tile order of the tiled kernels (bands of group_r row tiles; the default 0 = row tiles
 #: fastest over the whole grid), tried with each kernel's default tile configuration
 for _k in ("rows128", "rows32", "cols_t128", "cols_t32", "blocks128", "dual128", "dual32"):
     SWEEP[_k] = SWEEP[_k] + [{"group_r": g} for g in (1, 2, 4, 8, 16)]
 
 
-def _sweep_call(tk, kernel):
-    """(callable on a BF16 input, bytes it moves) for one kernel family."""
+def _sweep_call(tk, family):
+    """(callable on a BF16 input, bytes it moves) for one sweep family."""
+    if family == "tensor_delayed":  # a given scale, the amax folded into an accumulator (one read)
+        return (lambda x: tk.quantize_tensor(x, "e4m3", scale=_SWEEP_SCALE[x.device],
+                                             amax_out=_SWEEP_ACC[x.device])), (3, None, 1)
+    kernel = SWEEP_KERNEL.get(family, family)
     if kernel == "rows128":
         return (lambda x: tk.quantize_rows(x, "e4m3", 128, "pow2")), (3, 128, 1)
     if kernel == "rows32":
@@ -124,6 +146,17 @@ class _Scales(dict):
 _SWEEP_SCALE = _Scales()
 
 
+class _Accumulators(dict):
+    """One delayed-scaling amax accumulator per device, made outside any CUDA-graph capture."""
+
+    def __missing__(self, device):
+        self[device] = torch.zeros(1, device=device)
+        return self[device]
+
+
+_SWEEP_ACC = _Accumulators()
+
+
 def _codes(out):
     """Everything a quantisation wrote: codes, scales and (MX) the E8M0 scale bytes."""
     outs = out if isinstance(out, tuple) else (out,)
@@ -136,17 +169,19 @@ def _codes(out):
 
 def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
     """Every configuration of :data:`SWEEP` for ``kernels``: GPU-only time (CUDA graphs), the
-    caller-seen time, and whether its codes and scales equal the default configuration's."""
+    caller-seen time, and whether its codes and scales equal the default configuration's.
+    ``copy_bw``: the device copy's GPU-only bandwidth, of which ``graph_of_copy`` is the fraction."""
     from nemo_fp8_recipes.quant import triton_kernels as tk
 
     n = xs[0].numel()
     out = []
-    for kernel in kernels:
-        fn, (bytes_per_el, group, copies) = _sweep_call(tk, kernel)
+    for family in kernels:
+        kernel = SWEEP_KERNEL.get(family, family)
+        fn, (bytes_per_el, group, copies) = _sweep_call(tk, family)
         nbytes = bytes_per_el * n + copies * 4 * (n // group if group else 1)
         ref = _codes(fn(xs[0]))
         default = dict(tk.LAUNCH[kernel])
-        for cfg in SWEEP[kernel]:
+        for cfg in SWEEP[family]:
             with tk.launch_config(kernel, **cfg):
                 try:
                     same = all(torch.equal(a, b) and torch.equal(sa, sb)
@@ -169,7 +204,54 @@ def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
     return out
 
 
-def swiglu_rows(a, dev: str, copy_bw: float) -> list:
+def host_overhead(dev: str, calls: int) -> list:
+    """Host (CPU) microseconds per call of the quantiser wrappers and of their parts, on a tiny
+    256x512 BF16 input, so that the GPU never holds the host back: ``perf_counter`` over ``calls``
+    calls, one synchronisation at the end. This is what separates "caller" from "GPU-only" time:
+    a call's kernels cannot start before the host has launched them."""
+    import time
+
+    from nemo_fp8_recipes.quant import triton_kernels as tk
+    from nemo_fp8_recipes.quant.dispatch import quantize_auto
+    from nemo_fp8_recipes.quant.reference import Format, scale_grid
+
+    x = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
+    q = torch.empty((256, 512), dtype=torch.float8_e4m3fn, device=dev)
+    si = scale_grid(256, 4, torch.float32, x.device)
+    s, acc = torch.tensor(0.5, device=dev), torch.zeros(1, device=dev)
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    # the 1x128 rows kernel launched directly, every argument precomputed: Triton's own launch cost
+    raw = dict(GROUP=128, NG=1, BLOCK_R=64, num_warps=2, MODE=1, FMAX=448.0, EMAX=8,
+               TOP_MANT=tk._top_mant(Format.E4M3), IS_E4M3=True, HW_CVT=tk._hw_cvt(x))
+    cases = [
+        ("torch.empty (one FP8 output)", lambda: torch.empty((256, 512), dtype=torch.float8_e4m3fn, device=dev)),
+        ("a PyTorch element-wise op (x + 1), for scale", lambda: x.add(1)),
+        ("Triton launch alone (1x128 rows kernel, arguments ready)",
+         lambda: tk._quant_rows_kernel[(16,)](x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw)),
+        ("quantize_rows 1x128 (1 kernel)", lambda: tk.quantize_rows(x, "e4m3", 128, "pow2")),
+        ("quantize_cols_t 1x128 (1 kernel)", lambda: tk.quantize_cols_t(x, "e4m3", 128, "pow2")),
+        ("quantize_auto 1x128 (dispatch + 1 kernel)", lambda: quantize_auto(x, "e4m3", "1x128", "pow2")),
+        ("quantize_pair_auto 1x128 (dispatch + 2 kernels)", lambda: quantize_pair(x, "e4m3", "1x128", "pow2")),
+        ("quantize_pair_auto 128x128 (dispatch + 1 kernel)", lambda: quantize_pair(x, "e4m3", "128x128", "pow2")),
+        ("quantize_tensor_dual, current scaling (2 kernels)", lambda: tk.quantize_tensor_dual(x, "e4m3")),
+        ("quantize_tensor_dual, delayed (1 kernel)",
+         lambda: tk.quantize_tensor_dual(x, "e4m3", scale=s, amax_out=acc)),
+    ]
+    out = []
+    for name, fn in cases:
+        for _ in range(min(20, calls)):
+            fn()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        us = (time.perf_counter() - t0) / calls * 1e6
+        sync()
+        out.append({"what": name, "host_us": us})
+    return out
+
+
+def swiglu_rows(a, dev: str) -> list:
     """SwiGLU -> quantise, fused vs unfused, on ``[rows, cols]`` BF16 halves g and u: the forward
     (the down projection's per-tensor input pair, current and delayed scaling) and the backward
     (``(dg, du)`` from the output gradient). Unfused = PyTorch's SiLU and multiply (backward: the
@@ -225,7 +307,7 @@ def swiglu_rows(a, dev: str, copy_bw: float) -> list:
     return out
 
 
-def norm_rows(a, dev: str, copy_bw: float) -> list:
+def norm_rows(a, dev: str) -> list:
     """RMSNorm and RMSNorm -> quantise on ``[rows, --norm-dim]`` BF16 (the norm before the q/k/v
     and gate/up projections; FP32 weight): the norm alone, forward and backward, PyTorch's FP32
     formula in eager mode (as the model runs it without the fused kernel) against the fused
@@ -315,6 +397,9 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", default=None, metavar="KERNELS",
                    help="also time the launch configurations of these kernels (comma list, or 'all': "
                         f"{', '.join(SWEEP)}); GPU only")
+    p.add_argument("--host-overhead", action="store_true",
+                   help="also measure the host (CPU) microseconds per quantiser call and per part of one "
+                        "(allocation, Triton's launch, the wrappers) on a tiny input: what caller time adds")
     p.add_argument("--sweep-order-only", action="store_true",
                    help="with --sweep: only the tile-order configurations (group_r) and the default")
     a = p.parse_args(argv)
@@ -326,14 +411,21 @@ def main(argv=None) -> int:
     res = []
     copy_ms = bench(lambda i: xs[i].clone(), 4, iters=a.iters)
     copy_bw = 2 * 2 * n / copy_ms / 1e9
-    res.append({"variant": "device copy (BF16 read + write)", "impl": "torch", "ms": copy_ms, "TB/s": copy_bw})
+    # the copy replayed from CUDA graphs too: the GPU-only columns are fractions of this
+    copy_gms = bench_graph(lambda i: xs[i].clone(), 4, iters=a.iters) if dev == "cuda" else None
+    copy_graph_bw = 2 * 2 * n / copy_gms / 1e9 if copy_gms else copy_bw
+    res.append({"variant": "device copy (BF16 read + write)", "impl": "torch", "ms": copy_ms, "TB/s": copy_bw,
+                "graph_ms": copy_gms, "graph_TB/s": copy_graph_bw if copy_gms else None})
     impls = [("reference (eager PyTorch)", lambda x, g, f, r, d, sc: quantize(x, f, g, r, dim=d, scale=sc),
               lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc, triton=False))]
-    if dev == "cuda":
+    # the kernels: on the GPU, or in the CPU smoke run under Triton's interpreter (CI checks that
+    # every Triton row runs; its times mean nothing)
+    interp = a.smoke and dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if dev == "cuda" or interp:
         from nemo_fp8_recipes.quant.dispatch import quantize_auto
 
-        impls.append(("triton", lambda x, g, f, r, d, sc: quantize_auto(x, f, g, r, dim=d, scale=sc),
-                      lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc)))
+        impls.append(("triton", lambda x, g, f, r, d, sc: quantize_auto(x, f, g, r, dim=d, scale=sc, triton=True),
+                      lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc, triton=True)))
     scale = torch.tensor(0.5, device=dev)
     for name, g, f, r, d, kind in VARIANTS:
         group = {"tensor": n, "1x128": 128, "128x128": 128 * 128, "1x32": 32}[g]
@@ -362,24 +454,34 @@ def main(argv=None) -> int:
             else:
                 call = lambda i: fn(xs[i], g, f, r, d, sc)  # noqa: E731
             ms = bench(call, 4, iters=a.iters)
-            gms = bench_graph(call, 4, iters=a.iters) if iname == "triton" else None
+            gms = bench_graph(call, 4, iters=a.iters) if iname == "triton" and dev == "cuda" else None
             res.append({"variant": name, "impl": iname, "ms": ms, "TB/s": nbytes / ms / 1e9,
                         "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None,
                         "bytes_counted": nbytes, "min_traffic_factor": MIN_TRAFFIC.get(name, 1.0)})
-    res += swiglu_rows(a, dev, copy_bw)
-    res += norm_rows(a, dev, copy_bw)
+    res += swiglu_rows(a, dev)
+    res += norm_rows(a, dev)
 
-    def pct(v, factor=1.0):
-        return "—" if v is None else f"{v * factor / copy_bw:.0%}"
+    def pct(v, base, factor=1.0):
+        return "—" if v is None else f"{v * factor / base:.0%}"
 
-    rows = [(r["variant"], r["impl"], f"{r['ms']:.3f}", f"{r['TB/s']:.2f}", pct(r["TB/s"]),
-             pct(r["TB/s"], r.get("min_traffic_factor", 1.0)),
-             "—" if r.get("graph_ms") is None else f"{r['graph_ms']:.3f}", pct(r.get("graph_TB/s")),
-             pct(r.get("graph_TB/s"), r.get("min_traffic_factor", 1.0))) for r in res]
+    # caller columns against the copy's caller time, GPU-only columns against the copy's GPU-only
+    # time (both replayed from CUDA graphs: like for like)
+    rows = [(r["variant"], r["impl"], f"{r['ms']:.3f}", f"{r['TB/s']:.2f}", pct(r["TB/s"], copy_bw),
+             pct(r["TB/s"], copy_bw, r.get("min_traffic_factor", 1.0)),
+             "—" if r.get("graph_ms") is None else f"{r['graph_ms']:.3f}", pct(r.get("graph_TB/s"), copy_graph_bw),
+             pct(r.get("graph_TB/s"), copy_graph_bw, r.get("min_traffic_factor", 1.0))) for r in res]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, input {a.rows}x{a.cols} BF16\n")
     print(table(["variant", "impl", "ms (median)", "TB/s", "of copy", "of copy, bytes moved",
                  "GPU-only ms (CUDA graph)", "GPU-only of copy", "GPU-only, bytes moved"], rows))
+    host = []
+    if a.host_overhead:
+        if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            p.error("--host-overhead launches the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1 for a "
+                    "CPU check of the mechanics)")
+        host = host_overhead(dev, 3 if a.smoke else 2000)
+        print(f"\nhost time per call (256x512 BF16 input, {'CPU interpreter: no meaning' if dev != 'cuda' else dev}):")
+        print(table(["what", "host µs per call"], [(h["what"], f"{h['host_us']:.1f}") for h in host]))
     swept = []
     if a.sweep:
         kernels = list(SWEEP) if a.sweep == "all" else [k for k in a.sweep.split(",") if k]
@@ -395,7 +497,7 @@ def main(argv=None) -> int:
             for k in kernels:
                 SWEEP[k] = SWEEP[k][:2]
         print(f"\nlaunch-configuration sweep ({', '.join(kernels)}):")
-        swept = sweep(xs, a.iters, copy_bw, kernels)
+        swept = sweep(xs, a.iters, copy_graph_bw, kernels)
         best = {}
         for r in swept:
             if r["same_bits"] and r["graph_ms"] and (r["kernel"] not in best or r["graph_ms"] < best[r["kernel"]]["graph_ms"]):
@@ -411,7 +513,7 @@ def main(argv=None) -> int:
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         json.dump({"device": name, "torch": torch.__version__, "shape": [a.rows, a.cols], "results": res,
-                   "sweep": swept}, open(a.out, "w"), indent=2)
+                   "host_overhead": host, "sweep": swept}, open(a.out, "w"), indent=2)
     return 0
 
 

@@ -22,6 +22,24 @@ def test_benchmark_smoke(script, tmp_path):
     data = json.loads(out.read_text())
     assert data["results"] and all(r["ms"] > 0 for r in data["results"])
     assert "|" in proc.stdout
+    if script == "quant_bandwidth.py" and os.environ.get("TRITON_INTERPRET") == "1" and _has_triton():
+        # without a GPU the Triton rows run under the interpreter (tests/conftest.py sets it):
+        # every quantiser variant of the table, the 128x128 weight-pair rows included
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+        try:
+            from quant_bandwidth import VARIANTS
+        finally:
+            sys.path.pop(0)
+        triton_rows = {r["variant"] for r in data["results"] if r["impl"] == "triton"}
+        assert triton_rows == {v[0] for v in VARIANTS}, sorted({v[0] for v in VARIANTS} - triton_rows)
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def test_linear_breakdown_attributes_the_step_to_kernel_classes(tmp_path):
@@ -321,11 +339,17 @@ def test_quant_bandwidth_sweep_smoke(tmp_path):
     out = tmp_path / "r.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_bandwidth.py"), "--smoke",
-                           "--sweep", "rows128,tensor", "--out", str(out)],
+                           "--sweep", "rows128,tensor,cols_t128_bf16,tensor_delayed", "--host-overhead",
+                           "--out", str(out)],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["sweep"]
-    assert {r["kernel"] for r in rows} == {"rows128", "tensor"} and len(rows) == 4
+    # cols_t128_bf16: configurations of the cols_t128 kernel with and without the BF16 tile
+    assert {r["kernel"] for r in rows} == {"rows128", "tensor", "cols_t128", "tensor_delayed"} and len(rows) == 8
+    assert all("bf16_tile" in r["config"] for r in rows if r["kernel"] == "cols_t128")
+    host = json.loads(out.read_text())["host_overhead"]  # --host-overhead: every part and wrapper timed
+    assert len(host) == 10 and all(h["host_us"] > 0 for h in host)
+    assert any("Triton launch alone" in h["what"] for h in host)
     assert all(r["same_bits"] is True and r["error"] is None and r["ms"] > 0 for r in rows)
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_bandwidth.py"), "--smoke",
                           "--sweep", "rows64"], capture_output=True, text=True, timeout=300, env=env)
