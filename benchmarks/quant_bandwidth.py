@@ -10,7 +10,7 @@ written), so its "bytes moved" columns count the bytes it has to move (5 per ele
 included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. Each is
 a fraction of the copy timed the same way (the copy's caller time includes its own launch; before
 2026-11-30 session 18 the GPU-only columns were fractions of the copy's caller time, which made
-them up to ~10% too high). The last rows
+them 4-9% too high). The last rows
 compare SwiGLU -> quantise fused (the activation computed inside the quantisers from its halves)
 and unfused, forward and backward (:func:`swiglu_rows`), and RMSNorm -> quantise
 (:func:`norm_rows`, on ``[rows, --norm-dim]``). All variants run in one process, CUDA events, median of
@@ -80,7 +80,8 @@ SWEEP = {
                        if b * g <= 128],
     "cols_t32_bf16": [{"bf16_tile": b16, "block_c": b, "num_warps": w, "groups": g}
                       for b16 in (True, False) for b in (64, 128) for w in (2, 4) for g in (1, 2, 4)],
-    "tensor_dual_delayed_bf16": [{"bf16_tile": True, "block_r": r, "block_c": c, "num_warps": w}
+    "tensor_dual_delayed_bf16": [{"bf16_tile": b16, "block_r": r, "block_c": c, "num_warps": w}
+                                 for b16 in (True, False)
                                  for r, c, w in ((32, 256, 4), (64, 256, 8), (64, 256, 4), (64, 128, 4),
                                                  (32, 128, 2), (128, 128, 8), (32, 512, 8))],
     # the per-tensor cast with a given scale (delayed scaling, the amax folded in: one read)
@@ -193,15 +194,23 @@ def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
                     same, gms, ms, err = None, None, None, f"{type(e).__name__}: {str(e)[:120]}"
             out.append({"kernel": kernel, "config": cfg, "default": {**default, **cfg} == default, "same_bits": same,
                         "graph_ms": gms, "ms": ms, "bytes_moved": nbytes,
-                        "graph_of_copy": (nbytes / gms / 1e9 / copy_bw) if gms else None, "error": err})
+                        "graph_of_copy": (nbytes / gms / 1e9 / copy_bw) if gms and copy_bw else None,
+                        "error": err})
             r = out[-1]
             head = f"  {kernel:<12} {str(cfg):<34} {'default' if r['default'] else '':<7} "
             if err:
                 print(head + f"failed: {err}", flush=True)
             else:
-                gpu = f"GPU {gms:.3f} ms ({r['graph_of_copy']:.0%} of copy), " if gms else ""
+                of_copy = f" ({r['graph_of_copy']:.0%} of copy)" if r["graph_of_copy"] else ""
+                gpu = f"GPU {gms:.3f} ms{of_copy}, " if gms else ""
                 print(head + f"{gpu}caller {ms:.3f} ms, same bits: {same}", flush=True)
     return out
+
+
+def _have_triton() -> bool:
+    from nemo_fp8_recipes.quant import triton_kernels as tk
+
+    return tk.HAVE_TRITON
 
 
 def host_overhead(dev: str, calls: int) -> list:
@@ -413,14 +422,17 @@ def main(argv=None) -> int:
     copy_bw = 2 * 2 * n / copy_ms / 1e9
     # the copy replayed from CUDA graphs too: the GPU-only columns are fractions of this
     copy_gms = bench_graph(lambda i: xs[i].clone(), 4, iters=a.iters) if dev == "cuda" else None
-    copy_graph_bw = 2 * 2 * n / copy_gms / 1e9 if copy_gms else copy_bw
+    if dev == "cuda" and copy_gms is None:  # no like-for-like baseline: no GPU-only percentages at all
+        print("WARNING: the device copy could not be captured in a CUDA graph: GPU-only percentages are left out",
+              file=sys.stderr)
+    copy_graph_bw = 2 * 2 * n / copy_gms / 1e9 if copy_gms else None
     res.append({"variant": "device copy (BF16 read + write)", "impl": "torch", "ms": copy_ms, "TB/s": copy_bw,
-                "graph_ms": copy_gms, "graph_TB/s": copy_graph_bw if copy_gms else None})
+                "graph_ms": copy_gms, "graph_TB/s": copy_graph_bw})
     impls = [("reference (eager PyTorch)", lambda x, g, f, r, d, sc: quantize(x, f, g, r, dim=d, scale=sc),
               lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc, triton=False))]
     # the kernels: on the GPU, or in the CPU smoke run under Triton's interpreter (CI checks that
     # every Triton row runs; its times mean nothing)
-    interp = a.smoke and dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    interp = a.smoke and dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _have_triton()
     if dev == "cuda" or interp:
         from nemo_fp8_recipes.quant.dispatch import quantize_auto
 
@@ -462,7 +474,7 @@ def main(argv=None) -> int:
     res += norm_rows(a, dev)
 
     def pct(v, base, factor=1.0):
-        return "—" if v is None else f"{v * factor / base:.0%}"
+        return "—" if v is None or base is None else f"{v * factor / base:.0%}"
 
     # caller columns against the copy's caller time, GPU-only columns against the copy's GPU-only
     # time (both replayed from CUDA graphs: like for like)
@@ -476,9 +488,9 @@ def main(argv=None) -> int:
                  "GPU-only ms (CUDA graph)", "GPU-only of copy", "GPU-only, bytes moved"], rows))
     host = []
     if a.host_overhead:
-        if dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            p.error("--host-overhead launches the Triton kernels: it needs a CUDA GPU (or TRITON_INTERPRET=1 for a "
-                    "CPU check of the mechanics)")
+        if not _have_triton() or (dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
+            p.error("--host-overhead launches the Triton kernels: it needs Triton and a CUDA GPU (or "
+                    "TRITON_INTERPRET=1 for a CPU check of the mechanics)")
         host = host_overhead(dev, 3 if a.smoke else 2000)
         print(f"\nhost time per call (256x512 BF16 input, {'CPU interpreter: no meaning' if dev != 'cuda' else dev}):")
         print(table(["what", "host µs per call"], [(h["what"], f"{h['host_us']:.1f}") for h in host]))
@@ -506,7 +518,7 @@ def main(argv=None) -> int:
             print()
             print(table(["kernel", "default GPU ms", "best config", "best GPU ms", "best of copy (bytes moved)"],
                         [(k, next((f"{r['graph_ms']:.3f}" for r in swept if r["kernel"] == k and r["default"]), "—"),
-                          str(b["config"]), f"{b['graph_ms']:.3f}", f"{b['graph_of_copy']:.0%}") for k, b in best.items()]))
+                          str(b["config"]), f"{b['graph_ms']:.3f}", f"{b['graph_of_copy']:.0%}" if b["graph_of_copy"] else "—") for k, b in best.items()]))
         if any(r["same_bits"] is False for r in swept):
             print("ERROR: a launch configuration changed the codes (see 'same bits' above)", file=sys.stderr)
             return 1

@@ -152,6 +152,15 @@ if HAVE_TRITON:
         return tl.trans(codes.to(tl.uint8, bitcast=True)).to(codes.dtype, bitcast=True)
 
     @triton.jit
+    def _bf16_to_f32(xb, EXACT: tl.constexpr):
+        """FP32 values of a BF16 tile. ``EXACT`` (no hardware conversion: Triton's interpreter,
+        whose BF16 -> FP32 conversion loses BF16 subnormals): the 16 bits shifted into place,
+        which is what the conversion is; otherwise the compiler's conversion (the same values)."""
+        if EXACT:
+            return (xb.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return xb.to(tl.float32)
+
+    @triton.jit
     def _rne_bf16(x):
         """FP32 ``x`` rounded to the nearest BF16 value (ties to even), still as FP32 — explicit
         on the bits, so the interpreter (whose BF16 cast truncates) and the GPU agree."""
@@ -340,7 +349,7 @@ if HAVE_TRITON:
                             (NG, GROUP, BLOCK_C))
             mb = tl.max(xb.to(tl.int16, bitcast=True) & 0x7FFF, axis=1).to(tl.int32) << 16
             s, si, e8 = _scale_from_amax(_amax_from_bits(mb), FMAX, EMAX, TOP_MANT, MODE)
-            x3 = xb.to(tl.float32)
+            x3 = _bf16_to_f32(xb, not HW_CVT)
         else:
             x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
             x3 = tl.reshape(x, (NG, GROUP, BLOCK_C))
@@ -494,7 +503,7 @@ if HAVE_TRITON:
             xb = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
             _fold_amax_bits(amax_ptr, tl.max(tl.max(xb.to(tl.int16, bitcast=True) & 0x7FFF, axis=1),
                                              axis=0).to(tl.int32) << 16)
-            x = xb.to(tl.float32)
+            x = _bf16_to_f32(xb, not HW_CVT)
         else:
             x = _load_act(x_ptr, g_ptr, rows[:, None] * stride_x + cols[None, :], m, GATED, LIBDEVICE, IN_BF16)
             if AMAX_OUT:  # first, so the FP32 tile need not stay live through the transpose
