@@ -110,14 +110,13 @@ def main() -> None:
                     "qt_ptr": "*fp8e4nv" if e4 else "*fp8e5", "R": "i32", "C": "i32", "stride_x": "i32",
                     "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "FMAX": "constexpr", "IS_E4M3": "constexpr",
                     "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr", "AMAX_OUT": "constexpr",
-                    **gate_sig}
+                    "BF16_TILE": "constexpr", **gate_sig}
             comp(f"kernel_cast_dual_{fmt}_scale{int(has_scale)}", tk._cast_dual_kernel, dual,
                  {"BLOCK_R": 128, "BLOCK_C": 64, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
                   "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale, "GATED": has_scale,
-                  "LIBDEVICE": True, "IN_BF16": True})
+                  "LIBDEVICE": True, "IN_BF16": True, "BF16_TILE": False})
         # the delayed pair with the amax taken on the BF16 tile as loaded (bf16_tile)
-        comp(f"kernel_cast_dual_{fmt}_bf16_tile", tk._cast_dual_kernel, {**dual, "amax_ptr": "*i32",
-                                                                         "BF16_TILE": "constexpr"},
+        comp(f"kernel_cast_dual_{fmt}_bf16_tile", tk._cast_dual_kernel, {**dual, "amax_ptr": "*i32"},
              {"BLOCK_R": 32, "BLOCK_C": 256, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
               "HAS_SCALE": True, "MODE": 1, "AMAX_OUT": True, "GATED": False, "LIBDEVICE": True, "IN_BF16": True,
               "BF16_TILE": True})
