@@ -284,6 +284,19 @@ if HAVE_TRITON:
         return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
     @triton.jit
+    def _abs_bits16(xb):
+        """:func:`_abs_bits` of a BF16 tile, on its 16 bits (int16; reduce them in that width).
+        BF16 is FP32's top half, so :func:`_f32_bits_of_bits16` of their max gives the FP32 bits
+        of the amax exactly (NaN patterns above +Inf, as there) — half the registers of the FP32
+        tile, which is why the ``bf16_tile`` kernels keep the tile in BF16."""
+        return xb.to(tl.int16, bitcast=True) & 0x7FFF
+
+    @triton.jit
+    def _f32_bits_of_bits16(m):
+        """The FP32 bits (int32) of BF16 bits ``m`` from :func:`_abs_bits16` (non-negative)."""
+        return m.to(tl.int32) << 16
+
+    @triton.jit
     def _amax_from_bits(m):
         """The amax of a max of :func:`_abs_bits`: its float value, NaN for a NaN pattern."""
         return tl.where(m > 0x7F800000, float("nan"), m.to(tl.float32, bitcast=True))
@@ -341,13 +354,12 @@ if HAVE_TRITON:
         rows = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         if BF16_TILE:
-            # the tile stays BF16 (half the registers of FP32) through the amax, taken on its
-            # 16-bit magnitudes (BF16 -> FP32 is a 16-bit shift, so the same amax and NaN): the
-            # FP32 tile of 128 values per thread kept these kernels latency-bound (session 15's
-            # profile: 167 registers, 8 warps per SM)
+            # the tile stays BF16 through the amax (_abs_bits16): the FP32 tile of 128 values per
+            # thread kept these kernels latency-bound (session 15's profile: 167 registers, 8
+            # warps per SM)
             xb = tl.reshape(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0),
                             (NG, GROUP, BLOCK_C))
-            mb = tl.max(xb.to(tl.int16, bitcast=True) & 0x7FFF, axis=1).to(tl.int32) << 16
+            mb = _f32_bits_of_bits16(tl.max(_abs_bits16(xb), axis=1))
             s, si, e8 = _scale_from_amax(_amax_from_bits(mb), FMAX, EMAX, TOP_MANT, MODE)
             x3 = _bf16_to_f32(xb, not HW_CVT)
         else:
@@ -501,8 +513,7 @@ if HAVE_TRITON:
         s = _tensor_scale(amax_ptr, s_ptr, si_ptr, (pr == 0) & (pc == 0), HAS_SCALE, MODE, FMAX)
         if BF16_TILE:  # (a BF16 x, not GATED, AMAX_OUT) the amax on the 16-bit magnitudes, as loaded
             xb = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0)
-            _fold_amax_bits(amax_ptr, tl.max(tl.max(xb.to(tl.int16, bitcast=True) & 0x7FFF, axis=1),
-                                             axis=0).to(tl.int32) << 16)
+            _fold_amax_bits(amax_ptr, _f32_bits_of_bits16(tl.max(tl.max(_abs_bits16(xb), axis=1), axis=0)))
             x = _bf16_to_f32(xb, not HW_CVT)
         else:
             x = _load_act(x_ptr, g_ptr, rows[:, None] * stride_x + cols[None, :], m, GATED, LIBDEVICE, IN_BF16)
