@@ -30,28 +30,27 @@ def tk():
 
 
 def _same(a, b, nan_codes=True):
-    """Same codes bit for bit (signed zeros included), NaN codes at the same places (their bytes
-    not compared: a NaN's sign and payload carry nothing) and the same scales.
-    ``nan_codes=False``: where either side holds a NaN code, not compared at all (the
-    interpreter's FP8 cast of NaN is numpy's, not the hardware's)."""
-    fa, fb = a.data.float(), b.data.float()
-    nan = torch.isnan(fa)
-    if nan_codes:
-        assert torch.equal(nan, torch.isnan(fb))
-    else:
-        nan = nan | torch.isnan(fb)
-    assert torch.equal(a.data.view(torch.uint8)[~nan], b.data.view(torch.uint8)[~nan])
+    """Same codes (:func:`_same_codes`) and the same scales. ``nan_codes=False``: where either
+    side holds a NaN code, not compared at all (the interpreter's FP8 cast of NaN is numpy's, not
+    the hardware's)."""
+    assert _same_codes(a.data, b.data, nan_codes)
     assert torch.equal(torch.nan_to_num(a.scale_inv, nan=-1.0), torch.nan_to_num(b.scale_inv, nan=-1.0))
     if b.scale_e8m0 is not None:
         assert torch.equal(a.scale_e8m0.view(torch.uint8), b.scale_e8m0.view(torch.uint8))
 
 
-def _same_codes(a, b):
+def _same_codes(a, b, nan_codes=True):
     """Two FP8 code tensors (e.g. a kernel's transposed copy and the reference's transposed view)
-    equal byte for byte, signed zeros included; NaN codes at the same places."""
-    nan = torch.isnan(a.float())
-    return (a.shape == b.shape and torch.equal(nan, torch.isnan(b.float()))
-            and torch.equal(a.contiguous().view(torch.uint8)[~nan], b.contiguous().view(torch.uint8)[~nan]))
+    equal byte for byte, signed zeros included; NaN codes at the same places (their bytes not
+    compared: a NaN's sign and payload carry nothing). ``nan_codes=False``: positions where
+    either side is NaN are skipped."""
+    if a.shape != b.shape:
+        return False
+    nan, nan_b = torch.isnan(a.float()), torch.isnan(b.float())
+    if nan_codes and not torch.equal(nan, nan_b):
+        return False
+    nan = nan | nan_b
+    return torch.equal(a.contiguous().view(torch.uint8)[~nan], b.contiguous().view(torch.uint8)[~nan])
 
 
 def _input(dtype, special):
