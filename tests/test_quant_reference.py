@@ -146,6 +146,23 @@ def test_e8m0_exponent_edges():
     assert math.isnan(e[4]) and math.isnan(e[5])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_e8m0_scales_are_exact_powers_of_two(device):
+    """Every E8M0 ``scale_inv`` (and ``s``) is exactly ``2**e``, the subnormal ``2**-127`` included:
+    CUDA's ``torch.exp2(-127)`` is one subnormal ulp low, which made the reference disagree with
+    the kernels on the GPU for groups of subnormal values."""
+    from nemo_fp8_recipes.quant.reference import exp2_int
+
+    e = torch.cat([torch.arange(-127, 128, dtype=torch.float32), torch.tensor([float("nan")])]).to(device)
+    got = exp2_int(e).cpu()
+    want = torch.tensor([math.ldexp(1.0, k) for k in range(-127, 128)], dtype=torch.float64).float()
+    assert torch.equal(got[:-1].view(torch.int32), want.view(torch.int32)) and math.isnan(got[-1])
+    x = torch.full((4, 32), 1e-39, device=device)  # a group of FP32 subnormals: e = -127
+    q = quantize(x, "e4m3", "1x32", "e8m0_ceil")
+    assert q.scale_inv.cpu().view(torch.int32).eq(1 << 22).all()
+    assert torch.equal(q.dequantize().cpu(), q.data.float().cpu() * 2.0**-127)
+
+
 def test_quantization_stats():
     x = torch.tensor([[1e-9, 1.0, 3.0, 4.0]])
     q = quantize(x, "e4m3", "tensor", scale=torch.tensor(200.0))

@@ -177,6 +177,17 @@ def e8m0_exponent(
     return torch.where(torch.isfinite(amax), e, torch.full_like(e, float("nan")))
 
 
+def exp2_int(e: torch.Tensor) -> torch.Tensor:
+    """``2**e`` for FP32 ``e`` holding integers in ``[-127, 127]`` (or NaN, which stays NaN), built
+    from the exponent bits, so exact everywhere: ``2**-127`` is an FP32 subnormal, and CUDA's
+    ``torch.exp2`` returns it one subnormal ulp low (measured on an H200: 5.877470352812973e-39
+    for 5.877471754111438e-39), while the kernels write the exact value."""
+    nan = torch.isnan(e)
+    ei = torch.where(nan, torch.zeros_like(e), e).to(torch.int32)
+    bits = torch.where(ei > -127, (ei + 127) << 23, torch.full_like(ei, 1 << 22))
+    return torch.where(nan, e, bits.view(torch.float32))
+
+
 def cast_to_fp8(y: torch.Tensor, fmt: Union[Format, str]) -> torch.Tensor:
     """Saturating round-to-nearest-even cast of FP32 ``y`` to FP8, keeping NaN (and, for E5M2,
     Inf). Finite values beyond ``±fmax`` clamp to ``±fmax``; E4M3 turns ±Inf into NaN."""
@@ -252,9 +263,9 @@ def quantize_blocks(
     scale_e8m0 = None
     if rounding in (ScaleRounding.E8M0_CEIL, ScaleRounding.E8M0_FLOOR):
         e = e8m0_exponent(amax, fmt, rounding)
-        scale_inv = torch.exp2(e)  # exact for integer e in [-127, 127]; NaN stays NaN
+        scale_inv = exp2_int(e)
         scale_e8m0 = scale_inv.to(torch.float8_e8m0fnu)
-        s = torch.exp2(-e)
+        s = exp2_int(-e)
     else:
         s = amax_to_scale(amax, fmt, rounding)
         scale_inv = _div_rn(1.0, s)
