@@ -16,9 +16,6 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
 * :func:`quantize_tensor_dual` — per-tensor codes and their transpose from one read (the
   transpose moves the 1-byte codes); :func:`quantize_dual` — the same for 1xN groups.
 * :func:`delayed_commit`    — one delayed-scaling history update (append, max, new scale).
-* :func:`blockwise_gemm`    — the block-scaled FP8 GEMM of the blockwise recipe (1x128 x 128x128
-  and 1x128 x 1x128, FP32 promotion per K block of 128), an alternative to cuBLAS' on SM90
-  (:func:`~.gemm.blockwise_matmul` picks one per GEMM form).
 * :func:`rmsnorm_forward` / :func:`rmsnorm_backward` — the fused RMSNorm (one pass each way),
   whose forward can also take its output's per-tensor amax or write its 1xN row codes (RMSNorm →
   quantise, :mod:`nemo_fp8_recipes.nn.norm`).
@@ -66,7 +63,6 @@ __all__ = [
     "quantize_dual",
     "quantize_tensor_dual",
     "delayed_commit",
-    "blockwise_gemm",
     "swiglu_backward",
     "rmsnorm_forward",
     "rmsnorm_backward",
@@ -630,82 +626,6 @@ if HAVE_TRITON:
         tl.store(pending_ptr, 0.0)
         tl.store(flag_ptr, flag_after)
 
-    @triton.jit
-    def _promote(acc, part, sa, sb, ONE_B_BLOCK: tl.constexpr):
-        """``acc + part · sa · sb``: one K block's FP32 product promoted with its scales (``sa`` per
-        row; ``sb`` a scalar for one 128x128 weight block, else per column). A's scale multiplies
-        first where ``sb`` is per column: no FP32 underflow of a product of two tiny scale_invs."""
-        if ONE_B_BLOCK:
-            return acc + part * (sa * sb)[:, None]
-        return acc + (part * sa[:, None]) * sb[None, :]
-
-    @triton.jit
-    def _blockwise_mm_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K_TILES: tl.constexpr,
-                             s_am, s_ak, s_bn, s_bk, s_cm, s_cn, s_sam, s_sak, s_sbn, s_sbk,
-                             WEIGHT_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             GROUP_M: tl.constexpr, OVERLAP: tl.constexpr):
-        # C = A · Bᵀ with FP32 promotion per 128-wide K block: for each K block the tensor cores
-        # give the block's partial product afresh (FP8 x FP8 -> FP32), which is scaled by the
-        # block's scale_inv of each A row (1x128 group) and of each B row (1x128 group) or B's
-        # 128x128 block, and added to the FP32 accumulator (DeepSeek-V3's promotion, what
-        # cuBLAS' block-scaled kernels do). Tiles in bands of GROUP_M row tiles (L2 reuse of B).
-        # K_TILES (K / 128) is a constexpr: one compilation per contraction length (a model has
-        # a few), and Triton 3.6's interpreter cannot loop over a run-time bound with NumPy 2.4
-        BLOCK_K: tl.constexpr = 128
-        pid = tl.program_id(0)
-        n_m = tl.cdiv(M, BLOCK_M)
-        n_n = tl.cdiv(N, BLOCK_N)
-        band = GROUP_M * n_n
-        first_m = (pid // band) * GROUP_M
-        rows_here = tl.minimum(n_m - first_m, GROUP_M)
-        pid_m = first_m + (pid % band) % rows_here
-        pid_n = (pid % band) // rows_here
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # rows past the end read valid rows again (no masks in the loop); their results are not stored
-        rm = offs_m % M
-        rn = offs_n % N
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = a_ptr + rm[:, None] * s_am + offs_k[None, :] * s_ak
-        b_ptrs = b_ptr + rn[:, None] * s_bn + offs_k[None, :] * s_bk
-        sa_ptrs = sa_ptr + rm * s_sam
-        # one 128x128 weight block per tile column (BLOCK_N divides 128): B's scale is a scalar and
-        # the promotion one FMA per element; otherwise a scale per column, two operations
-        ONE_B_BLOCK: tl.constexpr = WEIGHT_BLOCKS and (128 % BLOCK_N == 0)
-        if ONE_B_BLOCK:
-            sb_ptrs = sb_ptr + ((pid_n * BLOCK_N) // 128) * s_sbn
-        elif WEIGHT_BLOCKS:
-            sb_ptrs = sb_ptr + (rn // 128) * s_sbn
-        else:
-            sb_ptrs = sb_ptr + rn * s_sbn
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if OVERLAP:
-            # the next K block's product is issued before the previous one is promoted, so the
-            # tensor cores have work while the promotion's FMAs run (K_TILES >= 1)
-            part = tl.dot(tl.load(a_ptrs), tl.trans(tl.load(b_ptrs)))
-            sa = tl.load(sa_ptrs)
-            sb = tl.load(sb_ptrs)
-            for kb in range(1, K_TILES):
-                a_ptrs += BLOCK_K * s_ak
-                b_ptrs += BLOCK_K * s_bk
-                nxt = tl.dot(tl.load(a_ptrs), tl.trans(tl.load(b_ptrs)))
-                acc = _promote(acc, part, sa, sb, ONE_B_BLOCK)
-                part = nxt
-                sa = tl.load(sa_ptrs + kb * s_sak)
-                sb = tl.load(sb_ptrs + kb * s_sbk)
-            acc = _promote(acc, part, sa, sb, ONE_B_BLOCK)
-        else:
-            for kb in range(0, K_TILES):
-                a = tl.load(a_ptrs)
-                b = tl.load(b_ptrs)
-                sa = tl.load(sa_ptrs + kb * s_sak)
-                sb = tl.load(sb_ptrs + kb * s_sbk)
-                acc = _promote(acc, tl.dot(a, tl.trans(b)), sa, sb, ONE_B_BLOCK)
-                a_ptrs += BLOCK_K * s_ak
-                b_ptrs += BLOCK_K * s_bk
-        c_ptrs = c_ptr + offs_m[:, None] * s_cm + offs_n[None, :] * s_cn
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
-
 
 #: Launch configurations (tile sizes and warps) per kernel. They change the speed, never the
 #: codes (every tile size gives the same bits: tests/test_triton_kernels.py). The values are the
@@ -746,11 +666,6 @@ LAUNCH = {
     # one partial weight gradient)
     "rmsnorm": {"elems_per_thread": 8},
     "rmsnorm_bwd": {"elems_per_thread": 8, "rows_per_program": 16},
-    # the block-scaled GEMM (blockwise_gemm): 1x128 x 128x128 (fprop, dgrad) and 1x128 x 1x128
-    # (wgrad); output tiles of block_m x block_n, K blocks of 128, num_stages loads in flight,
-    # bands of group_m row tiles
-    "mm_blocks": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4, "group_m": 8, "overlap": False},
-    "mm_groups": {"block_m": 128, "block_n": 128, "num_warps": 8, "num_stages": 4, "group_m": 8, "overlap": False},
 }
 
 #: Longest row the fused RMSNorm takes (a whole row lives in registers: 16384 = Llama 3 405B).
@@ -1274,54 +1189,3 @@ def delayed_commit(history: torch.Tensor, scale: torch.Tensor, pending: torch.Te
                                  BLOCK_L=triton.next_power_of_2(L), FMAX=fmt.max,
                                  MARGIN_DIV=float(2**margin), MOST_RECENT=amax_compute_algo == "most_recent",
                                  num_warps=4)
-
-
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-def blockwise_gemm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor,
-                   b_scale_inv: torch.Tensor, weight_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
-    """``A · Bᵀ`` ``[M, N]`` in ``out_dtype`` from FP8 codes ``a_data`` ``[M, K]`` with 1x128 groups
-    along K (``a_scale_inv`` ``[M, K/128]``, any strides) and ``b_data`` ``[N, K]`` with 128x128
-    blocks (``weight_blocks``: ``b_scale_inv`` ``[ceil(N/128), K/128]``) or 1x128 groups
-    (``[N, K/128]``). K must be a multiple of 128; M and N need not be (no padding copies).
-
-    The same function as :func:`~.gemm.blockwise_matmul`'s cuBLAS path: each K block's FP8
-    product is computed in FP32 on the tensor cores and promoted into an FP32 accumulator with the
-    block's scales (checked against an FP64 reference in tests/test_triton_kernels.py). Launch
-    configuration: ``LAUNCH["mm_blocks"]`` / ``LAUNCH["mm_groups"]``."""
-    _require_triton(a_data, b_data)
-    if a_data.dim() != 2 or b_data.dim() != 2:
-        raise ValueError(f"blockwise_gemm takes 2-D operands, got {tuple(a_data.shape)} x {tuple(b_data.shape)}")
-    M, K = a_data.shape
-    N, K2 = b_data.shape
-    if K != K2:
-        raise ValueError(f"contraction dims differ: {tuple(a_data.shape)} x {tuple(b_data.shape)}")
-    if K % 128:
-        raise ValueError(f"blockwise GEMM needs the contraction dim to be a multiple of 128, got K = {K}")
-    if a_data.dtype not in _FP8_DTYPES or b_data.dtype not in _FP8_DTYPES:
-        raise ValueError(f"blockwise_gemm takes FP8 codes, got {a_data.dtype} x {b_data.dtype}")
-    kb = K // 128
-    want_b = ((-(-N // 128)) if weight_blocks else N, kb)
-    if tuple(a_scale_inv.shape) != (M, kb) or tuple(b_scale_inv.shape) != want_b:
-        raise ValueError(f"scale grids {tuple(a_scale_inv.shape)} x {tuple(b_scale_inv.shape)} do not match "
-                         f"operands {tuple(a_data.shape)} x {tuple(b_data.shape)} (want {(M, kb)} x {want_b})")
-    a_data = a_data if a_data.stride(1) == 1 else a_data.contiguous()
-    b_data = b_data if b_data.stride(1) == 1 else b_data.contiguous()
-    sa, sb = a_scale_inv.float(), b_scale_inv.float()
-    c = torch.empty((M, N), dtype=out_dtype, device=a_data.device)
-    if M == 0 or N == 0:
-        return c
-    if K == 0:
-        return c.zero_()
-    cfg = LAUNCH["mm_blocks" if weight_blocks else "mm_groups"]
-    bm, bn = int(cfg["block_m"]), int(cfg["block_n"])
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-    _blockwise_mm_kernel[grid](
-        a_data, b_data, c, sa, sb, M, N, K // 128,
-        a_data.stride(0), a_data.stride(1), b_data.stride(0), b_data.stride(1), c.stride(0), c.stride(1),
-        sa.stride(0), sa.stride(1), sb.stride(0), sb.stride(1),
-        WEIGHT_BLOCKS=bool(weight_blocks), BLOCK_M=bm, BLOCK_N=bn, GROUP_M=int(cfg["group_m"]),
-        OVERLAP=bool(cfg["overlap"]),
-        num_warps=int(cfg["num_warps"]), num_stages=int(cfg["num_stages"]))
-    return c
