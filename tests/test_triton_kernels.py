@@ -326,10 +326,17 @@ def test_launch_config_names_the_valid_choices(tk):
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("special", ["nan", "inf", "zeros", "tiny"])
-def test_per_tensor_special_amax(tk, fmt, special):
-    """The per-tensor amax pass (atomic max over IEEE bits) and the in-kernel scale rule: NaN
+@pytest.mark.parametrize("amax_check", [False, True], ids=["atomic", "check-first"])
+def test_per_tensor_special_amax(tk, fmt, special, amax_check):
+    """The per-tensor amax pass (atomic max over IEEE bits; ``amax_check``: each program reads
+    the accumulator first and skips its atomic unless larger) and the in-kernel scale rule: NaN
     anywhere gives a NaN amax and scale, +/-Inf an infinite amax (scale 0), all zeros scale 1, a
     tiny amax FLT_MAX — each as the reference computes it."""
+    with tk.launch_config("tensor", amax_check=amax_check, block=2048):
+        _per_tensor_special_amax(tk, fmt, special)
+
+
+def _per_tensor_special_amax(tk, fmt, special):
     x = structured(200, 300, seed=12).to(DEV, torch.float32)
     if special == "nan":
         x[7, 9] = float("nan")
@@ -414,11 +421,15 @@ def _bits(t):
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("bf16_tile", [False, True], ids=["fp32-tile", "bf16-tile"])
-def test_given_scale_cast_folds_the_amax_into_one_pass(tk, fmt, bf16_tile):
+@pytest.mark.parametrize("amax_check", [False, True], ids=["atomic", "check-first"])
+def test_given_scale_cast_folds_the_amax_into_one_pass(tk, fmt, bf16_tile, amax_check):
     """Delayed scaling: the cast with a given scale also takes the tensor's amax (no amax pass)
     and max-accumulates it into ``amax_out`` (NaN sticks); codes and scale_inv as the reference.
-    ``bf16_tile``: the pair kernel takes that amax on the BF16 tile's 16-bit magnitudes."""
-    with tk.launch_config("tensor_dual_delayed", bf16_tile=bf16_tile):
+    ``bf16_tile``: the pair kernel takes that amax on the BF16 tile's 16-bit magnitudes.
+    ``amax_check``: each program reads the accumulator and skips its atomic unless larger
+    (small tiles here, so that many programs fold into one accumulator)."""
+    with tk.launch_config("tensor_dual_delayed", bf16_tile=bf16_tile, amax_check=amax_check, block_r=32,
+                          block_c=64), tk.launch_config("tensor_delayed", amax_check=amax_check, block=1024):
         _given_scale_cast_folds_the_amax(tk, fmt)
 
 

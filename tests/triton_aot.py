@@ -41,11 +41,11 @@ def main() -> None:
         return {"x_ptr": "*bf16", "amax_ptr": "*fp32", "s_ptr": "*fp32", "si_ptr": "*fp32",
                 "q_ptr": "*fp8e4nv" if e4 else "*fp8e5", "N": "i32", "BLOCK": "constexpr", "FMAX": "constexpr",
                 "IS_E4M3": "constexpr", "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr",
-                "AMAX_OUT": "constexpr"}
+                "AMAX_OUT": "constexpr", "AMAX_CHECK": "constexpr"}
 
     for fmt, e4 in (("e4m3", True), ("e5m2", False)):
         consts = {"BLOCK": 1024, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": True,
-                  "MODE": 0, "AMAX_OUT": False}
+                  "MODE": 0, "AMAX_OUT": False, "AMAX_CHECK": False}
         for cc in (89, 90):
             comp(f"cast_{fmt}_sm{cc}", tk._cast_kernel, cast_sig(e4), consts, cc)
 
@@ -89,11 +89,13 @@ def main() -> None:
         comp(f"kernel_blocks128_trans{int(trans)}", tk._quant_block_kernel, block_sig,
              {"BLOCK": 128, "MODE": 1, "FMAX": 448.0, "IS_E4M3": True, "HW_CVT": True, "TRANS": trans})
     gate_sig = {"GATED": "constexpr", "LIBDEVICE": "constexpr", "IN_BF16": "constexpr"}
-    for gated, write in ((False, False), (True, False), (True, True)):
-        comp(f"kernel_amax_atomic_gated{int(gated)}_write{int(write)}", tk._amax_atomic_kernel,
+    for gated, write, check in ((False, False, False), (True, False, False), (True, True, False),
+                                (False, False, True)):
+        comp(f"kernel_amax_atomic_gated{int(gated)}_write{int(write)}_check{int(check)}", tk._amax_atomic_kernel,
              {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_bits_ptr": "*i32", "act_ptr": "*bf16", "N": "i32",
-              "BLOCK": "constexpr", **gate_sig, "WRITE_ACT": "constexpr"},
-             {"BLOCK": 8192, "GATED": gated, "LIBDEVICE": True, "IN_BF16": True, "WRITE_ACT": write})
+              "BLOCK": "constexpr", **gate_sig, "WRITE_ACT": "constexpr", "AMAX_CHECK": "constexpr"},
+             {"BLOCK": 8192, "GATED": gated, "LIBDEVICE": True, "IN_BF16": True, "WRITE_ACT": write,
+              "AMAX_CHECK": check})
     comp("kernel_swiglu_bwd", tk._swiglu_bwd_kernel,
          {"dy_ptr": "*bf16", "g_ptr": "*bf16", "u_ptr": "*bf16", "dg_ptr": "*bf16", "du_ptr": "*bf16", "N": "i32",
           "BLOCK": "constexpr", "LIBDEVICE": "constexpr", "IN_BF16": "constexpr"},
@@ -104,22 +106,22 @@ def main() -> None:
             sig = {**cast_sig(e4), "amax_ptr": "*i32" if has_scale else "*fp32"}
             comp(f"kernel_cast_{fmt}_scale{int(has_scale)}", tk._cast_kernel, sig,
                  {"BLOCK": 8192, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True, "HAS_SCALE": has_scale,
-                  "MODE": 0, "AMAX_OUT": has_scale})
+                  "MODE": 0, "AMAX_OUT": has_scale, "AMAX_CHECK": has_scale})
             dual = {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_ptr": "*i32" if has_scale else "*fp32", "s_ptr": "*fp32",
                     "si_ptr": "*fp32", "q_ptr": "*fp8e4nv" if e4 else "*fp8e5",
                     "qt_ptr": "*fp8e4nv" if e4 else "*fp8e5", "R": "i32", "C": "i32", "stride_x": "i32",
                     "BLOCK_R": "constexpr", "BLOCK_C": "constexpr", "FMAX": "constexpr", "IS_E4M3": "constexpr",
                     "HW_CVT": "constexpr", "HAS_SCALE": "constexpr", "MODE": "constexpr", "AMAX_OUT": "constexpr",
-                    "BF16_TILE": "constexpr", **gate_sig}
+                    "BF16_TILE": "constexpr", **gate_sig, "AMAX_CHECK": "constexpr"}
             comp(f"kernel_cast_dual_{fmt}_scale{int(has_scale)}", tk._cast_dual_kernel, dual,
                  {"BLOCK_R": 128, "BLOCK_C": 64, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
                   "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale, "GATED": has_scale,
-                  "LIBDEVICE": True, "IN_BF16": True, "BF16_TILE": False})
+                  "LIBDEVICE": True, "IN_BF16": True, "BF16_TILE": False, "AMAX_CHECK": False})
         # the delayed pair with the amax taken on the BF16 tile as loaded (bf16_tile)
         comp(f"kernel_cast_dual_{fmt}_bf16_tile", tk._cast_dual_kernel, {**dual, "amax_ptr": "*i32"},
              {"BLOCK_R": 32, "BLOCK_C": 256, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
               "HAS_SCALE": True, "MODE": 1, "AMAX_OUT": True, "GATED": False, "LIBDEVICE": True, "IN_BF16": True,
-              "BF16_TILE": True})
+              "BF16_TILE": True, "AMAX_CHECK": True})
     norm_sig = {"x_ptr": "*bf16", "w_ptr": "*fp32", "y_ptr": "*bf16", "rstd_ptr": "*fp32", "amax_ptr": "*i32",
                 "q_ptr": "*fp8e4nv", "si_ptr": "*fp32", "e8_ptr": "*u8", "R": "i32", "D": "i32", "G": "i32", "stride_x": "i32",
                 "stride_y": "i32", "inv_d": "fp32", "eps": "fp32", "BLOCK_D": "constexpr", "OUT_BF16": "constexpr",
