@@ -88,6 +88,17 @@ SWEEP = {
     "tensor_delayed": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384, 32768) for w in (4, 8, 16)
                        if b // (w * 32) <= 128],
     "tensor": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)],
+    # the per-tensor amax folds with and without the accumulator read before the atomic
+    # (amax_check): current scaling's amax pass, the delayed cast, the delayed pair
+    "tensor_check": [{"amax_check": c, "block": b, "num_warps": 8} for c in (True, False) for b in (4096, 8192, 16384)],
+    "tensor_delayed_check": [{"amax_check": c, "block": b, "num_warps": 8} for c in (True, False)
+                             for b in (2048, 4096, 8192)],
+    "tensor_dual_delayed_check": [{"amax_check": ck, "block_r": r, "block_c": c, "num_warps": w}
+                                  for ck in (True, False)
+                                  for r, c, w in ((64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8), (32, 128, 2))]
+    + [{"amax_check": True, "block_r": r, "block_c": c, "num_warps": w}
+       for r, c, w in ((32, 256, 8), (32, 512, 4), (32, 512, 8), (16, 512, 4), (16, 256, 2), (16, 256, 4),
+                       (64, 256, 4), (64, 128, 2), (32, 128, 4), (16, 1024, 8))],
     "dual128": [{"num_warps": w} for w in (4, 8, 16)],
     "dual32": [{"tile": t, "num_warps": w} for t in (64, 128) for w in (4, 8, 16)],
     "tensor_dual": [{"block_r": r, "block_c": c, "num_warps": w}
@@ -100,7 +111,8 @@ SWEEP = {
 }
 #: sweep families that tune another entry of ``LAUNCH`` (the kernel they time)
 SWEEP_KERNEL = {"cols_t128_bf16": "cols_t128", "cols_t32_bf16": "cols_t32",
-                "tensor_dual_delayed_bf16": "tensor_dual_delayed"}
+                "tensor_dual_delayed_bf16": "tensor_dual_delayed", "tensor_check": "tensor",
+                "tensor_delayed_check": "tensor_delayed", "tensor_dual_delayed_check": "tensor_dual_delayed"}
 #: the tile order of the tiled kernels (bands of group_r row tiles; the default 0 = row tiles
 #: fastest over the whole grid), tried with each kernel's default tile configuration
 for _k in ("rows128", "rows32", "cols_t128", "cols_t32", "blocks128", "dual128", "dual32"):
@@ -109,10 +121,12 @@ for _k in ("rows128", "rows32", "cols_t128", "cols_t32", "blocks128", "dual128",
 
 def _sweep_call(tk, family):
     """(callable on a BF16 input, bytes it moves) for one sweep family."""
-    if family == "tensor_delayed":  # a given scale, the amax folded into an accumulator (one read)
-        return (lambda x: tk.quantize_tensor(x, "e4m3", scale=_SWEEP_SCALE[x.device],
-                                             amax_out=_SWEEP_ACC[x.device])), (3, None, 1)
     kernel = SWEEP_KERNEL.get(family, family)
+    if kernel == "tensor_delayed":  # a given scale, the amax folded into an accumulator (one read)
+        # a fresh zero accumulator per call, as the table's delayed rows and as a training step
+        # (whose history update resets it): one kept across calls would already hold the amax, and
+        # amax_check would then skip every atomic
+        return (lambda x: tk.quantize_tensor(x, "e4m3", scale=_SWEEP_SCALE[x.device])), (3, None, 1)
     if kernel == "rows128":
         return (lambda x: tk.quantize_rows(x, "e4m3", 128, "pow2")), (3, 128, 1)
     if kernel == "rows32":
@@ -145,17 +159,6 @@ class _Scales(dict):
 
 
 _SWEEP_SCALE = _Scales()
-
-
-class _Accumulators(dict):
-    """One delayed-scaling amax accumulator per device, made outside any CUDA-graph capture."""
-
-    def __missing__(self, device):
-        self[device] = torch.zeros(1, device=device)
-        return self[device]
-
-
-_SWEEP_ACC = _Accumulators()
 
 
 def _codes(out):
