@@ -49,10 +49,12 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
     return statistics.median(times)
 
 
-def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30) -> Optional[float]:
+def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30,
+                errors: Optional[list] = None) -> Optional[float]:
     """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one captured graph per input
     set): the GPU time alone, without the host's launch and Python overhead that :func:`bench`
-    includes. ``None`` where CUDA is unavailable or ``fn`` cannot be captured."""
+    includes. ``None`` where CUDA is unavailable or ``fn`` cannot be captured (``errors``, if
+    given, gets the reason appended)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -70,7 +72,9 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
             with torch.cuda.graph(g):
                 fn(i)
             graphs.append(g)
-    except Exception:  # noqa: BLE001 - reported as "not capturable" (None), never as a number
+    except Exception as e:  # noqa: BLE001 - reported as "not capturable" (None), never as a number
+        if errors is not None:
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
         return None
     return bench(lambda i: graphs[i].replay(), n_inputs, warmup=warmup, iters=iters, cuda=True)
 

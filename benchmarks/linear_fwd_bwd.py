@@ -20,6 +20,12 @@ account in docs/benchmarks.md. While each timing runs, the GPU's SM clock, power
 clock-event reasons (power cap, thermal) are sampled through NVML (``nvidia-ml-py``; columns
 "SM clock, power", JSON ``gpu`` / ``gpu_b2b``), so a slower run can be told apart from a
 throttled GPU.
+``--cuda-graph`` adds a third timing: each step (forward, backward, gradient accumulation, for
+every variant including BF16) captured once per input set into a CUDA graph and replayed — the
+GPU's time alone, without the host's Python, autograd and launch overhead, as a training loop
+with CUDA graphs (Megatron's ``--enable-cuda-graph``, ``torch.compile(mode="reduce-overhead")``)
+runs it. It separates what the host costs from what the kernels cost; a variant that cannot be
+captured says why instead of giving a number.
 ``--smoke``: tiny emulated CPU run for CI (no timing claims).
 """
 
@@ -33,7 +39,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench_with_gpu, device_time_breakdown, gpu_cell, table  # noqa: E402
+from _timing import bench_graph, bench_with_gpu, device_time_breakdown, gpu_cell, table  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -53,6 +59,9 @@ def main(argv=None) -> int:
                    help="steps queued back to back per timed window for the 'back to back' columns "
                         "(no synchronisation between them, as in a training loop; default %(default)s)")
     p.add_argument("--out", default=None)
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time each step replayed from a CUDA graph (GPU time without host overhead; "
+                        "CUDA only)")
     p.add_argument("--breakdown", action="store_true",
                    help="also profile each variant and report device time per kernel class "
                         "(GEMM / Triton quantisers / other) and the top kernels")
@@ -82,14 +91,16 @@ def main(argv=None) -> int:
                     m.scaling_update = "step"
             return mods
 
-        base_ms = base_b2b = None
+        base_ms = base_b2b = base_graph = None
         for recipe in [None] + a.recipes.split(","):
             up, down = make(recipe)
             model = torch.nn.ModuleList([up, down])
             step_sync = recipe is not None and recipe.endswith("-step")
 
             def step(i):
-                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda"):
+                # (no autocast weight-cast cache while a graph captures: its cached copies would be
+                # allocated inside the capture)
+                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda", cache_enabled=not capturing):
                     y = down(torch.relu(up(xs[i])))
                 y.backward(dys[i])
                 if step_sync:
@@ -98,29 +109,46 @@ def main(argv=None) -> int:
             if dev == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            capturing = False
             t = bench_with_gpu(step, 3, dev, warmup=5, iters=a.iters, window=a.window, b2b_warmup=2)
+            graph_ms, graph_err = None, []
+            if a.cuda_graph and dev == "cuda":
+                capturing = True
+                graph_ms = bench_graph(step, 3, iters=a.iters, errors=graph_err)
+                capturing = False
             ms, ms_b2b = t["ms"], t["ms_b2b"]
             peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             flops = 3 * 2 * 2 * a.tokens * d * f
             name = recipe or "bf16"
             if recipe is None:
-                base_ms, base_b2b = ms, ms_b2b
+                base_ms, base_b2b, base_graph = ms, ms_b2b, graph_ms
             res.append({"size": size, "recipe": name, "ms": ms, "tflops": flops / ms / 1e9,
                         "speedup": base_ms / ms, "ms_b2b": ms_b2b, "speedup_b2b": base_b2b / ms_b2b,
                         "peak_gib": peak, "gpu": t["gpu"], "gpu_b2b": t["gpu_b2b"], "gpu_reason": t["gpu_reason"]})
+            if a.cuda_graph:
+                res[-1].update(ms_graph=graph_ms, speedup_graph=(base_graph / graph_ms if graph_ms and base_graph
+                                                                 else None),
+                               graph_status="ok" if graph_ms else (graph_err[0] if graph_err else "CUDA only"))
             if a.breakdown:
                 res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda")
             del up, down
     rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
-             f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x", f"{r['peak_gib']:.1f}",
-             gpu_cell(r["gpu"]), gpu_cell(r["gpu_b2b"])) for r in res]
+             f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x")
+            + ((("-" if r["ms_graph"] is None else f"{r['ms_graph']:.2f}"),
+                ("-" if r["speedup_graph"] is None else f"{r['speedup_graph']:.2f}x")) if a.cuda_graph else ())
+            + (f"{r['peak_gib']:.1f}", gpu_cell(r["gpu"]), gpu_cell(r["gpu_b2b"])) for r in res]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke)"
     last = res[-1]
     no_gpu_log = "" if last["gpu"] or dev != "cuda" else f"; GPU clocks/power not recorded: {last['gpu_reason']}"
     print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd{no_gpu_log}\n")
     print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16",
-                 f"ms/step, {a.window} back to back", "vs BF16, back to back", "peak GiB",
-                 "SM clock, power (sync)", "SM clock, power (b2b)"], rows))
+                 f"ms/step, {a.window} back to back", "vs BF16, back to back"]
+                + (["ms, CUDA graph", "vs BF16, CUDA graph"] if a.cuda_graph else [])
+                + ["peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)"], rows))
+    failed_graphs = [r for r in res if a.cuda_graph and r["graph_status"] != "ok"]
+    if failed_graphs:
+        print("\nno CUDA-graph time for: " + "; ".join(f"{r['size']} {r['recipe']}: {r['graph_status']}"
+                                                     for r in failed_graphs))
     if a.breakdown:
         print(f"\nwhere the time goes ({res[0]['breakdown']['source']}, ms per step, torch.profiler):\n")
         print(table(["size", "recipe", "step ms (median)", "kernels ms", "GEMM", "quantise (Triton)", "other",

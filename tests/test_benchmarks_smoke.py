@@ -60,6 +60,26 @@ def test_linear_breakdown_attributes_the_step_to_kernel_classes(tmp_path):
     assert "where the time goes" in proc.stdout
 
 
+def test_linear_benchmark_cuda_graph_column(tmp_path):
+    """``linear_fwd_bwd.py --cuda-graph``: every variant gets a CUDA-graph time and its ratio on a
+    GPU, or (CPU) no number and the reason, listed under the table."""
+    import torch
+
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_fwd_bwd.py"), "--smoke", "--cuda-graph",
+                           "--recipes", "tensorwise", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert [r["recipe"] for r in rows] == ["bf16", "tensorwise"] and "CUDA graph" in proc.stdout
+    for r in rows:
+        if torch.cuda.is_available():
+            assert r["graph_status"] == "ok" and r["ms_graph"] > 0 and r["speedup_graph"] > 0
+        else:
+            assert r["graph_status"] == "CUDA only" and r["ms_graph"] is None and r["speedup_graph"] is None
+    if not torch.cuda.is_available():
+        assert "no CUDA-graph time for: tiny bf16: CUDA only" in proc.stdout
+
+
 def test_layer_breakdown_profiles_each_variant_and_mode(tmp_path):
     """``layer_fwd_bwd.py --breakdown``: a profile per variant and mode, classes adding up, the
     attention core attributed to its own class (CPU: ``aten::_scaled_dot_product...``)."""
