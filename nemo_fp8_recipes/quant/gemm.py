@@ -98,6 +98,14 @@ def real_matmul(
     return out if bias is None else out + bias.to(out.dtype)
 
 
+def _scalar_scale(s: torch.Tensor) -> torch.Tensor:
+    """A per-tensor ``scale_inv`` as ``torch._scaled_mm`` takes it: one FP32 element (the
+    quantisers' ``[1, 1]`` FP32 scales pass as they are; no reshape or cast per GEMM)."""
+    if s.dtype != torch.float32:
+        s = s.float()
+    return s if s.dim() == 0 or s.shape == (1, 1) else s.reshape(())
+
+
 def _real_matmul(a, b, out_dtype, fast_accum):
     M, K = a.shape
     N, K2 = b.shape
@@ -110,12 +118,12 @@ def _real_matmul(a, b, out_dtype, fast_accum):
         out = torch._scaled_mm(
             a_data,
             b.data.contiguous().t(),
-            scale_a=a.scale_inv.reshape(()).float(),
-            scale_b=b.scale_inv.reshape(()).float(),
+            scale_a=_scalar_scale(a.scale_inv),
+            scale_b=_scalar_scale(b.scale_inv),
             out_dtype=out_dtype,
             use_fast_accum=fast_accum,
         )
-        return out[:M]
+        return out if out.shape[0] == M else out[:M]
     if ba == (1, 128) and bb in ((128, 128), (1, 128)):  # blockwise on SM90
         weight_blocks = bb == (128, 128)
         if torch.compiler.is_compiling():

@@ -709,6 +709,11 @@ def launch_config(kernel: str, **cfg):
         LAUNCH[kernel].update(old)
 
 
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a JIT function: a few µs per Python call)."""
+    return -(-a // b)
+
+
 def _hw_cvt(x: torch.Tensor) -> bool:
     """Whether the store's FP8 cast is the GPU's hardware RNE conversion (compiled for CUDA) rather
     than the interpreter's CPU emulation, which needs the explicit rounding of ``_round_fp8``."""
@@ -784,7 +789,7 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     e8 = scale_grid(R, G, torch.uint8, x.device) if _MODE[rounding] >= 2 else si
     cfg = LAUNCH["rows128" if group == 128 else "rows32"]
     block_r, ng = cfg["block_r"], cfg["groups"]
-    n_r, n_c = triton.cdiv(R, block_r), triton.cdiv(G, ng)
+    n_r, n_c = _cdiv(R, block_r), _cdiv(G, ng)
     _quant_rows_kernel[(n_r * n_c,)](x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r), GROUP=group, NG=ng, BLOCK_R=block_r,
                              num_warps=cfg["num_warps"],
                              MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
@@ -808,7 +813,7 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     e8 = scale_grid(C, G, torch.uint8, x.device) if _MODE[rounding] >= 2 else si
     cfg = LAUNCH["cols_t128" if group == 128 else "cols_t32"]
     block_c, ng = cfg["block_c"], cfg["groups"]
-    n_r, n_c = triton.cdiv(G, ng), triton.cdiv(C, block_c)
+    n_r, n_c = _cdiv(G, ng), _cdiv(C, block_c)
     _quant_cols_t_kernel[(n_r * n_c,)](x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r),
                                        GROUP=group, NG=ng, BLOCK_C=block_c,
                                        BF16_TILE=bool(cfg.get("bf16_tile")) and x.dtype == torch.bfloat16,
@@ -856,7 +861,7 @@ def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
     n = x2.numel()
     if n and x2.is_contiguous():
         block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
-        _amax_atomic_kernel[(triton.cdiv(n, block),)](x2, x2 if gate is None else gate, acc.view(torch.int32),
+        _amax_atomic_kernel[(_cdiv(n, block),)](x2, x2 if gate is None else gate, acc.view(torch.int32),
                                                       x2 if act_out is None else act_out, n,
                                                       BLOCK=block, num_warps=warps, WRITE_ACT=act_out is not None,
                                                       AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"]),
@@ -918,7 +923,7 @@ def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     n = u.numel()
     if n:
         block = 4096
-        _swiglu_bwd_kernel[(triton.cdiv(n, block),)](dy, g, u, dg, du, n, BLOCK=block, num_warps=8,
+        _swiglu_bwd_kernel[(_cdiv(n, block),)](dy, g, u, dg, du, n, BLOCK=block, num_warps=8,
                                                      **_act_args(u))
     return dg, du
 
@@ -989,7 +994,7 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
     cfg = LAUNCH["tensor" if scale is None else "tensor_delayed"]
     block, warps = cfg["block"], cfg["num_warps"]
-    _cast_kernel[(triton.cdiv(n, block),)](x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q,
+    _cast_kernel[(_cdiv(n, block),)](x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q,
                                            n, BLOCK=block, FMAX=fmt.max,
                                            IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x),
                                            HAS_SCALE=has_scale, MODE=mode, AMAX_OUT=amax_in_cast,
@@ -1016,7 +1021,7 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     e8t = scale_grid(C, Gc, torch.uint8, dev) if mx else sit
     cfg = LAUNCH["dual128" if group == 128 else "dual32"]
     tile = 128 if group == 128 else cfg["tile"]
-    n_r, n_c = triton.cdiv(R, tile), triton.cdiv(C, tile)
+    n_r, n_c = _cdiv(R, tile), _cdiv(C, tile)
     _quant_dual_kernel[(n_r * n_c,)](x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), n_r, n_c,
                                      _group_r(cfg, n_r), GROUP=group,
                              num_warps=cfg["num_warps"],
@@ -1075,7 +1080,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
         if amax_in_cast and not cfg["fold_amax"]:  # the amax pass into the same accumulator
             _tensor_amax(x2, amax, gate=gate)
             amax_in_cast = False
-        grid = (triton.cdiv(R, cfg["block_r"]), triton.cdiv(C, cfg["block_c"]))
+        grid = (_cdiv(R, cfg["block_r"]), _cdiv(C, cfg["block_c"]))
         _cast_dual_kernel[grid](x2, x2 if gate is None else gate,
                                 amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
                                 R, C, x2.stride(0),
