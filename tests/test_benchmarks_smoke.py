@@ -439,3 +439,16 @@ def test_gpu_monitor_samples_clock_and_power_while_the_gpu_works():
     assert 0 < s["power_w_mean"] <= s["power_w_max"] <= 1.2 * s["power_limit_w"]
     assert 0 < s["temp_c_max"] < 110
     assert set(s["clock_reasons"]) <= set(t._CLOCK_REASONS.values())
+
+
+def test_host_profile_smoke(tmp_path):
+    """``host_profile.py --smoke``: a host time and a per-step profile for every recipe asked
+    for; an unknown recipe is refused with the valid ones."""
+    data = _run_smoke("host_profile.py", tmp_path, "--recipes", "tensorwise,blockwise", "--top", "5")
+    assert [r["recipe"] for r in data["results"]] == ["tensorwise", "blockwise"]
+    for r in data["results"]:
+        assert r["host_us_per_step"] > 0 and len(r["top_own_time"]) == 5
+        assert all(t["us_per_step"] >= 0 and t["calls_per_step"] > 0 for t in r["top_own_time"])
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_profile.py"), "--smoke", "--recipes", "bf16"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "valid: delayed, tensorwise, blockwise, mxfp8" in bad.stderr
