@@ -157,6 +157,8 @@ def test_e8m0_scales_are_exact_powers_of_two(device):
     got = exp2_int(e).cpu()
     want = torch.tensor([math.ldexp(1.0, k) for k in range(-127, 128)], dtype=torch.float64).float()
     assert torch.equal(got[:-1].view(torch.int32), want.view(torch.int32)) and math.isnan(got[-1])
+    other = torch.tensor([128.0, 200.0, -128.0, -150.0, 0.5, float("inf"), float("-inf")], device=device)
+    assert torch.equal(exp2_int(other).cpu(), torch.exp2(other).cpu())  # outside the E8M0 range: exp2's
     x = torch.full((4, 32), 1e-39, device=device)  # a group of FP32 subnormals: e = -127
     q = quantize(x, "e4m3", "1x32", "e8m0_ceil")
     assert q.scale_inv.cpu().view(torch.int32).eq(1 << 22).all()

@@ -90,7 +90,7 @@ def main() -> None:
              {"BLOCK": 128, "MODE": 1, "FMAX": 448.0, "IS_E4M3": True, "HW_CVT": True, "TRANS": trans})
     gate_sig = {"GATED": "constexpr", "LIBDEVICE": "constexpr", "IN_BF16": "constexpr"}
     for gated, write, check in ((False, False, False), (True, False, False), (True, True, False),
-                                (False, False, True)):
+                                (False, False, True), (True, False, True), (True, True, True)):
         comp(f"kernel_amax_atomic_gated{int(gated)}_write{int(write)}_check{int(check)}", tk._amax_atomic_kernel,
              {"x_ptr": "*bf16", "g_ptr": "*bf16", "amax_bits_ptr": "*i32", "act_ptr": "*bf16", "N": "i32",
               "BLOCK": "constexpr", **gate_sig, "WRITE_ACT": "constexpr", "AMAX_CHECK": "constexpr"},
@@ -116,7 +116,7 @@ def main() -> None:
             comp(f"kernel_cast_dual_{fmt}_scale{int(has_scale)}", tk._cast_dual_kernel, dual,
                  {"BLOCK_R": 128, "BLOCK_C": 64, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,
                   "HAS_SCALE": has_scale, "MODE": 1, "AMAX_OUT": has_scale, "GATED": has_scale,
-                  "LIBDEVICE": True, "IN_BF16": True, "BF16_TILE": False, "AMAX_CHECK": False})
+                  "LIBDEVICE": True, "IN_BF16": True, "BF16_TILE": False, "AMAX_CHECK": has_scale})
         # the delayed pair with the amax taken on the BF16 tile as loaded (bf16_tile)
         comp(f"kernel_cast_dual_{fmt}_bf16_tile", tk._cast_dual_kernel, {**dual, "amax_ptr": "*i32"},
              {"BLOCK_R": 32, "BLOCK_C": 256, "FMAX": Format(fmt).max, "IS_E4M3": e4, "HW_CVT": True,

@@ -178,14 +178,15 @@ def e8m0_exponent(
 
 
 def exp2_int(e: torch.Tensor) -> torch.Tensor:
-    """``2**e`` for FP32 ``e`` holding integers in ``[-127, 127]`` (or NaN, which stays NaN), built
-    from the exponent bits, so exact everywhere: ``2**-127`` is an FP32 subnormal, and CUDA's
+    """``2**e`` for FP32 ``e``: integers in ``[-127, 127]`` (the E8M0 exponents) are built from the
+    exponent bits, so exact everywhere — ``2**-127`` is an FP32 subnormal, and CUDA's
     ``torch.exp2`` returns it one subnormal ulp low (measured on an H200: 5.877470352812973e-39
-    for 5.877471754111438e-39), while the kernels write the exact value."""
-    nan = torch.isnan(e)
-    ei = torch.where(nan, torch.zeros_like(e), e).to(torch.int32)
+    for 5.877471754111438e-39), while the kernels write the exact value. Anything else (NaN, ±Inf,
+    other values) goes to ``torch.exp2``."""
+    ok = (e >= -127) & (e <= 127) & (e == torch.round(e))  # False for NaN
+    ei = torch.where(ok, e, torch.zeros_like(e)).to(torch.int32)
     bits = torch.where(ei > -127, (ei + 127) << 23, torch.full_like(ei, 1 << 22))
-    return torch.where(nan, e, bits.view(torch.float32))
+    return torch.where(ok, bits.view(torch.float32), torch.exp2(e))
 
 
 def cast_to_fp8(y: torch.Tensor, fmt: Union[Format, str]) -> torch.Tensor:

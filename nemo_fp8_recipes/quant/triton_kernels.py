@@ -850,12 +850,14 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding, transposed: bool = False)
 
 
 def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
-                 gate: Optional[torch.Tensor] = None, act_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 gate: Optional[torch.Tensor] = None, act_out: Optional[torch.Tensor] = None,
+                 amax_check: Optional[bool] = None) -> torch.Tensor:
     """Per-tensor amax max-accumulated into ``acc`` (a ``[1, 1]`` FP32 tensor; default a fresh
     zero), which is returned: one atomic-max pass over a contiguous ``x2`` (NaN if any element
     is NaN), or a PyTorch reduction of a strided one. ``gate``: the amax of ``silu(gate) * x2``
     (both contiguous, :func:`_check_gate`), which the same pass also writes into ``act_out`` (a
-    contiguous tensor like ``x2``) when given."""
+    contiguous tensor like ``x2``) when given. ``amax_check``: the caller's launch entry's
+    setting (default: ``LAUNCH["tensor"]``'s, current scaling's amax pass)."""
     if acc is None:
         acc = torch.zeros((1, 1), dtype=torch.float32, device=x2.device)  # a base tensor, not a view
     n = x2.numel()
@@ -864,7 +866,8 @@ def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
         _amax_atomic_kernel[(_cdiv(n, block),)](x2, x2 if gate is None else gate, acc.view(torch.int32),
                                                       x2 if act_out is None else act_out, n,
                                                       BLOCK=block, num_warps=warps, WRITE_ACT=act_out is not None,
-                                                      AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"]),
+                                                      AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"]
+                                                                      if amax_check is None else amax_check),
                                                       **_gate_args(x2, gate))
     elif n:
         if gate is not None:
@@ -1078,7 +1081,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
         s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
         cfg = LAUNCH["tensor_dual_delayed" if amax_in_cast else "tensor_dual"]
         if amax_in_cast and not cfg["fold_amax"]:  # the amax pass into the same accumulator
-            _tensor_amax(x2, amax, gate=gate)
+            _tensor_amax(x2, amax, gate=gate, amax_check=bool(cfg["amax_check"]))
             amax_in_cast = False
         grid = (_cdiv(R, cfg["block_r"]), _cdiv(C, cfg["block_c"]))
         _cast_dual_kernel[grid](x2, x2 if gate is None else gate,
@@ -1090,6 +1093,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
                                 MODE=mode, AMAX_OUT=amax_in_cast, **_gate_args(x2, gate),
                                 BF16_TILE=(bool(cfg.get("bf16_tile")) and amax_in_cast and gate is None
                                            and x2.dtype == torch.bfloat16),
+                                # (cfg is tensor_dual, without the option, for current scaling)
                                 AMAX_CHECK=bool(cfg.get("amax_check")) and amax_in_cast)
     else:
         si = _scale_inv_of_empty(amax, fmt, rounding, scale)
