@@ -49,6 +49,22 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
     return statistics.median(times)
 
 
+def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
+    """Host (CPU) microseconds per call of ``fn``: ``min(20, calls)`` warm-up calls, then
+    ``perf_counter`` over ``calls`` calls with one ``sync`` before and after. On an input small
+    enough that the GPU never holds the host back, this is the host's cost of a call."""
+    import time
+
+    for _ in range(min(20, calls)):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
 def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30,
                 errors: Optional[list] = None) -> Optional[float]:
     """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one captured graph per input
@@ -59,6 +75,7 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
 
     if not torch.cuda.is_available():
         return None
+    caller = torch.cuda.current_stream()
     try:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -73,8 +90,14 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
                 fn(i)
             graphs.append(g)
     except Exception as e:  # noqa: BLE001 - reported as "not capturable" (None), never as a number
+        # a call that breaks the capture (e.g. a host synchronisation) makes the capture's end
+        # raise a generic error with the real cause as its context: report the first one
+        first = e
+        while first.__context__ is not None:
+            first = first.__context__
         if errors is not None:
-            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            errors.append(f"{type(first).__name__}: {str(first).splitlines()[0][:200] if str(first) else ''}")
+        torch.cuda.set_stream(caller)  # a failed capture's end leaves its own stream current
         return None
     return bench(lambda i: graphs[i].replay(), n_inputs, warmup=warmup, iters=iters, cuda=True)
 

@@ -9,8 +9,9 @@ few tokens (``--tokens``, default 256) that the GPU finishes every kernel before
 launched the next: the step time is then the host's. Reported per recipe: microseconds per step
 (``perf_counter`` over ``--steps`` steps, one synchronisation at the end), and a ``cProfile`` of
 another ``--steps`` steps — the functions with the most time of their own (``--top``), per step.
-Compare with ``linear_fwd_bwd.py``'s GPU-side step at 8192 tokens (and its ``--cuda-graph``
-column, the GPU time without the host) to see how much of the host a step can hide.
+The FP8 weights are quantised once and cached, as between two optimizer steps (a micro-batch
+of gradient accumulation, the same as ``linear_fwd_bwd.py``). Compare with that benchmark's
+GPU-side step at 8192 tokens (and its ``--cuda-graph`` column, the GPU time without the host).
 Host timings differ between machines; compare recipes and code versions within one run.
 ``--smoke``: CPU, emulated FP8, tiny shapes (no timing claims).
 """
@@ -23,15 +24,14 @@ import json
 import os
 import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import table  # noqa: E402
+from _timing import host_us, table  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear  # noqa: E402
-from nemo_fp8_recipes.recipes import get_recipe, list_recipes  # noqa: E402
+from nemo_fp8_recipes.recipes import check_supported, get_recipe, list_recipes  # noqa: E402
 
 
 def profile_recipe(recipe: str, d: int, f: int, tokens: int, steps: int, top: int, dev: str) -> dict:
@@ -48,14 +48,7 @@ def profile_recipe(recipe: str, d: int, f: int, tokens: int, steps: int, top: in
             y = down(torch.relu(up(x)))
         y.backward(dy)
 
-    for _ in range(min(20, steps)):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync()
-    us = (time.perf_counter() - t0) / steps * 1e6
+    us = host_us(step, steps, sync)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(steps):
@@ -91,6 +84,11 @@ def main(argv=None) -> int:
         p.error("host_profile.py measures the host in front of a GPU: it needs CUDA (--smoke checks it on CPU)")
     if a.smoke:
         a.dim, a.ffn, a.tokens, a.steps = 128, 256, 32, 2
+    if dev == "cuda":
+        for r in recipes:
+            ok, reason = check_supported(get_recipe(r), dev)
+            if not ok:
+                p.error(f"recipe {r}: {reason}")
     res = [profile_recipe(r, a.dim, a.ffn, a.tokens, a.steps, a.top, dev) for r in recipes]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke: no timing claims)"
     print(f"{name}, torch {torch.__version__}, d {a.dim}, ffn {a.ffn}, {a.tokens} tokens: host µs per "

@@ -111,13 +111,14 @@ def main(argv=None) -> int:
                 torch.cuda.reset_peak_memory_stats()
             capturing = False
             t = bench_with_gpu(step, 3, dev, warmup=5, iters=a.iters, window=a.window, b2b_warmup=2)
+            # the peak of the eager steps, read before any graph capture adds its private pool
+            peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             graph_ms, graph_err = None, []
             if a.cuda_graph and dev == "cuda":
                 capturing = True
                 graph_ms = bench_graph(step, 3, iters=a.iters, errors=graph_err)
                 capturing = False
             ms, ms_b2b = t["ms"], t["ms_b2b"]
-            peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
             flops = 3 * 2 * 2 * a.tokens * d * f
             name = recipe or "bf16"
             if recipe is None:

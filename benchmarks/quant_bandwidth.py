@@ -27,7 +27,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench, bench_graph, table  # noqa: E402
+from _timing import bench, bench_graph, host_us, table  # noqa: E402
 
 from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto as quantize_pair  # noqa: E402
 from nemo_fp8_recipes.quant.reference import quantize  # noqa: E402
@@ -221,8 +221,6 @@ def host_overhead(dev: str, calls: int) -> list:
     256x512 BF16 input, so that the GPU never holds the host back: ``perf_counter`` over ``calls``
     calls, one synchronisation at the end. This is what separates "caller" from "GPU-only" time:
     a call's kernels cannot start before the host has launched them."""
-    import time
-
     from nemo_fp8_recipes.quant import triton_kernels as tk
     from nemo_fp8_recipes.quant.dispatch import quantize_auto
     from nemo_fp8_recipes.quant.reference import Format, scale_grid
@@ -249,18 +247,7 @@ def host_overhead(dev: str, calls: int) -> list:
         ("quantize_tensor_dual, delayed (1 kernel)",
          lambda: tk.quantize_tensor_dual(x, "e4m3", scale=s, amax_out=acc)),
     ]
-    out = []
-    for name, fn in cases:
-        for _ in range(min(20, calls)):
-            fn()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        us = (time.perf_counter() - t0) / calls * 1e6
-        sync()
-        out.append({"what": name, "host_us": us})
-    return out
+    return [{"what": name, "host_us": host_us(fn, calls, sync)} for name, fn in cases]
 
 
 def swiglu_rows(a, dev: str) -> list:
