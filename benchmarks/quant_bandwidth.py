@@ -171,7 +171,7 @@ def _codes(out):
             for o in outs]
 
 
-def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
+def sweep(xs, iters: int, copy_bw: float, kernels, warmup: int = 5) -> list:
     """Every configuration of :data:`SWEEP` for ``kernels``: GPU-only time (CUDA graphs), the
     caller-seen time, and whether its codes and scales equal the default configuration's.
     ``copy_bw``: the device copy's GPU-only bandwidth, of which ``graph_of_copy`` is the fraction."""
@@ -191,7 +191,7 @@ def sweep(xs, iters: int, copy_bw: float, kernels) -> list:
                     same = all(torch.equal(a, b) and torch.equal(sa, sb)
                                for (a, sa), (b, sb) in zip(_codes(fn(xs[0])), ref))
                     gms = bench_graph(lambda i: fn(xs[i]), len(xs), iters=iters) if xs[0].is_cuda else None
-                    ms = bench(lambda i: fn(xs[i]), len(xs), iters=iters)
+                    ms = bench(lambda i: fn(xs[i]), len(xs), warmup=warmup, iters=iters)
                     err = None
                 except Exception as e:  # noqa: BLE001 - e.g. out of registers/shared memory: reported
                     same, gms, ms, err = None, None, None, f"{type(e).__name__}: {str(e)[:120]}"
@@ -298,7 +298,7 @@ def swiglu_rows(a, dev: str) -> list:
     ]
     out = []
     for name, impl, call, nbytes, factor in cases:
-        ms = bench(call, 2, iters=a.iters)
+        ms = bench(call, 2, warmup=a.warmup, iters=a.iters)
         gms = bench_graph(call, 2, iters=a.iters) if cuda else None
         out.append({"variant": name, "impl": impl, "ms": ms, "TB/s": nbytes / ms / 1e9, "graph_ms": gms,
                     "graph_TB/s": nbytes / gms / 1e9 if gms else None, "bytes_counted": nbytes,
@@ -376,7 +376,7 @@ def norm_rows(a, dev: str) -> list:
         cases.append(bwd_formula)
     out = []
     for name, impl, call, nbytes, factor in cases + pairs:
-        ms = bench(call, 2, iters=a.iters)
+        ms = bench(call, 2, warmup=a.warmup, iters=a.iters)
         gms = bench_graph(call, 2, iters=a.iters) if cuda else None
         out.append({"variant": f"{name} [{R}x{D}]", "impl": impl, "ms": ms, "TB/s": nbytes / ms / 1e9,
                     "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None, "bytes_counted": nbytes,
@@ -402,13 +402,14 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-order-only", action="store_true",
                    help="with --sweep: only the tile-order configurations (group_r) and the default")
     a = p.parse_args(argv)
-    if a.smoke:
-        a.rows, a.cols, a.iters, a.norm_dim = 256, 384, 2, 256
+    a.warmup = 5  # warm-up calls before each timing
+    if a.smoke:  # (the smoke run's kernels go through Triton's interpreter: few calls)
+        a.rows, a.cols, a.iters, a.norm_dim, a.warmup = 256, 384, 2, 256, 1
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     xs = [torch.randn(a.rows, a.cols, device=dev, dtype=torch.bfloat16) for _ in range(4)]
     n = a.rows * a.cols
     res = []
-    copy_ms = bench(lambda i: xs[i].clone(), 4, iters=a.iters)
+    copy_ms = bench(lambda i: xs[i].clone(), 4, warmup=a.warmup, iters=a.iters)
     copy_bw = 2 * 2 * n / copy_ms / 1e9
     # the copy replayed from CUDA graphs too: the GPU-only columns are fractions of this
     copy_gms = bench_graph(lambda i: xs[i].clone(), 4, iters=a.iters) if dev == "cuda" else None
@@ -455,7 +456,7 @@ def main(argv=None) -> int:
                 call = lambda i: pair(xs[i], g, f, r, sc)  # noqa: E731
             else:
                 call = lambda i: fn(xs[i], g, f, r, d, sc)  # noqa: E731
-            ms = bench(call, 4, iters=a.iters)
+            ms = bench(call, 4, warmup=a.warmup, iters=a.iters)
             gms = bench_graph(call, 4, iters=a.iters) if iname == "triton" and dev == "cuda" else None
             res.append({"variant": name, "impl": iname, "ms": ms, "TB/s": nbytes / ms / 1e9,
                         "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None,
@@ -499,7 +500,7 @@ def main(argv=None) -> int:
             for k in kernels:
                 SWEEP[k] = SWEEP[k][:2]
         print(f"\nlaunch-configuration sweep ({', '.join(kernels)}):")
-        swept = sweep(xs, a.iters, copy_graph_bw, kernels)
+        swept = sweep(xs, a.iters, copy_graph_bw, kernels, warmup=a.warmup)
         best = {}
         for r in swept:
             if r["same_bits"] and r["graph_ms"] and (r["kernel"] not in best or r["graph_ms"] < best[r["kernel"]]["graph_ms"]):
