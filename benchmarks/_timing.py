@@ -8,7 +8,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 
 def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30,
@@ -22,16 +22,23 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
     kernel; ``window > 1`` ("back to back") queues the calls as a training loop that does not
     wait on the GPU every step runs them: the host prepares call ``i + 1`` while the GPU still
     runs call ``i``."""
+    return statistics.median(bench_samples(fn, n_inputs, warmup, iters, cuda, window))
+
+
+def bench_samples(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30,
+                  cuda: Optional[bool] = None, window: int = 1, start: int = 0) -> List[float]:
+    """The ``iters`` per-call samples (ms) that :func:`bench` takes the median of; the inputs
+    cycle from set ``start``."""
     import torch
 
     if cuda is None:
         cuda = torch.cuda.is_available()
     for i in range(warmup):
-        fn(i % n_inputs)
+        fn((start + i) % n_inputs)
     if cuda:
         torch.cuda.synchronize()
     times: List[float] = []
-    k = 0
+    k = start
     for _ in range(iters):
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -46,7 +53,7 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
             times.append(a.elapsed_time(b) / window)
         else:
             times.append((time.perf_counter() - t0) * 1e3 / window)
-    return statistics.median(times)
+    return times
 
 
 def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> float:
@@ -65,12 +72,11 @@ def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> f
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30,
-                errors: Optional[list] = None) -> Optional[float]:
-    """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one captured graph per input
-    set): the GPU time alone, without the host's launch and Python overhead that :func:`bench`
-    includes. ``None`` where CUDA is unavailable or ``fn`` cannot be captured (``errors``, if
-    given, gets the reason appended)."""
+def capture_graphs(fn: Callable[[int], object], n_inputs: int,
+                   errors: Optional[list] = None) -> Optional[list]:
+    """One CUDA graph of ``fn(i)`` per input set (after a warm-up of every set on a side
+    stream, as capture requires), or ``None`` where CUDA is unavailable or ``fn`` cannot be
+    captured (``errors``, if given, gets the reason appended)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -99,7 +105,74 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
             errors.append(f"{type(first).__name__}: {str(first).splitlines()[0][:200] if str(first) else ''}")
         torch.cuda.set_stream(caller)  # a failed capture's end leaves its own stream current
         return None
-    return bench(lambda i: graphs[i].replay(), n_inputs, warmup=warmup, iters=iters, cuda=True)
+    return graphs
+
+
+def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30,
+                errors: Optional[list] = None, timeline: Optional[list] = None) -> Optional[float]:
+    """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one captured graph per input
+    set, :func:`capture_graphs`): the GPU time alone, without the host's launch and Python
+    overhead that :func:`bench` includes. ``None`` where CUDA is unavailable or ``fn`` cannot be
+    captured (``errors``, if given, gets the reason appended). ``timeline``, if given, gets the
+    :func:`gpu_timeline` of the replays appended (the graphs' kernels and idle time, to set
+    against the eager step's)."""
+    graphs = capture_graphs(fn, n_inputs, errors)
+    if graphs is None:
+        return None
+    ms = bench(lambda i: graphs[i].replay(), n_inputs, warmup=warmup, iters=iters, cuda=True)
+    if timeline is not None:
+        timeline.append(gpu_timeline(lambda i: graphs[i].replay(), n_inputs))
+    return ms
+
+
+def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, rounds: int,
+                      warmup: int, iters: int, window: int, b2b_warmup: int = 0,
+                      graphs: Optional[Dict[str, list]] = None) -> Dict[str, dict]:
+    """:func:`bench_with_gpu` for several variants at once, in ``rounds`` round-robin passes:
+    each pass times every variant in turn (``ceil(iters / rounds)`` synchronised samples, then
+    the back-to-back windows, then, for a variant in ``graphs``, the replays of its captured
+    graphs), so a GPU whose clock drifts over the run (it warms up, meets its power cap) slows
+    every variant alike instead of the ones measured last. Each variant's first block runs
+    ``warmup`` untimed calls, every later block ``max(1, b2b_warmup)`` (the switch between
+    variants). ``rounds=1`` is the sequential order. Returns per variant ``{"ms", "ms_b2b",
+    "ms_graph", "gpu", "gpu_b2b", "gpu_reason", "samples"}``: medians over all rounds, the GPU
+    monitors' summaries over all of a variant's blocks, the sample counts."""
+    import math
+
+    cuda = str(device).startswith("cuda")
+    rounds = max(1, rounds)
+    per_sync = max(1, math.ceil(iters / rounds))
+    per_b2b = max(1, math.ceil(max(3, iters // 2) / rounds))
+    per_graph = per_sync
+    graphs = graphs or {}
+    samples = {k: {"ms": [], "ms_b2b": [], "ms_graph": []} for k in fns}
+    mons = {k: {"sync": GpuMonitor(device), "b2b": GpuMonitor(device)} for k in fns}
+    gsamples: Dict[str, Dict[str, list]] = {k: {"sync": [], "b2b": []} for k in fns}
+    for r in range(rounds):
+        for k, fn in fns.items():
+            w = warmup if r == 0 else max(1, b2b_warmup)
+            with mons[k]["sync"] as mon:
+                samples[k]["ms"] += bench_samples(fn, n_inputs, warmup=w, iters=per_sync, cuda=cuda)
+            gsamples[k]["sync"] += mon.samples
+            with mons[k]["b2b"] as mon:
+                samples[k]["ms_b2b"] += bench_samples(fn, n_inputs, warmup=b2b_warmup, iters=per_b2b,
+                                                      cuda=cuda, window=window)
+            gsamples[k]["b2b"] += mon.samples
+            if graphs.get(k):
+                g = graphs[k]
+                samples[k]["ms_graph"] += bench_samples(lambda i, g=g: g[i].replay(), n_inputs,
+                                                        warmup=w, iters=per_graph, cuda=True)
+    out = {}
+    for k in fns:
+        for kind in ("sync", "b2b"):  # the summaries over every block of this variant
+            mons[k][kind].samples = gsamples[k][kind]
+        sm = samples[k]
+        out[k] = {"ms": statistics.median(sm["ms"]), "ms_b2b": statistics.median(sm["ms_b2b"]),
+                  "ms_graph": statistics.median(sm["ms_graph"]) if sm["ms_graph"] else None,
+                  "gpu": mons[k]["sync"].summary(), "gpu_b2b": mons[k]["b2b"].summary(),
+                  "gpu_reason": mons[k]["sync"].reason,
+                  "samples": {kind: len(v) for kind, v in sm.items()}}
+    return out
 
 
 #: Kernel classes of :func:`device_time_breakdown` (first match wins, on the lower-cased name):
@@ -171,6 +244,62 @@ def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int
                   for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:top]]
     out["source"] = "CUDA kernels" if cuda else "CPU ATen ops (self time)"
     return out
+
+
+def timeline_stats(intervals: Sequence[Tuple[float, float, str]], steps: int, top: int = 5) -> dict:
+    """Busy and idle time of one stream's kernel timeline: ``intervals`` are ``(start_us, end_us,
+    name)`` of every kernel (and memset/memcpy) of ``steps`` calls queued back to back. The calls
+    are split by kernel count (the same kernels every call). Returns per call, in ms: ``span``
+    (first kernel's start to the last one's end over all calls, divided by ``steps``), ``busy``
+    (the union of kernel intervals), ``idle_first`` (the GPU waiting inside the first call: the
+    host's head start), ``idle_steady`` (mean idle of the later calls, the gap before each call's
+    first kernel included: what launches cost while the host is ahead, or where it is not);
+    ``kernels`` per call, and ``gap_sites``: the ``top`` kernels that the GPU waited for most in
+    the later calls, as ``[name, idle ms per call, launches per call]``."""
+    ev = sorted(intervals, key=lambda t: (t[0], t[1]))
+    if not ev or steps < 1:
+        return {"span": 0.0, "busy": 0.0, "idle_first": 0.0, "idle_steady": 0.0, "kernels": 0.0,
+                "gap_sites": []}
+    per = len(ev) / steps
+    busy_total, idle = 0.0, [0.0] * steps
+    sites: dict = {}
+    end = ev[0][0]
+    for k, (s, e, name) in enumerate(ev):
+        step = min(int(k // per), steps - 1) if per >= 1 else 0
+        gap = max(0.0, s - end)
+        idle[step] += gap
+        if step > 0 and gap > 0:
+            tot, n = sites.get(name, (0.0, 0))
+            sites[name] = (tot + gap, n + 1)
+        busy_total += max(0.0, e - max(s, end))
+        end = max(end, e)
+    later = max(1, steps - 1)
+    return {"span": (end - ev[0][0]) / 1e3 / steps, "busy": busy_total / 1e3 / steps,
+            "idle_first": idle[0] / 1e3, "idle_steady": sum(idle[1:]) / 1e3 / later if steps > 1 else 0.0,
+            "kernels": len(ev) / steps,
+            "gap_sites": [[n, t / 1e3 / later, c / later]
+                          for n, (t, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
+def gpu_timeline(fn: Callable[[int], object], n_inputs: int, steps: int = 6) -> Optional[dict]:
+    """:func:`timeline_stats` of ``steps`` calls of ``fn(i)`` queued back to back after one
+    synchronised warm-up call, from a CUDA-only ``torch.profiler`` trace (no CPU-op recording, so
+    the host runs at close to its normal speed). ``None`` without CUDA."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        return None
+    fn(0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            fn(i % n_inputs)
+        torch.cuda.synchronize()
+    iv = [(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+          if ev.device_type == DeviceType.CUDA and ev.time_range.end > ev.time_range.start]
+    return timeline_stats(iv, steps)
 
 
 def live_at_peak(events: Sequence[dict], base_bytes: int, top: int = 12) -> dict:

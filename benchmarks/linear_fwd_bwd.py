@@ -5,7 +5,11 @@
 For each size the up-projection (d -> ffn) and down-projection (ffn -> d) GEMMs run forward and
 backward: BF16 ``nn.Linear`` under autocast vs ``Float8Linear`` per recipe (real FP8 GEMMs, the
 weight quantised once and cached as in training between optimizer steps). One process, CUDA
-events, median, inputs rotated, ratios from the same run; peak memory per variant. Two timings:
+events, median, inputs rotated, ratios from the same run; peak memory per variant. The
+variants are timed round-robin (``--rounds`` passes, each timing every variant in turn), so a
+GPU whose clock drifts during the run (warming up, meeting its power cap) slows them alike
+rather than penalising the ones measured last; all variants stay resident meanwhile (at 405B
+about 14 GiB of FP32 weights and gradients each). Two timings:
 "ms (median)" synchronises after every step (so each step also pays the host's latency before
 its first kernel), "back to back" queues ``--window`` steps between two events and synchronises
 once, as a training loop that does not wait on the GPU every step (median over windows).
@@ -16,7 +20,10 @@ updates its amax history right before its next quantisation, one kernel) and ``d
 ``--breakdown`` also profiles each variant (``torch.profiler``) and prints where a step's time
 goes: GEMM kernels, the Triton quantisers, everything else (ReLU, gradient accumulation,
 copies), with the most expensive kernels by name — the measured counterpart of the bytes/FLOPs
-account in docs/benchmarks.md. While each timing runs, the GPU's SM clock, power draw and any
+account in docs/benchmarks.md — and, on a GPU, the kernel timeline of six steps queued back to
+back: busy vs idle time per step (the first step's idle is the host's head start, the later
+steps' idle is where the GPU still waited for the host), kernels per step, the kernels the GPU
+waited for, and with ``--cuda-graph`` the same for the graph replays. While each timing runs, the GPU's SM clock, power draw and any
 clock-event reasons (power cap, thermal) are sampled through NVML (``nvidia-ml-py``; columns
 "SM clock, power", JSON ``gpu`` / ``gpu_b2b``), so a slower run can be told apart from a
 throttled GPU.
@@ -39,7 +46,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench_graph, bench_with_gpu, device_time_breakdown, gpu_cell, table  # noqa: E402
+from _timing import (bench_interleaved, capture_graphs, device_time_breakdown, gpu_cell,  # noqa: E402
+                     gpu_timeline, table)
 
 from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -58,6 +66,11 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=4,
                    help="steps queued back to back per timed window for the 'back to back' columns "
                         "(no synchronisation between them, as in a training loop; default %(default)s)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="round-robin passes over the variants: each pass times every variant in turn "
+                        "(--iters / rounds samples each), so clock drift over the run (the GPU warming "
+                        "up, meeting its power cap) slows every variant alike; 1 = one variant after "
+                        "the other (default %(default)s)")
     p.add_argument("--out", default=None)
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time each step replayed from a CUDA graph (GPU time without host overhead; "
@@ -91,48 +104,71 @@ def main(argv=None) -> int:
                     m.scaling_update = "step"
             return mods
 
-        base_ms = base_b2b = base_graph = None
-        for recipe in [None] + a.recipes.split(","):
-            up, down = make(recipe)
+        # phase 1, one variant at a time: build it, its peak memory (as if it were alone: the
+        # variants built before it stay resident for the interleaved timing and are subtracted),
+        # its CUDA graphs
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        inputs_bytes = torch.cuda.memory_allocated() if dev == "cuda" else 0
+        steps, graphs, info = {}, {}, {}
+        for recipe in ["bf16"] + a.recipes.split(","):
+            up, down = make(None if recipe == "bf16" else recipe)
             model = torch.nn.ModuleList([up, down])
-            step_sync = recipe is not None and recipe.endswith("-step")
+            state = {"capturing": False}
 
-            def step(i):
+            def step(i, up=up, down=down, model=model, state=state,
+                     step_sync=recipe != "bf16" and recipe.endswith("-step")):
                 # (no autocast weight-cast cache while a graph captures: its cached copies would be
                 # allocated inside the capture)
-                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda", cache_enabled=not capturing):
+                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda",
+                                    cache_enabled=not state["capturing"]):
                     y = down(torch.relu(up(xs[i])))
                 y.backward(dys[i])
                 if step_sync:
                     sync_delayed_scaling(model)
 
+            others = 0
             if dev == "cuda":
                 torch.cuda.synchronize()
+                others = torch.cuda.memory_allocated() - inputs_bytes  # the variants built before
                 torch.cuda.reset_peak_memory_stats()
-            capturing = False
-            t = bench_with_gpu(step, 3, dev, warmup=5, iters=a.iters, window=a.window, b2b_warmup=2)
+            for i in range(5):
+                step(i % 3)
+            if dev == "cuda":
+                torch.cuda.synchronize()
             # the peak of the eager steps, read before any graph capture adds its private pool
-            peak = torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else float("nan")
-            graph_ms, graph_err = None, []
+            peak = (torch.cuda.max_memory_allocated() - others) / 2**30 if dev == "cuda" else float("nan")
+            graph_err = []
             if a.cuda_graph and dev == "cuda":
-                capturing = True
-                graph_ms = bench_graph(step, 3, iters=a.iters, errors=graph_err)
-                capturing = False
-            ms, ms_b2b = t["ms"], t["ms_b2b"]
+                state["capturing"] = True
+                graphs[recipe] = capture_graphs(step, 3, errors=graph_err)
+                state["capturing"] = False
+            steps[recipe] = step
+            info[recipe] = {"peak": peak, "graph_err": graph_err, "state": state}
+        # phase 2: the timings, every variant in each of --rounds round-robin passes
+        times = bench_interleaved(steps, 3, dev, rounds=a.rounds, warmup=5, iters=a.iters,
+                                  window=a.window, b2b_warmup=2, graphs=graphs)
+        base = times["bf16"]
+        for recipe, step in steps.items():
+            t = times[recipe]
+            ms, ms_b2b, graph_ms = t["ms"], t["ms_b2b"], t["ms_graph"]
             flops = 3 * 2 * 2 * a.tokens * d * f
-            name = recipe or "bf16"
-            if recipe is None:
-                base_ms, base_b2b, base_graph = ms, ms_b2b, graph_ms
-            res.append({"size": size, "recipe": name, "ms": ms, "tflops": flops / ms / 1e9,
-                        "speedup": base_ms / ms, "ms_b2b": ms_b2b, "speedup_b2b": base_b2b / ms_b2b,
-                        "peak_gib": peak, "gpu": t["gpu"], "gpu_b2b": t["gpu_b2b"], "gpu_reason": t["gpu_reason"]})
+            res.append({"size": size, "recipe": recipe, "ms": ms, "tflops": flops / ms / 1e9,
+                        "speedup": base["ms"] / ms, "ms_b2b": ms_b2b, "speedup_b2b": base["ms_b2b"] / ms_b2b,
+                        "peak_gib": info[recipe]["peak"], "gpu": t["gpu"], "gpu_b2b": t["gpu_b2b"],
+                        "gpu_reason": t["gpu_reason"], "samples": t["samples"], "rounds": a.rounds})
             if a.cuda_graph:
-                res[-1].update(ms_graph=graph_ms, speedup_graph=(base_graph / graph_ms if graph_ms and base_graph
-                                                                 else None),
+                graph_err = info[recipe]["graph_err"]
+                res[-1].update(ms_graph=graph_ms,
+                               speedup_graph=(base["ms_graph"] / graph_ms if graph_ms and base["ms_graph"]
+                                              else None),
                                graph_status="ok" if graph_ms else (graph_err[0] if graph_err else "CUDA only"))
             if a.breakdown:
                 res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda")
-            del up, down
+                res[-1]["timeline"] = gpu_timeline(step, 3) if dev == "cuda" else None
+                g = graphs.get(recipe)
+                res[-1]["timeline_graph"] = gpu_timeline(lambda i, g=g: g[i].replay(), 3) if g else None
+        del steps, graphs, info
     rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
              f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x")
             + ((("-" if r["ms_graph"] is None else f"{r['ms_graph']:.2f}"),
@@ -158,6 +194,21 @@ def main(argv=None) -> int:
                       f"{r['breakdown']['gemm']:.2f}", f"{r['breakdown']['quantise (Triton)']:.2f}",
                       f"{r['breakdown']['other']:.2f}",
                       "; ".join(f"{n[:40]} {t:.2f} ({c:g}x)" for n, t, c in r["breakdown"]["top"][:3])) for r in res]))
+    timed = [r for r in res if r.get("timeline")]
+    if timed:
+        def tl_cells(t):
+            return (f"{t['span']:.2f}", f"{t['busy']:.2f}", f"{t['idle_first']:.2f}", f"{t['idle_steady']:.3f}",
+                    f"{t['kernels']:g}")
+        print("\nGPU timeline, 6 steps queued back to back (CUDA-only torch.profiler trace; ms per step): "
+              "idle = the GPU waiting for the host between kernels, in the first step (the host's head start) "
+              "and per later step; 'waited for' = the kernels the later steps' idle time preceded\n")
+        print(table(["size", "recipe", "span", "busy", "idle, step 1", "idle, later steps", "kernels/step",
+                     "graph: busy", "graph: idle/step", "waited for (ms/step, launches)"],
+                    [(r["size"], r["recipe"], *tl_cells(r["timeline"]),
+                      f"{r['timeline_graph']['busy']:.2f}" if r.get("timeline_graph") else "-",
+                      f"{r['timeline_graph']['idle_steady']:.3f}" if r.get("timeline_graph") else "-",
+                      "; ".join(f"{n[:36]} {t:.3f} ({c:g}x)" for n, t, c in r["timeline"]["gap_sites"][:3]))
+                     for r in timed]))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         json.dump({"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res},

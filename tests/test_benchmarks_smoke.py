@@ -114,6 +114,54 @@ def test_back_to_back_timing_is_per_call_and_runs_every_window(bench_modules):
     assert 4.0 <= ms < 3 * 4.0  # one call's sleep, not a window's
 
 
+def test_interleaved_timing_alternates_the_variants_every_round(bench_modules):
+    """``--rounds``: each round times every variant in turn (its synchronised samples, then its
+    back-to-back windows), so clock drift is shared; medians and sample counts over all rounds;
+    ``rounds=1`` is the sequential order."""
+    _timing = bench_modules[0]
+    calls = []
+
+    def make(name):
+        return lambda i: calls.append(name)
+
+    fns = {"bf16": make("bf16"), "fp8": make("fp8")}
+    out = _timing.bench_interleaved(fns, 3, "cpu", rounds=2, warmup=1, iters=4, window=2, b2b_warmup=0)
+    blocks = [n for k, n in enumerate(calls) if k == 0 or calls[k - 1] != n]
+    assert blocks == ["bf16", "fp8", "bf16", "fp8"]
+    # first round: 1 warm-up + 2 synchronised samples + 2 windows of 2 calls; later rounds: one
+    # warm-up call after the switch
+    assert calls.count("bf16") == (1 + 2 + 4) + (1 + 2 + 4)
+    for k in fns:
+        assert out[k]["samples"] == {"ms": 4, "ms_b2b": 4, "ms_graph": 0}
+        assert out[k]["ms"] >= 0 and out[k]["ms_graph"] is None
+        assert out[k]["gpu"] is None and out[k]["gpu_reason"] == "no CUDA device"
+    calls.clear()
+    _timing.bench_interleaved(fns, 3, "cpu", rounds=1, warmup=1, iters=4, window=2)
+    assert [n for k, n in enumerate(calls) if k == 0 or calls[k - 1] != n] == ["bf16", "fp8"]
+
+
+def test_timeline_stats_splits_busy_idle_and_the_first_step(bench_modules):
+    """``--breakdown``'s GPU timeline (the CUDA trace is read on the H200): busy is the union of
+    kernel intervals (an overlapping kernel is not counted twice), the first step's idle is kept
+    apart from the later steps', and the later steps' idle is charged to the kernel that waited."""
+    _timing = bench_modules[0]
+    iv = [(0, 10, "a"), (12, 20, "b"), (18, 30, "c"),   # step 1: idle 2 us, c overlaps b
+          (40, 50, "a"), (50, 60, "b"), (70, 80, "c"),   # step 2: idle 10 before a, 10 before c
+          (85, 90, "a"), (90, 95, "b"), (95, 100, "c")]  # step 3: idle 5 before a
+    t = _timing.timeline_stats(list(reversed(iv)), steps=3)
+    assert t["kernels"] == 3
+    assert math.isclose(t["span"], 100 / 3 / 1e3)
+    assert math.isclose(t["busy"], (10 + 8 + 10 + 10 + 10 + 10 + 5 + 5 + 5) / 3 / 1e3)
+    assert math.isclose(t["idle_first"], 2 / 1e3)
+    assert math.isclose(t["idle_steady"], (20 + 5) / 2 / 1e3)
+    assert math.isclose(t["span"] * 3, t["busy"] * 3 + t["idle_first"] + t["idle_steady"] * 2)
+    sites = {n: (ms, c) for n, ms, c in t["gap_sites"]}
+    assert math.isclose(sites["a"][0], 15 / 2 / 1e3) and sites["a"][1] == 1.0
+    assert math.isclose(sites["c"][0], 10 / 2 / 1e3) and sites["c"][1] == 0.5
+    assert "b" not in sites
+    assert _timing.timeline_stats([], steps=3)["busy"] == 0.0
+
+
 def test_live_at_peak_replays_an_allocator_trace(bench_modules, tmp_path):
     """``--peak-report``'s trace replay (the CUDA run is on the H200): the peak is taken at the
     right event, blocks freed before it are not listed, blocks allocated before the trace count
