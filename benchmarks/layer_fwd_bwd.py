@@ -277,7 +277,7 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         if a.peak_report and cuda:  # after the peak is read, like the profile below
             out["peak_live"] = peak_memory_report(step, 0)
         if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it
-            out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda)
+            out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda, top=40)
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
         traceback.print_exc()
         out.update(status=error_status(e), ms=None)

@@ -107,11 +107,17 @@ def main(argv=None) -> int:
         # phase 1, one variant at a time: build it, its peak memory (as if it were alone: the
         # variants built before it stay resident for the interleaved timing and are subtracted),
         # its CUDA graphs
+        for x in xs:  # the inputs' gradients, accumulated by every variant, count as inputs
+            x.grad = torch.zeros_like(x)
         if dev == "cuda":
             torch.cuda.synchronize()
         inputs_bytes = torch.cuda.memory_allocated() if dev == "cuda" else 0
         steps, graphs, info = {}, {}, {}
         for recipe in ["bf16"] + a.recipes.split(","):
+            others = 0
+            if dev == "cuda":
+                torch.cuda.synchronize()
+                others = torch.cuda.memory_allocated() - inputs_bytes  # the variants built before
             up, down = make(None if recipe == "bf16" else recipe)
             model = torch.nn.ModuleList([up, down])
             state = {"capturing": False}
@@ -127,10 +133,8 @@ def main(argv=None) -> int:
                 if step_sync:
                     sync_delayed_scaling(model)
 
-            others = 0
             if dev == "cuda":
                 torch.cuda.synchronize()
-                others = torch.cuda.memory_allocated() - inputs_bytes  # the variants built before
                 torch.cuda.reset_peak_memory_stats()
             for i in range(5):
                 step(i % 3)
@@ -164,7 +168,7 @@ def main(argv=None) -> int:
                                               else None),
                                graph_status="ok" if graph_ms else (graph_err[0] if graph_err else "CUDA only"))
             if a.breakdown:
-                res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda")
+                res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda", top=30)
                 res[-1]["timeline"] = gpu_timeline(step, 3) if dev == "cuda" else None
                 g = graphs.get(recipe)
                 res[-1]["timeline_graph"] = gpu_timeline(lambda i, g=g: g[i].replay(), 3) if g else None
