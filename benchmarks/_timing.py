@@ -248,43 +248,53 @@ def device_time_breakdown(fn: Callable[[int], object], n_inputs: int, steps: int
 
 def timeline_stats(intervals: Sequence[Tuple[float, float, str]], steps: int, top: int = 5) -> dict:
     """Busy and idle time of one stream's kernel timeline: ``intervals`` are ``(start_us, end_us,
-    name)`` of every kernel (and memset/memcpy) of ``steps`` calls queued back to back. The calls
-    are split by kernel count (the same kernels every call). Returns per call, in ms: ``span``
-    (first kernel's start to the last one's end over all calls, divided by ``steps``), ``busy``
-    (the union of kernel intervals), ``idle_first`` (the GPU waiting inside the first call: the
-    host's head start), ``idle_steady`` (mean idle of the later calls, the gap before each call's
-    first kernel included: what launches cost while the host is ahead, or where it is not);
-    ``kernels`` per call, and ``gap_sites``: the ``top`` kernels that the GPU waited for most in
-    the later calls, as ``[name, idle ms per call, launches per call]``."""
+    name)`` of every kernel (and memset/memcpy) of ``steps`` calls. The calls are split by kernel
+    count (the same kernels every call). Returns per call, in ms: ``span`` (first kernel's start
+    to the last one's end over all calls, divided by ``steps``), ``busy`` (the union of kernel
+    intervals), ``idle_first`` (the GPU waiting inside the first call: the host's head start),
+    ``idle_steady`` (mean idle of the later calls) split into ``lead`` (the gap before each later
+    call's first kernel: after a synchronisation, the host's latency to its first launch) and
+    ``idle_in_step`` (the gaps between a call's own kernels: where the GPU ran out of queued
+    work); ``kernels`` per call, and ``gap_sites``: the ``top`` places the later calls' in-step
+    idle went, as ``["previous kernel -> next kernel", idle ms per call, occurrences per call]``."""
     ev = sorted(intervals, key=lambda t: (t[0], t[1]))
     if not ev or steps < 1:
-        return {"span": 0.0, "busy": 0.0, "idle_first": 0.0, "idle_steady": 0.0, "kernels": 0.0,
-                "gap_sites": []}
+        return {"span": 0.0, "busy": 0.0, "idle_first": 0.0, "idle_steady": 0.0, "lead": 0.0,
+                "idle_in_step": 0.0, "kernels": 0.0, "gap_sites": []}
     per = len(ev) / steps
-    busy_total, idle = 0.0, [0.0] * steps
+    busy_total, idle, lead = 0.0, [0.0] * steps, 0.0
     sites: dict = {}
-    end = ev[0][0]
+    end, prev, last_step = ev[0][0], "", 0
     for k, (s, e, name) in enumerate(ev):
         step = min(int(k // per), steps - 1) if per >= 1 else 0
         gap = max(0.0, s - end)
         idle[step] += gap
         if step > 0 and gap > 0:
-            tot, n = sites.get(name, (0.0, 0))
-            sites[name] = (tot + gap, n + 1)
+            if step != last_step:
+                lead += gap
+            else:
+                site = f"{prev[:40]} -> {name[:40]}"
+                tot, n = sites.get(site, (0.0, 0))
+                sites[site] = (tot + gap, n + 1)
         busy_total += max(0.0, e - max(s, end))
-        end = max(end, e)
+        end, prev, last_step = max(end, e), name, step
     later = max(1, steps - 1)
+    steady = sum(idle[1:]) / 1e3 / later if steps > 1 else 0.0
+    lead_ms = lead / 1e3 / later if steps > 1 else 0.0
     return {"span": (end - ev[0][0]) / 1e3 / steps, "busy": busy_total / 1e3 / steps,
-            "idle_first": idle[0] / 1e3, "idle_steady": sum(idle[1:]) / 1e3 / later if steps > 1 else 0.0,
-            "kernels": len(ev) / steps,
+            "idle_first": idle[0] / 1e3, "idle_steady": steady, "lead": lead_ms,
+            "idle_in_step": steady - lead_ms, "kernels": len(ev) / steps,
             "gap_sites": [[n, t / 1e3 / later, c / later]
                           for n, (t, c) in sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]]}
 
 
-def gpu_timeline(fn: Callable[[int], object], n_inputs: int, steps: int = 6) -> Optional[dict]:
-    """:func:`timeline_stats` of ``steps`` calls of ``fn(i)`` queued back to back after one
-    synchronised warm-up call, from a CUDA-only ``torch.profiler`` trace (no CPU-op recording, so
-    the host runs at close to its normal speed). ``None`` without CUDA."""
+def gpu_timeline(fn: Callable[[int], object], n_inputs: int, steps: int = 6,
+                 sync_each: bool = False) -> Optional[dict]:
+    """:func:`timeline_stats` of ``steps`` calls of ``fn(i)`` after one synchronised warm-up
+    call, from a CUDA-only ``torch.profiler`` trace (no CPU-op recording, so the host runs at
+    close to its normal speed): queued back to back, or with ``sync_each`` synchronised after
+    every call as the "ms (median)" timing runs them (its ``lead`` is then the host's latency
+    from one call's start to its first kernel). ``None`` without CUDA."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -296,10 +306,38 @@ def gpu_timeline(fn: Callable[[int], object], n_inputs: int, steps: int = 6) -> 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for i in range(steps):
             fn(i % n_inputs)
+            if sync_each:
+                torch.cuda.synchronize()
         torch.cuda.synchronize()
     iv = [(ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
           if ev.device_type == DeviceType.CUDA and ev.time_range.end > ev.time_range.start]
     return timeline_stats(iv, steps)
+
+
+def timeline_table(rows: Sequence[dict], keys: Sequence[str], graph: bool = False) -> str:
+    """The Markdown table of the rows' ``timeline`` (steps back to back), ``timeline_sync``
+    (synchronised after every step) and, with ``graph``, ``timeline_graph`` (CUDA-graph
+    replays) from :func:`gpu_timeline`, in ms per step, with a heading line."""
+    def cell(t, key, spec=".3f"):
+        return "-" if not t else format(t[key], spec)
+
+    head = ("GPU timeline (CUDA-only torch.profiler trace; ms per step): busy = kernels running; "
+            "idle = the GPU waiting for the host — in step 1 of a back-to-back run (the head start), "
+            "per later step, and with a synchronisation after every step as 'ms (median)' runs them: "
+            "the lead from the synchronisation to the step's first kernel and the gaps inside the step; "
+            "'idle went to' = where the synchronised steps' in-step gaps were\n\n")
+    hdr = list(keys) + ["busy", "b2b: idle step 1", "b2b: idle/step", "sync: lead", "sync: idle in step",
+                        "kernels/step"] + (["graph: busy", "graph: idle/step"] if graph else []) + ["idle went to"]
+    out = []
+    for r in rows:
+        t, ts, tg = r.get("timeline"), r.get("timeline_sync"), r.get("timeline_graph")
+        sites = (ts or t or {}).get("gap_sites", [])
+        out.append(tuple(r[k] for k in keys) + (
+            cell(t, "busy", ".2f"), cell(t, "idle_first"), cell(t, "idle_steady"), cell(ts, "lead"),
+            cell(ts, "idle_in_step"), cell(t, "kernels", "g"))
+            + ((cell(tg, "busy", ".2f"), cell(tg, "idle_steady")) if graph else ())
+            + ("; ".join(f"{n} {ms:.3f} ({c:g}x)" for n, ms, c in sites[:3]) or "-",))
+    return head + table(hdr, out)
 
 
 def live_at_peak(events: Sequence[dict], base_bytes: int, top: int = 12) -> dict:

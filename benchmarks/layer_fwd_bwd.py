@@ -77,7 +77,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench_with_gpu, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, peak_memory_report,
+    bench_with_gpu, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, gpu_timeline,
+    peak_memory_report, timeline_table,
     recipe_mode, table,
     gpu_cell, write_json,
 )
@@ -278,6 +279,9 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
             out["peak_live"] = peak_memory_report(step, 0)
         if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it
             out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda, top=40)
+            if cuda:
+                out["timeline"] = gpu_timeline(step, inputs.n, steps=4)
+                out["timeline_sync"] = gpu_timeline(step, inputs.n, steps=4, sync_each=True)
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
         traceback.print_exc()
         out.update(status=error_status(e), ms=None)
@@ -445,6 +449,9 @@ def main(argv=None) -> int:
                         ("kernels_ms", "gemm", "quantise (Triton)", "attention", "other")),
                       "; ".join(f"{n[:40]} {t:.2f} ({c:g}x)" for n, t, c in r["breakdown"]["top"][:4]))
                      for r in prof]))
+    timed = [r for r in res if r.get("timeline")]
+    if timed:
+        print("\n" + timeline_table(timed, ["size", "variant", "mode"]))
     write_json(a.out, dict(header, results=res))
     return 1 if failed else 0
 

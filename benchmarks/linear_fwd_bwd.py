@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (bench_interleaved, capture_graphs, device_time_breakdown, gpu_cell,  # noqa: E402
-                     gpu_timeline, table)
+                     gpu_timeline, table, timeline_table)
 
 from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -170,6 +170,7 @@ def main(argv=None) -> int:
             if a.breakdown:
                 res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda", top=30)
                 res[-1]["timeline"] = gpu_timeline(step, 3) if dev == "cuda" else None
+                res[-1]["timeline_sync"] = gpu_timeline(step, 3, sync_each=True) if dev == "cuda" else None
                 g = graphs.get(recipe)
                 res[-1]["timeline_graph"] = gpu_timeline(lambda i, g=g: g[i].replay(), 3) if g else None
         del steps, graphs, info
@@ -200,19 +201,7 @@ def main(argv=None) -> int:
                       "; ".join(f"{n[:40]} {t:.2f} ({c:g}x)" for n, t, c in r["breakdown"]["top"][:3])) for r in res]))
     timed = [r for r in res if r.get("timeline")]
     if timed:
-        def tl_cells(t):
-            return (f"{t['span']:.2f}", f"{t['busy']:.2f}", f"{t['idle_first']:.2f}", f"{t['idle_steady']:.3f}",
-                    f"{t['kernels']:g}")
-        print("\nGPU timeline, 6 steps queued back to back (CUDA-only torch.profiler trace; ms per step): "
-              "idle = the GPU waiting for the host between kernels, in the first step (the host's head start) "
-              "and per later step; 'waited for' = the kernels the later steps' idle time preceded\n")
-        print(table(["size", "recipe", "span", "busy", "idle, step 1", "idle, later steps", "kernels/step",
-                     "graph: busy", "graph: idle/step", "waited for (ms/step, launches)"],
-                    [(r["size"], r["recipe"], *tl_cells(r["timeline"]),
-                      f"{r['timeline_graph']['busy']:.2f}" if r.get("timeline_graph") else "-",
-                      f"{r['timeline_graph']['idle_steady']:.3f}" if r.get("timeline_graph") else "-",
-                      "; ".join(f"{n[:36]} {t:.3f} ({c:g}x)" for n, t, c in r["timeline"]["gap_sites"][:3]))
-                     for r in timed]))
+        print("\n" + timeline_table(timed, ["size", "recipe"], graph=a.cuda_graph))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         json.dump({"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res},

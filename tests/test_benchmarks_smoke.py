@@ -143,7 +143,8 @@ def test_interleaved_timing_alternates_the_variants_every_round(bench_modules):
 def test_timeline_stats_splits_busy_idle_and_the_first_step(bench_modules):
     """``--breakdown``'s GPU timeline (the CUDA trace is read on the H200): busy is the union of
     kernel intervals (an overlapping kernel is not counted twice), the first step's idle is kept
-    apart from the later steps', and the later steps' idle is charged to the kernel that waited."""
+    apart from the later steps', whose idle splits into the lead before each step's first kernel
+    and the in-step gaps, charged to the pair of kernels around them."""
     _timing = bench_modules[0]
     iv = [(0, 10, "a"), (12, 20, "b"), (18, 30, "c"),   # step 1: idle 2 us, c overlaps b
           (40, 50, "a"), (50, 60, "b"), (70, 80, "c"),   # step 2: idle 10 before a, 10 before c
@@ -155,10 +156,10 @@ def test_timeline_stats_splits_busy_idle_and_the_first_step(bench_modules):
     assert math.isclose(t["idle_first"], 2 / 1e3)
     assert math.isclose(t["idle_steady"], (20 + 5) / 2 / 1e3)
     assert math.isclose(t["span"] * 3, t["busy"] * 3 + t["idle_first"] + t["idle_steady"] * 2)
-    sites = {n: (ms, c) for n, ms, c in t["gap_sites"]}
-    assert math.isclose(sites["a"][0], 15 / 2 / 1e3) and sites["a"][1] == 1.0
-    assert math.isclose(sites["c"][0], 10 / 2 / 1e3) and sites["c"][1] == 0.5
-    assert "b" not in sites
+    # the gaps before steps 2 and 3's first kernels (10 and 5 us) are the lead, the rest in-step
+    assert math.isclose(t["lead"], (10 + 5) / 2 / 1e3)
+    assert math.isclose(t["idle_in_step"], 10 / 2 / 1e3)
+    assert t["gap_sites"] == [["b -> c", 10 / 2 / 1e3, 0.5]]
     assert _timing.timeline_stats([], steps=3)["busy"] == 0.0
 
 

@@ -863,8 +863,8 @@ def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
     n = x2.numel()
     if n and x2.is_contiguous():
         block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
-        _amax_atomic_kernel[(_cdiv(n, block),)](x2, x2 if gate is None else gate, acc.view(torch.int32),
-                                                      x2 if act_out is None else act_out, n,
+        # (operands a launch does not use are passed as None rather than as aliases of x2)
+        _amax_atomic_kernel[(_cdiv(n, block),)](x2, gate, acc.view(torch.int32), act_out, n,
                                                       BLOCK=block, num_warps=warps, WRITE_ACT=act_out is not None,
                                                       AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"]
                                                                       if amax_check is None else amax_check),
@@ -1084,7 +1084,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
             _tensor_amax(x2, amax, gate=gate, amax_check=bool(cfg["amax_check"]))
             amax_in_cast = False
         grid = (_cdiv(R, cfg["block_r"]), _cdiv(C, cfg["block_c"]))
-        _cast_dual_kernel[grid](x2, x2 if gate is None else gate,
+        _cast_dual_kernel[grid](x2, gate,
                                 amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
                                 R, C, x2.stride(0),
                                 BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
