@@ -247,6 +247,20 @@ def host_overhead(dev: str, calls: int) -> list:
         ("quantize_tensor_dual, delayed (1 kernel)",
          lambda: tk.quantize_tensor_dual(x, "e4m3", scale=s, amax_out=acc)),
     ]
+    # the same pair as the compiled FP8 linear runs it: the custom operator eagerly (dispatch),
+    # and inside a compiled graph against the same graph without it — the difference is what one
+    # operator call costs the host there (Inductor on a GPU; aot_eager under the CPU interpreter)
+    from nemo_fp8_recipes.quant import ops
+
+    backend = "inductor" if dev == "cuda" else "aot_eager"
+    scaled = torch.compile(lambda t: t * 1.5, backend=backend, dynamic=False)
+    scaled_pair = torch.compile(lambda t: ops.tensor_pair(t * 1.5, "e4m3", "fp32"), backend=backend, dynamic=False)
+    cases += [
+        ("nemo_fp8_recipes::tensor_pair operator, eager (custom-op dispatch + 2 kernels)",
+         lambda: ops.tensor_pair(x, "e4m3", "fp32")),
+        ("compiled graph: x * 1.5", lambda: scaled(x)),
+        ("compiled graph: x * 1.5 -> tensor_pair operator", lambda: scaled_pair(x)),
+    ]
     return [{"what": name, "host_us": host_us(fn, calls, sync)} for name, fn in cases]
 
 
@@ -398,7 +412,8 @@ def main(argv=None) -> int:
                         f"{', '.join(SWEEP)}); GPU only")
     p.add_argument("--host-overhead", action="store_true",
                    help="also measure the host (CPU) microseconds per quantiser call and per part of one "
-                        "(allocation, Triton's launch, the wrappers) on a tiny input: what caller time adds")
+                        "(allocation, Triton's launch, the wrappers, the custom operator eagerly and inside a "
+                        "compiled graph) on a tiny input: what caller time adds")
     p.add_argument("--sweep-order-only", action="store_true",
                    help="with --sweep: only the tile-order configurations (group_r) and the default")
     a = p.parse_args(argv)
