@@ -613,7 +613,7 @@ class GpuMonitor:
     def __enter__(self) -> "GpuMonitor":
         import threading
 
-        self.samples = []
+        self.samples, self.reason = [], None
         self._open()
         if self._handle is not None:
             self._stop = threading.Event()

@@ -21,9 +21,11 @@ updates its amax history right before its next quantisation, one kernel) and ``d
 goes: GEMM kernels, the Triton quantisers, everything else (ReLU, gradient accumulation,
 copies), with the most expensive kernels by name — the measured counterpart of the bytes/FLOPs
 account in docs/benchmarks.md — and, on a GPU, the kernel timeline of six steps queued back to
-back: busy vs idle time per step (the first step's idle is the host's head start, the later
-steps' idle is where the GPU still waited for the host), kernels per step, the kernels the GPU
-waited for, and with ``--cuda-graph`` the same for the graph replays. While each timing runs, the GPU's SM clock, power draw and any
+back (busy vs idle time per step: the first step's idle is the host's head start, the later
+steps' idle is where the GPU still waited for the host; kernels per step), of six steps with a
+synchronisation after each as "ms (median)" runs them (the lead from the synchronisation to the
+first kernel, the gaps inside the step and the kernel pairs around them), and with
+``--cuda-graph`` of the graph replays. While each timing runs, the GPU's SM clock, power draw and any
 clock-event reasons (power cap, thermal) are sampled through NVML (``nvidia-ml-py``; columns
 "SM clock, power", JSON ``gpu`` / ``gpu_b2b``), so a slower run can be told apart from a
 throttled GPU.
@@ -39,6 +41,7 @@ captured says why instead of giving a number.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -53,6 +56,101 @@ from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
 
 SHAPES = {"8b": (4096, 14336), "70b": (8192, 28672), "405b": (16384, 53248)}
+
+
+def run_size(a, dev: str, size: str, d: int, f: int) -> list:
+    """The rows of one size: phase 1 builds every variant, takes its peak memory and captures its
+    graphs; phase 2 times them round-robin; then the profiles. Everything it builds is freed when
+    it returns (before the next size's baseline is read)."""
+    res = []
+    dt = torch.bfloat16 if dev == "cuda" else torch.float32
+    xs = [torch.randn(a.tokens, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3)]
+    dys = [torch.randn(a.tokens, d, device=dev, dtype=dt) * 1e-3 for _ in range(3)]
+
+    def make(recipe):
+        up = torch.nn.Linear(d, f, bias=False, device=dev)
+        down = torch.nn.Linear(f, d, bias=False, device=dev)
+        if recipe is None:
+            return up, down
+        r = get_recipe(recipe.removesuffix("-step"))
+        emulate = not check_supported(r, dev)[0] or dev == "cpu"
+        mods = (Float8Linear.from_linear(up, r, emulate=emulate),
+                Float8Linear.from_linear(down, r, emulate=emulate))
+        if recipe.endswith("-step"):
+            for m in mods:
+                m.scaling_update = "step"
+        return mods
+
+    # phase 1, one variant at a time: build it, its peak memory (as if it were alone: the
+    # variants built before it stay resident for the interleaved timing and are subtracted),
+    # its CUDA graphs
+    for x in xs:  # the inputs' gradients, accumulated by every variant, count as inputs
+        x.grad = torch.zeros_like(x)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    inputs_bytes = torch.cuda.memory_allocated() if dev == "cuda" else 0
+    steps, graphs, info = {}, {}, {}
+    for recipe in ["bf16"] + a.recipes.split(","):
+        others = 0
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            others = torch.cuda.memory_allocated() - inputs_bytes  # the variants built before
+        up, down = make(None if recipe == "bf16" else recipe)
+        model = torch.nn.ModuleList([up, down])
+        state = {"capturing": False}
+
+        def step(i, up=up, down=down, model=model, state=state,
+                 step_sync=recipe != "bf16" and recipe.endswith("-step")):
+            # (no autocast weight-cast cache while a graph captures: its cached copies would be
+            # allocated inside the capture)
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda",
+                                cache_enabled=not state["capturing"]):
+                y = down(torch.relu(up(xs[i])))
+            y.backward(dys[i])
+            if step_sync:
+                sync_delayed_scaling(model)
+
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        for i in range(5):
+            step(i % 3)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        # the peak of the eager steps, read before any graph capture adds its private pool
+        peak = (torch.cuda.max_memory_allocated() - others) / 2**30 if dev == "cuda" else float("nan")
+        graph_err = []
+        if a.cuda_graph and dev == "cuda":
+            state["capturing"] = True
+            graphs[recipe] = capture_graphs(step, 3, errors=graph_err)
+            state["capturing"] = False
+        steps[recipe] = step
+        info[recipe] = {"peak": peak, "graph_err": graph_err, "state": state}
+    # phase 2: the timings, every variant in each of --rounds round-robin passes
+    times = bench_interleaved(steps, 3, dev, rounds=a.rounds, warmup=5, iters=a.iters,
+                              window=a.window, b2b_warmup=2, graphs=graphs)
+    base = times["bf16"]
+    for recipe, step in steps.items():
+        t = times[recipe]
+        ms, ms_b2b, graph_ms = t["ms"], t["ms_b2b"], t["ms_graph"]
+        flops = 3 * 2 * 2 * a.tokens * d * f
+        res.append({"size": size, "recipe": recipe, "ms": ms, "tflops": flops / ms / 1e9,
+                    "speedup": base["ms"] / ms, "ms_b2b": ms_b2b, "speedup_b2b": base["ms_b2b"] / ms_b2b,
+                    "peak_gib": info[recipe]["peak"], "gpu": t["gpu"], "gpu_b2b": t["gpu_b2b"],
+                    "gpu_reason": t["gpu_reason"], "samples": t["samples"], "rounds": a.rounds})
+        if a.cuda_graph:
+            graph_err = info[recipe]["graph_err"]
+            res[-1].update(ms_graph=graph_ms,
+                           speedup_graph=(base["ms_graph"] / graph_ms if graph_ms and base["ms_graph"]
+                                          else None),
+                           graph_status="ok" if graph_ms else (graph_err[0] if graph_err else "CUDA only"))
+        if a.breakdown:
+            res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda", top=30)
+            res[-1]["timeline"] = gpu_timeline(step, 3) if dev == "cuda" else None
+            res[-1]["timeline_sync"] = gpu_timeline(step, 3, sync_each=True) if dev == "cuda" else None
+            g = graphs.get(recipe)
+            res[-1]["timeline_graph"] = gpu_timeline(lambda i, g=g: g[i].replay(), 3) if g else None
+    return res
 
 
 def main(argv=None) -> int:
@@ -74,106 +172,36 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--cuda-graph", action="store_true",
                    help="also time each step replayed from a CUDA graph (GPU time without host overhead; "
-                        "CUDA only)")
+                        "CUDA only). Every variant's three graphs stay resident with their memory pools "
+                        "during the round-robin timing: at 405B time fewer --recipes per run")
     p.add_argument("--breakdown", action="store_true",
                    help="also profile each variant and report device time per kernel class "
-                        "(GEMM / Triton quantisers / other) and the top kernels")
+                        "(GEMM / Triton quantisers / other) and the top kernels, and trace the GPU's "
+                        "timeline (busy and idle time per step, back to back and synchronised)")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = {k: SHAPES[k] for k in a.sizes.split(",")}
     if a.smoke:
         shapes, a.tokens, a.iters = {"tiny": (256, 512)}, 256, 2
-    res = []
+    res, failed = [], {}
     for size, (d, f) in shapes.items():
-        dt = torch.bfloat16 if dev == "cuda" else torch.float32
-        xs = [torch.randn(a.tokens, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3)]
-        dys = [torch.randn(a.tokens, d, device=dev, dtype=dt) * 1e-3 for _ in range(3)]
-
-        def make(recipe):
-            up = torch.nn.Linear(d, f, bias=False, device=dev)
-            down = torch.nn.Linear(f, d, bias=False, device=dev)
-            if recipe is None:
-                return up, down
-            r = get_recipe(recipe.removesuffix("-step"))
-            emulate = not check_supported(r, dev)[0] or dev == "cpu"
-            mods = (Float8Linear.from_linear(up, r, emulate=emulate),
-                    Float8Linear.from_linear(down, r, emulate=emulate))
-            if recipe.endswith("-step"):
-                for m in mods:
-                    m.scaling_update = "step"
-            return mods
-
-        # phase 1, one variant at a time: build it, its peak memory (as if it were alone: the
-        # variants built before it stay resident for the interleaved timing and are subtracted),
-        # its CUDA graphs
-        for x in xs:  # the inputs' gradients, accumulated by every variant, count as inputs
-            x.grad = torch.zeros_like(x)
+        try:
+            res += run_size(a, dev, size, d, f)
+        except torch.cuda.OutOfMemoryError as e:
+            # every variant (and with --cuda-graph its graphs' memory pools) stays resident while
+            # the variants are timed round-robin: say so, go on with the next size
+            failed[size] = (f"out of memory with all {1 + len(a.recipes.split(','))} variants resident"
+                            f"{' and their CUDA graphs' if a.cuda_graph else ''}: time fewer --recipes per run"
+                            f"{' or leave out --cuda-graph' if a.cuda_graph else ''} "
+                            f"({str(e).splitlines()[0][:160]})")
+            print(f"size {size}: {failed[size]}", file=sys.stderr)
+        gc.collect()
         if dev == "cuda":
-            torch.cuda.synchronize()
-        inputs_bytes = torch.cuda.memory_allocated() if dev == "cuda" else 0
-        steps, graphs, info = {}, {}, {}
-        for recipe in ["bf16"] + a.recipes.split(","):
-            others = 0
-            if dev == "cuda":
-                torch.cuda.synchronize()
-                others = torch.cuda.memory_allocated() - inputs_bytes  # the variants built before
-            up, down = make(None if recipe == "bf16" else recipe)
-            model = torch.nn.ModuleList([up, down])
-            state = {"capturing": False}
-
-            def step(i, up=up, down=down, model=model, state=state,
-                     step_sync=recipe != "bf16" and recipe.endswith("-step")):
-                # (no autocast weight-cast cache while a graph captures: its cached copies would be
-                # allocated inside the capture)
-                with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda",
-                                    cache_enabled=not state["capturing"]):
-                    y = down(torch.relu(up(xs[i])))
-                y.backward(dys[i])
-                if step_sync:
-                    sync_delayed_scaling(model)
-
-            if dev == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            for i in range(5):
-                step(i % 3)
-            if dev == "cuda":
-                torch.cuda.synchronize()
-            # the peak of the eager steps, read before any graph capture adds its private pool
-            peak = (torch.cuda.max_memory_allocated() - others) / 2**30 if dev == "cuda" else float("nan")
-            graph_err = []
-            if a.cuda_graph and dev == "cuda":
-                state["capturing"] = True
-                graphs[recipe] = capture_graphs(step, 3, errors=graph_err)
-                state["capturing"] = False
-            steps[recipe] = step
-            info[recipe] = {"peak": peak, "graph_err": graph_err, "state": state}
-        # phase 2: the timings, every variant in each of --rounds round-robin passes
-        times = bench_interleaved(steps, 3, dev, rounds=a.rounds, warmup=5, iters=a.iters,
-                                  window=a.window, b2b_warmup=2, graphs=graphs)
-        base = times["bf16"]
-        for recipe, step in steps.items():
-            t = times[recipe]
-            ms, ms_b2b, graph_ms = t["ms"], t["ms_b2b"], t["ms_graph"]
-            flops = 3 * 2 * 2 * a.tokens * d * f
-            res.append({"size": size, "recipe": recipe, "ms": ms, "tflops": flops / ms / 1e9,
-                        "speedup": base["ms"] / ms, "ms_b2b": ms_b2b, "speedup_b2b": base["ms_b2b"] / ms_b2b,
-                        "peak_gib": info[recipe]["peak"], "gpu": t["gpu"], "gpu_b2b": t["gpu_b2b"],
-                        "gpu_reason": t["gpu_reason"], "samples": t["samples"], "rounds": a.rounds})
-            if a.cuda_graph:
-                graph_err = info[recipe]["graph_err"]
-                res[-1].update(ms_graph=graph_ms,
-                               speedup_graph=(base["ms_graph"] / graph_ms if graph_ms and base["ms_graph"]
-                                              else None),
-                               graph_status="ok" if graph_ms else (graph_err[0] if graph_err else "CUDA only"))
-            if a.breakdown:
-                res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda", top=30)
-                res[-1]["timeline"] = gpu_timeline(step, 3) if dev == "cuda" else None
-                res[-1]["timeline_sync"] = gpu_timeline(step, 3, sync_each=True) if dev == "cuda" else None
-                g = graphs.get(recipe)
-                res[-1]["timeline_graph"] = gpu_timeline(lambda i, g=g: g[i].replay(), 3) if g else None
-        del steps, graphs, info
+            torch.cuda.empty_cache()
+    if not res:
+        print("nothing was timed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()), file=sys.stderr)
+        return 1
     rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
              f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x")
             + ((("-" if r["ms_graph"] is None else f"{r['ms_graph']:.2f}"),
@@ -204,9 +232,11 @@ def main(argv=None) -> int:
         print("\n" + timeline_table(timed, ["size", "recipe"], graph=a.cuda_graph))
     if a.out:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        json.dump({"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res},
-                  open(a.out, "w"), indent=2)
-    return 0
+        json.dump({"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res,
+                   "failed_sizes": failed}, open(a.out, "w"), indent=2)
+    if failed:
+        print("\nnot timed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
