@@ -109,20 +109,15 @@ def capture_graphs(fn: Callable[[int], object], n_inputs: int,
 
 
 def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30,
-                errors: Optional[list] = None, timeline: Optional[list] = None) -> Optional[float]:
+                errors: Optional[list] = None) -> Optional[float]:
     """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one captured graph per input
     set, :func:`capture_graphs`): the GPU time alone, without the host's launch and Python
     overhead that :func:`bench` includes. ``None`` where CUDA is unavailable or ``fn`` cannot be
-    captured (``errors``, if given, gets the reason appended). ``timeline``, if given, gets the
-    :func:`gpu_timeline` of the replays appended (the graphs' kernels and idle time, to set
-    against the eager step's)."""
+    captured (``errors``, if given, gets the reason appended)."""
     graphs = capture_graphs(fn, n_inputs, errors)
     if graphs is None:
         return None
-    ms = bench(lambda i: graphs[i].replay(), n_inputs, warmup=warmup, iters=iters, cuda=True)
-    if timeline is not None:
-        timeline.append(gpu_timeline(lambda i: graphs[i].replay(), n_inputs))
-    return ms
+    return bench(lambda i: graphs[i].replay(), n_inputs, warmup=warmup, iters=iters, cuda=True)
 
 
 def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, rounds: int,
@@ -143,7 +138,6 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
     rounds = max(1, rounds)
     per_sync = max(1, math.ceil(iters / rounds))
     per_b2b = max(1, math.ceil(max(3, iters // 2) / rounds))
-    per_graph = per_sync
     graphs = graphs or {}
     samples = {k: {"ms": [], "ms_b2b": [], "ms_graph": []} for k in fns}
     mons = {k: {"sync": GpuMonitor(device), "b2b": GpuMonitor(device)} for k in fns}
@@ -161,7 +155,7 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
             if graphs.get(k):
                 g = graphs[k]
                 samples[k]["ms_graph"] += bench_samples(lambda i, g=g: g[i].replay(), n_inputs,
-                                                        warmup=w, iters=per_graph, cuda=True)
+                                                        warmup=w, iters=per_sync, cuda=True)
     out = {}
     for k in fns:
         for kind in ("sync", "b2b"):  # the summaries over every block of this variant
@@ -656,15 +650,11 @@ def bench_with_gpu(fn: Callable[[int], object], n_inputs: int, device, *, warmup
     """The two timings the linear and layer benchmarks report, each under a :class:`GpuMonitor`:
     ``ms`` synchronised after every call (:func:`bench`, ``warmup`` calls first) and ``ms_b2b``
     per call of ``window`` calls queued back to back (``b2b_warmup`` calls first, half as many
-    samples, at least 3). Returns ``{"ms", "ms_b2b", "gpu", "gpu_b2b", "gpu_reason"}`` (the
-    monitors' summaries, and why the first recorded nothing, if it did not)."""
-    cuda = str(device).startswith("cuda")
-    with GpuMonitor(device) as mon:
-        ms = bench(fn, n_inputs, warmup=warmup, iters=iters, cuda=cuda)
-    with GpuMonitor(device) as mon_b2b:
-        ms_b2b = bench(fn, n_inputs, warmup=b2b_warmup, iters=max(3, iters // 2), cuda=cuda, window=window)
-    return {"ms": ms, "ms_b2b": ms_b2b, "gpu": mon.summary(), "gpu_b2b": mon_b2b.summary(),
-            "gpu_reason": mon.reason}
+    samples, at least 3) — :func:`bench_interleaved` of this one variant. Returns ``{"ms",
+    "ms_b2b", "gpu", "gpu_b2b", "gpu_reason"}`` (the monitors' summaries, and why the first
+    recorded nothing, if it did not), with its ``ms_graph`` (None) and ``samples``."""
+    return bench_interleaved({"": fn}, n_inputs, device, rounds=1, warmup=warmup, iters=iters,
+                             window=window, b2b_warmup=b2b_warmup)[""]
 
 
 def gpu_cell(s: Optional[dict]) -> str:

@@ -125,7 +125,7 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
             graphs[recipe] = capture_graphs(step, 3, errors=graph_err)
             state["capturing"] = False
         steps[recipe] = step
-        info[recipe] = {"peak": peak, "graph_err": graph_err, "state": state}
+        info[recipe] = {"peak": peak, "graph_err": graph_err}
     # phase 2: the timings, every variant in each of --rounds round-robin passes
     times = bench_interleaved(steps, 3, dev, rounds=a.rounds, warmup=5, iters=a.iters,
                               window=a.window, b2b_warmup=2, graphs=graphs)
