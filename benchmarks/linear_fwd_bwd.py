@@ -35,6 +35,14 @@ GPU's time alone, without the host's Python, autograd and launch overhead, as a 
 with CUDA graphs (Megatron's ``--enable-cuda-graph``, ``torch.compile(mode="reduce-overhead")``)
 runs it. It separates what the host costs from what the kernels cost; a variant that cannot be
 captured says why instead of giving a number.
+``--fused-wgrad`` adds, for BF16 and every recipe, a variant ``<name>+fused`` whose weight
+gradients accumulate inside the wgrad GEMM (Megatron's ``gradient_accumulation_fusion``): the FP8
+linears through :func:`nemo_fp8_recipes.nn.set_wgrad_accumulation_fusion` (cuBLASLt FP8 GEMM with
+``beta = 1`` into the FP32 ``weight.grad``), BF16 through ``torch.addmm(..., out_dtype=float32)``
+into it. The step keeps accumulating into the same gradients (as micro-batches of one optimizer
+step do), so every step after the first pays the accumulation: unfused, as a separate kernel over
+the FP32 gradient. "vs BF16" stays the ratio to plain BF16; the column "vs BF16+fused" compares
+with the fused BF16 baseline, like for like.
 ``--smoke``: tiny emulated CPU run for CI (no timing claims).
 """
 
@@ -52,10 +60,43 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (bench_interleaved, capture_graphs, device_time_breakdown, gpu_cell,  # noqa: E402
                      gpu_timeline, table, timeline_table)
 
-from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling  # noqa: E402
+from nemo_fp8_recipes.nn import Float8Linear, set_wgrad_accumulation_fusion, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
 
 SHAPES = {"8b": (4096, 14336), "70b": (8192, 28672), "405b": (16384, 53248)}
+FUSED = "+fused"
+
+
+class _BF16FusedLinearFn(torch.autograd.Function):
+    """BF16 ``x · Wᵀ`` (the FP32 weight cast to BF16, as autocast casts it) whose weight gradient
+    is added into an existing FP32 ``weight.grad`` by the GEMM (``addmm`` with an FP32 output):
+    the BF16 baseline with gradient-accumulation fusion."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        w16 = weight.to(x.dtype)
+        ctx.save_for_backward(x, w16)
+        ctx.weight = weight
+        return x @ w16.t()
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w16 = ctx.saved_tensors
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        g = ctx.weight.grad
+        dx = dy @ w16 if ctx.needs_input_grad[0] else None
+        if g is None:
+            return dx, torch.mm(dy2.t(), x2, out_dtype=torch.float32) if dy2.is_cuda else dy2.t().float() @ x2.float()
+        if dy2.dtype == g.dtype:
+            g.addmm_(dy2.t(), x2)
+        else:
+            torch.addmm(g, dy2.t(), x2, out_dtype=torch.float32, out=g)
+        return dx, None
+
+
+class _BF16FusedLinear(torch.nn.Linear):
+    def forward(self, x):
+        return _BF16FusedLinearFn.apply(x, self.weight)
 
 
 def run_size(a, dev: str, size: str, d: int, f: int) -> list:
@@ -68,9 +109,12 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
     dys = [torch.randn(a.tokens, d, device=dev, dtype=dt) * 1e-3 for _ in range(3)]
 
     def make(recipe):
-        up = torch.nn.Linear(d, f, bias=False, device=dev)
-        down = torch.nn.Linear(f, d, bias=False, device=dev)
-        if recipe is None:
+        fused = recipe.endswith(FUSED)
+        recipe = recipe.removesuffix(FUSED)
+        cls = _BF16FusedLinear if fused and recipe == "bf16" else torch.nn.Linear
+        up = cls(d, f, bias=False, device=dev)
+        down = cls(f, d, bias=False, device=dev)
+        if recipe == "bf16":
             return up, down
         r = get_recipe(recipe.removesuffix("-step"))
         emulate = not check_supported(r, dev)[0] or dev == "cpu"
@@ -79,6 +123,8 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
         if recipe.endswith("-step"):
             for m in mods:
                 m.scaling_update = "step"
+        if fused:
+            set_wgrad_accumulation_fusion(torch.nn.ModuleList(mods))
         return mods
 
     # phase 1, one variant at a time: build it, its peak memory (as if it were alone: the
@@ -90,12 +136,12 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
         torch.cuda.synchronize()
     inputs_bytes = torch.cuda.memory_allocated() if dev == "cuda" else 0
     steps, graphs, info = {}, {}, {}
-    for recipe in ["bf16"] + a.recipes.split(","):
+    for recipe in variants(a):
         others = 0
         if dev == "cuda":
             torch.cuda.synchronize()
             others = torch.cuda.memory_allocated() - inputs_bytes  # the variants built before
-        up, down = make(None if recipe == "bf16" else recipe)
+        up, down = make(recipe)
         model = torch.nn.ModuleList([up, down])
         state = {"capturing": False}
 
@@ -130,12 +176,15 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
     times = bench_interleaved(steps, 3, dev, rounds=a.rounds, warmup=5, iters=a.iters,
                               window=a.window, b2b_warmup=2, graphs=graphs)
     base = times["bf16"]
+    base_fused = times.get("bf16" + FUSED)
     for recipe, step in steps.items():
         t = times[recipe]
         ms, ms_b2b, graph_ms = t["ms"], t["ms_b2b"], t["ms_graph"]
         flops = 3 * 2 * 2 * a.tokens * d * f
         res.append({"size": size, "recipe": recipe, "ms": ms, "tflops": flops / ms / 1e9,
                     "speedup": base["ms"] / ms, "ms_b2b": ms_b2b, "speedup_b2b": base["ms_b2b"] / ms_b2b,
+                    "speedup_vs_bf16_fused": base_fused["ms"] / ms if base_fused else None,
+                    "speedup_b2b_vs_bf16_fused": base_fused["ms_b2b"] / ms_b2b if base_fused else None,
                     "peak_gib": info[recipe]["peak"], "gpu": t["gpu"], "gpu_b2b": t["gpu_b2b"],
                     "gpu_reason": t["gpu_reason"], "samples": t["samples"], "rounds": a.rounds})
         if a.cuda_graph:
@@ -151,6 +200,12 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
             g = graphs.get(recipe)
             res[-1]["timeline_graph"] = gpu_timeline(lambda i, g=g: g[i].replay(), 3) if g else None
     return res
+
+
+def variants(a) -> list:
+    """BF16 first, then the recipes; with --fused-wgrad each followed by its fused variant."""
+    names = ["bf16"] + [r for r in a.recipes.split(",") if r]
+    return [v for n in names for v in ((n, n + FUSED) if a.fused_wgrad else (n,))]
 
 
 def main(argv=None) -> int:
@@ -178,6 +233,9 @@ def main(argv=None) -> int:
                    help="also profile each variant and report device time per kernel class "
                         "(GEMM / Triton quantisers / other) and the top kernels, and trace the GPU's "
                         "timeline (busy and idle time per step, back to back and synchronised)")
+    p.add_argument("--fused-wgrad", action="store_true",
+                   help="also time every variant (BF16 included) with its weight-gradient accumulation "
+                        "fused into the wgrad GEMM ('<name>+fused'; see above)")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -191,7 +249,7 @@ def main(argv=None) -> int:
         except torch.cuda.OutOfMemoryError as e:
             # every variant (and with --cuda-graph its graphs' memory pools) stays resident while
             # the variants are timed round-robin: say so, go on with the next size
-            failed[size] = (f"out of memory with all {1 + len(a.recipes.split(','))} variants resident"
+            failed[size] = (f"out of memory with all {len(variants(a))} variants resident"
                             f"{' and their CUDA graphs' if a.cuda_graph else ''}: time fewer --recipes per run"
                             f"{' or leave out --cuda-graph' if a.cuda_graph else ''} "
                             f"({str(e).splitlines()[0][:160]})")
@@ -204,6 +262,7 @@ def main(argv=None) -> int:
         return 1
     rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
              f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x")
+            + ((f"{r['speedup_b2b_vs_bf16_fused']:.2f}x",) if a.fused_wgrad else ())
             + ((("-" if r["ms_graph"] is None else f"{r['ms_graph']:.2f}"),
                 ("-" if r["speedup_graph"] is None else f"{r['speedup_graph']:.2f}x")) if a.cuda_graph else ())
             + (f"{r['peak_gib']:.1f}", gpu_cell(r["gpu"]), gpu_cell(r["gpu_b2b"])) for r in res]
@@ -213,6 +272,7 @@ def main(argv=None) -> int:
     print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd{no_gpu_log}\n")
     print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16",
                  f"ms/step, {a.window} back to back", "vs BF16, back to back"]
+                + (["vs BF16+fused, back to back"] if a.fused_wgrad else [])
                 + (["ms, CUDA graph", "vs BF16, CUDA graph"] if a.cuda_graph else [])
                 + ["peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)"], rows))
     failed_graphs = [r for r in res if a.cuda_graph and r["graph_status"] != "ok"]

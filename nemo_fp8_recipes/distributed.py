@@ -147,6 +147,11 @@ def wrap_model(model: nn.Module, mode: str, ctx: DistContext, *, find_unused_par
         raise ValueError(f"unknown data-parallel mode {mode!r}; valid modes: {', '.join(DATA_PARALLEL_MODES)}")
     if not ctx.distributed:
         return model
+    fused = [fqn for fqn, m in model.named_modules() if getattr(m, "fuse_wgrad_accumulation", False)]
+    if fused:
+        raise ValueError(f"{len(fused)} FP8 linears (e.g. {fused[0]!r}) fuse their weight-gradient accumulation into "
+                         f"the GEMM, which skips the gradient hooks {mode} reduces with; call "
+                         "set_wgrad_accumulation_fusion(model, False) before wrap_model")
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -61,16 +61,21 @@ def test_linear_breakdown_attributes_the_step_to_kernel_classes(tmp_path):
 
 
 def test_linear_benchmark_cuda_graph_column(tmp_path):
-    """``linear_fwd_bwd.py --cuda-graph``: every variant gets a CUDA-graph time and its ratio on a
-    GPU, or (CPU) no number and the reason, listed under the table."""
+    """``linear_fwd_bwd.py --cuda-graph --fused-wgrad``: every variant gets a CUDA-graph time and
+    its ratio on a GPU, or (CPU) no number and the reason, listed under the table; the fused
+    variants follow their unfused ones and get the like-for-like ratio."""
     import torch
 
     out = tmp_path / "r.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_fwd_bwd.py"), "--smoke", "--cuda-graph",
-                           "--recipes", "tensorwise", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                           "--fused-wgrad", "--recipes", "tensorwise", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
-    assert [r["recipe"] for r in rows] == ["bf16", "tensorwise"] and "CUDA graph" in proc.stdout
+    assert [r["recipe"] for r in rows] == ["bf16", "bf16+fused", "tensorwise", "tensorwise+fused"]
+    assert "CUDA graph" in proc.stdout and "vs BF16+fused" in proc.stdout
+    fused_base = next(r for r in rows if r["recipe"] == "bf16+fused")
+    assert abs(fused_base["speedup_b2b_vs_bf16_fused"] - 1.0) < 1e-9
     for r in rows:
         if torch.cuda.is_available():
             assert r["graph_status"] == "ok" and r["ms_graph"] > 0 and r["speedup_graph"] > 0

@@ -169,9 +169,9 @@ def test_both_copies_from_one_read(tk, fmt, group, rounding, shape):
 def test_group_scale_grids_are_written_outer_dim_major(tk, group, rounding):
     """Every 1xN quantiser (rows, transposed columns, both from one read, the RMSNorm's row
     codes) writes its ``[rows, groups]`` scale grid with strides ``(1, rows)`` — the layout the
-    block-scaled GEMM reads — so ``gemm._outer_major`` hands it over without a copy; the values
+    block-scaled GEMM reads — so ``gemm.outer_major`` hands it over without a copy; the values
     are the reference's (the other tests here)."""
-    from nemo_fp8_recipes.quant.gemm import _outer_major
+    from nemo_fp8_recipes.quant.gemm import outer_major
 
     x = structured(200, 384, seed=3).to(DEV, torch.bfloat16)
     qs = [tk.quantize_rows(x, "e4m3", group, rounding), tk.quantize_cols_t(x, "e4m3", group, rounding),
@@ -182,7 +182,7 @@ def test_group_scale_grids_are_written_outer_dim_major(tk, group, rounding):
         grids = [q.scale_inv] + ([q.scale_e8m0] if q.scale_e8m0 is not None else [])
         for g in grids:
             assert g.shape == (rows, -(-q.data.shape[1] // group)) and g.stride() == (1, rows), g.stride()
-        assert _outer_major(q.scale_inv).data_ptr() == q.scale_inv.data_ptr()
+        assert outer_major(q.scale_inv).data_ptr() == q.scale_inv.data_ptr()
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

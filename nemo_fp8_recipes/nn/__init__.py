@@ -11,6 +11,7 @@ from .convert import (
     reset_gemm_counts,
     set_amax_reduce_fn,
     set_telemetry,
+    set_wgrad_accumulation_fusion,
 )
 from .linear import Float8Linear
 from .scaling import set_delayed_scaling_update, sync_delayed_scaling
@@ -28,5 +29,6 @@ __all__ = [
     "set_amax_reduce_fn",
     "set_delayed_scaling_update",
     "set_telemetry",
+    "set_wgrad_accumulation_fusion",
     "sync_delayed_scaling",
 ]

@@ -314,6 +314,30 @@ def set_telemetry(model: nn.Module, enabled: bool = True) -> None:
             m._telemetry = {}
 
 
+def set_wgrad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> int:
+    """Fuse each Float8Linear's weight-gradient accumulation into its wgrad GEMM (Megatron's
+    ``gradient_accumulation_fusion``, Transformer Engine's ``fuse_wgrad_accumulation``): when
+    ``weight.grad`` already holds a gradient (the second and later micro-batches of a
+    gradient-accumulation step, or ``zero_grad(set_to_none=False)``), the GEMM adds ``dYᵀ · X``
+    into it in place (cuBLASLt, ``beta = 1``) instead of returning a new FP32 tensor of the
+    weight's size for autograd to add — one pass over the gradient instead of three, and no
+    weight-sized temporary. The first micro-batch after ``zero_grad()`` (``set_to_none``) runs
+    as before. Eager path only (a compiled model keeps its traced FP8 linears, which return the
+    gradient); FP32 gradients only (master weights).
+
+    Because the gradient is added inside the GEMM, autograd's AccumulateGrad does not run for
+    the weight: hooks registered on it (DDP's and FSDP's gradient reduction,
+    ``register_post_accumulate_grad_hook``) would be skipped. So it is for one process or a
+    loop that reduces gradients itself; :func:`nemo_fp8_recipes.distributed.wrap_model` refuses
+    a model that has it on, and a module whose weight has post-accumulate-grad hooks raises.
+    ``torch.autograd.grad`` and ``backward(inputs=...)`` without the weight are detected and get
+    the usual returned gradient. Returns the number of modules set."""
+    mods = fp8_modules(model).values()
+    for m in mods:
+        m.fuse_wgrad_accumulation = bool(enabled)
+    return len(mods)
+
+
 def _group_of(fqn: str, role: str) -> str:
     parts = fqn.split(".")
     if "experts" in parts or "local_experts" in parts:

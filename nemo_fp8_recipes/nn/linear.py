@@ -324,10 +324,12 @@ def _fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple
 
 
 def _grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_operand,
-           need_dx: Optional[bool] = None):
+           need_dx: Optional[bool] = None, accumulate_into: Optional[torch.Tensor] = None):
     """dgrad and wgrad (each only if needed) and the bias gradient from ``dy`` and the tensors
     :func:`_fprop` saved: returns ``(dx, dw, db)``, None for a gradient not needed (``need_dx``:
-    whether dgrad runs; default: whether the input needs a gradient)."""
+    whether dgrad runs; default: whether the input needs a gradient). ``accumulate_into``: an
+    FP32 gradient the wgrad is added into in place (:func:`_accumulate_wgrad`), which is then
+    returned as ``dw``."""
     if need_dx is None:
         need_dx = ctx.needs_input_grad[0]
     dy2 = dy.reshape(-1, dy.shape[-1])
@@ -348,7 +350,10 @@ def _grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_o
             fast_accum=recipe.dgrad.fast_accum,
         )[: ctx.m]
         dx = dx.reshape(ctx.in_shape)
-    if need_w:
+    if need_w and accumulate_into is not None:
+        dw = _accumulate_wgrad(qdy_wgrad, saved_qx, accumulate_into, emulate=emulate,
+                               fast_accum=recipe.wgrad.fast_accum)
+    elif need_w:
         dw = scaled_matmul(
             qdy_wgrad, saved_qx, emulate=emulate, out_dtype=torch.float32,
             fast_accum=recipe.wgrad.fast_accum,
@@ -356,6 +361,53 @@ def _grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_o
     if ctx.has_bias and ctx.needs_input_grad[2]:
         db = dy2[: ctx.m].float().sum(0)
     return dx, dw, db
+
+
+def _accumulate_wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, grad: torch.Tensor, *, emulate: bool,
+                      fast_accum: bool) -> torch.Tensor:
+    """``grad += dYᵀ · X`` in FP32, in place. Real per-tensor and blockwise GEMMs add in the GEMM
+    itself (cuBLASLt with ``beta = 1``: :func:`~nemo_fp8_recipes.quant.cublaslt.fp8_matmul_accumulate`),
+    so the weight-sized FP32 product is never written; emulation and real MXFP8 (whose E8M0 GEMM
+    has no accumulating form here) compute the product and add it."""
+    per_tensor = qdy.block is None and qx.block is None
+    blocks = qdy.block == (1, 128) and qx.block == (1, 128)
+    if not emulate and (per_tensor or blocks):
+        from ..quant.cublaslt import fp8_matmul_accumulate
+        from ..quant.gemm import outer_major
+
+        def scale(q):
+            return q.scale_inv.float() if per_tensor else outer_major(q.scale_inv.float())
+
+        return fp8_matmul_accumulate(qdy.data, scale(qdy), qx.data, scale(qx), grad, block=blocks,
+                                     fast_accum=fast_accum and per_tensor)
+    return grad.add_(scaled_matmul(qdy, qx, emulate=emulate, out_dtype=torch.float32, fast_accum=fast_accum))
+
+
+def _wgrad_target(mod: "Float8Linear", ctx) -> Optional[torch.Tensor]:
+    """The gradient a fused wgrad accumulates into (:attr:`Float8Linear.fuse_wgrad_accumulation`):
+    ``weight.grad`` when it exists and this backward (a ``.backward()``, not ``autograd.grad`` or
+    a ``backward(inputs=...)`` that leaves the weight out; no ``create_graph``) is going to
+    accumulate into it; else None (the wgrad is returned to autograd as usual)."""
+    w = mod.weight
+    g = w.grad
+    if g is None or not ctx.needs_input_grad[1] or torch.is_grad_enabled():
+        return None
+    node = mod._grad_accumulator()
+    try:
+        if not torch._C._will_engine_execute_node(node):
+            return None
+    except RuntimeError:  # autograd.grad(): gradients are returned, not accumulated
+        return None
+    if getattr(w, "_post_accumulate_grad_hooks", None):
+        raise RuntimeError(
+            f"{mod.fqn or 'Float8Linear'}: fuse_wgrad_accumulation adds the weight gradient inside the GEMM, "
+            "so the weight's post-accumulate-grad hooks would never run; turn it off for this module")
+    if g.dtype != torch.float32 or g.shape != w.shape or not g.is_contiguous() or g.device != w.device:
+        raise RuntimeError(
+            f"{mod.fqn or 'Float8Linear'}: fuse_wgrad_accumulation accumulates into a contiguous float32 "
+            f"weight.grad of shape {tuple(w.shape)} on {w.device}; got {g.dtype} {tuple(g.shape)} on {g.device}"
+            f"{'' if g.is_contiguous() else ' (not contiguous)'} — keep FP32 master weights, or turn it off")
+    return g
 
 
 class _Float8LinearFn(torch.autograd.Function):
@@ -393,12 +445,15 @@ def _module_grads(ctx, dy, saved, need_dx: Optional[bool] = None):
     """The eager autograd functions' dgrad/wgrad (:func:`_grads` with the module's quantisers),
     counted."""
     mod: Float8Linear = ctx.mod
+    into = _wgrad_target(mod, ctx) if mod.fuse_wgrad_accumulation else None
     dx, dw, db = _grads(ctx, dy, saved, recipe=mod.recipe, emulate=mod.emulate, w_dtype=ctx.w_dtype,
-                        quantize_operand=mod._quantize_operand, need_dx=need_dx)
+                        quantize_operand=mod._quantize_operand, need_dx=need_dx, accumulate_into=into)
     if dx is not None:
         mod._count("dgrad")
     if dw is not None:
         mod._count("wgrad")
+        if dw is into:  # already in weight.grad: autograd gets no gradient to add
+            dw = None
     return dx, dw, db
 
 
@@ -538,10 +593,18 @@ class Float8Linear(nn.Linear):
             # the hot path never reads the device)
             self.register_buffer("fp8_pending", torch.zeros(3, device=dev))
         self._pending = [False, False, False]
+        self.fuse_wgrad_accumulation = False
 
     def extra_repr(self) -> str:
         mode = "emulated" if self.emulate else "real"
-        return f"{super().extra_repr()}, recipe={self.recipe.name}, {mode}"
+        fused = ", fuse_wgrad_accumulation" if self.fuse_wgrad_accumulation else ""
+        return f"{super().extra_repr()}, recipe={self.recipe.name}, {mode}{fused}"
+
+    def _grad_accumulator(self):
+        """The weight's AccumulateGrad node, looked up each time: it changes when the weight's
+        data is replaced with another dtype or device (``module.to(...)``)."""
+        with torch.enable_grad():  # (called from backward, where grad mode is off)
+            return self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
 
     # ---- delayed scaling ---------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):

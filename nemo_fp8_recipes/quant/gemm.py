@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .reference import QuantizedTensor
 
-__all__ = ["blockwise_matmul", "scaled_matmul", "emulated_matmul", "real_matmul", "to_blocked_e8m0"]
+__all__ = ["blockwise_matmul", "outer_major", "scaled_matmul", "emulated_matmul", "real_matmul", "to_blocked_e8m0"]
 
 
 def emulated_matmul(
@@ -62,7 +62,7 @@ def _pad_rows(t: torch.Tensor, mult: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros((pad,) + tuple(t.shape[1:]))], dim=0)
 
 
-def _outer_major(s: torch.Tensor) -> torch.Tensor:
+def outer_major(s: torch.Tensor) -> torch.Tensor:
     """Same values, column-major strides (1, rows): the layout cuBLAS wants for block scales
     (no copy for a grid already laid out so, :func:`~.reference.scale_grid`)."""
     return s.t().contiguous().t()
@@ -187,13 +187,13 @@ def blockwise_matmul(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: to
         recipe_b = "BlockWise128x128"
     else:
         # 1x128 x 1x128 (wgrad): scale_b shape (N, K/128), outer-dim major like scale_a
-        sb = _outer_major(b_scale_inv.float())
+        sb = outer_major(b_scale_inv.float())
         recipe_b = "BlockWise1x128"
     if _has_v2():
         out = F.scaled_mm(
             a_data,
             b_data.contiguous().t(),
-            _outer_major(sa),
+            outer_major(sa),
             F.ScalingType.BlockWise1x128,
             sb,
             getattr(F.ScalingType, recipe_b),
@@ -204,7 +204,7 @@ def blockwise_matmul(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: to
         out = torch._scaled_mm(
             a_data,
             b_data.contiguous().t(),
-            scale_a=_outer_major(sa),
+            scale_a=outer_major(sa),
             scale_b=sb,
             out_dtype=out_dtype,
             use_fast_accum=False,
