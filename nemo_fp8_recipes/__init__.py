@@ -19,6 +19,7 @@ from .nn import (
     set_amax_reduce_fn,
     set_delayed_scaling_update,
     set_telemetry,
+    set_wgrad_accumulation_fusion,
     sync_delayed_scaling,
 )
 from .integrations.megatron import megatron_config
@@ -57,6 +58,7 @@ __all__ = [
     "set_amax_reduce_fn",
     "set_delayed_scaling_update",
     "set_telemetry",
+    "set_wgrad_accumulation_fusion",
     "sync_delayed_scaling",
     "to_te_recipe",
     "validate",

@@ -379,6 +379,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     from omegaconf import OmegaConf
 
     from .nn import (audit, collect_telemetry, convert_model, set_delayed_scaling_update, set_telemetry,
+                     set_wgrad_accumulation_fusion,
                      sync_delayed_scaling)
     from .recipes import describe_device, require_supported, uses_real_fp8_gemm
 
@@ -461,6 +462,13 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     convert_model(raw_model, recipe, policy)
     # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
     set_delayed_scaling_update(raw_model, "step")
+    if tcfg.fuse_wgrad_accumulation:
+        if ctx.distributed:
+            raise ConfigError(f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks {tcfg.data_parallel} "
+                              f"reduces with ({ctx.world_size} ranks); set it to false under torchrun")
+        n_fused = set_wgrad_accumulation_fusion(raw_model)
+        log.info("fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 gradients "
+                 "inside the wgrad GEMM", n_fused, max(accum, 2))
     dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
                           find_unused_parameters=mcfg.arch == "moe")  # unrouted experts get no grad
     optimizer, scheduler = _build_optimizer(dp_model, tcfg, device)

@@ -83,6 +83,7 @@ class TrainerConfig:
     max_skipped_steps: int
     progress: bool
     data_parallel: str = "ddp"
+    fuse_wgrad_accumulation: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -113,6 +114,9 @@ class TrainerConfig:
         need(bool(self.resume), "resume must be auto, never or a checkpoint path")
         need(self.data_parallel in ("ddp", "fsdp2"),
              f"data_parallel={self.data_parallel!r} is not valid; choose one of: ddp, fsdp2")
+        need(not (self.fuse_wgrad_accumulation and self.compile),
+             "fuse_wgrad_accumulation=true applies to the eager FP8 linears, and trainer.compile=true traces "
+             "them (the traced linears return their gradients); turn one of the two off")
 
     @property
     def grad_accum(self) -> int:

@@ -340,3 +340,19 @@ def test_gpu_mxfp8_on_hopper_needs_emulate(tmp_path, token_cache, capsys):
     result = train(compose_config(base + ["recipe.emulate=true"]))
     assert "(emulated)" in result.audit_table
     assert result.history[-1]["loss"] < result.history[0]["loss"]
+
+
+def test_fused_wgrad_accumulation_trains_like_unfused(tmp_path, token_cache):
+    """``trainer.fuse_wgrad_accumulation=true`` with two micro-batches per step: the second adds
+    into the FP32 gradients inside the wgrad GEMM (emulated on CPU: the same FP32 add), so the
+    run is the unfused run, loss for loss; under compile it is refused with the fix."""
+    args = ["recipe=tensorwise", "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0",
+            "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.checkpoint=false"]
+    plain = train(_cfg(tmp_path / "plain", token_cache, *args))
+    fused = train(_cfg(tmp_path / "fused", token_cache, *args, "trainer.fuse_wgrad_accumulation=true"))
+    assert fused.losses == plain.losses
+    from nemo_fp8_recipes.nn import fp8_modules
+
+    assert all(m.fuse_wgrad_accumulation for m in fp8_modules(fused.model).values())
+    with pytest.raises(ValueError, match="turn one of the two off"):
+        train(_cfg(tmp_path / "c", token_cache, *args, "trainer.fuse_wgrad_accumulation=true", "trainer.compile=true"))
