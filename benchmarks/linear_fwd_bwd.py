@@ -238,6 +238,9 @@ def main(argv=None) -> int:
                         "fused into the wgrad GEMM ('<name>+fused'; see above)")
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
+    if a.fused_wgrad and torch.torch_version.TorchVersion(torch.__version__) < (2, 8):
+        p.error(f"--fused-wgrad needs torch >= 2.8 (its BF16 baseline uses mm/addmm with out_dtype); "
+                f"this is {torch.__version__}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = {k: SHAPES[k] for k in a.sizes.split(",")}
     if a.smoke:

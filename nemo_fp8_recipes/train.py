@@ -467,8 +467,12 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
             raise ConfigError(f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks {tcfg.data_parallel} "
                               f"reduces with ({ctx.world_size} ranks); set it to false under torchrun")
         n_fused = set_wgrad_accumulation_fusion(raw_model)
-        log.info("fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 gradients "
-                 "inside the wgrad GEMM", n_fused, max(accum, 2))
+        if accum > 1:
+            log.info("fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 gradients "
+                     "inside the wgrad GEMM", n_fused, accum)
+        else:
+            log.warning("trainer.fuse_wgrad_accumulation=true has nothing to fuse with one micro-batch per step "
+                        "(global_batch_size = micro_batch_size): every backward starts from zeroed gradients")
     dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
                           find_unused_parameters=mcfg.arch == "moe")  # unrouted experts get no grad
     optimizer, scheduler = _build_optimizer(dp_model, tcfg, device)

@@ -28,6 +28,18 @@ def _micro_batches(n, device="cpu", dtype=torch.float32, rows=M):
             for i in range(n)]
 
 
+def _count_calls(monkeypatch, module, fn_name: str) -> list:
+    """Wrap ``module.fn_name`` (the real function still runs) and list its calls."""
+    calls, real = [], getattr(module, fn_name)
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, fn_name, counted)
+    return calls
+
+
 def _accumulate_grad_inputs(mod) -> list:
     """What autograd hands the weight's AccumulateGrad each backward: a gradient, or none
     (the wgrad GEMM already added it)."""
@@ -93,19 +105,31 @@ def test_first_micro_batch_after_zero_grad_runs_unfused():
 
 
 def test_refusals_name_the_fix():
-    _, fused = _pair("tensorwise")
+    plain, fused = _pair("tensorwise")
     (x, dy), = _micro_batches(1)
-    fused.to(torch.bfloat16)  # BF16 parameters, BF16 gradients: not accumulated in FP32
+    # BF16 parameters (BF16 gradients, not accumulated in FP32): refused when set ...
+    plain.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="accumulates FP32 gradients.*bfloat16; keep FP32 master weights"):
+        set_wgrad_accumulation_fusion(plain)
+    assert not plain.fuse_wgrad_accumulation
+    # ... and in backward when the weights became BF16 afterwards (micro-batch 2: the first has no .grad)
+    fused.to(torch.bfloat16)
     fused(x.bfloat16()).backward(dy.bfloat16())
-    with pytest.raises(RuntimeError, match="contiguous float32 weight.grad.*keep FP32 master weights"):
+    with pytest.raises(RuntimeError, match="accumulates FP32 gradients.*bfloat16"):
         fused(x.bfloat16()).backward(dy.bfloat16())
     fused.float()
     fused.weight.grad = None
-    handle = fused.weight.register_post_accumulate_grad_hook(lambda p: None)
-    fused(x).backward(dy)  # first micro-batch: AccumulateGrad runs, the hook with it
-    with pytest.raises(RuntimeError, match="post-accumulate-grad hooks would never run"):
-        fused(x).backward(dy)
-    handle.remove()
+    # gradient hooks on the weight would not see the gradient: refused when set and in backward
+    for register in (fused.weight.register_hook, fused.weight.register_post_accumulate_grad_hook):
+        handle = register(lambda g: None)
+        with pytest.raises(RuntimeError, match="hooks would never see it"):
+            set_wgrad_accumulation_fusion(fused)
+        fused.weight.grad = None
+        fused(x).backward(dy)  # first micro-batch: AccumulateGrad runs, the hook with it
+        with pytest.raises(RuntimeError, match=r"register_\w*hook hooks would never see it"):
+            fused(x).backward(dy)
+        handle.remove()
+    fused.weight.grad = None
     model = torch.nn.Sequential(fused)
     with pytest.raises(ValueError, match=r"set_wgrad_accumulation_fusion\(model, False\)"):
         wrap_model(model, "ddp", DistContext(world_size=2))
@@ -180,7 +204,7 @@ def test_cublaslt_accumulate_matches_float64(name):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tensorwise", "delayed", "blockwise"])
-def test_fused_real_gemm_accumulates_like_autograd(name):
+def test_fused_real_gemm_accumulates_like_autograd(name, monkeypatch):
     """Real FP8 linears on the GPU: three micro-batches with fused accumulation give the
     gradient autograd accumulates (one rounding instead of two per add: within 1e-6)."""
     _gpu_or_skip()
@@ -189,12 +213,16 @@ def test_fused_real_gemm_accumulates_like_autograd(name):
     ok, why = check_supported(get_recipe(name), "cuda")
     if not ok:
         pytest.skip(why)
+    from nemo_fp8_recipes.quant import cublaslt
+
     plain, fused = _pair(name, device="cuda", emulate=False)
     got = _accumulate_grad_inputs(fused)
+    gemms = _count_calls(monkeypatch, cublaslt, "fp8_matmul_accumulate")
     for x, dy in _micro_batches(3, device="cuda", dtype=torch.bfloat16, rows=512):
         for mod in (plain, fused):
             mod(x).backward(dy)
-    assert got == ["gradient", "none", "none"]  # micro-batches 2 and 3 added inside the GEMM
+    assert got == ["gradient", "none", "none"]  # micro-batches 2 and 3 added inside the GEMM ...
+    assert [c["block"] for c in gemms] == [name == "blockwise"] * 2  # ... the cuBLASLt one
     err = ((fused.weight.grad - plain.weight.grad).norm() / plain.weight.grad.norm()).item()
     assert err < 1e-6, f"{name}: fused vs autograd accumulation, rel. error {err:.3g}"
     assert fused.gemm_counts["wgrad"] == 3

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..policy import GEMM_ROLES, HIGH_PRECISION_ROLES, Decision, PrecisionPolicy, Role, layer_index
 from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
-from .linear import Float8Linear
+from .linear import Float8Linear, check_wgrad_fusion
 
 __all__ = [
     "convert_model",
@@ -329,10 +329,15 @@ def set_wgrad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> int
     the weight: hooks registered on it (DDP's and FSDP's gradient reduction,
     ``register_post_accumulate_grad_hook``) would be skipped. So it is for one process or a
     loop that reduces gradients itself; :func:`nemo_fp8_recipes.distributed.wrap_model` refuses
-    a model that has it on, and a module whose weight has post-accumulate-grad hooks raises.
+    a model that has it on.
     ``torch.autograd.grad`` and ``backward(inputs=...)`` without the weight are detected and get
-    the usual returned gradient. Returns the number of modules set."""
+    the usual returned gradient. Weights that are not FP32 and weights with gradient hooks
+    (``register_hook``, ``register_post_accumulate_grad_hook``) are refused here and, for hooks
+    added later, in backward. Returns the number of modules set."""
     mods = fp8_modules(model).values()
+    if enabled:
+        for m in mods:  # (checked again in backward: hooks can be added later)
+            check_wgrad_fusion(m)
     for m in mods:
         m.fuse_wgrad_accumulation = bool(enabled)
     return len(mods)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections import OrderedDict
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -67,7 +68,8 @@ _LIB: Optional[ctypes.CDLL] = None
 _LIB_PATH: Optional[str] = None
 _HANDLES: Dict[int, ctypes.c_void_p] = {}
 _WORKSPACES: Dict[Tuple[int, int], torch.Tensor] = {}
-_PLANS: Dict[tuple, "_Plan"] = {}
+_PLANS: "OrderedDict[tuple, _Plan]" = OrderedDict()
+_MAX_PLANS = 256  # shapes kept (token counts vary with MoE routing or packing): least recently used go
 
 
 def _mapped_cublaslt() -> Optional[str]:
@@ -120,6 +122,9 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_Heuristic),
                                            ctypes.POINTER(i32)],
         "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp],
+        "cublasLtMatmulPreferenceDestroy": [vp],
+        "cublasLtMatmulDescDestroy": [vp],
+        "cublasLtMatrixLayoutDestroy": [vp],
     }
     for name, args in sigs.items():
         fn = getattr(lib, name)
@@ -167,9 +172,9 @@ class _Plan:
         _set(set_desc, self.desc, _DESC_TRANSA, ctypes.c_int32(_OP_T))
         _set(set_desc, self.desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
         _set(set_desc, self.desc, _DESC_FAST_ACCUM, ctypes.c_int8(1 if fast_accum else 0))
-        mode = _SCALE_VEC128_32F if block else _SCALE_SCALAR_32F
-        _set(set_desc, self.desc, _DESC_A_SCALE_MODE, ctypes.c_int32(mode))
-        _set(set_desc, self.desc, _DESC_B_SCALE_MODE, ctypes.c_int32(mode))
+        if block:  # (per-tensor is the default mode; the attribute exists from cuBLAS 12.8 on)
+            _set(set_desc, self.desc, _DESC_A_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F))
+            _set(set_desc, self.desc, _DESC_B_SCALE_MODE, ctypes.c_int32(_SCALE_VEC128_32F))
         self.set_scales(*scale_ptrs)  # (the heuristic refuses block scales without their pointers)
         # column-major: cuBLAS A = b ([K, N] with ld K, transposed), B = a ([K, M], ld K), D [N, M]
         self.a_layout, self.b_layout, self.d_layout = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
@@ -185,11 +190,15 @@ class _Plan:
              ctypes.c_uint64(_WORKSPACE_BYTES))
         self.heuristic = _Heuristic()
         found = ctypes.c_int(0)
-        _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), self.desc, self.a_layout, self.b_layout,
-                                                  self.d_layout, self.d_layout, pref, 1,
-                                                  ctypes.byref(self.heuristic), ctypes.byref(found)),
-               "cublasLtMatmulAlgoGetHeuristic")
+        try:
+            _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), self.desc, self.a_layout, self.b_layout,
+                                                      self.d_layout, self.d_layout, pref, 1,
+                                                      ctypes.byref(self.heuristic), ctypes.byref(found)),
+                   "cublasLtMatmulAlgoGetHeuristic")
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
         if found.value == 0:
+            self.destroy()
             names = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
             raise CublasLtError(
                 f"cuBLASLt has no kernel for an accumulating FP8 GEMM {names[a_dtype]} [{m}, {k}] x "
@@ -198,6 +207,12 @@ class _Plan:
                 "turn fuse_wgrad_accumulation off")
 
 
+    def destroy(self) -> None:
+        """Free the descriptors (a graph that captured a GEMM of this plan does not need them)."""
+        _LIB.cublasLtMatmulDescDestroy(self.desc)
+        for layout in (self.a_layout, self.b_layout, self.d_layout):
+            _LIB.cublasLtMatrixLayoutDestroy(layout)
+
     def set_scales(self, a_scale_ptr: int, b_scale_ptr: int) -> None:
         """Point the descriptor at this call's scales: cuBLAS' A is ``b``, its B is ``a``."""
         set_desc = _LIB.cublasLtMatmulDescSetAttribute
@@ -205,9 +220,11 @@ class _Plan:
         _set(set_desc, self.desc, _DESC_B_SCALE_POINTER, ctypes.c_void_p(a_scale_ptr))
 
 
-def _scale_ptr(s: torch.Tensor, rows: int, k: int, block: bool) -> int:
+def _scale_ptr(s: torch.Tensor, rows: int, k: int, block: bool, device: torch.device) -> int:
     if s.dtype != torch.float32:
         raise ValueError(f"scale_inv must be float32, got {s.dtype}")
+    if s.device != device:
+        raise ValueError(f"scale_inv is on {s.device}, the operands on {device}")
     if not block:
         if s.numel() != 1:
             raise ValueError(f"a per-tensor scale_inv has one element, got shape {tuple(s.shape)}")
@@ -251,18 +268,26 @@ def fp8_matmul_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
         raise ValueError(f"FP8 GEMMs need M, N and K in multiples of 16, got M={M} N={N} K={K}")
     if block and fast_accum:
         raise ValueError("1x128 block scales do not take fast accumulation (cuBLAS promotes every K block)")
+    for name, t in (("a", a), ("b", b), ("out", out)):
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} is not 16-byte aligned (a view at an odd offset into a larger buffer?); "
+                             "cuBLASLt's FP8 GEMMs need 16-byte aligned operands")
     if M == 0 or N == 0 or K == 0:
         return out
-    sa = _scale_ptr(a_scale_inv, M, K, block)
-    sb = _scale_ptr(b_scale_inv, N, K, block)
+    sa = _scale_ptr(a_scale_inv, M, K, block, a.device)
+    sb = _scale_ptr(b_scale_inv, N, K, block, a.device)
     library_path()
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     key = (device, a.dtype, b.dtype, M, N, K, bool(block), bool(fast_accum))
     stream = torch.cuda.current_stream(device).cuda_stream
-    with _LOCK:
+    with _LOCK, torch.cuda.device(device):
         plan = _PLANS.get(key)
         if plan is None:
             plan = _PLANS[key] = _Plan(device, a.dtype, b.dtype, M, N, K, bool(block), bool(fast_accum), (sa, sb))
+            while len(_PLANS) > _MAX_PLANS:
+                _PLANS.popitem(last=False)[1].destroy()
+        else:
+            _PLANS.move_to_end(key)
         ws = _workspace(device, stream)
         lib = _LIB
         plan.set_scales(sa, sb)
