@@ -30,6 +30,7 @@ setup(
     extras_require={
         "dev": [
             "pytest>=7",
+            "pytest-xdist>=3",  # the test command runs on every core (-n auto)
             # Triton: real kernels on GPU; on CPU its interpreter checks the kernels bit-exactly
             "triton>=3.2; platform_system == 'Linux'",
         ],
