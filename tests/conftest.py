@@ -1,5 +1,6 @@
 """Shared pytest set-up: the ``gpu`` marker skips with the hardware check's own reason."""
 
+import json
 import os
 
 import pytest
@@ -30,6 +31,21 @@ def pytest_collection_modifyitems(config, items):
 # Numerics tables collected by tests (e.g. error vs the exact float64 GEMM per recipe and GEMM)
 # and printed at the end of every run, so CI logs carry the numbers.
 NUMERICS_REPORT = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under pytest-xdist (``-n``) each worker sends its tables to the controller, which prints them."""
+    out = getattr(session.config, "workeroutput", None)  # set on xdist workers only
+    if out is not None:
+        out["numerics_report"] = json.dumps(NUMERICS_REPORT)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller merges a finished worker's tables (one header per table)."""
+    for title, rows in json.loads(getattr(node, "workeroutput", {}).get("numerics_report", "{}")).items():
+        merged = NUMERICS_REPORT.setdefault(title, [])
+        merged.extend(rows[1:] if merged and rows and rows[0] == merged[0] else rows)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
