@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fp8_ref import structured
-from nemo_fp8_recipes import get_recipe
+from nemo_fp8_recipes import check_supported, get_recipe
 from nemo_fp8_recipes.distributed import DistContext, wrap_model
 from nemo_fp8_recipes.nn import Float8Linear, set_wgrad_accumulation_fusion
 
@@ -153,9 +153,11 @@ def test_create_graph_keeps_the_returned_gradient():
 # ---- the cuBLASLt accumulating GEMM (H200) ---------------------------------------------------
 
 
-def _gpu_or_skip():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
-        pytest.skip("needs an FP8 GPU (sm_89+/Hopper) for real FP8 GEMMs")
+def _real_gemms_or_skip(name: str) -> None:
+    """Skip, with the hardware check's own reason, where ``name`` has no real FP8 GEMMs."""
+    ok, why = check_supported(get_recipe(name), "cuda")
+    if not ok:
+        pytest.skip(why)
 
 
 def _f64_dequant(q):
@@ -171,7 +173,7 @@ def test_cublaslt_accumulate_matches_float64(name):
     (structured operands: per-group outliers across 1e-3..1e3, so a wrong scale layout shows).
     Hopper's FP8 tensor cores accumulate a K block in reduced precision before each FP32
     promotion: about 2e-4 relative at K = 1024 (measured on the H200), hence 1e-3."""
-    _gpu_or_skip()
+    _real_gemms_or_skip(name)
     from nemo_fp8_recipes.quant.cublaslt import fp8_matmul_accumulate
     from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto
     from nemo_fp8_recipes.quant.gemm import outer_major
@@ -207,12 +209,7 @@ def test_cublaslt_accumulate_matches_float64(name):
 def test_fused_real_gemm_accumulates_like_autograd(name, monkeypatch):
     """Real FP8 linears on the GPU: three micro-batches with fused accumulation give the
     gradient autograd accumulates (one rounding instead of two per add: within 1e-6)."""
-    _gpu_or_skip()
-    from nemo_fp8_recipes.recipes import check_supported
-
-    ok, why = check_supported(get_recipe(name), "cuda")
-    if not ok:
-        pytest.skip(why)
+    _real_gemms_or_skip(name)
     from nemo_fp8_recipes.quant import cublaslt
 
     plain, fused = _pair(name, device="cuda", emulate=False)
@@ -230,7 +227,7 @@ def test_fused_real_gemm_accumulates_like_autograd(name, monkeypatch):
 
 @pytest.mark.gpu
 def test_cublaslt_accumulate_refuses_bad_operands():
-    _gpu_or_skip()
+    _real_gemms_or_skip("tensorwise")
     from nemo_fp8_recipes.quant.cublaslt import fp8_matmul_accumulate
 
     a = torch.zeros(128, 256, device="cuda").to(torch.float8_e5m2)
