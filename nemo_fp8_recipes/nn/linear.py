@@ -373,10 +373,10 @@ def _accumulate_wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, grad: torch.Ten
     blocks = qdy.block == (1, 128) and qx.block == (1, 128)
     if not emulate and (per_tensor or blocks):
         from ..quant.cublaslt import fp8_matmul_accumulate
-        from ..quant.gemm import outer_major
+        from ..quant.gemm import _scalar_scale, outer_major
 
-        def scale(q):
-            return q.scale_inv.float() if per_tensor else outer_major(q.scale_inv.float())
+        def scale(q):  # each scale as the non-accumulating GEMM dispatch passes it
+            return _scalar_scale(q.scale_inv) if per_tensor else outer_major(q.scale_inv.float())
 
         return fp8_matmul_accumulate(qdy.data, scale(qdy), qx.data, scale(qx), grad, block=blocks,
                                      fast_accum=fast_accum and per_tensor)
