@@ -52,6 +52,7 @@ except Exception:  # pragma: no cover - depends on the environment
 
 from ..recipes import Format, ScaleRounding
 from .dispatch import accumulate_amax
+from .launch import launch as _launch
 from .reference import QuantizedTensor, _fmt, scale_grid
 
 __all__ = [
@@ -790,10 +791,10 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     cfg = LAUNCH["rows128" if group == 128 else "rows32"]
     block_r, ng = cfg["block_r"], cfg["groups"]
     n_r, n_c = _cdiv(R, block_r), _cdiv(G, ng)
-    _quant_rows_kernel[(n_r * n_c,)](x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r), GROUP=group, NG=ng, BLOCK_R=block_r,
-                             num_warps=cfg["num_warps"],
-                             MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
-                             TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
+    _launch(_quant_rows_kernel, (n_r * n_c,), x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r),
+            GROUP=group, NG=ng, BLOCK_R=block_r, num_warps=cfg["num_warps"],
+            MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
+            TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
                            scale_e8m0=_e8m0_view(e8) if _MODE[rounding] >= 2 else None)
 
@@ -814,7 +815,7 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     cfg = LAUNCH["cols_t128" if group == 128 else "cols_t32"]
     block_c, ng = cfg["block_c"], cfg["groups"]
     n_r, n_c = _cdiv(G, ng), _cdiv(C, block_c)
-    _quant_cols_t_kernel[(n_r * n_c,)](x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r),
+    _launch(_quant_cols_t_kernel, (n_r * n_c,), x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r),
                                        GROUP=group, NG=ng, BLOCK_C=block_c,
                                        BF16_TILE=bool(cfg.get("bf16_tile")) and x.dtype == torch.bfloat16,
                                num_warps=cfg["num_warps"],
@@ -839,10 +840,10 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding, transposed: bool = False)
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     qt = torch.empty((C, R), dtype=fmt.dtype, device=x.device) if transposed else q
     si = torch.empty((GR, GC), dtype=torch.float32, device=x.device)
-    _quant_block_kernel[(GR * GC,)](x, q, qt, si, R, C, GC, x.stride(0), GR, GC, _group_r(LAUNCH["blocks128"], GR),
-                                    BLOCK=128, MODE=_MODE[rounding],
-                                  num_warps=LAUNCH["blocks128"]["num_warps"],
-                                  FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), TRANS=transposed)
+    _launch(_quant_block_kernel, (GR * GC,), x, q, qt, si, R, C, GC, x.stride(0), GR, GC,
+            _group_r(LAUNCH["blocks128"], GR), BLOCK=128, MODE=_MODE[rounding],
+            num_warps=LAUNCH["blocks128"]["num_warps"],
+            FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), TRANS=transposed)
     a = QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
     if not transposed:
         return a
@@ -864,7 +865,7 @@ def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
     if n and x2.is_contiguous():
         block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
         # (operands a launch does not use are passed as None rather than as aliases of x2)
-        _amax_atomic_kernel[(_cdiv(n, block),)](x2, gate, acc.view(torch.int32), act_out, n,
+        _launch(_amax_atomic_kernel, (_cdiv(n, block),), x2, gate, acc.view(torch.int32), act_out, n,
                                                       BLOCK=block, num_warps=warps, WRITE_ACT=act_out is not None,
                                                       AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"]
                                                                       if amax_check is None else amax_check),
@@ -926,7 +927,7 @@ def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     n = u.numel()
     if n:
         block = 4096
-        _swiglu_bwd_kernel[(_cdiv(n, block),)](dy, g, u, dg, du, n, BLOCK=block, num_warps=8,
+        _launch(_swiglu_bwd_kernel, (_cdiv(n, block),), dy, g, u, dg, du, n, BLOCK=block, num_warps=8,
                                                      **_act_args(u))
     return dg, du
 
@@ -997,7 +998,7 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     s_arg, si, has_scale, mode = _tensor_scale_args(amax, fmt, rounding, scale)
     cfg = LAUNCH["tensor" if scale is None else "tensor_delayed"]
     block, warps = cfg["block"], cfg["num_warps"]
-    _cast_kernel[(_cdiv(n, block),)](x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q,
+    _launch(_cast_kernel, (_cdiv(n, block),), x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q,
                                            n, BLOCK=block, FMAX=fmt.max,
                                            IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x),
                                            HAS_SCALE=has_scale, MODE=mode, AMAX_OUT=amax_in_cast,
@@ -1025,7 +1026,7 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     cfg = LAUNCH["dual128" if group == 128 else "dual32"]
     tile = 128 if group == 128 else cfg["tile"]
     n_r, n_c = _cdiv(R, tile), _cdiv(C, tile)
-    _quant_dual_kernel[(n_r * n_c,)](x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), n_r, n_c,
+    _launch(_quant_dual_kernel, (n_r * n_c,), x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), n_r, n_c,
                                      _group_r(cfg, n_r), GROUP=group,
                              num_warps=cfg["num_warps"],
                              TILE=tile, MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
@@ -1084,7 +1085,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
             _tensor_amax(x2, amax, gate=gate, amax_check=bool(cfg["amax_check"]))
             amax_in_cast = False
         grid = (_cdiv(R, cfg["block_r"]), _cdiv(C, cfg["block_c"]))
-        _cast_dual_kernel[grid](x2, gate,
+        _launch(_cast_dual_kernel, grid, x2, gate,
                                 amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
                                 R, C, x2.stride(0),
                                 BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
@@ -1153,7 +1154,7 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
     mx = _MODE[rounding] >= 2
     e8 = scale_grid(R, G, torch.uint8, dev) if group and mx else si
     if R:
-        _rmsnorm_fwd_kernel[(R,)](x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, R, D, G,
+        _launch(_rmsnorm_fwd_kernel, (R,), x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, R, D, G,
                                   x2.stride(0), y.stride(0), 1.0 / D, float(eps), BLOCK_D=block_d,
                                   OUT_BF16=x2.dtype == torch.bfloat16, AMAX=amax, GROUP=group,
                                   MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=_top_mant(fmt),
@@ -1184,7 +1185,7 @@ def rmsnorm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
     part = torch.empty((max(progs, 1), D), dtype=torch.float32, device=x2.device) if need_dw else dx
     block_d = max(triton.next_power_of_2(D), 16)
     if R:
-        _rmsnorm_bwd_kernel[(progs,)](dy2, x2, w, rstd, dx, part, R, D, dy2.stride(0), x2.stride(0), 1.0 / D,
+        _launch(_rmsnorm_bwd_kernel, (progs,), dy2, x2, w, rstd, dx, part, R, D, dy2.stride(0), x2.stride(0), 1.0 / D,
                                       ROWS=per, BLOCK_D=block_d, HAS_DW=need_dw,
                                       OUT_BF16=dx.dtype == torch.bfloat16,
                                       num_warps=_row_warps(block_d, cfg["elems_per_thread"]))
@@ -1212,7 +1213,7 @@ def delayed_commit(history: torch.Tensor, scale: torch.Tensor, pending: torch.Te
     if history.dim() != 1 or history.stride(0) != 1 or history.dtype != torch.float32:
         raise ValueError("history must be a contiguous 1-D float32 tensor")
     L = history.numel()
-    _delayed_commit_kernel[(1,)](history, scale, pending, flag, L, float(flag_after),
+    _launch(_delayed_commit_kernel, (1,), history, scale, pending, flag, L, float(flag_after),
                                  BLOCK_L=triton.next_power_of_2(L), FMAX=fmt.max,
                                  MARGIN_DIV=float(2**margin), MOST_RECENT=amax_compute_algo == "most_recent",
                                  num_warps=4)

@@ -1,0 +1,142 @@
+"""Launching the Triton quantisers with less host time.
+
+``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` on every call: it re-binds and
+re-specialises the arguments, builds a string cache key from the options, checks the kernel's
+global variables, builds the profiler's launch metadata and then calls the compiled kernel's
+launcher — 19–33 µs of Python per launch on the H200 hosts (``benchmarks/quant_bandwidth.py
+--host-overhead``), where the kernels themselves often take less. A compiled step that calls the
+quantiser operators waits for that host time (docs/benchmarks.md, session 20).
+
+:func:`launch` keeps, per kernel, the compiled kernels it has launched keyed by Triton's own
+specialisation of the arguments (the binder Triton generates for the kernel: dtypes, pointer
+alignment, integers equal to 1 or divisible by 16, constexpr values) plus the options and the
+device, and launches a cached one directly through its launcher on the current stream — the
+same compiled code, the same arguments, what Inductor's generated code does for its own
+kernels. A new specialisation goes through ``kernel[grid](...)`` once (compile, launch) and is
+cached.
+
+It is used only where it is exact: real (not interpreted) JIT functions, and no Triton launch
+hooks registered (a profiler such as Proton sets them; every launch then takes Triton's own path
+so the hooks see it). :func:`set_fast_launch` (or ``NEMO_FP8_FAST_LAUNCH=0``) turns it off, e.g.
+to time both paths in one process; :func:`fast_launch_status` says which path launches take and
+why.
+
+Triton's knobs that change code generation (``TRITON_DEBUG``, instrumentation) are taken as they
+were when a specialisation was first compiled, as Inductor's kernels do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Tuple
+
+import torch
+
+try:  # optional, as in triton_kernels
+    import triton
+
+    _JIT = triton.runtime.jit.JITFunction
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    _JIT = None
+try:  # Triton >= 3.4 keeps the launch hooks in triton.knobs
+    from triton import knobs as _knobs
+except Exception:  # pragma: no cover - depends on the Triton version
+    _knobs = None
+
+__all__ = ["fast_launch_status", "launch", "launch_counts", "set_fast_launch"]
+
+_ENABLED = os.environ.get("NEMO_FP8_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+# per JIT function: {(device, specialisation, options): CompiledKernel}
+_CACHE: Dict[Any, Dict[Tuple, Any]] = {}
+_MISSING_API: Any = None  # why the direct path is not usable in this Triton (set on first sight)
+_COUNTS = {"direct": 0, "triton": 0}  # launches by path, for tests and benchmarks
+
+
+def launch_counts(reset: bool = False) -> Dict[str, int]:
+    """How many launches took the direct path and how many Triton's own ``kernel[grid](...)``
+    (first launches of a specialisation included) since the last reset."""
+    out = dict(_COUNTS)
+    if reset:
+        _COUNTS["direct"] = _COUNTS["triton"] = 0
+    return out
+
+
+def set_fast_launch(enabled: bool) -> bool:
+    """Turn the direct launch on or off for this process; returns the previous setting."""
+    global _ENABLED
+    prev, _ENABLED = _ENABLED, bool(enabled)
+    return prev
+
+
+def _api_gap() -> str:
+    """Why launches cannot take the direct path in this Triton ('' when they can): Triton is
+    missing, or a kernel lacked the objects the direct launch uses (recorded at that launch)."""
+    if _JIT is None:
+        return "Triton is not installed"
+    if _knobs is None:
+        return f"Triton {triton.__version__} has no triton.knobs (launch hooks); launches take Triton's path"
+    return _MISSING_API or ""
+
+
+def _note_gap(what: str) -> None:
+    global _MISSING_API
+    _MISSING_API = (f"Triton {triton.__version__} has no {what} (its launch internals changed); "
+                    "launches take Triton's path")
+
+
+def _hooks_idle() -> bool:
+    """No launch hooks are registered (Triton 3.6: empty ``HookChain``; older: ``None``)."""
+    rt = _knobs.runtime
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return False
+    return True
+
+
+def fast_launch_status() -> str:
+    """``"on"``, or why launches take Triton's own path (``"off: ..."``)."""
+    if not _ENABLED:
+        return "off: disabled (set_fast_launch(False) or NEMO_FP8_FAST_LAUNCH=0)"
+    gap = _api_gap()
+    if gap:
+        return f"off: {gap}"
+    if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+        return "off: TRITON_INTERPRET=1 (interpreted kernels)"
+    if not _hooks_idle():
+        return "off: Triton launch hooks are registered (a profiler); launches take Triton's path"
+    return "on"
+
+
+def launch(kernel, grid: tuple, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``: the same launch, through the compiled-kernel cache when
+    it applies (module docstring). ``grid`` is a tuple of 1–3 ints."""
+    if _ENABLED and isinstance(kernel, _JIT) and not _api_gap() and _hooks_idle():
+        device = torch.cuda.current_device()
+        caches = getattr(kernel, "device_caches", {}).get(device)  # (kernels, keys, target, backend, binder)
+        if caches is not None:  # (None before the first launch on this device creates the binder)
+            try:
+                bound, spec, options = caches[4](*args, **kwargs)
+                key = (device, tuple(spec), tuple(options.items()))
+            except Exception:  # noqa: BLE001 - bad arguments or another binder: Triton's path decides
+                key = None
+            per_kernel = _CACHE.setdefault(kernel, {})
+            compiled = per_kernel.get(key) if key is not None else None
+            if compiled is not None:
+                n = len(grid)
+                compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                             torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                             compiled.packed_metadata, None, None, None, *bound.values())
+                _COUNTS["direct"] += 1
+                return
+            compiled = kernel[grid](*args, **kwargs)  # compiles if needed, launches
+            _COUNTS["triton"] += 1
+            if key is None:
+                _note_gap("binder of the form (bound args, specialisation, options)")
+            elif all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+                per_kernel[key] = compiled
+            else:
+                _note_gap("CompiledKernel.run/function/packed_metadata")
+            return
+    kernel[grid](*args, **kwargs)
+    _COUNTS["triton"] += 1
