@@ -30,7 +30,10 @@ SwiGLU (on by default in eager mode, ``Float8Linear.fuses_swiglu``) turned off
 their common input in eager mode); ``bf16-unfused-norm`` / ``tensorwise-unfused-norm`` /
 ``blockwise-unfused-norm``: the RMSNorms as PyTorch's FP32 formula (``NEMO_FP8_FUSED_NORM=0``)
 instead of the fused norm (eager mode, default on; for FP8 it also starts the q/k/v and gate/up
-input quantisation, ``nemo_fp8_recipes.nn.norm``).
+input quantisation, ``nemo_fp8_recipes.nn.norm``); ``tensorwise-triton-launch`` /
+``blockwise-triton-launch``: the Triton quantisers launched through Triton's own
+``kernel[grid](...)`` (``NEMO_FP8_FAST_LAUNCH=0``) instead of the direct launch of their compiled
+kernels (``nemo_fp8_recipes.quant.launch``; same kernels, less host time per launch).
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
@@ -89,6 +92,7 @@ from nemo_fp8_recipes.models import load_model_config  # noqa: E402
 from nemo_fp8_recipes.models.llama import FeedForward, TransformerBlock, precompute_rope  # noqa: E402
 from nemo_fp8_recipes.nn import Float8Linear, convert_model, invalidate_weight_cache  # noqa: E402
 from nemo_fp8_recipes.policy import PrecisionPolicy  # noqa: E402
+from nemo_fp8_recipes.quant.launch import set_fast_launch  # noqa: E402
 from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
 
 MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
@@ -111,12 +115,14 @@ ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT"
                 "tensorwise-unshared-input": ("tensorwise", {"NEMO_FP8_SHARED_INPUT": "0"}),
                 "bf16-unfused-norm": ("bf16", {"NEMO_FP8_FUSED_NORM": "0"}),
                 "tensorwise-unfused-norm": ("tensorwise", {"NEMO_FP8_FUSED_NORM": "0"}),
-                "blockwise-unfused-norm": ("blockwise", {"NEMO_FP8_FUSED_NORM": "0"})}
+                "blockwise-unfused-norm": ("blockwise", {"NEMO_FP8_FUSED_NORM": "0"}),
+                "tensorwise-triton-launch": ("tensorwise", {"NEMO_FP8_FAST_LAUNCH": "0"}),
+                "blockwise-triton-launch": ("blockwise", {"NEMO_FP8_FAST_LAUNCH": "0"})}
 VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
 #: what every other variant runs with (set explicitly, so a value exported in the shell cannot
 #: turn a base variant into its A/B partner)
 ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1", "NEMO_FP8_SHARED_INPUT": "1",
-                "NEMO_FP8_FUSED_NORM": "1"}
+                "NEMO_FP8_FUSED_NORM": "1", "NEMO_FP8_FAST_LAUNCH": "1"}
 #: variants that only differ from their recipe in eager mode, with the reason their compiled row
 #: is skipped
 _SWIGLU_EAGER = ("the SwiGLU fusion is eager-only, so compiled this is the recipe's own row (Inductor fuses "
@@ -130,7 +136,8 @@ EAGER_ONLY = {"tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swigl
               "tensorwise-unfused-norm": _NORM_EAGER, "blockwise-unfused-norm": _NORM_EAGER}
 VARIANTS = ["bf16", "bf16-unfused-norm", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu",
             "tensorwise-unshared-input", "tensorwise-unfused-norm", "delayed", "delayed-unfused-swiglu", "blockwise",
-            "blockwise-inductor", "blockwise-unfused-norm", "mxfp8", *TORCHAO]
+            "blockwise-inductor", "blockwise-unfused-norm", "tensorwise-triton-launch", "blockwise-triton-launch",
+            "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -399,9 +406,11 @@ def main(argv=None) -> int:
                     env = {**ENV_DEFAULTS, **ENV_VARIANTS.get(variant, (None, {}))[1]}
                     prev = {k: os.environ.get(k) for k in env}
                     os.environ.update(env)  # read when the graph is traced / at every call
+                    prev_launch = set_fast_launch(env["NEMO_FP8_FAST_LAUNCH"] != "0")  # read at import
                     try:
                         row.update(measure(model, mode, inputs, a, dev))
                     finally:
+                        set_fast_launch(prev_launch)
                         for k, v in prev.items():
                             if v is None:
                                 os.environ.pop(k, None)

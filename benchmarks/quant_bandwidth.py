@@ -223,6 +223,7 @@ def host_overhead(dev: str, calls: int) -> list:
     a call's kernels cannot start before the host has launched them."""
     from nemo_fp8_recipes.quant import triton_kernels as tk
     from nemo_fp8_recipes.quant.dispatch import quantize_auto
+    from nemo_fp8_recipes.quant.launch import launch, set_fast_launch
     from nemo_fp8_recipes.quant.reference import Format, scale_grid
 
     x = torch.randn(256, 512, device=dev, dtype=torch.bfloat16)
@@ -261,7 +262,22 @@ def host_overhead(dev: str, calls: int) -> list:
         ("compiled graph: x * 1.5", lambda: scaled(x)),
         ("compiled graph: x * 1.5 -> tensor_pair operator", lambda: scaled_pair(x)),
     ]
-    return [{"what": name, "host_us": host_us(fn, calls, sync)} for name, fn in cases]
+    cases.insert(3, ("direct launch alone (the same kernel through quant.launch's cache)",
+                     lambda: launch(tk._quant_rows_kernel, (16,), x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw)))
+    # each case with Triton's own launch path and with the direct launch, alternated twice in this
+    # process (the lower of each pair's two means: host noise only adds time)
+    rows = []
+    for name, fn in cases:
+        t = {"triton": [], "direct": []}
+        for _ in range(2):
+            for path in ("triton", "direct"):
+                prev = set_fast_launch(path == "direct")
+                try:
+                    t[path].append(host_us(fn, calls, sync))
+                finally:
+                    set_fast_launch(prev)
+        rows.append({"what": name, "host_us": min(t["direct"]), "host_us_triton_launch": min(t["triton"])})
+    return rows
 
 
 def swiglu_rows(a, dev: str) -> list:
@@ -413,7 +429,8 @@ def main(argv=None) -> int:
     p.add_argument("--host-overhead", action="store_true",
                    help="also measure the host (CPU) microseconds per quantiser call and per part of one "
                         "(allocation, Triton's launch, the wrappers, the custom operator eagerly and inside a "
-                        "compiled graph) on a tiny input: what caller time adds")
+                        "compiled graph) on a tiny input: what caller time adds; each with Triton's own launch "
+                        "path and with the direct launch of the cached compiled kernels (quant.launch)")
     p.add_argument("--sweep-order-only", action="store_true",
                    help="with --sweep: only the tile-order configurations (group_r) and the default")
     a = p.parse_args(argv)
@@ -499,7 +516,12 @@ def main(argv=None) -> int:
                     "TRITON_INTERPRET=1 for a CPU check of the mechanics)")
         host = host_overhead(dev, 3 if a.smoke else 2000)
         print(f"\nhost time per call (256x512 BF16 input, {'CPU interpreter: no meaning' if dev != 'cuda' else dev}):")
-        print(table(["what", "host µs per call"], [(h["what"], f"{h['host_us']:.1f}") for h in host]))
+        from nemo_fp8_recipes.quant.launch import fast_launch_status
+
+        print(f"direct launch: {fast_launch_status()}")
+        print(table(["what", "host µs, direct launch", "host µs, Triton's launch", "saved"],
+                    [(h["what"], f"{h['host_us']:.1f}", f"{h['host_us_triton_launch']:.1f}",
+                      f"{h['host_us_triton_launch'] - h['host_us']:.1f}") for h in host]))
     swept = []
     if a.sweep:
         kernels = list(SWEEP) if a.sweep == "all" else [k for k in a.sweep.split(",") if k]

@@ -422,7 +422,7 @@ def test_quant_bandwidth_sweep_smoke(tmp_path):
     assert {r["kernel"] for r in rows} == {"rows128", "tensor", "cols_t128", "tensor_delayed"} and len(rows) == 8
     assert all("bf16_tile" in r["config"] for r in rows if r["kernel"] == "cols_t128")
     host = json.loads(out.read_text())["host_overhead"]  # --host-overhead: every part and wrapper timed
-    assert len(host) == 13 and all(h["host_us"] > 0 for h in host)
+    assert len(host) == 14 and all(h["host_us"] > 0 and h["host_us_triton_launch"] > 0 for h in host)
     assert any("Triton launch alone" in h["what"] for h in host)
     assert any("compiled graph: x * 1.5 -> tensor_pair" in h["what"] for h in host)
     assert all(r["same_bits"] is True and r["error"] is None and r["ms"] > 0 for r in rows)
