@@ -49,7 +49,10 @@ __all__ = ["fast_launch_status", "launch", "launch_counts", "set_fast_launch"]
 _ENABLED = os.environ.get("NEMO_FP8_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
 # per JIT function: {(device, specialisation, options): CompiledKernel}
 _CACHE: Dict[Any, Dict[Tuple, Any]] = {}
-_MISSING_API: Any = None  # why the direct path is not usable in this Triton (set on first sight)
+# why the direct path is not usable here (None: it is)
+_MISSING_API: Any = ("Triton is not installed" if _JIT is None else
+                     f"Triton {triton.__version__} has no triton.knobs (launch hooks); launches take Triton's path"
+                     if _knobs is None else None)
 _COUNTS = {"direct": 0, "triton": 0}  # launches by path, for tests and benchmarks
 
 
@@ -72,10 +75,6 @@ def set_fast_launch(enabled: bool) -> bool:
 def _api_gap() -> str:
     """Why launches cannot take the direct path in this Triton ('' when they can): Triton is
     missing, or a kernel lacked the objects the direct launch uses (recorded at that launch)."""
-    if _JIT is None:
-        return "Triton is not installed"
-    if _knobs is None:
-        return f"Triton {triton.__version__} has no triton.knobs (launch hooks); launches take Triton's path"
     return _MISSING_API or ""
 
 
@@ -85,13 +84,19 @@ def _note_gap(what: str) -> None:
                     "launches take Triton's path")
 
 
-def _hooks_idle() -> bool:
-    """No launch hooks are registered (Triton 3.6: empty ``HookChain``; older: ``None``)."""
-    rt = _knobs.runtime
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return False
-    return True
+if _knobs is not None and hasattr(_knobs.runtime.launch_enter_hook, "calls"):
+
+    def _hooks_idle() -> bool:
+        """No launch hooks are registered (Triton 3.6+: empty ``HookChain``s)."""
+        rt = _knobs.runtime
+        return not rt.launch_enter_hook.calls and not rt.launch_exit_hook.calls
+
+else:
+
+    def _hooks_idle() -> bool:
+        """No launch hooks are registered (older Triton: ``None``)."""
+        rt = _knobs.runtime if _knobs is not None else None
+        return rt is None or (rt.launch_enter_hook is None and rt.launch_exit_hook is None)
 
 
 def fast_launch_status() -> str:
@@ -111,17 +116,18 @@ def fast_launch_status() -> str:
 def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``: the same launch, through the compiled-kernel cache when
     it applies (module docstring). ``grid`` is a tuple of 1–3 ints."""
-    if _ENABLED and isinstance(kernel, _JIT) and not _api_gap() and _hooks_idle():
-        device = torch.cuda.current_device()
-        caches = getattr(kernel, "device_caches", {}).get(device)  # (kernels, keys, target, backend, binder)
+    # (this runs for every quantiser launch: kept to a few attribute and dict lookups)
+    if _ENABLED and type(kernel) is _JIT and _MISSING_API is None and _hooks_idle():
+        device = torch._C._cuda_getDevice()
+        caches = kernel.device_caches.get(device)  # (kernels, keys, target, backend, binder)
         if caches is not None:  # (None before the first launch on this device creates the binder)
             try:
                 bound, spec, options = caches[4](*args, **kwargs)
                 key = (device, tuple(spec), tuple(options.items()))
             except Exception:  # noqa: BLE001 - bad arguments or another binder: Triton's path decides
                 key = None
-            per_kernel = _CACHE.setdefault(kernel, {})
-            compiled = per_kernel.get(key) if key is not None else None
+            per_kernel = _CACHE.get(kernel)
+            compiled = per_kernel.get(key) if per_kernel is not None and key is not None else None
             if compiled is not None:
                 n = len(grid)
                 compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
@@ -134,7 +140,7 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
             if key is None:
                 _note_gap("binder of the form (bound args, specialisation, options)")
             elif all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-                per_kernel[key] = compiled
+                _CACHE.setdefault(kernel, {})[key] = compiled
             else:
                 _note_gap("CompiledKernel.run/function/packed_metadata")
             return
