@@ -84,33 +84,45 @@ def _outputs(res):
     return [t for t in (res.data, res.scale_inv, res.amax, res.scale_e8m0) if t is not None]
 
 
-def _cases(tk, x):
-    w = torch.randn(x.shape[1], device=x.device)
-    s = torch.tensor(0.25, device=x.device)
+def _cases(tk):
+    """Each quantiser as a function of its input."""
+    def w(x):
+        return torch.linspace(-2, 2, x.shape[1], device=x.device)
+
+    def s(x):
+        return torch.tensor(0.25, device=x.device)
+
     return {
-        "tensor_dual current": lambda: tk.quantize_tensor_dual(x, "e4m3"),
-        "tensor_dual delayed": lambda: tk.quantize_tensor_dual(x, "e4m3", scale=s, amax_out=torch.zeros(1, device=x.device)),
-        "tensor current": lambda: tk.quantize_tensor(x, "e5m2"),
-        "rows 1x128": lambda: tk.quantize_rows(x, "e4m3", 128, "fp32"),
-        "rows 1x32 e8m0": lambda: tk.quantize_rows(x, "e4m3", 32, "e8m0_ceil"),
-        "cols_t 1x128": lambda: tk.quantize_cols_t(x, "e4m3", 128, "pow2"),
-        "dual 1x128": lambda: tk.quantize_dual(x, "e4m3", 128, "fp32"),
-        "blocks128": lambda: tk.quantize_blocks128(x, "e4m3", "fp32", transposed=True),
-        "rmsnorm fwd + amax": lambda: tk.rmsnorm_forward(x, w, 1e-5, amax=True),
+        "tensor_dual current": lambda x: tk.quantize_tensor_dual(x, "e4m3"),
+        "tensor_dual delayed": lambda x: tk.quantize_tensor_dual(x, "e4m3", scale=s(x),
+                                                                 amax_out=torch.zeros(1, device=x.device)),
+        "tensor current": lambda x: tk.quantize_tensor(x, "e5m2"),
+        "rows 1x128": lambda x: tk.quantize_rows(x, "e4m3", 128, "fp32"),
+        "rows 1x32 e8m0": lambda x: tk.quantize_rows(x, "e4m3", 32, "e8m0_ceil"),
+        "cols_t 1x128": lambda x: tk.quantize_cols_t(x, "e4m3", 128, "pow2"),
+        "dual 1x128": lambda x: tk.quantize_dual(x, "e4m3", 128, "fp32"),
+        "blocks128": lambda x: tk.quantize_blocks128(x, "e4m3", "fp32", transposed=True),
+        "rmsnorm fwd + amax": lambda x: tk.rmsnorm_forward(x, w(x), 1e-5, amax=True),
     }
 
 
 @gpu
 def test_direct_launch_is_byte_identical_and_taken(restore_switch):
+    """Warmed up on one input, checked on another: a direct launch that wrote nothing (or only
+    part of the grid) would leave the warm-up's bytes in the recycled output memory, which
+    differ from the new input's; Triton's results on the new input stay alive meanwhile, so
+    their memory is not what the direct launch gets."""
     tk = _tk()
-    x = structured(512, 1024, seed=3).to("cuda", torch.bfloat16)
-    for name, fn in _cases(tk, x).items():
-        fl.set_fast_launch(False)
-        want = [t.clone() for t in _outputs(fn())]
+    warm = structured(512, 1024, seed=3).to("cuda", torch.bfloat16)
+    x = structured(512, 1024, seed=4).to("cuda", torch.bfloat16)
+    for name, fn in _cases(tk).items():
         fl.set_fast_launch(True)
-        fn(), fn()  # first launches of each specialisation: Triton's path, then cached
+        fn(warm), fn(warm)  # first launches of each specialisation: Triton's path, then cached
+        fl.set_fast_launch(False)
+        want = _outputs(fn(x))
+        fl.set_fast_launch(True)
         fl.launch_counts(reset=True)
-        got = _outputs(fn())
+        got = _outputs(fn(x))
         counts = fl.launch_counts()
         assert counts["triton"] == 0 and counts["direct"] >= 1, f"{name}: {counts}"
         assert len(got) == len(want)
@@ -145,17 +157,24 @@ def test_side_stream_and_cuda_graph(restore_switch):
     tk = _tk()
     fl.set_fast_launch(True)
     x = structured(384, 768, seed=8).to("cuda", torch.bfloat16)
-    ref = quantize(x.float(), "e4m3", "1x128", "pow2")
+    ref = quantize(x.float(), "e4m3", "1x128", "pow2").data.view(torch.uint8).cpu()
     for _ in range(3):
         tk.quantize_rows(x, "e4m3", 128, "pow2")
+    torch.cuda.synchronize()
+    # the launch must go to the current (side) stream: the default stream is kept busy, so a
+    # kernel queued there would not have run when the side stream is synchronised
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    torch.cuda._sleep(400_000_000)  # ~0.2 s of GPU time on the default stream
     with torch.cuda.stream(side):
         fl.launch_counts(reset=True)
         q = tk.quantize_rows(x, "e4m3", 128, "pow2")
         assert fl.launch_counts()["direct"] == 1
-    torch.cuda.current_stream().wait_stream(side)
-    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))
+        side.synchronize()
+        got = q.data.view(torch.uint8).cpu()
+    assert not torch.cuda.current_stream().query(), "the default stream finished first: the check proves nothing"
+    assert torch.equal(got, ref)
+    torch.cuda.synchronize()
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -193,3 +212,60 @@ def test_launch_hook_sends_launches_through_triton(restore_switch):
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert fl.fast_launch_status() == "on"
+
+
+@gpu
+def test_hook_assigned_as_plain_function_and_pre_run_hooks(restore_switch):
+    """A launch hook assigned as a plain function (the pre-HookChain style) and a kernel's
+    pre-run hook both send launches through Triton's path, which calls them."""
+    tk = _tk()
+    fl.set_fast_launch(True)
+    x = structured(128, 256, seed=12).to("cuda", torch.bfloat16)
+    for _ in range(3):
+        tk.quantize_rows(x, "e4m3", 128, "fp32")
+    from triton import knobs
+
+    seen = []
+    old = knobs.runtime.launch_exit_hook
+    knobs.runtime.launch_exit_hook = lambda *a: seen.append("exit")
+    try:
+        fl.launch_counts(reset=True)
+        tk.quantize_rows(x, "e4m3", 128, "fp32")
+        assert fl.launch_counts() == {"direct": 0, "triton": 1} and seen == ["exit"]
+    finally:
+        knobs.runtime.launch_exit_hook = old
+    kernel = tk._quant_rows_kernel
+    kernel.add_pre_run_hook(lambda *a, **k: seen.append("pre"))
+    try:
+        fl.launch_counts(reset=True)
+        tk.quantize_rows(x, "e4m3", 128, "fp32")
+        assert fl.launch_counts() == {"direct": 0, "triton": 1} and seen[-1] == "pre"
+    finally:
+        kernel.pre_run_hooks.clear()
+    fl.launch_counts(reset=True)
+    tk.quantize_rows(x, "e4m3", 128, "fp32")
+    assert fl.launch_counts() == {"direct": 1, "triton": 0}
+
+
+@gpu
+def test_debug_knob_gets_its_own_kernel(restore_switch):
+    """Turning Triton's debug mode on mid-process launches the kernel compiled for it (the key
+    includes the options JITFunction.run adds), not the cached non-debug one."""
+    tk = _tk()
+    fl.set_fast_launch(True)
+    from triton import knobs
+
+    x = structured(128, 256, seed=13).to("cuda", torch.bfloat16)
+    for _ in range(3):
+        tk.quantize_rows(x, "e4m3", 128, "fp32")
+    with knobs.runtime.scope():
+        knobs.runtime.debug = True
+        fl.launch_counts(reset=True)
+        q = tk.quantize_rows(x, "e4m3", 128, "fp32")
+        assert fl.launch_counts() == {"direct": 0, "triton": 1}  # a new specialisation
+        tk.quantize_rows(x, "e4m3", 128, "fp32")
+        assert fl.launch_counts()["direct"] == 1
+    keys = list(fl._CACHE[tk._quant_rows_kernel])
+    assert {k[3] for k in keys} >= {False, True}
+    ref = quantize(x.float(), "e4m3", "1x128", "fp32")
+    assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))

@@ -15,14 +15,16 @@ same compiled code, the same arguments, what Inductor's generated code does for 
 kernels. A new specialisation goes through ``kernel[grid](...)`` once (compile, launch) and is
 cached.
 
-It is used only where it is exact: real (not interpreted) JIT functions, and no Triton launch
-hooks registered (a profiler such as Proton sets them; every launch then takes Triton's own path
-so the hooks see it). :func:`set_fast_launch` (or ``NEMO_FP8_FAST_LAUNCH=0``) turns it off, e.g.
+It is used only where it is exact: real (not interpreted) JIT functions, no Triton launch hooks
+registered (a profiler such as Proton sets them; every launch then takes Triton's own path so
+the hooks see it) and no pre-run hooks on the kernel. The key includes the two options
+``JITFunction.run`` adds itself (``debug``: ``TRITON_DEBUG`` / ``knobs.runtime.debug``, and the
+instrumentation mode), so turning either on compiles and launches the kernel built for it. :func:`set_fast_launch` (or ``NEMO_FP8_FAST_LAUNCH=0``) turns it off, e.g.
 to time both paths in one process; :func:`fast_launch_status` says which path launches take and
 why.
 
-Triton's knobs that change code generation (``TRITON_DEBUG``, instrumentation) are taken as they
-were when a specialisation was first compiled, as Inductor's kernels do.
+Skipped, unlike ``JITFunction.run``: its check that the global variables a kernel reads have not
+changed since it was compiled (ours read module constants only).
 """
 
 from __future__ import annotations
@@ -84,19 +86,17 @@ def _note_gap(what: str) -> None:
                     "launches take Triton's path")
 
 
-if _knobs is not None and hasattr(_knobs.runtime.launch_enter_hook, "calls"):
+_HookChain = getattr(_knobs, "HookChain", None)
 
-    def _hooks_idle() -> bool:
-        """No launch hooks are registered (Triton 3.6+: empty ``HookChain``s)."""
-        rt = _knobs.runtime
-        return not rt.launch_enter_hook.calls and not rt.launch_exit_hook.calls
 
-else:
-
-    def _hooks_idle() -> bool:
-        """No launch hooks are registered (older Triton: ``None``)."""
-        rt = _knobs.runtime if _knobs is not None else None
-        return rt is None or (rt.launch_enter_hook is None and rt.launch_exit_hook is None)
+def _hooks_idle() -> bool:
+    """No launch hooks are registered: each is ``None`` (older Triton) or an empty ``HookChain``
+    (Triton 3.6+); anything else (e.g. a plain function assigned to the attribute) counts as a
+    hook, so the launch takes Triton's path, which calls it."""
+    rt = _knobs.runtime
+    a, b = rt.launch_enter_hook, rt.launch_exit_hook
+    return ((a is None or (type(a) is _HookChain and not a.calls))
+            and (b is None or (type(b) is _HookChain and not b.calls)))
 
 
 def fast_launch_status() -> str:
@@ -106,7 +106,7 @@ def fast_launch_status() -> str:
     gap = _api_gap()
     if gap:
         return f"off: {gap}"
-    if os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True"):
+    if _knobs.runtime.interpret:  # (decided when the kernels were defined, at import)
         return "off: TRITON_INTERPRET=1 (interpreted kernels)"
     if not _hooks_idle():
         return "off: Triton launch hooks are registered (a profiler); launches take Triton's path"
@@ -117,15 +117,26 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``: the same launch, through the compiled-kernel cache when
     it applies (module docstring). ``grid`` is a tuple of 1–3 ints."""
     # (this runs for every quantiser launch: kept to a few attribute and dict lookups)
-    if _ENABLED and type(kernel) is _JIT and _MISSING_API is None and _hooks_idle():
+    if (_ENABLED and type(kernel) is _JIT and _MISSING_API is None and _hooks_idle()
+            and not getattr(kernel, "pre_run_hooks", None)):
         device = torch._C._cuda_getDevice()
         caches = kernel.device_caches.get(device)  # (kernels, keys, target, backend, binder)
         if caches is not None:  # (None before the first launch on this device creates the binder)
             try:
                 bound, spec, options = caches[4](*args, **kwargs)
-                key = (device, tuple(spec), tuple(options.items()))
             except Exception:  # noqa: BLE001 - bad arguments or another binder: Triton's path decides
-                key = None
+                bound = None
+            key = None
+            if bound is not None:
+                # what JITFunction.run adds to the options before it looks a kernel up
+                rt = _knobs.runtime
+                key = (device, tuple(spec), tuple(options.items()),
+                       bool(kwargs.get("debug", getattr(kernel, "debug", None)) or rt.debug),
+                       _knobs.compilation.instrumentation_mode)
+                try:
+                    hash(key)
+                except TypeError:  # an unhashable option: Triton's path every time
+                    key = None
             per_kernel = _CACHE.get(kernel)
             compiled = per_kernel.get(key) if per_kernel is not None and key is not None else None
             if compiled is not None:
@@ -137,12 +148,14 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
                 return
             compiled = kernel[grid](*args, **kwargs)  # compiles if needed, launches
             _COUNTS["triton"] += 1
-            if key is None:
+            if compiled is None:  # (Triton's jit_cache_hook declined the compile: nothing launched)
+                return
+            if bound is None:
                 _note_gap("binder of the form (bound args, specialisation, options)")
-            elif all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
-                _CACHE.setdefault(kernel, {})[key] = compiled
-            else:
+            elif not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
                 _note_gap("CompiledKernel.run/function/packed_metadata")
+            elif key is not None:
+                _CACHE.setdefault(kernel, {})[key] = compiled
             return
     kernel[grid](*args, **kwargs)
     _COUNTS["triton"] += 1
