@@ -188,13 +188,20 @@ def test_side_stream_and_cuda_graph(restore_switch):
     assert torch.equal(qg.scale_inv, ref2.scale_inv.to(qg.scale_inv.device))
 
 
-@gpu
-def test_launch_hook_sends_launches_through_triton(restore_switch):
+def _rows_warmed(seed):
+    """The 1x128 rows quantiser launched three times on a fresh 128x256 input (its
+    specialisation cached, so the next launch is direct): ``(triton_kernels, x)``."""
     tk = _tk()
     fl.set_fast_launch(True)
-    x = structured(128, 256, seed=11).to("cuda", torch.bfloat16)
+    x = structured(128, 256, seed=seed).to("cuda", torch.bfloat16)
     for _ in range(3):
         tk.quantize_rows(x, "e4m3", 128, "fp32")
+    return tk, x
+
+
+@gpu
+def test_launch_hook_sends_launches_through_triton(restore_switch):
+    tk, x = _rows_warmed(11)
     seen = []
 
     def hook(metadata):
@@ -218,11 +225,7 @@ def test_launch_hook_sends_launches_through_triton(restore_switch):
 def test_hook_assigned_as_plain_function_and_pre_run_hooks(restore_switch):
     """A launch hook assigned as a plain function (the pre-HookChain style) and a kernel's
     pre-run hook both send launches through Triton's path, which calls them."""
-    tk = _tk()
-    fl.set_fast_launch(True)
-    x = structured(128, 256, seed=12).to("cuda", torch.bfloat16)
-    for _ in range(3):
-        tk.quantize_rows(x, "e4m3", 128, "fp32")
+    tk, x = _rows_warmed(12)
     from triton import knobs
 
     seen = []
@@ -251,13 +254,9 @@ def test_hook_assigned_as_plain_function_and_pre_run_hooks(restore_switch):
 def test_debug_knob_gets_its_own_kernel(restore_switch):
     """Turning Triton's debug mode on mid-process launches the kernel compiled for it (the key
     includes the options JITFunction.run adds), not the cached non-debug one."""
-    tk = _tk()
-    fl.set_fast_launch(True)
+    tk, x = _rows_warmed(13)
     from triton import knobs
 
-    x = structured(128, 256, seed=13).to("cuda", torch.bfloat16)
-    for _ in range(3):
-        tk.quantize_rows(x, "e4m3", 128, "fp32")
     with knobs.runtime.scope():
         knobs.runtime.debug = True
         fl.launch_counts(reset=True)
