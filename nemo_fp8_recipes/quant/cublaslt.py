@@ -206,7 +206,6 @@ class _Plan:
                 f"{torch.cuda.get_device_name(device)} (block scales need Hopper and cuBLAS >= 12.9); "
                 "turn fuse_wgrad_accumulation off")
 
-
     def destroy(self) -> None:
         """Free the descriptors (a graph that captured a GEMM of this plan does not need them)."""
         _LIB.cublasLtMatmulDescDestroy(self.desc)

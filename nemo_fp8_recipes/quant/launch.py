@@ -19,9 +19,9 @@ It is used only where it is exact: real (not interpreted) JIT functions, no Trit
 registered (a profiler such as Proton sets them; every launch then takes Triton's own path so
 the hooks see it) and no pre-run hooks on the kernel. The key includes the two options
 ``JITFunction.run`` adds itself (``debug``: ``TRITON_DEBUG`` / ``knobs.runtime.debug``, and the
-instrumentation mode), so turning either on compiles and launches the kernel built for it. :func:`set_fast_launch` (or ``NEMO_FP8_FAST_LAUNCH=0``) turns it off, e.g.
-to time both paths in one process; :func:`fast_launch_status` says which path launches take and
-why.
+instrumentation mode), so turning either on compiles and launches the kernel built for it.
+:func:`set_fast_launch` (or ``NEMO_FP8_FAST_LAUNCH=0``) turns it off, e.g. to time both paths in
+one process; :func:`fast_launch_status` says which path launches take and why.
 
 Skipped, unlike ``JITFunction.run``: its check that the global variables a kernel reads have not
 changed since it was compiled (ours read module constants only).
@@ -49,7 +49,7 @@ except Exception:  # pragma: no cover - depends on the Triton version
 __all__ = ["fast_launch_status", "launch", "launch_counts", "set_fast_launch"]
 
 _ENABLED = os.environ.get("NEMO_FP8_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
-# per JIT function: {(device, specialisation, options): CompiledKernel}
+# per JIT function: {(device, specialisation, options, debug, instrumentation mode): CompiledKernel}
 _CACHE: Dict[Any, Dict[Tuple, Any]] = {}
 # why the direct path is not usable here (None: it is)
 _MISSING_API: Any = ("Triton is not installed" if _JIT is None else
@@ -72,12 +72,6 @@ def set_fast_launch(enabled: bool) -> bool:
     global _ENABLED
     prev, _ENABLED = _ENABLED, bool(enabled)
     return prev
-
-
-def _api_gap() -> str:
-    """Why launches cannot take the direct path in this Triton ('' when they can): Triton is
-    missing, or a kernel lacked the objects the direct launch uses (recorded at that launch)."""
-    return _MISSING_API or ""
 
 
 def _note_gap(what: str) -> None:
@@ -103,9 +97,8 @@ def fast_launch_status() -> str:
     """``"on"``, or why launches take Triton's own path (``"off: ..."``)."""
     if not _ENABLED:
         return "off: disabled (set_fast_launch(False) or NEMO_FP8_FAST_LAUNCH=0)"
-    gap = _api_gap()
-    if gap:
-        return f"off: {gap}"
+    if _MISSING_API is not None:  # Triton missing, or a kernel lacked what the direct launch uses
+        return f"off: {_MISSING_API}"
     if _knobs.runtime.interpret:  # (decided when the kernels were defined, at import)
         return "off: TRITON_INTERPRET=1 (interpreted kernels)"
     if not _hooks_idle():
