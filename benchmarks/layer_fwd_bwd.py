@@ -117,14 +117,12 @@ ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT"
                 "tensorwise-unfused-norm": ("tensorwise", {"NEMO_FP8_FUSED_NORM": "0"}),
                 "blockwise-unfused-norm": ("blockwise", {"NEMO_FP8_FUSED_NORM": "0"}),
                 "tensorwise-triton-launch": ("tensorwise", {"NEMO_FP8_FAST_LAUNCH": "0"}),
-                "blockwise-triton-launch": ("blockwise", {"NEMO_FP8_FAST_LAUNCH": "0"}),
-                "tensorwise-graph-amax": ("tensorwise", {"NEMO_FP8_COMPILED_AMAX": "inductor"})}
+                "blockwise-triton-launch": ("blockwise", {"NEMO_FP8_FAST_LAUNCH": "0"})}
 VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
 #: what every other variant runs with (set explicitly, so a value exported in the shell cannot
 #: turn a base variant into its A/B partner)
 ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1", "NEMO_FP8_SHARED_INPUT": "1",
-                "NEMO_FP8_FUSED_NORM": "1", "NEMO_FP8_FAST_LAUNCH": "1",
-                "NEMO_FP8_COMPILED_AMAX": "triton"}
+                "NEMO_FP8_FUSED_NORM": "1", "NEMO_FP8_FAST_LAUNCH": "1"}
 #: variants that only differ from their recipe in eager mode, with the reason their compiled row
 #: is skipped
 _SWIGLU_EAGER = ("the SwiGLU fusion is eager-only, so compiled this is the recipe's own row (Inductor fuses "
@@ -139,7 +137,7 @@ EAGER_ONLY = {"tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swigl
 VARIANTS = ["bf16", "bf16-unfused-norm", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu",
             "tensorwise-unshared-input", "tensorwise-unfused-norm", "delayed", "delayed-unfused-swiglu", "blockwise",
             "blockwise-inductor", "blockwise-unfused-norm", "tensorwise-triton-launch", "blockwise-triton-launch",
-            "tensorwise-graph-amax", "mxfp8", *TORCHAO]
+            "mxfp8", *TORCHAO]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

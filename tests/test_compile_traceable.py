@@ -510,62 +510,6 @@ def test_tensor_pair_operator_is_a_valid_custom_op_with_the_reference_bits():
         torch.library.opcheck(tensor_pair, (x, fmt, "fp32"))
 
 
-def test_tensor_cast_pair_operator_gives_tensor_pairs_bits_from_a_graph_amax():
-    """``nemo_fp8_recipes::tensor_cast_pair`` (the cast pass alone, for an amax the compiled graph
-    takes itself, ``NEMO_FP8_COMPILED_AMAX=inductor``) passes ``torch.library.opcheck`` and, fed
-    the linear's in-graph amax (``_graph_amax``: plain torch ops), gives the reference quantiser's
-    and ``tensor_pair``'s codes, transposed codes and scale byte for byte — outlier channels, zeros,
-    subnormals, ±Inf, and NaNs of either sign (whose amax both write as the same positive quiet
-    NaN)."""
-    _interpreted_triton()
-    from nemo_fp8_recipes.nn.linear import _graph_amax
-    from nemo_fp8_recipes.quant.ops import tensor_cast_pair, tensor_pair
-
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    x, _ = _data(0, dev)
-    x = x.reshape(-1, D).to(torch.bfloat16)
-    zeros = torch.zeros_like(x)
-    tiny = torch.full_like(x, 2.0**-130)  # BF16 subnormals only
-    tiny[3, 5] = -(2.0**-133)
-    infs, nans = x.clone(), x.clone()
-    infs[1, 2], infs[7, 0] = float("inf"), float("-inf")
-    nans[4, 4] = float("nan")
-    nans[0, 1] = -float("nan")
-
-    def bits(t):
-        return t.contiguous().view(torch.uint8 if t.element_size() == 1 else torch.int32)
-
-    interpreted = dev == "cpu"
-    for name, data in (("outliers", x), ("zeros", zeros), ("subnormals", tiny), ("inf", infs), ("nan", nans),
-                       ("-nan", -nans)):
-        if interpreted and name == "subnormals":
-            continue  # the interpreter's BF16 loads lose subnormals (the GPU run checks this case)
-        amax = _graph_amax(data)
-        for fmt, rnd in (("e4m3", "fp32"), ("e5m2", "fp32"), ("e4m3", "pow2")):
-            got = tensor_cast_pair(data, amax, fmt, rnd)
-            if not (interpreted and name in ("inf", "nan", "-nan")):
-                # (the interpreter's FP8 cast does not write NaN's code: a GPU runs these cases)
-                ref = quantize(data, fmt, "tensor", rnd)
-                assert torch.equal(bits(got[0]), bits(ref.data)) and torch.equal(bits(got[1]), bits(ref.data.t()))
-                assert torch.equal(bits(got[2]), bits(ref.scale_inv)), (name, fmt, rnd)
-            want = tensor_pair(data, fmt, rnd)
-            assert torch.equal(bits(amax), bits(want[3])), (name, fmt, rnd, amax, want[3])
-            for g, w in zip(got, want[:3]):
-                assert torch.equal(bits(g), bits(w)), (name, fmt, rnd)
-    torch.library.opcheck(tensor_cast_pair, (x, _graph_amax(x), "e4m3", "fp32"))
-
-
-def test_compiled_amax_setting_names_the_valid_choices(monkeypatch):
-    from nemo_fp8_recipes.quant.dispatch import compiled_amax
-
-    assert compiled_amax() == "triton"
-    monkeypatch.setenv("NEMO_FP8_COMPILED_AMAX", " Inductor ")
-    assert compiled_amax() == "inductor"
-    monkeypatch.setenv("NEMO_FP8_COMPILED_AMAX", "cublas")
-    with pytest.raises(ValueError, match="NEMO_FP8_COMPILED_AMAX='cublas'.*triton, inductor"):
-        compiled_amax()
-
-
 def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
     """``nemo_fp8_recipes::group_rows`` / ``group_cols_t`` / ``blocks128`` (quant/ops.py, the
     blockwise quantisers of compiled graphs): schema, fake implementation and aliasing pass
@@ -605,17 +549,15 @@ def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
         ops.group_cols_t(xd, "e4m3", 32, "e8m0_floor")
 
 
-@pytest.mark.parametrize("recipe,operators,amax", [
-    ("tensorwise", {"tensor_pair": 6, "tensor_cast_pair": 0}, "triton"),
-    ("tensorwise", {"tensor_pair": 2, "tensor_cast_pair": 4}, "inductor"),
-    ("blockwise", {"group_rows": 4, "group_cols_t": 4, "blocks128": 2}, "triton"),
-], ids=["tensorwise", "tensorwise-graph-amax", "blockwise"])
-def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch, recipe, operators, amax):
+@pytest.mark.parametrize("recipe,operators", [
+    ("tensorwise", {"tensor_pair": 4}),
+    ("blockwise", {"group_rows": 4, "group_cols_t": 4, "blocks128": 2}),
+])
+def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch, recipe, operators):
     """The compiled linear quantising with the Triton operators (what runs on CUDA by default;
     forced here on CPU through Triton's interpreter): one graph, no break (fullgraph), the
-    operators in the graph, counted (tensorwise: X and W pairs in forward, dY pairs in backward;
-    with ``NEMO_FP8_COMPILED_AMAX=inductor`` X and dY take the cast-only operator after an
-    in-graph amax; blockwise: X and dY rows and transposed columns, the 128x128 weight blocks), the eager
+    operators in the graph (tensorwise: X and W pairs in forward, dY pairs in backward;
+    blockwise: X and dY rows and transposed columns, the 128x128 weight blocks), the eager
     numbers and counts. On a GPU machine the same checks run for real, with the block-scaled
     GEMM operator too, in test_gpu_compiled_real_fp8_matches_eager."""
     import os
@@ -626,14 +568,13 @@ def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch,
     from nemo_fp8_recipes.nn import linear as linear_mod
 
     monkeypatch.setattr(linear_mod, "_use_quant_ops", lambda t: True)
-    monkeypatch.setenv("NEMO_FP8_COMPILED_AMAX", amax)
     model, ref = _pair(recipe)
     x, dy = _data(0)
     ex, reasons = _break_reasons(model, x)
     assert (ex.graph_count, ex.graph_break_count, reasons) == (1, 0, [])
     code = "".join(str(m.graph) for m in ex.graphs[0].modules() if isinstance(m, torch.fx.GraphModule))
     for name, n in operators.items():
-        assert code.count(f"nemo_fp8_recipes.{name}.") == n, (name, code.count(f"nemo_fp8_recipes.{name}."))
+        assert code.count(f"nemo_fp8_recipes.{name}") >= n, name
     torch._dynamo.reset()
     reset_gemm_counts(model)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
@@ -803,48 +744,3 @@ def test_gpu_blockwise_mm_operator_matches_the_dispatch_and_float64(weight_block
     torch.library.opcheck(blockwise_mm, args,
                           test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
     assert all(got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in args[:4])
-
-
-@pytest.mark.gpu
-def test_gpu_compiled_graph_amax_gives_the_triton_amax_results_bit_for_bit(monkeypatch):
-    """``NEMO_FP8_COMPILED_AMAX=inductor`` (the amax of X and dY as an in-graph reduction that
-    Inductor may fuse into their producers, then the cast-only operator) against the default
-    (the amax pass inside ``tensor_pair``): the same compiled model, weights and data give the
-    same output and gradients bit for bit — over two optimizer steps, with outlier channels, and
-    with a NaN in the input (NaN wherever the default has NaN)."""
-    rec, why = _gpu_recipe("tensorwise")
-    if why is not None:
-        pytest.skip(why)
-    results = {}
-    for amax in ("triton", "inductor"):
-        monkeypatch.setenv("NEMO_FP8_COMPILED_AMAX", amax)
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        m = SwiGLU(d=1024, h=1536).cuda()
-        convert_model(m, rec)
-        compiled = torch.compile(m, fullgraph=True, dynamic=False)
-        out = []
-        for step in range(3):
-            g = torch.Generator(device="cuda").manual_seed(step)
-            x = torch.randn(2048, 1024, device="cuda", generator=g)
-            x[:, ::37] *= 30.0
-            if step == 2:
-                x[5, 7] = float("nan")
-            dy = torch.randn(2048, 1024, device="cuda", generator=g) * 1e-2
-            for p in m.parameters():
-                p.grad = None
-            xx = x.clone().requires_grad_(True)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                y = compiled(xx)
-            y.backward(dy.to(y.dtype))
-            out.append([y.detach().clone(), xx.grad.clone()] + [p.grad.clone() for p in m.parameters()])
-            if step < 2:
-                _sgd(m, 1e-2)
-        results[amax] = out
-        assert all(f.gemm_counts == {"fprop": 3, "dgrad": 3, "wgrad": 3} for f in _fp8(m))
-    for step, (a, b) in enumerate(zip(results["triton"], results["inductor"])):
-        for k, (u, v) in enumerate(zip(a, b)):
-            assert torch.equal(torch.isnan(u), torch.isnan(v)), (step, k)
-            if step < 2:
-                assert not torch.isnan(u).any(), (step, k)
-            assert torch.equal(torch.nan_to_num(u), torch.nan_to_num(v)), (step, k)

@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
-from ..quant.dispatch import accumulate_amax, compiled_amax, compiled_quantizer, quantize_pair_auto, triton_enabled
+from ..quant.dispatch import accumulate_amax, compiled_quantizer, quantize_pair_auto, triton_enabled
 from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
 from ..recipes import Format, Granularity, Recipe, ScaleRounding
 from .scaling import advance_delayed_scaling
@@ -118,11 +118,7 @@ def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = Fals
         from ..quant import ops
 
         if gran is Granularity.TENSOR and pair:
-            if i != _W and t.numel() and compiled_amax() == "inductor":
-                amax = _graph_amax(t)
-                q, qt, si = ops.tensor_cast_pair(t, amax, fmt.value, rounding.value)
-            else:
-                q, qt, si, amax = ops.tensor_pair(t, fmt.value, rounding.value)
+            q, qt, si, amax = ops.tensor_pair(t, fmt.value, rounding.value)
             return (QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
                     QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax))
         if gran is Granularity.TILE_1x128 and rounding in (ScaleRounding.FP32, ScaleRounding.POW2):
@@ -142,14 +138,6 @@ def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = Fals
     if pair:
         return quantize_pair_auto(t, fmt, gran, rounding, triton=False)
     return quantize(t, fmt, gran, rounding, dim=-1, triton=False)
-
-
-def _graph_amax(t: torch.Tensor) -> torch.Tensor:
-    """max |t| as a ``[1, 1]`` FP32 tensor, in plain torch ops (a reduction the compiler can fuse
-    into the kernel that produces ``t``); NaN as the positive quiet NaN the Triton amax pass writes,
-    so the codes and scale that follow are the same bits either way."""
-    a = t.abs().amax().float().reshape(1, 1)
-    return torch.where(torch.isnan(a), torch.full_like(a, float("nan")), a)
 
 
 def _use_quant_ops(t: torch.Tensor) -> bool:

@@ -18,18 +18,13 @@ import torch
 from ..recipes import Granularity, ScaleRounding
 from .reference import QuantizedTensor, quantize
 
-__all__ = ["COMPILED_AMAX", "COMPILED_QUANTIZERS", "accumulate_amax", "compiled_amax", "compiled_quantizer",
-           "quantize_auto", "quantize_pair_auto", "triton_enabled"]
+__all__ = ["COMPILED_QUANTIZERS", "accumulate_amax", "compiled_quantizer", "quantize_auto", "quantize_pair_auto",
+           "triton_enabled"]
 
 #: Quantisers of the compile-traced FP8 linear on CUDA (per-tensor pairs, 1x128 groups, 128x128
 #: blocks; see :mod:`nemo_fp8_recipes.quant.ops`): the fused Triton kernels as custom operators,
 #: or the reference ops generated and fused by Inductor.
 COMPILED_QUANTIZERS = ("triton", "inductor")
-#: Where the per-tensor amax of an activation or gradient is taken when a compiled FP8 linear
-#: quantises it with the Triton operators: ``triton`` (the atomic amax pass inside the
-#: ``tensor_pair`` operator) or ``inductor`` (a reduction in the graph, which Inductor can fuse
-#: into the kernel that produces the tensor; the ``tensor_cast_pair`` operator then only casts).
-COMPILED_AMAX = ("triton", "inductor")
 
 
 def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
@@ -64,15 +59,6 @@ def compiled_quantizer() -> str:
     v = os.environ.get("NEMO_FP8_COMPILED_QUANT", "triton").strip().lower()
     if v not in COMPILED_QUANTIZERS:
         raise ValueError(f"NEMO_FP8_COMPILED_QUANT={v!r} is not valid; choose one of: {', '.join(COMPILED_QUANTIZERS)}")
-    return v
-
-
-def compiled_amax() -> str:
-    """``NEMO_FP8_COMPILED_AMAX`` (one of :data:`COMPILED_AMAX`): where a compiled FP8 linear takes
-    the per-tensor amax of its input and output gradient. Read when the graph is traced."""
-    v = os.environ.get("NEMO_FP8_COMPILED_AMAX", "triton").strip().lower()
-    if v not in COMPILED_AMAX:
-        raise ValueError(f"NEMO_FP8_COMPILED_AMAX={v!r} is not valid; choose one of: {', '.join(COMPILED_AMAX)}")
     return v
 
 

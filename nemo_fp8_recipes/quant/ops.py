@@ -41,7 +41,7 @@ from torch import Tensor
 from ..recipes import ScaleRounding
 from .reference import _fmt, scale_grid  # _fmt: how the kernels read ``fmt``, so fake and real agree
 
-__all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_cast_pair", "tensor_pair"]
+__all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair"]
 
 _LIB = torch.library.Library("nemo_fp8_recipes", "FRAGMENT")
 
@@ -80,25 +80,6 @@ def _tensor_pair_fake(x: Tensor, fmt: str, rounding: str):
     one = (1, 1)
     return (x.new_empty((rows, cols), dtype=dt), x.new_empty((cols, rows), dtype=dt),
             x.new_empty(one, dtype=torch.float32), x.new_empty(one, dtype=torch.float32))
-
-
-@_operator("tensor_cast_pair(Tensor x, Tensor amax, str fmt, str rounding) -> (Tensor, Tensor, Tensor)")
-def tensor_cast_pair(x: Tensor, amax: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor, Tensor]:
-    """:func:`tensor_pair` with ``x``'s amax already taken (a one-element FP32 tensor; in a compiled
-    graph a reduction that Inductor can fuse into the kernel producing ``x``): the cast pass alone,
-    ``(codes [R, C], codes transposed [C, R], scale_inv [1, 1])``."""
-    from . import triton_kernels as tk
-
-    a, b = tk.quantize_tensor_dual(x, fmt, rounding, amax=amax)
-    return a.data, b.data, a.scale_inv
-
-
-@tensor_cast_pair.register_fake
-def _tensor_cast_pair_fake(x: Tensor, amax: Tensor, fmt: str, rounding: str):
-    rows, cols = x.shape
-    dt = _fmt(fmt).dtype
-    return (x.new_empty((rows, cols), dtype=dt), x.new_empty((cols, rows), dtype=dt),
-            x.new_empty((1, 1), dtype=torch.float32))
 
 
 def _check_group_rounding(rounding: str) -> None:
