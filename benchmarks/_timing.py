@@ -8,7 +8,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 
 def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30,
@@ -122,7 +122,8 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
 
 def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, rounds: int,
                       warmup: int, iters: int, window: int, b2b_warmup: int = 0,
-                      graphs: Optional[Dict[str, list]] = None) -> Dict[str, dict]:
+                      graphs: Optional[Dict[str, list]] = None,
+                      contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None) -> Dict[str, dict]:
     """:func:`bench_with_gpu` for several variants at once, in ``rounds`` round-robin passes:
     each pass times every variant in turn (``ceil(iters / rounds)`` synchronised samples, then
     the back-to-back windows, then, for a variant in ``graphs``, the replays of its captured
@@ -131,7 +132,10 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
     ``warmup`` untimed calls, every later block ``max(1, b2b_warmup)`` (the switch between
     variants). ``rounds=1`` is the sequential order. Returns per variant ``{"ms", "ms_b2b",
     "ms_graph", "gpu", "gpu_b2b", "gpu_reason", "samples"}``: medians over all rounds, the GPU
-    monitors' summaries over all of a variant's blocks, the sample counts."""
+    monitors' summaries over all of a variant's blocks, the sample counts. ``contexts``: per
+    variant, a context manager entered around each of its blocks, untimed (e.g. the settings a
+    variant runs with)."""
+    import contextlib
     import math
 
     cuda = str(device).startswith("cuda")
@@ -142,20 +146,12 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
     samples = {k: {"ms": [], "ms_b2b": [], "ms_graph": []} for k in fns}
     mons = {k: {"sync": GpuMonitor(device), "b2b": GpuMonitor(device)} for k in fns}
     gsamples: Dict[str, Dict[str, list]] = {k: {"sync": [], "b2b": []} for k in fns}
+    contexts = contexts or {}
     for r in range(rounds):
         for k, fn in fns.items():
-            w = warmup if r == 0 else max(1, b2b_warmup)
-            with mons[k]["sync"] as mon:
-                samples[k]["ms"] += bench_samples(fn, n_inputs, warmup=w, iters=per_sync, cuda=cuda)
-            gsamples[k]["sync"] += mon.samples
-            with mons[k]["b2b"] as mon:
-                samples[k]["ms_b2b"] += bench_samples(fn, n_inputs, warmup=b2b_warmup, iters=per_b2b,
-                                                      cuda=cuda, window=window)
-            gsamples[k]["b2b"] += mon.samples
-            if graphs.get(k):
-                g = graphs[k]
-                samples[k]["ms_graph"] += bench_samples(lambda i, g=g: g[i].replay(), n_inputs,
-                                                        warmup=w, iters=per_sync, cuda=True)
+            with contexts.get(k, contextlib.nullcontext)():
+                _bench_block(k, fn, n_inputs, cuda, warmup if r == 0 else max(1, b2b_warmup), per_sync, per_b2b,
+                             b2b_warmup, window, samples, mons, gsamples, graphs)
     out = {}
     for k in fns:
         for kind in ("sync", "b2b"):  # the summaries over every block of this variant
@@ -167,6 +163,23 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
                   "gpu_reason": mons[k]["sync"].reason,
                   "samples": {kind: len(v) for kind, v in sm.items()}}
     return out
+
+
+def _bench_block(k, fn, n_inputs, cuda, w, per_sync, per_b2b, b2b_warmup, window, samples, mons, gsamples,
+                 graphs) -> None:
+    """One variant's block of one round of :func:`bench_interleaved`: its synchronised samples,
+    its back-to-back windows, the replays of its graphs."""
+    with mons[k]["sync"] as mon:
+        samples[k]["ms"] += bench_samples(fn, n_inputs, warmup=w, iters=per_sync, cuda=cuda)
+    gsamples[k]["sync"] += mon.samples
+    with mons[k]["b2b"] as mon:
+        samples[k]["ms_b2b"] += bench_samples(fn, n_inputs, warmup=b2b_warmup, iters=per_b2b,
+                                              cuda=cuda, window=window)
+    gsamples[k]["b2b"] += mon.samples
+    if graphs.get(k):
+        g = graphs[k]
+        samples[k]["ms_graph"] += bench_samples(lambda i, g=g: g[i].replay(), n_inputs,
+                                                warmup=w, iters=per_sync, cuda=True)
 
 
 #: Kernel classes of :func:`device_time_breakdown` (first match wins, on the lower-cased name):
@@ -490,14 +503,16 @@ def recipe_mode(recipe: str, device) -> Tuple[str, str]:
     return "skipped", reason
 
 
-def free_memory() -> None:
-    """Drop what the previous variant left: Python garbage, compiled graphs, cached CUDA blocks."""
+def free_memory(dynamo: bool = True) -> None:
+    """Drop what the previous variant left: Python garbage, compiled graphs (``dynamo=False``:
+    keep them, for variants still to be timed), cached CUDA blocks."""
     import torch
 
-    try:
-        torch._dynamo.reset()
-    except Exception:  # noqa: BLE001 - no dynamo (very old torch): nothing to reset
-        pass
+    if dynamo:
+        try:
+            torch._dynamo.reset()
+        except Exception:  # noqa: BLE001 - no dynamo (very old torch): nothing to reset
+            pass
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -54,7 +54,12 @@ so each step also pays the host's latency before its first kernel); "back to bac
 per-step time of windows of ``--window`` steps queued without synchronising in between, as a
 training loop runs them; during each, the GPU's SM clock, power draw and clock-event reasons
 (power cap, thermal) are sampled through NVML (``nvidia-ml-py``; JSON ``gpu`` / ``gpu_b2b``).
-The first call (compilation included) is reported separately. ``compiled`` = ``torch.compile(block, dynamic=False)``
+The first call (compilation included) is reported separately. ``--rounds N`` (N > 1) sets up
+every variant of a size first (compiled, warmed up, all kept allocated), then times them
+round-robin, N passes each timing every variant in turn, so the GPU's clock drift over the run
+hits all of them alike: the GPU then runs at its sustained power draw throughout, as in training,
+rather than recovering while the next variant compiles (measured on the H200: 530-690 W in every
+variant's timing, against 200-460 W for some variants timed one after the other). ``compiled`` = ``torch.compile(block, dynamic=False)``
 (``--compile-mode reduce-overhead``: its graphs replayed as CUDA graphs); our
 current-scaling FP8 linears are traced there (no graph break: the quantisers and the
 block-scaled GEMM are custom operators, or with ``-inductor`` Inductor generates the quantisers
@@ -70,17 +75,19 @@ are rewritten to ``--out`` after every variant, so a run cut short keeps what it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 import traceback
+import types
 
 import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench_with_gpu, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, gpu_timeline,
+    bench_interleaved, bench_with_gpu, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, gpu_timeline,
     peak_memory_report, timeline_table,
     recipe_mode, table,
     gpu_cell, write_json,
@@ -227,14 +234,15 @@ class Inputs:
         return self._dys[dtype]
 
 
-def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
-    """Time one fwd+bwd step of ``model`` (eager or compiled): ``{"status", "ms",
-    "first_call_s", "peak_gib"}``; an exception (e.g. out of memory) becomes an error status."""
+def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_dynamo: bool = True):
+    """Set ``model`` up for one fwd+bwd step in ``mode`` (eager, or ``torch.compile``) and run its
+    first call (compilation included, timed): ``(step, row fields)``; ``step`` is None when that
+    failed (an exception, e.g. out of memory, becomes the row's error status). ``reset_dynamo``:
+    drop every compiled graph first (False in round-robin runs, whose other variants are kept)."""
     cuda = dev == "cuda"
     params = [q for q in model.parameters() if q.requires_grad]
     out = {"status": "ok", "ms": None, "ms_b2b": None, "first_call_s": None, "peak_gib": None,
            "graph_breaks": None}
-    fn = None
     try:
         for q in params:
             q.grad = None
@@ -243,7 +251,7 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
             # re-quantise in the graph), the eager islands rebuild theirs; left alive they would
             # count in this mode's peak memory (measured: +0.4 GiB at 8B)
             invalidate_weight_cache(model)
-            free_memory()
+            free_memory(dynamo=reset_dynamo)
             from torch._dynamo.utils import counters
 
             counters["graph_break"].clear()
@@ -276,27 +284,240 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         out["first_call_s"] = time.perf_counter() - t0
         if mode == "compiled":
             out["graph_breaks"] = sum(counters["graph_break"].values())
-        t = bench_with_gpu(step, inputs.n, dev, warmup=a.warmup, iters=a.iters, window=a.window)
-        out["ms"], out["ms_b2b"], out["gpu"], out["gpu_b2b"] = t["ms"], t["ms_b2b"], t["gpu"], t["gpu_b2b"]
-        if cuda and t["gpu_reason"]:
-            out["gpu_reason"] = t["gpu_reason"]
+        return step, out
+    except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
+        traceback.print_exc()
+        out.update(status=error_status(e), ms=None)
+        for q in params:
+            q.grad = None
+        return None, out
+
+
+def take_timings(out: dict, t: dict) -> None:
+    """A timing's fields (:func:`bench_interleaved`) into a row."""
+    out["ms"], out["ms_b2b"], out["gpu"], out["gpu_b2b"] = t["ms"], t["ms_b2b"], t["gpu"], t["gpu_b2b"]
+    out["samples"] = t["samples"]
+    if t["gpu_reason"]:
+        out["gpu_reason"] = t["gpu_reason"]
+
+
+def profile_extras(step, out: dict, inputs: Inputs, a, dev: str) -> None:
+    """``--peak-report`` and ``--breakdown`` for one prepared variant (after its timings and peak
+    memory are read: the profiler's own buffers stay out of them)."""
+    cuda = dev == "cuda"
+    if a.peak_report and cuda:
+        out["peak_live"] = peak_memory_report(step, 0)
+    if a.breakdown:
+        out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda, top=40)
         if cuda:
-            out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        if a.peak_report and cuda:  # after the peak is read, like the profile below
-            out["peak_live"] = peak_memory_report(step, 0)
-        if a.breakdown:  # after the peak is read: the profiler's own buffers stay out of it
-            out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda, top=40)
+            out["timeline"] = gpu_timeline(step, inputs.n, steps=4)
+            out["timeline_sync"] = gpu_timeline(step, inputs.n, steps=4, sync_each=True)
+
+
+def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
+    """Time one fwd+bwd step of ``model`` (eager or compiled) on its own (``--rounds 1``):
+    ``{"status", "ms", "first_call_s", "peak_gib", ...}``; an exception (e.g. out of memory)
+    becomes an error status."""
+    cuda = dev == "cuda"
+    step, out = prepare(model, mode, inputs, a, dev)
+    try:
+        if step is not None:
+            take_timings(out, bench_with_gpu(step, inputs.n, dev, warmup=a.warmup, iters=a.iters,
+                                             window=a.window))
             if cuda:
-                out["timeline"] = gpu_timeline(step, inputs.n, steps=4)
-                out["timeline_sync"] = gpu_timeline(step, inputs.n, steps=4, sync_each=True)
+                out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            profile_extras(step, out, inputs, a, dev)
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
         traceback.print_exc()
         out.update(status=error_status(e), ms=None)
     finally:
-        fn = None
-        for q in params:
+        step = None
+        for q in model.parameters():
             q.grad = None
     return out
+
+
+@contextlib.contextmanager
+def variant_env(variant: str):
+    """The settings ``variant`` runs with (:data:`ENV_DEFAULTS` and its own), restored on exit:
+    the environment (read when a graph is traced and at every eager call) and the direct launch
+    (read at import)."""
+    env = {**ENV_DEFAULTS, **ENV_VARIANTS.get(variant, (None, {}))[1]}
+    prev = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    prev_launch = set_fast_launch(env["NEMO_FP8_FAST_LAUNCH"] != "0")
+    try:
+        yield
+    finally:
+        set_fast_launch(prev_launch)
+        for k, v in prev.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def isolate(model: nn.Module, tag: str) -> nn.Module:
+    """Give ``model`` a class of its own whose ``forward`` is a new code object, so that
+    ``torch.compile`` keeps its compiled graphs apart from every other variant's: dynamo keeps one
+    cache per code object (8 entries by default), which all variants of a size would otherwise
+    share, and two variants that differ only in a setting read while tracing
+    (``NEMO_FP8_COMPILED_QUANT``, ...) would share a graph on a torch whose guards do not cover
+    environment reads."""
+    cls = type(model)
+    fwd = cls.forward
+    name = f"forward_{''.join(c if c.isalnum() else '_' for c in tag)}"
+    code = fwd.__code__.replace(co_name=name, co_qualname=f"{cls.__name__}.{name}")
+    new_fwd = types.FunctionType(code, fwd.__globals__, name, fwd.__defaults__, fwd.__closure__)
+    model.__class__ = type(f"{cls.__name__}_{name[8:]}", (cls,), {"forward": new_fwd})
+    return model
+
+
+def _warm_blas_handles(device) -> None:
+    """A BF16 GEMM and an FP8 one on the calling thread (its cuBLAS handles and workspaces)."""
+    a16 = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+    torch.mm(a16, a16)
+    f8, one = a16.to(torch.float8_e4m3fn), torch.ones((), device=device)
+    torch._scaled_mm(f8, f8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+
+class _WarmBlas(torch.autograd.Function):
+    """Identity whose forward and backward each run :func:`_warm_blas_handles` (the backward on
+    autograd's device thread)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        _warm_blas_handles(x.device)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _warm_blas_handles(g.device)
+        return g
+
+
+def resident_bytes(dev: str) -> int:
+    return torch.cuda.memory_allocated() if dev == "cuda" else 0
+
+
+def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str, res: list, header: dict,
+                    ao_reason: str) -> bool:
+    """Every variant of one size, each mode timed round-robin (``--rounds`` passes over all
+    variants, :func:`bench_interleaved`), so the GPU's clock drift over the run (warming up,
+    meeting its power cap) slows every variant alike. All variants' blocks stay allocated
+    meanwhile; a variant's peak memory is read over its first call and warm-up steps, less what
+    the other variants hold (so it is what the variant alone would allocate). Returns whether a
+    variant failed."""
+    cuda = dev == "cuda"
+    failed = False
+    if cuda:  # the process's own GPU state before the baseline, so that no variant's peak loses it
+        # as memory another variant holds: the cuBLAS / cuBLASLt workspaces, one set per thread
+        # (the forward's and autograd's, 96 MiB in all on the H200)
+        x = torch.ones(16, 16, device=dev, requires_grad=True)
+        _WarmBlas.apply(x).sum().backward()
+        del x
+        torch.cuda.synchronize()
+    base = resident_bytes(dev)
+    rows0, models, own = {}, {}, {}
+    for variant in variants:
+        row0, skip, model = build_row(size, cfg, variant, inputs, a, dev, ao_reason, reset_dynamo=False)
+        if model is not None:
+            own[variant] = resident_bytes(dev)  # (after the variants before it, this one's params)
+            own[variant] -= base + sum(own[v] for v in models)
+            models[variant] = isolate(model, f"{size}_{variant}")
+        rows0[variant] = (row0, skip)
+    for mode in modes:
+        if mode == "compiled":  # (the eager runs' FP8 weight copies are not used compiled)
+            for m in models.values():
+                invalidate_weight_cache(m)
+        free_memory(dynamo=False)
+        steps, outs = {}, {}
+        for variant in variants:
+            row0, skip = rows0[variant]
+            row = dict(row0, mode=mode, status=skip, rounds=a.rounds)
+            outs[variant] = row
+            if variant not in models:
+                continue
+            if mode == "compiled" and variant in EAGER_ONLY:
+                row["status"] = f"skipped: {EAGER_ONLY[variant]}"
+                continue
+            for x in inputs.xs:  # (the last variant's input gradients, which this one's steps free)
+                x.grad = None
+            others = resident_bytes(dev) - base - own[variant]
+            if cuda:  # (the other variants' peaks are behind; what they hold is subtracted below)
+                torch.cuda.reset_peak_memory_stats()
+            with variant_env(variant):
+                step, got = prepare(models[variant], mode, inputs, a, dev, reset_dynamo=False)
+                row.update(got)
+                if step is not None:
+                    try:
+                        for i in range(a.warmup):
+                            step(i % inputs.n)
+                        if cuda:
+                            torch.cuda.synchronize()
+                            row["peak_gib"] = (torch.cuda.max_memory_allocated() - others) / 2**30
+                        steps[variant] = step
+                    except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
+                        traceback.print_exc()
+                        row.update(status=error_status(e), ms=None)
+            for q in models[variant].parameters():
+                q.grad = None
+        if steps:
+            ctx = {v: (lambda v=v: variant_env(v)) for v in steps}
+            times = bench_interleaved(steps, inputs.n, dev, rounds=a.rounds, warmup=1, iters=a.iters,
+                                      window=a.window, b2b_warmup=1, contexts=ctx)
+            for variant, step in steps.items():
+                row = outs[variant]
+                try:
+                    take_timings(row, times[variant])
+                    with variant_env(variant):
+                        profile_extras(step, row, inputs, a, dev)
+                except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
+                    traceback.print_exc()
+                    row.update(status=error_status(e), ms=None)
+                for q in models[variant].parameters():
+                    q.grad = None
+        for variant in variants:
+            row = outs[variant]
+            if row["ms"] is not None:
+                row["tflops"] = model_flops(cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
+            failed |= (row["status"] or "").startswith("error")
+            res.append(row)
+            took = "" if row["ms"] is None else f" {row['ms']:.2f} ms"
+            print(f"  {size} {a.block} {variant} {mode}: {row['status']}{took}", file=sys.stderr, flush=True)
+        steps = None
+        _add_ratios(res)
+        write_json(a.out, dict(header, results=res))
+    models.clear()
+    free_memory()
+    return failed
+
+
+def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reason: str, *,
+              reset_dynamo: bool = True):
+    """``(row fields, skip status or None, model or None)`` for one variant of one size."""
+    row0 = {"size": size, "block": a.block, "variant": variant, "dim": cfg.dim,
+            "ffn_dim": cfg.ffn_dim, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+            "tokens": inputs.tokens, "fp8_linears": None, "ms": None, "tflops": None,
+            "first_call_s": None, "peak_gib": None, "graph_breaks": None}
+    skip = None
+    if variant in TORCHAO:
+        skip = ao_reason or None
+    elif VARIANT_RECIPE.get(variant, variant) != "bf16":
+        how, reason = recipe_mode(VARIANT_RECIPE.get(variant, variant), dev)
+        skip = f"skipped: {reason}" if how == "skipped" else None
+    model = None
+    if skip is None:
+        try:
+            free_memory(dynamo=reset_dynamo)
+            if dev == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            model = build(cfg, a.block, variant, dev, a.smoke)
+            row0["fp8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
+        except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
+            traceback.print_exc()
+            skip = error_status(e)
+    return row0, skip, model
 
 
 def main(argv=None) -> int:
@@ -332,6 +553,14 @@ def main(argv=None) -> int:
                         "list the largest blocks alive at its peak, with where each was allocated "
                         "(JSON 'peak_live'). Under --compile-mode reduce-overhead the CUDA-graph "
                         "replays take their memory from the graphs' pool, which the history does not show")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the variants of each size and mode round-robin: every variant is set "
+                        "up (compiled) first and kept, then --rounds passes each time every variant "
+                        "in turn (--iters / rounds samples each), so the GPU's clock drift over the "
+                        "run (warming up, meeting its power cap) slows all variants alike; a "
+                        "variant's peak memory is taken over its first call and warm-up, less what "
+                        "the other variants hold. 1 (default): each variant set up, timed and "
+                        "dropped in turn (less memory: one variant's block allocated at a time)")
     p.add_argument("--out", default=None, help="write the results as JSON here (after every variant)")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)
@@ -340,6 +569,12 @@ def main(argv=None) -> int:
         return [x.strip() for x in s.split(",") if x.strip()]
 
     sizes, modes, variants = split(a.sizes), split(a.modes), split(a.variants)
+    if a.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {a.rounds}")
+    if a.rounds > 1 and a.compile_mode in ("reduce-overhead", "max-autotune") and "compiled" in modes:
+        p.error(f"--rounds {a.rounds} interleaves the variants, whose CUDA-graph trees "
+                f"(--compile-mode {a.compile_mode}) are one per process and would be re-recorded at every "
+                "switch; use --rounds 1 with that mode")
     for s in sizes:
         if s not in MODELS:
             p.error(f"unknown size {s!r}; valid: {', '.join(MODELS)}")
@@ -369,53 +604,26 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "torchao": ao_version, "seq": a.seq, "batch": a.batch,
               "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
               "compile_backend": a.compile_backend, "compile_mode": a.compile_mode, "warmup": a.warmup,
-              "iters": a.iters,
+              "iters": a.iters, "rounds": a.rounds,
               "requant_weights": a.requant_weights}
     failed = False
 
     for size, cfg in cfgs.items():
         free_memory()
         inputs = Inputs(cfg, a, dev, x_dtype, y_dtype)
+        if a.rounds > 1:
+            failed |= run_round_robin(size, cfg, inputs, variants, modes, a, dev, res, header, ao_reason)
+            del inputs
+            continue
         for variant in variants:
-            row0 = {"size": size, "block": a.block, "variant": variant, "dim": cfg.dim,
-                    "ffn_dim": cfg.ffn_dim, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-                    "tokens": inputs.tokens, "fp8_linears": None, "ms": None, "tflops": None,
-                    "first_call_s": None, "peak_gib": None, "graph_breaks": None}
-            skip = None
-            if variant in TORCHAO:
-                skip = ao_reason or None
-            elif VARIANT_RECIPE.get(variant, variant) != "bf16":
-                how, reason = recipe_mode(VARIANT_RECIPE.get(variant, variant), dev)
-                skip = f"skipped: {reason}" if how == "skipped" else None
-            model = None
-            if skip is None:
-                try:
-                    free_memory()
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats()
-                    model = build(cfg, a.block, variant, dev, a.smoke)
-                    row0["fp8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
-                except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
-                    traceback.print_exc()
-                    skip = error_status(e)
+            row0, skip, model = build_row(size, cfg, variant, inputs, a, dev, ao_reason)
             for mode in modes:
-                row = dict(row0, mode=mode, status=skip)
+                row = dict(row0, mode=mode, status=skip, rounds=1)
                 if model is not None and mode == "compiled" and variant in EAGER_ONLY:
                     row["status"] = f"skipped: {EAGER_ONLY[variant]}"
                 elif model is not None:
-                    env = {**ENV_DEFAULTS, **ENV_VARIANTS.get(variant, (None, {}))[1]}
-                    prev = {k: os.environ.get(k) for k in env}
-                    os.environ.update(env)  # read when the graph is traced / at every call
-                    prev_launch = set_fast_launch(env["NEMO_FP8_FAST_LAUNCH"] != "0")  # read at import
-                    try:
+                    with variant_env(variant):
                         row.update(measure(model, mode, inputs, a, dev))
-                    finally:
-                        set_fast_launch(prev_launch)
-                        for k, v in prev.items():
-                            if v is None:
-                                os.environ.pop(k, None)
-                            else:
-                                os.environ[k] = v
                     row["tflops"] = None if row["ms"] is None else model_flops(
                         cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
                 failed |= row["status"].startswith("error")

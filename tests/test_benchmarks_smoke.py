@@ -323,9 +323,13 @@ def test_benchmarks_refuse_to_time_without_fp8(bench_modules, capsys):
 
 
 @pytest.mark.parametrize("block,n_fp8,extra", [("layer", 7, ("--peak-report",)),
-                                                ("mlp", 3, ("--requant-weights", "--compile-mode", "reduce-overhead"))])
+                                                ("mlp", 3, ("--requant-weights", "--compile-mode", "reduce-overhead")),
+                                                ("layer", 7, ("--rounds", "2", "--requant-weights"))],
+                         ids=["layer", "mlp-reduce-overhead", "layer-round-robin"])
 def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
     data = _run_smoke("layer_fwd_bwd.py", tmp_path, "--block", block, *extra)
+    rounds = int(extra[extra.index("--rounds") + 1]) if "--rounds" in extra else 1
+    assert data["rounds"] == rounds
     assert data["block"] == block and data["param_dtype"] == "fp32"
     assert data["requant_weights"] == ("--requant-weights" in extra)
     # the allocator history is CUDA's: on CPU the option is accepted and reports nothing
@@ -346,6 +350,10 @@ def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
         assert r["status"] == "ok", r
         assert all(_finite_positive(r[k]) for k in ("ms", "tflops", "speedup", "first_call_s", "ms_b2b",
                                                      "speedup_b2b")), r
+        # smoke: --iters 2, so 2 synchronised samples and 3 back-to-back windows, or with
+        # --rounds 2 one and two of them per round
+        assert r["rounds"] == rounds
+        assert (r["samples"]["ms"], r["samples"]["ms_b2b"]) == ((2, 3) if rounds == 1 else (2, 4)), r
         # the same linears are FP8 in our recipes and in torchao's (the policy's choice)
         assert r["fp8_linears"] == (0 if variant == "bf16" else n_fp8)
         # compiled: our current-scaling FP8 linears are traced (no graph break), delayed scaling
@@ -359,6 +367,48 @@ def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
         else:
             assert r["vs_torchao_tensorwise"] is None
     assert rows[("bf16", "eager")]["speedup"] == 1.0 == rows[("bf16", "eager")]["speedup_b2b"]
+
+
+def test_layer_round_robin_keeps_each_variants_compiled_graph(bench_modules, monkeypatch):
+    """``--rounds`` keeps every variant compiled at once: ``isolate`` gives each its own forward
+    code object (so its own dynamo cache), and called in turn, each within its settings as the
+    rounds run them, every variant runs the graph traced with its own setting (one read while
+    tracing, as ``NEMO_FP8_COMPILED_QUANT`` is) — with no recompilation."""
+    import os
+
+    import torch
+    import torch.nn as nn
+    from torch._dynamo.testing import CompileCounter
+
+    _, _, layer = bench_modules
+
+    class Scale(nn.Module):
+        def forward(self, x):
+            return x * (2.0 if os.environ.get("NFR_TEST_TRACE_SETTING") == "a" else 3.0)
+
+    torch._dynamo.reset()
+    counter, fns = CompileCounter(), {}
+    for tag in ("a", "b"):
+        monkeypatch.setenv("NFR_TEST_TRACE_SETTING", tag)
+        fns[tag] = torch.compile(layer.isolate(Scale(), f"v_{tag}"), backend=counter)
+        fns[tag](torch.ones(2))  # traced with this setting
+    codes = {tag: type(f._orig_mod).forward.__code__ for tag, f in fns.items()}
+    assert codes["a"] is not codes["b"] and codes["a"].co_name == "forward_v_a"
+    assert isinstance(fns["a"]._orig_mod, Scale) and counter.frame_count == 2
+    for _ in range(2):  # alternated, as the rounds run them
+        for tag, want in (("a", 2.0), ("b", 3.0)):
+            monkeypatch.setenv("NFR_TEST_TRACE_SETTING", tag)
+            assert fns[tag](torch.ones(2)).tolist() == [want, want]
+    assert counter.frame_count == 2
+    torch._dynamo.reset()
+
+
+def test_layer_round_robin_refuses_cuda_graph_trees(bench_modules):
+    _, _, layer = bench_modules
+    with pytest.raises(SystemExit):
+        layer.main(["--smoke", "--rounds", "2", "--compile-mode", "reduce-overhead"])
+    with pytest.raises(SystemExit):
+        layer.main(["--smoke", "--rounds", "0"])
 
 
 def test_layer_policy_filter_matches_convert_model(bench_modules):
