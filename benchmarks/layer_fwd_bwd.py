@@ -367,7 +367,10 @@ def isolate(model: nn.Module, tag: str) -> nn.Module:
     cls = type(model)
     fwd = cls.forward
     name = f"forward_{''.join(c if c.isalnum() else '_' for c in tag)}"
-    code = fwd.__code__.replace(co_name=name, co_qualname=f"{cls.__name__}.{name}")
+    renamed = {"co_name": name}
+    if sys.version_info >= (3, 11):  # (code objects have a qualified name from 3.11 on)
+        renamed["co_qualname"] = f"{cls.__name__}.{name}"
+    code = fwd.__code__.replace(**renamed)
     new_fwd = types.FunctionType(code, fwd.__globals__, name, fwd.__defaults__, fwd.__closure__)
     model.__class__ = type(f"{cls.__name__}_{name[8:]}", (cls,), {"forward": new_fwd})
     return model
