@@ -123,7 +123,8 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
 def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, rounds: int,
                       warmup: int, iters: int, window: int, b2b_warmup: int = 0,
                       graphs: Optional[Dict[str, list]] = None,
-                      contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None) -> Dict[str, dict]:
+                      contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
+                      errors: Optional[Dict[str, BaseException]] = None) -> Dict[str, dict]:
     """:func:`bench_with_gpu` for several variants at once, in ``rounds`` round-robin passes:
     each pass times every variant in turn (``ceil(iters / rounds)`` synchronised samples, then
     the back-to-back windows, then, for a variant in ``graphs``, the replays of its captured
@@ -134,7 +135,9 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
     "ms_graph", "gpu", "gpu_b2b", "gpu_reason", "samples"}``: medians over all rounds, the GPU
     monitors' summaries over all of a variant's blocks, the sample counts. ``contexts``: per
     variant, a context manager entered around each of its blocks, untimed (e.g. the settings a
-    variant runs with)."""
+    variant runs with). ``errors``: if given, a variant whose block raises is recorded there
+    (its exception), left out of the later rounds and of the result, and the others go on;
+    otherwise the exception propagates."""
     import contextlib
     import math
 
@@ -147,13 +150,26 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
     mons = {k: {"sync": GpuMonitor(device), "b2b": GpuMonitor(device)} for k in fns}
     gsamples: Dict[str, Dict[str, list]] = {k: {"sync": [], "b2b": []} for k in fns}
     contexts = contexts or {}
+    failed: Dict[str, BaseException] = {}
     for r in range(rounds):
         for k, fn in fns.items():
-            with contexts.get(k, contextlib.nullcontext)():
-                _bench_block(k, fn, n_inputs, cuda, warmup if r == 0 else max(1, b2b_warmup), per_sync, per_b2b,
-                             b2b_warmup, window, samples, mons, gsamples, graphs)
+            if k in failed:
+                continue
+            try:
+                with contexts.get(k, contextlib.nullcontext)():
+                    _bench_block(k, fn, n_inputs, cuda, warmup if r == 0 else max(1, b2b_warmup), per_sync,
+                                 per_b2b, b2b_warmup, window, samples, mons, gsamples, graphs)
+            except Exception as e:  # noqa: BLE001 - one variant's failure (e.g. out of memory)
+                if errors is None:
+                    raise
+                import traceback
+
+                traceback.print_exc()
+                failed[k] = errors[k] = e
     out = {}
     for k in fns:
+        if k in failed:
+            continue
         for kind in ("sync", "b2b"):  # the summaries over every block of this variant
             mons[k][kind].samples = gsamples[k][kind]
         sm = samples[k]
@@ -405,14 +421,15 @@ def _alloc_site(frames: Sequence[dict]) -> str:
     return "?"
 
 
-def peak_memory_report(fn: Callable[[int], object], i: int = 0, top: int = 12) -> dict:
+def peak_memory_report(fn: Callable[[int], object], i: int = 0, top: int = 12, others_bytes: int = 0) -> dict:
     """Run ``fn(i)`` once (CUDA) with the allocator's history recorded and say what is alive at
     its peak (:func:`live_at_peak`): which activations, codes and workspaces make a variant's
-    peak memory."""
+    peak memory. ``others_bytes``: memory allocated by others (e.g. the other variants of a
+    round-robin run), left out of the totals."""
     import torch
 
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    base = torch.cuda.memory_allocated() - others_bytes
     torch.cuda.memory._record_memory_history(max_entries=500_000)
     try:
         fn(i)

@@ -293,20 +293,21 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
         return None, out
 
 
-def take_timings(out: dict, t: dict) -> None:
+def take_timings(out: dict, t: dict, dev: str) -> None:
     """A timing's fields (:func:`bench_interleaved`) into a row."""
     out["ms"], out["ms_b2b"], out["gpu"], out["gpu_b2b"] = t["ms"], t["ms_b2b"], t["gpu"], t["gpu_b2b"]
     out["samples"] = t["samples"]
-    if t["gpu_reason"]:
+    if dev == "cuda" and t["gpu_reason"]:
         out["gpu_reason"] = t["gpu_reason"]
 
 
-def profile_extras(step, out: dict, inputs: Inputs, a, dev: str) -> None:
+def profile_extras(step, out: dict, inputs: Inputs, a, dev: str, others_bytes: int = 0) -> None:
     """``--peak-report`` and ``--breakdown`` for one prepared variant (after its timings and peak
-    memory are read: the profiler's own buffers stay out of them)."""
+    memory are read: the profiler's own buffers stay out of them). ``others_bytes``: what the
+    other variants of a round-robin run hold, left out of the peak report."""
     cuda = dev == "cuda"
     if a.peak_report and cuda:
-        out["peak_live"] = peak_memory_report(step, 0)
+        out["peak_live"] = peak_memory_report(step, 0, others_bytes=others_bytes)
     if a.breakdown:
         out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda, top=40)
         if cuda:
@@ -323,7 +324,7 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
     try:
         if step is not None:
             take_timings(out, bench_with_gpu(step, inputs.n, dev, warmup=a.warmup, iters=a.iters,
-                                             window=a.window))
+                                             window=a.window), dev)
             if cuda:
                 out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             profile_extras(step, out, inputs, a, dev)
@@ -403,14 +404,34 @@ def resident_bytes(dev: str) -> int:
     return torch.cuda.memory_allocated() if dev == "cuda" else 0
 
 
+def _clear_grads(model: nn.Module, inputs: Inputs) -> None:
+    for q in model.parameters():
+        q.grad = None
+    for x in inputs.xs:
+        x.grad = None
+
+
+@contextlib.contextmanager
+def _round_block(variant: str, model: nn.Module, inputs: Inputs):
+    """One variant's turn in a round: its settings on; its gradients freed when it ends, so the
+    timing phase holds one variant's gradients at a time."""
+    try:
+        with variant_env(variant):
+            yield
+    finally:
+        _clear_grads(model, inputs)
+
+
 def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str, res: list, header: dict,
                     ao_reason: str) -> bool:
     """Every variant of one size, each mode timed round-robin (``--rounds`` passes over all
     variants, :func:`bench_interleaved`), so the GPU's clock drift over the run (warming up,
     meeting its power cap) slows every variant alike. All variants' blocks stay allocated
-    meanwhile; a variant's peak memory is read over its first call and warm-up steps, less what
-    the other variants hold (so it is what the variant alone would allocate). Returns whether a
-    variant failed."""
+    meanwhile (gradients only during a variant's own turn). A variant's peak memory is read over
+    its first call and warm-up steps (at least one per input set, so that the other sets' input
+    gradients are alive as in a one-variant run), less what the other variants hold then: the
+    same figure as ``--rounds 1``. A variant that fails (set-up, warm-up or timing) gets an
+    error row; the others go on. Returns whether a variant failed."""
     cuda = dev == "cuda"
     failed = False
     if cuda:  # the process's own GPU state before the baseline, so that no variant's peak loses it
@@ -430,11 +451,9 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
             models[variant] = isolate(model, f"{size}_{variant}")
         rows0[variant] = (row0, skip)
     for mode in modes:
-        if mode == "compiled":  # (the eager runs' FP8 weight copies are not used compiled)
-            for m in models.values():
-                invalidate_weight_cache(m)
-        free_memory(dynamo=False)
-        steps, outs = {}, {}
+        for m in models.values():  # (each variant's FP8 weight copies are rebuilt in its own set-up)
+            invalidate_weight_cache(m)
+        steps, outs, others, held = {}, {}, {}, {}
         for variant in variants:
             row0, skip = rows0[variant]
             row = dict(row0, mode=mode, status=skip, rounds=a.rounds)
@@ -444,42 +463,47 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
             if mode == "compiled" and variant in EAGER_ONLY:
                 row["status"] = f"skipped: {EAGER_ONLY[variant]}"
                 continue
-            for x in inputs.xs:  # (the last variant's input gradients, which this one's steps free)
-                x.grad = None
-            others = resident_bytes(dev) - base - own[variant]
+            model = models[variant]
+            _clear_grads(model, inputs)
+            free_memory(dynamo=False)  # (collected garbage must not count as another variant's)
+            others[variant] = resident_bytes(dev) - base - own[variant]
             if cuda:  # (the other variants' peaks are behind; what they hold is subtracted below)
                 torch.cuda.reset_peak_memory_stats()
-            with variant_env(variant):
-                step, got = prepare(models[variant], mode, inputs, a, dev, reset_dynamo=False)
+            with _round_block(variant, model, inputs):
+                step, got = prepare(model, mode, inputs, a, dev, reset_dynamo=False)
                 row.update(got)
                 if step is not None:
                     try:
-                        for i in range(a.warmup):
+                        for i in range(max(a.warmup, inputs.n)):
                             step(i % inputs.n)
                         if cuda:
                             torch.cuda.synchronize()
-                            row["peak_gib"] = (torch.cuda.max_memory_allocated() - others) / 2**30
+                            row["peak_gib"] = (torch.cuda.max_memory_allocated() - others[variant]) / 2**30
                         steps[variant] = step
                     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
                         traceback.print_exc()
                         row.update(status=error_status(e), ms=None)
-            for q in models[variant].parameters():
-                q.grad = None
+            held[variant] = resident_bytes(dev) - base - others[variant]  # (its params, FP8 weight copies)
         if steps:
-            ctx = {v: (lambda v=v: variant_env(v)) for v in steps}
+            errors = {}
+            blocks = {v: (lambda v=v: _round_block(v, models[v], inputs)) for v in steps}
             times = bench_interleaved(steps, inputs.n, dev, rounds=a.rounds, warmup=1, iters=a.iters,
-                                      window=a.window, b2b_warmup=1, contexts=ctx)
+                                      window=a.window, b2b_warmup=1, contexts=blocks, errors=errors)
             for variant, step in steps.items():
                 row = outs[variant]
+                if variant in errors:
+                    row.update(status=error_status(errors[variant]), ms=None)
+                    continue
+                take_timings(row, times[variant], dev)
                 try:
-                    take_timings(row, times[variant])
-                    with variant_env(variant):
-                        profile_extras(step, row, inputs, a, dev)
+                    with _round_block(variant, models[variant], inputs):
+                        now_others = resident_bytes(dev) - base - held[variant]
+                        for i in range(1, inputs.n):  # (the other input sets' gradients alive, as
+                            step(i)                   # in a one-variant run's steps)
+                        profile_extras(step, row, inputs, a, dev, others_bytes=now_others)
                 except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
                     traceback.print_exc()
                     row.update(status=error_status(e), ms=None)
-                for q in models[variant].parameters():
-                    q.grad = None
         for variant in variants:
             row = outs[variant]
             if row["ms"] is not None:

@@ -403,6 +403,41 @@ def test_layer_round_robin_keeps_each_variants_compiled_graph(bench_modules, mon
     torch._dynamo.reset()
 
 
+def test_bench_interleaved_isolates_a_failing_variant(bench_modules):
+    """With ``errors`` given, a variant whose block raises (e.g. out of memory in round 2) is
+    recorded there and left out; the others are timed in every round. Without it, the exception
+    propagates. The per-variant contexts are entered around each block."""
+    t, _, _ = bench_modules
+    calls = {"ok": 0, "bad": 0}  # (calls made, for the record)
+    entered = []
+
+    def ok(i):
+        calls["ok"] += 1
+
+    def bad(i):  # fails in its second round
+        calls["bad"] += 1
+        if entered.count("bad") == 2:
+            raise RuntimeError("CUDA out of memory (simulated)")
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def ctx(name):
+        entered.append(name)
+        yield
+
+    fns = {"ok": ok, "bad": bad}
+    errors = {}
+    out = t.bench_interleaved(fns, 2, "cpu", rounds=3, warmup=1, iters=3, window=2, b2b_warmup=1,
+                              contexts={k: (lambda k=k: ctx(k)) for k in fns}, errors=errors)
+    assert set(out) == {"ok"} and set(errors) == {"bad"} and "out of memory" in str(errors["bad"])
+    assert out["ok"]["samples"]["ms"] == 3 and entered.count("ok") == 3 and entered.count("bad") == 2
+    entered.clear()
+    with pytest.raises(RuntimeError, match="out of memory"):
+        t.bench_interleaved(fns, 2, "cpu", rounds=3, warmup=1, iters=3, window=2, b2b_warmup=1,
+                            contexts={k: (lambda k=k: ctx(k)) for k in fns})
+
+
 def test_layer_round_robin_refuses_cuda_graph_trees(bench_modules):
     _, _, layer = bench_modules
     with pytest.raises(SystemExit):
