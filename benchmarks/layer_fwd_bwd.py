@@ -259,6 +259,8 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
                 torch.cuda.reset_peak_memory_stats()
             fn = torch.compile(model, backend=a.compile_backend, dynamic=False, mode=a.compile_mode)
         else:
+            if cuda:  # (with --modes compiled,eager the compiled run's peak is behind)
+                torch.cuda.reset_peak_memory_stats()
             fn = model
 
         requant = a.requant_weights and any(type(m) is Float8Linear for m in model.modules())
