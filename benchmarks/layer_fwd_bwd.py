@@ -255,13 +255,11 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
             from torch._dynamo.utils import counters
 
             counters["graph_break"].clear()
-            if cuda:
-                torch.cuda.reset_peak_memory_stats()
             fn = torch.compile(model, backend=a.compile_backend, dynamic=False, mode=a.compile_mode)
         else:
-            if cuda:  # (with --modes compiled,eager the compiled run's peak is behind)
-                torch.cuda.reset_peak_memory_stats()
             fn = model
+        if cuda:  # (the peaks of other variants and modes, and of this one's set-up, are behind)
+            torch.cuda.reset_peak_memory_stats()
 
         requant = a.requant_weights and any(type(m) is Float8Linear for m in model.modules())
         graphs = mode == "compiled" and a.compile_mode in ("reduce-overhead", "max-autotune")
@@ -468,9 +466,7 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
             model = models[variant]
             _clear_grads(model, inputs)
             free_memory(dynamo=False)  # (collected garbage must not count as another variant's)
-            others[variant] = resident_bytes(dev) - base - own[variant]
-            if cuda:  # (the other variants' peaks are behind; what they hold is subtracted below)
-                torch.cuda.reset_peak_memory_stats()
+            others[variant] = resident_bytes(dev) - base - own[variant]  # (subtracted from its peak)
             with _round_block(variant, model, inputs):
                 step, got = prepare(model, mode, inputs, a, dev, reset_dynamo=False)
                 row.update(got)
@@ -507,19 +503,25 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
                     traceback.print_exc()
                     row.update(status=error_status(e), ms=None)
         for variant in variants:
-            row = outs[variant]
-            if row["ms"] is not None:
-                row["tflops"] = model_flops(cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
-            failed |= (row["status"] or "").startswith("error")
-            res.append(row)
-            took = "" if row["ms"] is None else f" {row['ms']:.2f} ms"
-            print(f"  {size} {a.block} {variant} {mode}: {row['status']}{took}", file=sys.stderr, flush=True)
+            failed |= report_row(outs[variant], cfg, inputs, a, res, header)
         steps = None
-        _add_ratios(res)
-        write_json(a.out, dict(header, results=res))
     models.clear()
     free_memory()
     return failed
+
+
+def report_row(row: dict, cfg, inputs: Inputs, a, res: list, header: dict) -> bool:
+    """Add a finished row to ``res`` (with its TFLOP/s), print its status, refresh the ratios and
+    rewrite ``--out`` (a run cut short keeps what it measured); returns whether it failed."""
+    if row["ms"] is not None:
+        row["tflops"] = model_flops(cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
+    res.append(row)
+    took = "" if row["ms"] is None else f" {row['ms']:.2f} ms"
+    print(f"  {row['size']} {a.block} {row['variant']} {row['mode']}: {row['status']}{took}",
+          file=sys.stderr, flush=True)
+    _add_ratios(res)
+    write_json(a.out, dict(header, results=res))
+    return (row["status"] or "").startswith("error")
 
 
 def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reason: str, *,
@@ -539,8 +541,6 @@ def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reas
     if skip is None:
         try:
             free_memory(dynamo=reset_dynamo)
-            if dev == "cuda":
-                torch.cuda.reset_peak_memory_stats()
             model = build(cfg, a.block, variant, dev, a.smoke)
             row0["fp8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
         except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
@@ -653,15 +653,7 @@ def main(argv=None) -> int:
                 elif model is not None:
                     with variant_env(variant):
                         row.update(measure(model, mode, inputs, a, dev))
-                    row["tflops"] = None if row["ms"] is None else model_flops(
-                        cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
-                failed |= row["status"].startswith("error")
-                res.append(row)
-                took = "" if row["ms"] is None else f" {row['ms']:.2f} ms"
-                print(f"  {size} {a.block} {variant} {mode}: {row['status']}{took}",
-                      file=sys.stderr, flush=True)
-                _add_ratios(res)
-                write_json(a.out, dict(header, results=res))
+                failed |= report_row(row, cfg, inputs, a, res, header)
             del model
         del inputs
     free_memory()
