@@ -1,7 +1,8 @@
 """Session 24 probe: the Gluon block-scaled GEMM (nemo_fp8_recipes/quant/gluon_gemm.py) against
 cuBLAS' (F.scaled_mm, what blockwise_matmul runs) — bit-identity and speed, Llama 3 8B/70B GEMMs.
+The kernel was committed as 5578418 and removed in the next commit; run this at 5578418:
 
-    python docs/results/probe_gluon_blockwise_session24.py --sizes 8b,70b --out $OUT/probe.json
+    git checkout 5578418 && python docs/results/probe_gluon_blockwise_session24.py --sizes 8b,70b --out probe.json
 
 Operands are quantised with the package's quantisers exactly as gemm_tflops.py does. Each Gluon
 configuration's output is compared with cuBLAS' (torch.equal, max |diff|), the FP32 wgrad's
