@@ -1,8 +1,10 @@
 """Session 24 probe: the Gluon block-scaled GEMM (nemo_fp8_recipes/quant/gluon_gemm.py) against
 cuBLAS' (F.scaled_mm, what blockwise_matmul runs) — bit-identity and speed, Llama 3 8B/70B GEMMs.
-The kernel was committed as 5578418 and removed in the next commit; run this at 5578418:
+The kernel was committed as 5578418 (probes a-d) and again with the `tie` option for 256-row tiles
+(probe e), each removed in the next commit; run this at the second experiment commit (see
+docs/benchmarks.md, session 24), e.g.
 
-    git checkout 5578418 && python docs/results/probe_gluon_blockwise_session24.py --sizes 8b,70b --out probe.json
+    python docs/results/probe_gluon_blockwise_session24.py --sizes 8b,70b --configs p,w3p,h2t,h2tp,h2tfp --out probe.json
 
 Operands are quantised with the package's quantisers exactly as gemm_tflops.py does. Each Gluon
 configuration's output is compared with cuBLAS' (torch.equal, max |diff|), the FP32 wgrad's
@@ -45,7 +47,10 @@ def main():
     r = get_recipe("blockwise")
     dev = "cuda"
     cfgs = {"base": {}, "s4": {"stages": 4}, "p": {"persistent": True}, "s4p": {"stages": 4, "persistent": True},
-            "w3": {"num_wg": 3}, "w3p": {"num_wg": 3, "persistent": True}, "g16": {"group_m": 16}}
+            "w3": {"num_wg": 3}, "w3p": {"num_wg": 3, "persistent": True}, "g16": {"group_m": 16},
+            "h2t": {"halves": 2, "prefetch": False, "tie": True},
+            "h2tp": {"halves": 2, "prefetch": False, "tie": True, "persistent": True},
+            "h2tfp": {"halves": 2, "tie": True, "persistent": True}}
     cfgs = {k: cfgs[k] for k in a.configs.split(",")}
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": [], "checks": []}
 
@@ -69,7 +74,7 @@ def main():
                 print(f"cuBLAS {m}x{n}x{k} {gemm}: {e!r}"[:300])
                 cub = None
             for name, kw in cfgs.items():
-                if kw.get("num_wg") == 3 and not wb:
+                if (kw.get("num_wg") == 3 or kw.get("halves") == 2) and not wb:
                     continue
                 try:
                     out = gluon_blockwise_matmul(qa.data, qa.scale_inv, qb.data, qb.scale_inv, wb, od, **kw)
@@ -120,7 +125,7 @@ def main():
                 eqs = {}
                 ref = fns["cublas"](0)
                 for name, kw in cfgs.items():
-                    if kw.get("num_wg") == 3 and not wb:
+                    if (kw.get("num_wg") == 3 or kw.get("halves") == 2) and not wb:
                         continue
                     fn = (lambda i, ops=ops, wb=wb, od=od, kw=kw: gluon_blockwise_matmul(
                         ops[i][0].data, ops[i][0].scale_inv, ops[i][1].data, ops[i][1].scale_inv, wb, od, **kw))
