@@ -1,8 +1,7 @@
 """Session 24 probe: the Gluon block-scaled GEMM (nemo_fp8_recipes/quant/gluon_gemm.py) against
 cuBLAS' (F.scaled_mm, what blockwise_matmul runs) — bit-identity and speed, Llama 3 8B/70B GEMMs.
 The kernel was committed as 5578418 (probes a-d) and again with the `tie` option for 256-row tiles
-(probe e), each removed in the next commit; run this at the second experiment commit (see
-docs/benchmarks.md, session 24), e.g.
+(probe e), each removed in the next commit; run this at 5c4b308 (it has every option), e.g.
 
     python docs/results/probe_gluon_blockwise_session24.py --sizes 8b,70b --configs p,w3p,h2t,h2tp,h2tfp --out probe.json
 
