@@ -816,11 +816,11 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     block_c, ng = cfg["block_c"], cfg["groups"]
     n_r, n_c = _cdiv(G, ng), _cdiv(C, block_c)
     _launch(_quant_cols_t_kernel, (n_r * n_c,), x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, _group_r(cfg, n_r),
-                                       GROUP=group, NG=ng, BLOCK_C=block_c,
-                                       BF16_TILE=bool(cfg.get("bf16_tile")) and x.dtype == torch.bfloat16,
-                               num_warps=cfg["num_warps"],
-                               MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
-                               TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
+            GROUP=group, NG=ng, BLOCK_C=block_c,
+            BF16_TILE=bool(cfg.get("bf16_tile")) and x.dtype == torch.bfloat16,
+            num_warps=cfg["num_warps"],
+            MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
+            TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
                            scale_e8m0=_e8m0_view(e8) if _MODE[rounding] >= 2 else None)
 
@@ -866,10 +866,10 @@ def _tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
         block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
         # (operands a launch does not use are passed as None rather than as aliases of x2)
         _launch(_amax_atomic_kernel, (_cdiv(n, block),), x2, gate, acc.view(torch.int32), act_out, n,
-                                                      BLOCK=block, num_warps=warps, WRITE_ACT=act_out is not None,
-                                                      AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"]
-                                                                      if amax_check is None else amax_check),
-                                                      **_gate_args(x2, gate))
+                BLOCK=block, num_warps=warps, WRITE_ACT=act_out is not None,
+                AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"]
+                                if amax_check is None else amax_check),
+                **_gate_args(x2, gate))
     elif n:
         if gate is not None:
             raise ValueError("a gated amax needs contiguous inputs")
@@ -928,7 +928,7 @@ def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     if n:
         block = 4096
         _launch(_swiglu_bwd_kernel, (_cdiv(n, block),), dy, g, u, dg, du, n, BLOCK=block, num_warps=8,
-                                                     **_act_args(u))
+                **_act_args(u))
     return dg, du
 
 
@@ -999,10 +999,10 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     cfg = LAUNCH["tensor" if scale is None else "tensor_delayed"]
     block, warps = cfg["block"], cfg["num_warps"]
     _launch(_cast_kernel, (_cdiv(n, block),), x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q,
-                                           n, BLOCK=block, FMAX=fmt.max,
-                                           IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x),
-                                           HAS_SCALE=has_scale, MODE=mode, AMAX_OUT=amax_in_cast,
-                                           AMAX_CHECK=bool(cfg["amax_check"]) and amax_in_cast, num_warps=warps)
+            n, BLOCK=block, FMAX=fmt.max,
+            IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x),
+            HAS_SCALE=has_scale, MODE=mode, AMAX_OUT=amax_in_cast,
+            AMAX_CHECK=bool(cfg["amax_check"]) and amax_in_cast, num_warps=warps)
     return QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
 
 
@@ -1027,10 +1027,10 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     tile = 128 if group == 128 else cfg["tile"]
     n_r, n_c = _cdiv(R, tile), _cdiv(C, tile)
     _launch(_quant_dual_kernel, (n_r * n_c,), x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), n_r, n_c,
-                                     _group_r(cfg, n_r), GROUP=group,
-                             num_warps=cfg["num_warps"],
-                             TILE=tile, MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
-                             TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
+            _group_r(cfg, n_r), GROUP=group,
+            num_warps=cfg["num_warps"],
+            TILE=tile, MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax,
+            TOP_MANT=_top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x))
     a = QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
                         scale_e8m0=_e8m0_view(e8) if mx else None)
     b = QuantizedTensor(data=qt, scale_inv=sit, block=(1, group), fmt=fmt, amax=sit,
@@ -1086,16 +1086,16 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
             amax_in_cast = False
         grid = (_cdiv(R, cfg["block_r"]), _cdiv(C, cfg["block_c"]))
         _launch(_cast_dual_kernel, grid, x2, gate,
-                                amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
-                                R, C, x2.stride(0),
-                                BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
-                                FMAX=fmt.max, num_warps=cfg["num_warps"],
-                                IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), HAS_SCALE=has_scale,
-                                MODE=mode, AMAX_OUT=amax_in_cast, **_gate_args(x2, gate),
-                                BF16_TILE=(bool(cfg.get("bf16_tile")) and amax_in_cast and gate is None
-                                           and x2.dtype == torch.bfloat16),
-                                # (cfg is tensor_dual, without the option, for current scaling)
-                                AMAX_CHECK=bool(cfg.get("amax_check")) and amax_in_cast)
+                amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
+                R, C, x2.stride(0),
+                BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
+                FMAX=fmt.max, num_warps=cfg["num_warps"],
+                IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x), HAS_SCALE=has_scale,
+                MODE=mode, AMAX_OUT=amax_in_cast, **_gate_args(x2, gate),
+                BF16_TILE=(bool(cfg.get("bf16_tile")) and amax_in_cast and gate is None
+                           and x2.dtype == torch.bfloat16),
+                # (cfg is tensor_dual, without the option, for current scaling)
+                AMAX_CHECK=bool(cfg.get("amax_check")) and amax_in_cast)
     else:
         si = _scale_inv_of_empty(amax, fmt, rounding, scale)
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
@@ -1155,11 +1155,11 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
     e8 = scale_grid(R, G, torch.uint8, dev) if group and mx else si
     if R:
         _launch(_rmsnorm_fwd_kernel, (R,), x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, R, D, G,
-                                  x2.stride(0), y.stride(0), 1.0 / D, float(eps), BLOCK_D=block_d,
-                                  OUT_BF16=x2.dtype == torch.bfloat16, AMAX=amax, GROUP=group,
-                                  MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=_top_mant(fmt),
-                                  IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x2),
-                                  num_warps=_row_warps(block_d, LAUNCH["rmsnorm"]["elems_per_thread"]))
+                x2.stride(0), y.stride(0), 1.0 / D, float(eps), BLOCK_D=block_d,
+                OUT_BF16=x2.dtype == torch.bfloat16, AMAX=amax, GROUP=group,
+                MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=_top_mant(fmt),
+                IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x2),
+                num_warps=_row_warps(block_d, LAUNCH["rmsnorm"]["elems_per_thread"]))
     if group:
         q = QuantizedTensor(data=qd, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
                             scale_e8m0=_e8m0_view(e8) if mx else None)
@@ -1186,9 +1186,9 @@ def rmsnorm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
     block_d = max(triton.next_power_of_2(D), 16)
     if R:
         _launch(_rmsnorm_bwd_kernel, (progs,), dy2, x2, w, rstd, dx, part, R, D, dy2.stride(0), x2.stride(0), 1.0 / D,
-                                      ROWS=per, BLOCK_D=block_d, HAS_DW=need_dw,
-                                      OUT_BF16=dx.dtype == torch.bfloat16,
-                                      num_warps=_row_warps(block_d, cfg["elems_per_thread"]))
+                ROWS=per, BLOCK_D=block_d, HAS_DW=need_dw,
+                OUT_BF16=dx.dtype == torch.bfloat16,
+                num_warps=_row_warps(block_d, cfg["elems_per_thread"]))
     dw = None
     if need_dw:
         dw = (part[:progs].sum(0) if R else torch.zeros(D, dtype=torch.float32, device=x2.device)).to(weight.dtype)
@@ -1214,6 +1214,6 @@ def delayed_commit(history: torch.Tensor, scale: torch.Tensor, pending: torch.Te
         raise ValueError("history must be a contiguous 1-D float32 tensor")
     L = history.numel()
     _launch(_delayed_commit_kernel, (1,), history, scale, pending, flag, L, float(flag_after),
-                                 BLOCK_L=triton.next_power_of_2(L), FMAX=fmt.max,
-                                 MARGIN_DIV=float(2**margin), MOST_RECENT=amax_compute_algo == "most_recent",
-                                 num_warps=4)
+            BLOCK_L=triton.next_power_of_2(L), FMAX=fmt.max,
+            MARGIN_DIV=float(2**margin), MOST_RECENT=amax_compute_algo == "most_recent",
+            num_warps=4)
