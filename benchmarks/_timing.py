@@ -656,6 +656,18 @@ class GpuMonitor:
             self._thread = None
         self._close()
 
+    def energy_mj(self) -> Optional[int]:
+        """The board's energy counter (millijoules since the driver loaded; NVML's
+        ``nvmlDeviceGetTotalEnergyConsumption``, Volta and later), or None — with the reason noted
+        — without NVML, a device or the counter. Read it inside the ``with`` block."""
+        if self._handle is None:
+            return None
+        try:
+            return int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle))
+        except Exception as e:  # noqa: BLE001 - e.g. not supported on this device
+            self._note(f"NVML energy counter: {type(e).__name__}")
+            return None
+
     def summary(self) -> Optional[dict]:
         """Median / minimum SM clock (MHz), mean / maximum power (W) and the enforced limit,
         maximum temperature (°C), the clock-event reasons seen in any sample, the sample count;
@@ -687,6 +699,63 @@ def bench_with_gpu(fn: Callable[[int], object], n_inputs: int, device, *, warmup
     recorded nothing, if it did not), with its ``ms_graph`` (None) and ``samples``."""
     return bench_interleaved({"": fn}, n_inputs, device, rounds=1, warmup=warmup, iters=iters,
                              window=window, b2b_warmup=b2b_warmup)[""]
+
+
+def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, seconds: float,
+                  rounds: int = 2) -> Dict[str, dict]:
+    """Energy per call of each variant at the GPU's sustained draw: each variant in turn
+    (``rounds`` round-robin passes) runs back to back for about ``seconds`` (the call count from a
+    3-call calibration), between two reads of the board's energy counter
+    (:meth:`GpuMonitor.energy_mj`) and two CUDA events. Returns per variant ``{"ms", "j", "w",
+    "gpu", "energy_reason", "calls"}``: the medians over the rounds of the time and the joules per
+    call, their ratio (the mean draw, W), the last window's :meth:`GpuMonitor.summary`, and why
+    ``j``/``w`` are None where the counter could not be read (on CPU: the host's time only).
+    Under a power cap the throughput a kernel reaches is ``cap / (joules per FLOP)``: this is the
+    measurement that says what a kernel costs once every variant runs at the cap."""
+    import math
+
+    import torch
+
+    cuda = str(device).startswith("cuda")
+    samples = {k: {"ms": [], "j": []} for k in fns}
+    out: Dict[str, dict] = {}
+    for _ in range(max(1, rounds)):
+        for name, fn in fns.items():
+            for j in range(3):  # warm, and calibrate the call count
+                fn(j % n_inputs)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for j in range(3):
+                fn(j % n_inputs)
+            if cuda:
+                torch.cuda.synchronize()
+            calls = max(3, math.ceil(seconds / max((time.perf_counter() - t0) / 3, 1e-6)))
+            with GpuMonitor(device) as mon:
+                e0 = mon.energy_mj()
+                if cuda:
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                t0 = time.perf_counter()
+                for j in range(calls):
+                    fn(j % n_inputs)
+                if cuda:
+                    end.record()
+                    end.synchronize()
+                    ms = start.elapsed_time(end) / calls
+                else:
+                    ms = (time.perf_counter() - t0) * 1e3 / calls
+                e1 = mon.energy_mj() if e0 is not None else None
+            samples[name]["ms"].append(ms)
+            if e0 is not None and e1 is not None and e1 > e0:
+                samples[name]["j"].append((e1 - e0) / 1e3 / calls)
+            out[name] = {"gpu": mon.summary(), "calls": calls,
+                         "energy_reason": None if samples[name]["j"] else (mon.reason or "energy counter did not advance")}
+    for name, s in samples.items():
+        ms = statistics.median(s["ms"])
+        j = statistics.median(s["j"]) if s["j"] else None
+        out[name].update(ms=ms, j=j, w=None if j is None else j / (ms / 1e3))
+    return out
 
 
 def gpu_cell(s: Optional[dict]) -> str:

@@ -30,6 +30,12 @@ BF16 for fprop/dgrad, FP32 for the FP8 wgrad (the FP32 master gradient). One pro
 median of ``--iters`` after ``--warmup``, two rotating operand sets. JSON rows give each GEMM as
 ``M`` x ``N`` output with contraction ``K``. A variant that raises becomes an error row (the
 run goes on, exit status 1). ``--smoke``: tiny emulated CPU run for CI (no timing claims).
+
+``--energy SECONDS``: after the timing of each GEMM, every variant also runs back to back for
+about SECONDS, round-robin twice, between two reads of the board's energy counter (NVML):
+joules per call, the mean draw, GFLOP per joule and the SM clock. At the GPU's power cap a
+GEMM's throughput is ``cap / (J per FLOP)``, so this says which kernels the cap holds and by how
+much (``energy`` in each JSON row; a second table).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench, benchmark_device, error_status, fmt, fmt_tflops, recipe_mode, table, write_json,
+    bench, benchmark_device, energy_window, error_status, fmt, fmt_tflops, recipe_mode, table, write_json,
 )
 
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402
@@ -121,9 +127,14 @@ def main(argv=None) -> int:
                    help="separate: one of gate/up (N = ffn, as the package's Llama); fused: N = 2*ffn")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
+                   help="also run each variant back to back for about SECONDS (round-robin, twice) and "
+                        "read the board's energy counter: J per call, W, GFLOP/J, SM clock (0: off)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)
+    if a.energy < 0:
+        p.error("--energy is a duration in seconds (0: off)")
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in variants:
         if v not in VARIANTS:
@@ -143,7 +154,7 @@ def main(argv=None) -> int:
     modes = {v: recipe_mode(VARIANTS[v] or "bf16", dev) for v in variants}
     name = torch.cuda.get_device_name() if cuda else "CPU (emulated FP8, smoke: no timing claims)"
     header = {"benchmark": "gemm_tflops", "device": name, "torch": torch.__version__,
-              "tokens": a.tokens, "fc1": a.fc1, "warmup": a.warmup, "iters": a.iters}
+              "tokens": a.tokens, "fc1": a.fc1, "warmup": a.warmup, "iters": a.iters, "energy_s": a.energy}
     res = []
     failed = False
     for v in variants:
@@ -165,6 +176,7 @@ def main(argv=None) -> int:
                 out_r, out_c, contr = gemm_shape(m, n, k, gemm)
                 flops = 2.0 * out_r * out_c * contr
                 base_ms = None
+                runs, rows_here = {}, {}
                 for v in variants:
                     mode, reason = modes[v]
                     if mode == "skipped":
@@ -177,12 +189,21 @@ def main(argv=None) -> int:
                         base_ms = ms if VARIANTS[v] is None else base_ms
                         row.update(status="ok", note=note, ms=ms, tflops=flops / ms / 1e9,
                                    speedup=None if base_ms is None else base_ms / ms)
+                        if a.energy:
+                            runs[v], rows_here[v] = run, row
                     except Exception as e:  # noqa: BLE001 - record it, go on with the others
                         traceback.print_exc()
                         failed = True
                         row.update(status=error_status(e), ms=None, tflops=None, speedup=None)
                     run = None
                     res.append(row)
+                    write_json(a.out, dict(header, results=res))
+                if runs:  # every variant that ran, back to back, round-robin, at the sustained draw
+                    for v, e in energy_window(runs, N_SETS, dev, seconds=a.energy).items():
+                        e["tflops"] = flops / e["ms"] / 1e9
+                        e["gflop_per_j"] = None if e["j"] is None else flops / e["j"] / 1e9
+                        rows_here[v]["energy"] = e
+                    runs = None
                     write_json(a.out, dict(header, results=res))
             del sets
             if cuda:
@@ -207,6 +228,26 @@ def main(argv=None) -> int:
     print(f"{name}, torch {torch.__version__}, M = {a.tokens} tokens, GEMM only (operands "
           f"pre-quantised), median of {a.iters}\n")
     print(table(headers, rows))
+    if a.energy:
+        print(f"\nEnergy: each variant back to back for about {a.energy:g} s, round-robin twice (medians); "
+              "TFLOP/s, mean draw, GFLOP per joule, SM clock\n")
+        e_rows = []
+        for key in keys:
+            by_v = {r["variant"]: r for r in ok if (r["size"], r["gemm"], r["pass"]) == key and "energy" in r}
+            row = list(key)
+            for v in measured:
+                e = by_v.get(v, {}).get("energy")
+                if e is None:
+                    row.append("-")
+                    continue
+                g = e.get("gpu") or {}
+                row.append(f"{fmt_tflops(e['tflops'])}, {fmt(e['w'], '.0f', ' W')}, "
+                           f"{fmt(e['gflop_per_j'], '.0f', ' GFLOP/J')}, {fmt(g.get('sm_mhz_median'), '.0f', ' MHz')}")
+            e_rows.append(row)
+        print(table(["size", "GEMM", "pass"] + list(measured), e_rows))
+        reasons = sorted({r["energy"]["energy_reason"] for r in ok if r.get("energy", {}).get("energy_reason")})
+        if reasons:
+            print("energy not read: " + "; ".join(reasons))
     other = [r for r in res if r["status"] != "ok"]
     if other:
         print()

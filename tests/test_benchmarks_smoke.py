@@ -278,6 +278,50 @@ def test_gemm_tflops_smoke(tmp_path):
     assert (wgrad["per-tensor"]["M"], wgrad["per-tensor"]["N"], wgrad["per-tensor"]["K"]) == (256, 384, 256)
 
 
+def test_gemm_tflops_energy_rows(tmp_path):
+    """``--energy``: every variant of every GEMM gets an energy record from its back-to-back
+    window — on CPU the time (and the call count) with the reason the joules are missing, on a
+    GPU with NVML joules per call and a draw that match the time; a second table is printed."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_tflops.py"), "--smoke", "--energy", "0.02",
+                           "--variants", "bf16,blockwise", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Energy: each variant back to back" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["energy_s"] == 0.02
+    rows = data["results"]
+    assert {r["variant"] for r in rows} == {"bf16", "blockwise"} and len(rows) == 12
+    for r in rows:
+        e = r["energy"]
+        assert e["calls"] >= 3 and _finite_positive(e["ms"]) and _finite_positive(e["tflops"])
+        if e["j"] is None:
+            assert e["energy_reason"] and e["w"] is None and e["gflop_per_j"] is None
+        else:
+            assert e["energy_reason"] is None and math.isclose(e["w"], e["j"] / (e["ms"] / 1e3))
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_tflops.py"), "--smoke", "--energy", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--energy is a duration" in bad.stderr
+
+
+@pytest.mark.gpu
+def test_energy_window_reads_the_boards_energy_counter():
+    """On a GPU with NVML: BF16 GEMMs back to back for half a second cost joules per call whose
+    mean draw lies inside (0, 1.2 x the power limit], and a longer GEMM costs more per call."""
+    import torch
+
+    pytest.importorskip("pynvml", reason="NVML bindings not installed (pip install nvidia-ml-py)")
+    t = _timing_module()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
+    res = t.energy_window({"big": lambda i: a @ a, "small": lambda i: b @ b.t()[:, :4096]}, 1, "cuda",
+                          seconds=0.5, rounds=1)
+    for name, e in res.items():
+        assert e["j"] is not None, e["energy_reason"]
+        limit = (e["gpu"] or {}).get("power_limit_w") or 1000.0
+        assert 0 < e["w"] <= 1.2 * limit, (name, e)
+    assert res["big"]["j"] > res["small"]["j"]
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8"])
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
 def test_gemm_tflops_operands_compute_the_bf16_gemm(bench_modules, recipe, gemm):
