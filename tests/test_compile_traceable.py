@@ -483,6 +483,17 @@ def _gpu_recipe(name):
     return rec, (None if ok else why)
 
 
+def _gpu_pair(rec, emulate):
+    """Two identical CUDA SwiGLU blocks (d = 1024, h = 1536) converted with ``rec``."""
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        m = SwiGLU(d=1024, h=1536).cuda()
+        convert_model(m, rec, emulate=emulate)
+        models.append(m)
+    return models
+
+
 # ---- the fused Triton quantisers as a custom operator in compiled graphs ---------------------
 def _interpreted_triton():
     import os
@@ -613,13 +624,7 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
         if name != "mxfp8":
             pytest.skip(why)
         emulate = True
-    models = []
-    for _ in range(2):
-        torch.manual_seed(0)
-        m = SwiGLU(d=1024, h=1536).cuda()
-        convert_model(m, rec, emulate=emulate)
-        models.append(m)
-    model, ref = models
+    model, ref = _gpu_pair(rec, emulate)
     assert all(m.emulate == (emulate is True) for m in _fp8(model))
     traced = all(m.traceable() for m in _fp8(model))
     # tensorwise and blockwise traced with real GEMMs, mxfp8 only emulated (as on Hopper); real

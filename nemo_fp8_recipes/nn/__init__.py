@@ -10,6 +10,7 @@ from .convert import (
     invalidate_weight_cache,
     reset_gemm_counts,
     set_amax_reduce_fn,
+    set_graph_weight_cache,
     set_telemetry,
     set_wgrad_accumulation_fusion,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "reset_gemm_counts",
     "set_amax_reduce_fn",
     "set_delayed_scaling_update",
+    "set_graph_weight_cache",
     "set_telemetry",
     "set_wgrad_accumulation_fusion",
     "sync_delayed_scaling",

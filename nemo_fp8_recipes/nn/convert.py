@@ -178,11 +178,40 @@ def convert_model(
 
 
 def invalidate_weight_cache(model: nn.Module) -> None:
-    """Make every Float8Linear re-quantise its weight at the next forward. Call it after writing
-    weights through ``.data`` (e.g. copying master weights in place), which the version-counter
-    check cannot see; optimizer steps and ``load_state_dict`` need no call."""
+    """Make every Float8Linear re-quantise its weight: the eager cache at the next forward, the
+    compiled path's (:func:`set_graph_weight_cache`) at once. Call it after writing weights
+    through ``.data`` (e.g. copying master weights in place), which the eager version-counter
+    check cannot see, and with the compiled cache on after any in-place write; optimizer steps
+    and ``load_state_dict`` need no call."""
     for m in fp8_modules(model).values():
         m.invalidate_weight_cache()
+
+
+def set_graph_weight_cache(model: nn.Module, enabled: bool = True) -> int:
+    """FP8 weight caching across micro-batches for ``torch.compile``: every current-scaling
+    Float8Linear (tensorwise, blockwise, mxfp8) of ``model`` keeps its FP8 weight in buffers
+    that its compiled forward reads instead of quantising the weight in the graph
+    (:meth:`Float8Linear.set_graph_weight_cache`). They are re-quantised after each optimizer
+    step that updates the weight, after ``load_state_dict`` and ``.to()``, and by
+    :func:`invalidate_weight_cache` — so with K micro-batches per optimizer step each weight is
+    quantised once instead of K times. The eager path caches its FP8 weights already; delayed
+    scaling's modules (an eager island) are left as they are. Costs the two FP8 copies (2 bytes
+    per parameter) between steps. Any other in-place write to a weight needs
+    :func:`invalidate_weight_cache`; :func:`audit` reports a stale cache. The buffers are kept
+    out of DDP's buffer broadcast (each rank quantises its own identical weights). Returns the
+    number of modules set. Call it after moving the model to its device and before wrapping it in
+    DDP and compiling it (turning it on or off later makes the compiler re-trace once)."""
+    n, names = 0, []
+    for fqn, m in fp8_modules(model).items():
+        if m.recipe.is_delayed:
+            continue
+        m.set_graph_weight_cache(enabled)
+        names += [f"{fqn}.{b}" for b in m._GRAPH_WCACHE]
+        n += 1
+    if enabled and names:  # every rank quantises its own (identical) copy: out of DDP's buffer broadcast
+        ignore = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+        model._ddp_params_and_buffers_to_ignore = ignore + [b for b in names if b not in ignore]
+    return n
 
 
 def fp8_modules(model: nn.Module) -> Dict[str, Float8Linear]:
@@ -218,6 +247,10 @@ class AuditReport:
     ``rows``: one per classified module. ``counts``: totals of GEMMs run, as
     ``{"fp8": {"fprop": n, "dgrad": n, "wgrad": n}, "high_precision": {...}}``.
     ``violations``: high-precision-role modules that ran a GEMM in FP8.
+    ``stale_weight_caches``: FP8 linears whose compiled-path weight cache
+    (:func:`set_graph_weight_cache`) is older than their weight — written in place outside an
+    optimizer step or ``load_state_dict`` without :func:`invalidate_weight_cache`, so a compiled
+    forward would read the old codes.
     """
 
     recipe: str
@@ -225,6 +258,7 @@ class AuditReport:
     rows: List[AuditRow]
     counts: Dict[str, Dict[str, int]]
     violations: List[str]
+    stale_weight_caches: List[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -253,6 +287,9 @@ class AuditReport:
             lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
         if max_rows and len(self.rows) > max_rows:
             lines.append(f"... {len(self.rows) - max_rows} more modules")
+        if self.stale_weight_caches:
+            lines.append("STALE compiled FP8 weight cache (weight written in place since its last "
+                         "refresh; call invalidate_weight_cache): " + ", ".join(self.stale_weight_caches))
         c8, ch = self.counts["fp8"], self.counts["high_precision"]
         mode = "no FP8" if self.recipe == "bf16" else ("emulated" if self.emulated else "real FP8 GEMMs")
         lines.append(
@@ -290,17 +327,24 @@ def audit(model: nn.Module, strict: bool = False) -> AuditReport:
         if d.role in HIGH_PRECISION_ROLES and sum(f.values()) > 0:
             violations.append(fqn)
         rows.append(AuditRow(fqn, d.role, "fp8" if m is not None else d.precision, d.reason, f, h))
+    stale = [m.fqn for m in fp8.values() if m.graph_weight_cache_stale()]
     report = AuditReport(
         recipe=state.recipe.name,
         emulated=state.emulate,
         rows=rows,
         counts={"fp8": tot8, "high_precision": toth},
         violations=violations,
+        stale_weight_caches=stale,
     )
     if strict and violations:
         raise PolicyViolation(
             "high-precision roles ran in FP8: " + ", ".join(violations)
             + " (remove them from policy.include, or run without strict)"
+        )
+    if strict and stale:
+        raise RuntimeError(
+            "compiled FP8 weight cache older than the weight (written in place outside an optimizer step "
+            "or load_state_dict): " + ", ".join(stale) + "; call nemo_fp8_recipes.nn.invalidate_weight_cache(model)"
         )
     return report
 

@@ -16,7 +16,9 @@ Per-tensor recipes use one set of codes for both orientations (a transpose). Blo
 quantises every operand twice. Only the wgrad copy of X is saved for backward, in FP8.
 
 The FP8 weight copies are cached and re-quantised only when the weight changed (its version
-counter moved, i.e. once per optimizer step, not per micro-batch). Delayed scaling keeps an
+counter moved, i.e. once per optimizer step, not per micro-batch). Under ``torch.compile`` the
+traced linear quantises its weight in the graph unless its compiled weight cache is on
+(:meth:`Float8Linear.set_graph_weight_cache`: buffers re-quantised after each optimizer step). Delayed scaling keeps an
 amax history per operand in buffers, so it is part of ``state_dict``; its scale for step t is
 computed from the history through step t-1, the amax of step t is appended after use, and an
 optional hook max-reduces pending amaxes across data-parallel ranks before each update. The
@@ -63,8 +65,18 @@ _IN, _W, _GO = 0, 1, 2
 _OPTIMIZER_GENERATION = [0]
 
 
+# FP8 linears whose compiled (traced) forward reads an FP8 weight cached in buffers
+# (:meth:`Float8Linear.set_graph_weight_cache`); an optimizer step re-quantises those of its params.
+_GRAPH_CACHED: "weakref.WeakSet[Float8Linear]" = weakref.WeakSet()
+
+
 def _bump_generation(optimizer, args, kwargs) -> None:
     _OPTIMIZER_GENERATION[0] += 1
+    if len(_GRAPH_CACHED):
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for m in list(_GRAPH_CACHED):
+            if id(m.weight) in stepped:
+                m.refresh_graph_weight_cache()
 
 
 register_optimizer_step_post_hook(_bump_generation)
@@ -511,15 +523,20 @@ class _Float8LinearTracedFn(torch.autograd.Function):
     """Compile-traceable path (current scaling only): no Python-side state. The quantisers of
     :func:`_quantize_current` (Triton custom operators on CUDA, else the reference quantisers in
     plain torch ops) and the GEMM dispatch of :mod:`nemo_fp8_recipes.quant.gemm`,
-    the weight quantised in every forward (no cache), and the dgrad/wgrad counts added in-graph
-    to ``bwd_counts`` (an int64 buffer of the module, only ever mutated in backward)."""
+    the weight quantised in every forward — or, given ``wmeta`` and the six ``wcache`` tensors
+    (the module's compiled weight cache, :meth:`Float8Linear.set_graph_weight_cache`), read from
+    them — and the dgrad/wgrad counts added in-graph to ``bwd_counts`` (an int64 buffer of the
+    module, only ever mutated in backward)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, bwd_counts, recipe: Recipe, emulate: bool,
-                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool):
+                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool, wmeta, *wcache):
         _check_device(x, emulate, fqn)
         quantize_operand = functools.partial(_quantize_current, recipe)
-        weights = _quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
+        if wmeta is None:  # quantised here, in the graph
+            weights = _quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
+        else:  # the module's cached FP8 weight (buffers re-quantised after each optimizer step)
+            weights = (_rebuild(wmeta[0], wcache[:3]), _rebuild(wmeta[1], wcache[3:]))
         y, to_save = _fprop(
             ctx, x, bias, weights, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
             out_dtype=out_dtype, quantize_operand=quantize_operand, grad_enabled=grad_enabled,
@@ -527,6 +544,7 @@ class _Float8LinearTracedFn(torch.autograd.Function):
         ctx.save_for_backward(*to_save, bwd_counts)
         ctx.recipe, ctx.emulate = recipe, emulate
         ctx.w_dtype = weight.dtype
+        ctx.n_wcache = len(wcache)
         return y
 
     @staticmethod
@@ -539,7 +557,7 @@ class _Float8LinearTracedFn(torch.autograd.Function):
             bwd_counts[0].add_(1)
         if dw is not None:
             bwd_counts[1].add_(1)
-        return dx, dw, db, None, None, None, None, None, None, None
+        return (dx, dw, db, None, None, None, None, None, None, None, None) + (None,) * ctx.n_wcache
 
 
 class Float8Linear(nn.Linear):
@@ -594,6 +612,9 @@ class Float8Linear(nn.Linear):
         self._telemetry: Dict[int, list] = {}
         self._wcache_key = None
         self._wcache = None
+        self._graph_wcache_on = False  # set_graph_weight_cache
+        self._graph_wcache_meta = None
+        self._graph_wcache_version = None
         dev = self.weight.device
         # GEMM counters of the compile-traced path, added to in-graph (in-place adds that the
         # compiler keeps in its graphs); fprop is counted in forward, dgrad/wgrad in backward, in
@@ -612,6 +633,11 @@ class Float8Linear(nn.Linear):
             self.register_buffer("fp8_pending", torch.zeros(3, device=dev))
         self._pending = [False, False, False]
         self.fuse_wgrad_accumulation = False
+
+    def __setstate__(self, state) -> None:  # copy.deepcopy, pickle: the copy's cache is refreshed too
+        super().__setstate__(state)
+        if getattr(self, "_graph_wcache_on", False):
+            _GRAPH_CACHED.add(self)
 
     def extra_repr(self) -> str:
         mode = "emulated" if self.emulate else "real"
@@ -633,6 +659,8 @@ class Float8Linear(nn.Linear):
         if self.recipe.is_delayed:
             with torch.no_grad():  # amaxes are >= 0; the kernels max-accumulate their IEEE bits
                 self.fp8_amax_pending.abs_()
+        if self._graph_wcache_on:
+            self.refresh_graph_weight_cache()
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.half()/.bfloat16() must not cast the FP32 scaling state
@@ -642,6 +670,8 @@ class Float8Linear(nn.Linear):
             if b is not None and b.dtype != torch.float32:
                 setattr(self, name, b.float())
         self._wcache_key = self._wcache = None
+        if getattr(self, "_graph_wcache_on", False):  # the weight moved or changed dtype
+            self.refresh_graph_weight_cache()
         return out
 
     def reset_parameters(self) -> None:
@@ -658,11 +688,93 @@ class Float8Linear(nn.Linear):
             self.fp8_pending.zero_()
         self._pending = [False, False, False]
         self._wcache_key = self._wcache = None
+        if getattr(self, "_graph_wcache_on", False):
+            self.refresh_graph_weight_cache()
 
     def invalidate_weight_cache(self) -> None:
-        """Force re-quantisation of the FP8 weight at the next forward. Needed only when the
-        weight is written through ``.data`` (which does not bump its version counter)."""
+        """Force re-quantisation of the FP8 weight: the eager path's cache at the next forward,
+        the compiled path's (:meth:`set_graph_weight_cache`) now. Needed only when the weight is
+        written outside an optimizer step and ``load_state_dict``: through ``.data`` (which does
+        not bump its version counter) in eager mode, by any in-place write when the compiled
+        forward reads the cache."""
         self._wcache_key = self._wcache = None
+        if self._graph_wcache_on:
+            self.refresh_graph_weight_cache()
+
+    # ---- the compiled path's FP8 weight cache ----------------------------------------------------
+    _GRAPH_WCACHE = ("_fp8_wcache_fprop_data", "_fp8_wcache_fprop_scale", "_fp8_wcache_fprop_e8m0",
+                     "_fp8_wcache_dgrad_data", "_fp8_wcache_dgrad_scale", "_fp8_wcache_dgrad_e8m0")
+
+    def set_graph_weight_cache(self, enabled: bool = True) -> None:
+        """Let the compiled (traced) forward read the FP8 weight from buffers of this module
+        instead of quantising it in the graph — Transformer Engine's FP8 weight caching across
+        micro-batches, for ``torch.compile``. The buffers are (re-)quantised eagerly: now, after
+        every optimizer step that updates this weight (a global optimizer hook, any optimizer),
+        after ``load_state_dict``, ``.to()`` and :meth:`reset_fp8_state`, and by
+        :meth:`invalidate_weight_cache`. So with K micro-batches per step the weight is
+        quantised once per step, not K times. The cost: the two FP8 copies (1 byte per parameter
+        each) stay allocated between steps, as the eager path's cache does.
+
+        The contract: the weight changes only through those. An in-place write outside them
+        (``with torch.no_grad(): w.mul_(…)``, ``.data`` copies) leaves the compiled forward
+        reading the old codes until :meth:`invalidate_weight_cache`;
+        :func:`~nemo_fp8_recipes.nn.audit` reports a cache older than its weight's version
+        counter. Only for the traced path (:meth:`traceable` — current scaling; delayed scaling's
+        eager island caches its weight anyway) and plain tensors: a DTensor (FSDP2) weight is
+        refused."""
+        if not enabled:
+            self._graph_wcache_on = False
+            _GRAPH_CACHED.discard(self)
+            for name in self._GRAPH_WCACHE:
+                self._buffers.pop(name, None)
+                self._non_persistent_buffers_set.discard(name)
+            self._graph_wcache_meta = self._graph_wcache_version = None
+            return
+        if self.recipe.is_delayed:
+            raise ValueError(f"{self.fqn or 'Float8Linear'}: recipe {self.recipe.name} keeps its eager island, which "
+                             "caches the FP8 weight itself; the compiled weight cache is for current scaling "
+                             "(tensorwise, blockwise, mxfp8)")
+        if type(self.weight.data) is not torch.Tensor or self.weight.is_meta:
+            raise ValueError(f"{self.fqn or 'Float8Linear'}: the compiled weight cache needs a plain, materialised "
+                             f"weight tensor, got {type(self.weight.data).__name__} on {self.weight.device} "
+                             "(a DTensor / FSDP2 weight is re-quantised in the graph)")
+        self._graph_wcache_on = True
+        _GRAPH_CACHED.add(self)
+        self.refresh_graph_weight_cache()
+
+    @torch.no_grad()
+    def refresh_graph_weight_cache(self) -> None:
+        """Re-quantise the compiled path's cached FP8 weight from the current weight, in place
+        (same buffers, so compiled graphs and CUDA graphs that read them stay valid). Called for
+        you (:meth:`set_graph_weight_cache`); a no-op while the cache is off."""
+        if not self._graph_wcache_on:
+            return
+        w = self.weight.detach()
+        r = self.recipe
+
+        def stateless(i, t, pair=False):  # current scaling, the eager quantisers (Triton on CUDA)
+            fmt, gran = _operand_spec(r, i)
+            if pair:
+                return quantize_pair_auto(t, fmt, gran, r.scale_rounding)
+            return quantize(t, fmt, gran, r.scale_rounding, dim=-1)
+
+        q_f, q_d = _quantize_weight(w, r, self.emulate, stateless)
+        new = (*_tensors(q_f), *_tensors(q_d))
+        for name, t in zip(self._GRAPH_WCACHE, new):
+            old = self._buffers.get(name)
+            if (old is not None and old.shape == t.shape and old.dtype == t.dtype and old.device == t.device
+                    and old.stride() == t.stride()):
+                old.copy_(t)
+            else:  # (empty_like keeps t's strides: the GEMMs' layouts)
+                self.register_buffer(name, torch.empty_like(t).copy_(t), persistent=False)
+        self._graph_wcache_meta = (_meta(q_f), _meta(q_d))
+        self._graph_wcache_version = self.weight._version
+
+    def graph_weight_cache_stale(self) -> bool:
+        """Whether the compiled path's cached FP8 weight is older than the weight (its version
+        counter moved since the last refresh: an in-place write outside an optimizer step or
+        ``load_state_dict``). False while the cache is off."""
+        return self._graph_wcache_on and self.weight._version != self._graph_wcache_version
 
     @torch.no_grad()
     def _commit(self, i: int, quantising: bool = False) -> bool:
@@ -853,8 +965,10 @@ class Float8Linear(nn.Linear):
         reference quantisers (the numerics contract in plain torch ops, which Inductor fuses into
         the neighbouring kernels); the same numbers either way. The GEMMs are the dispatch of
         :mod:`nemo_fp8_recipes.quant.gemm` (``torch._scaled_mm``; blockwise's block-scaled GEMM
-        as the operator ``blockwise_mm``; or emulation). It re-quantises the weight in every forward (no cache: no Python-side state in
-        the graph), and counts its GEMMs in the int64 buffers ``fp8_fwd_count`` /
+        as the operator ``blockwise_mm``; or emulation). It quantises the weight in the graph, in
+        every forward — or, with :meth:`set_graph_weight_cache`, reads it from buffers that are
+        re-quantised eagerly after each optimizer step (FP8 weights cached across micro-batches) —
+        and counts its GEMMs in the int64 buffers ``fp8_fwd_count`` /
         ``fp8_bwd_count`` with in-graph adds, so :func:`~nemo_fp8_recipes.nn.audit` stays exact.
 
         Deliberate fallbacks to the eager island (one graph break per FP8 linear) under
@@ -871,9 +985,12 @@ class Float8Linear(nn.Linear):
             x = torch.nn.functional.silu(gate) * x
         if torch.compiler.is_compiling() and self.traceable():
             self.fp8_fwd_count.add_(1)
+            wmeta, wcache = None, ()
+            if self._graph_wcache_on:
+                wmeta, wcache = self._graph_wcache_meta, tuple(getattr(self, n) for n in self._GRAPH_WCACHE)
             return _Float8LinearTracedFn.apply(
                 x, self.weight, self.bias, self.fp8_bwd_count, self.recipe, self.emulate,
-                self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled())
+                self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled(), wmeta, *wcache)
         return self._forward_eager(x, out_dtype)
 
     # The eager island: under torch.compile this call is a graph break; quantisation (fused
