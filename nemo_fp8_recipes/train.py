@@ -126,6 +126,8 @@ class TrainResult:
     wall_s: float = 0.0
     audit_table: Optional[str] = None
     world_size: int = 1
+    #: FP8 linears whose compiled forward read a cached FP8 weight (trainer.compiled_weight_cache)
+    compiled_weight_cache: int = 0
     #: the trained module (unwrapped: no DDP / compile wrapper; FSDP2 parameters stay sharded)
     model: Optional[torch.nn.Module] = field(default=None, repr=False)
 
@@ -378,9 +380,8 @@ def train(cfg) -> TrainResult:
 def _train(cfg, holder: List[DistContext]) -> TrainResult:
     from omegaconf import OmegaConf
 
-    from .nn import (audit, collect_telemetry, convert_model, set_delayed_scaling_update, set_telemetry,
-                     set_wgrad_accumulation_fusion,
-                     sync_delayed_scaling)
+    from .nn import (audit, collect_telemetry, convert_model, set_delayed_scaling_update, set_graph_weight_cache,
+                     set_telemetry, set_wgrad_accumulation_fusion, sync_delayed_scaling)
     from .recipes import describe_device, require_supported, uses_real_fp8_gemm
 
     t_start = time.perf_counter()
@@ -473,6 +474,16 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         else:
             log.warning("trainer.fuse_wgrad_accumulation=true has nothing to fuse with one micro-batch per step "
                         "(global_batch_size = micro_batch_size): every backward starts from zeroed gradients")
+    n_cached = 0
+    if tcfg.compile and tcfg.compiled_weight_cache and recipe.is_fp8 and accum > 1:
+        if ctx.distributed and tcfg.data_parallel == "fsdp2":
+            log.info("compiled FP8 weight cache off under FSDP2: the sharded weights are quantised in the graph "
+                     "at every micro-batch")
+        else:  # (before DDP wraps the model and before it is compiled)
+            n_cached = set_graph_weight_cache(raw_model)
+            if n_cached:
+                log.info("compiled FP8 weight cache: %d FP8 linears quantise their weights once per optimizer step, "
+                         "not in each of the %d micro-batches", n_cached, accum)
     dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
                           find_unused_parameters=mcfg.arch == "moe")  # unrouted experts get no grad
     optimizer, scheduler = _build_optimizer(dp_model, tcfg, device)
@@ -528,7 +539,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
 
     result = TrainResult(run_dir=run_dir, start_step=start_step, final_step=start_step,
                          skipped_steps=skipped, checkpoint=last_ckpt, world_size=ctx.world_size,
-                         model=raw_model)
+                         model=raw_model, compiled_weight_cache=n_cached)
     if start_step >= tcfg.max_steps:
         log.info("run already complete at step %d (trainer.max_steps=%d); nothing to do", start_step, tcfg.max_steps)
         writer.close()

@@ -84,6 +84,7 @@ class TrainerConfig:
     progress: bool
     data_parallel: str = "ddp"
     fuse_wgrad_accumulation: bool = False
+    compiled_weight_cache: bool = True
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

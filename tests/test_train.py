@@ -15,6 +15,7 @@ import torch
 
 from nemo_fp8_recipes import recipes as recipes_mod
 from nemo_fp8_recipes.checkpoint import CheckpointError, CheckpointManager, load_checkpoint, save_checkpoint
+from nemo_fp8_recipes.nn import Float8Linear, audit
 from nemo_fp8_recipes.recipes import DeviceInfo, check_supported, list_recipes
 from nemo_fp8_recipes.train import NonFiniteLossError, main, train
 from nemo_fp8_recipes.train_config import compose_config
@@ -294,6 +295,26 @@ def test_compile_trains_like_eager(recipe, tmp_path, token_cache):
         assert abs(compiled.losses[step] - loss) < tol * abs(loss), (step, loss, compiled.losses[step])
     assert compiled.history[-1]["loss"] < compiled.history[0]["loss"]
     assert compiled.audit_table.splitlines()[-1] == eager.audit_table.splitlines()[-1]  # same GEMMs in FP8
+
+
+@pytest.mark.slow
+def test_compile_with_micro_batches_caches_fp8_weights(tmp_path, token_cache):
+    """trainer.compile=true with two micro-batches per step: the FP8 linears' compiled forward
+    reads their weights quantised once per optimizer step (trainer.compiled_weight_cache, on by
+    default), the losses follow the run without the cache, no cache is stale at the end, and
+    resuming from the checkpoint re-quantises from the loaded weights."""
+    args = ["recipe=blockwise", "trainer.compile=true", "trainer.global_batch_size=8", "trainer.max_steps=2",
+            "trainer.val_interval=0", "trainer.log_interval=1"]
+    cached = train(_cfg(tmp_path / "cached", token_cache, *args, "trainer.ckpt_interval=2"))
+    plain = train(_cfg(tmp_path / "plain", token_cache, *args, "trainer.compiled_weight_cache=false"))
+    n_fp8 = sum(isinstance(m, Float8Linear) for m in cached.model.modules())
+    assert cached.compiled_weight_cache == n_fp8 > 0 and plain.compiled_weight_cache == 0
+    for step, loss in plain.losses.items():
+        assert abs(cached.losses[step] - loss) < 1e-2 * abs(loss), (step, loss, cached.losses[step])
+    assert audit(cached.model, strict=True).stale_weight_caches == []
+    resumed = train(_cfg(tmp_path / "cached", token_cache, *args, "trainer.ckpt_interval=2", "trainer.max_steps=3"))
+    assert resumed.start_step == 2 and resumed.compiled_weight_cache == n_fp8
+    assert audit(resumed.model, strict=True).stale_weight_caches == []
 
 
 # ---- GPU (run on the device machine; skipped on CPU with the reason) -------------------------
