@@ -41,8 +41,12 @@ unless ``--input-dtype bf16``; gradients are set to None before every step (``ze
 eager mode our FP8 weight copies are quantised once and cached, as between optimizer steps
 (torchao casts its weights in every forward); ``--requant-weights`` re-quantises them every step
 instead (one micro-batch per optimizer step). Compiled, the traced FP8 linear (tensorwise,
-blockwise, mxfp8) quantises its weight in every forward whatever the flag, as torchao does;
-``delayed`` keeps its eager island and its cache. Peak memory is
+blockwise, mxfp8) quantises its weight in every forward, as torchao does; ``delayed`` keeps its
+eager island and its cache. ``--micro-batches K``: K micro-batches per optimizer step — our FP8
+weights are re-quantised every K-th step, and the compiled FP8 linears read them from their
+compiled weight cache (``set_graph_weight_cache``, what the trainer turns on with
+``trainer.compile=true`` and gradient accumulation) instead of quantising them in the graph;
+torchao still casts its weights in every forward. Peak memory is
 ``torch.cuda.max_memory_allocated`` after a reset, per
 variant and mode, with the model, its gradients and the shared inputs (``--input-sets`` rotating
 sets) allocated. A 405B layer is 3.19e9 parameters: 11.9 GiB FP32 + 11.9 GiB FP32 gradients +
@@ -97,7 +101,9 @@ from _torchao import convert_torchao, torchao_status  # noqa: E402
 
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402
 from nemo_fp8_recipes.models.llama import FeedForward, TransformerBlock, precompute_rope  # noqa: E402
-from nemo_fp8_recipes.nn import Float8Linear, convert_model, invalidate_weight_cache  # noqa: E402
+from nemo_fp8_recipes.nn import (  # noqa: E402
+    Float8Linear, convert_model, invalidate_weight_cache, set_graph_weight_cache,
+)
 from nemo_fp8_recipes.policy import PrecisionPolicy  # noqa: E402
 from nemo_fp8_recipes.quant.launch import set_fast_launch  # noqa: E402
 from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
@@ -252,6 +258,9 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
             # count in this mode's peak memory (measured: +0.4 GiB at 8B)
             invalidate_weight_cache(model)
             free_memory(dynamo=reset_dynamo)
+            # K micro-batches per optimizer step: the traced linears read FP8 weights quantised
+            # once per step (set_graph_weight_cache), as the trainer runs them
+            set_graph_weight_cache(model, a.micro_batches > 1)
             from torch._dynamo.utils import counters
 
             counters["graph_break"].clear()
@@ -261,8 +270,10 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
         if cuda:  # (the peaks of other variants and modes, and of this one's set-up, are behind)
             torch.cuda.reset_peak_memory_stats()
 
-        requant = a.requant_weights and any(type(m) is Float8Linear for m in model.modules())
+        requant = ((a.requant_weights or a.micro_batches > 1)
+                   and any(type(m) is Float8Linear for m in model.modules()))
         graphs = mode == "compiled" and a.compile_mode in ("reduce-overhead", "max-autotune")
+        calls = [0]
 
         def step(i: int) -> None:
             if graphs:  # CUDA-graph trees: a new training step (the last one's outputs are dead)
@@ -271,8 +282,11 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
             x.grad = None
             for q in params:  # zero_grad(set_to_none=True), as every training step
                 q.grad = None
-            if requant:  # one micro-batch per optimizer step: the FP8 weights are re-quantised
+            # the FP8 weights are re-quantised once per optimizer step: every step with one
+            # micro-batch per step, every K-th with --micro-batches K
+            if requant and calls[0] % a.micro_batches == 0:
                 invalidate_weight_cache(model)
+            calls[0] += 1
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
                 y = fn(x)
             y.backward(inputs.grads(y.dtype)[i])
@@ -570,6 +584,11 @@ def main(argv=None) -> int:
                    choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
                    help="torch.compile mode (Inductor only; default: torch's default). reduce-overhead "
                         "replays each compiled graph as a CUDA graph (no launch gaps)")
+    p.add_argument("--micro-batches", type=int, default=1, metavar="K",
+                   help="K micro-batches per optimizer step: our FP8 weights are re-quantised every K-th step "
+                        "(implies --requant-weights' behaviour for K = 1 steps) and the compiled FP8 linears read "
+                        "them from their compiled weight cache (set_graph_weight_cache); torchao casts its weights "
+                        "in every forward regardless (default 1)")
     p.add_argument("--requant-weights", action="store_true",
                    help="re-quantise our FP8 weights every step (one micro-batch per optimizer "
                         "step, as torchao always does) instead of using the cached copies")
@@ -600,6 +619,8 @@ def main(argv=None) -> int:
     sizes, modes, variants = split(a.sizes), split(a.modes), split(a.variants)
     if a.rounds < 1:
         p.error(f"--rounds must be at least 1, got {a.rounds}")
+    if a.micro_batches < 1:
+        p.error(f"--micro-batches must be at least 1, got {a.micro_batches}")
     if a.rounds > 1 and a.compile_mode in ("reduce-overhead", "max-autotune") and "compiled" in modes:
         p.error(f"--rounds {a.rounds} interleaves the variants, whose CUDA-graph trees "
                 f"(--compile-mode {a.compile_mode}) are one per process and would be re-recorded at every "
@@ -634,7 +655,7 @@ def main(argv=None) -> int:
               "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
               "compile_backend": a.compile_backend, "compile_mode": a.compile_mode, "warmup": a.warmup,
               "iters": a.iters, "rounds": a.rounds,
-              "requant_weights": a.requant_weights}
+              "requant_weights": a.requant_weights, "micro_batches": a.micro_batches}
     failed = False
 
     for size, cfg in cfgs.items():
@@ -669,11 +690,14 @@ def main(argv=None) -> int:
              "-" if r.get("graph_breaks") is None else r["graph_breaks"], r["status"])
             for r in sorted(res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]),
                                                   variants.index(r["variant"])))]
+    wq_note = (f"re-quantised every {a.micro_batches} steps ({a.micro_batches} micro-batches per optimizer step; "
+               "compiled: the cached FP8 weights)" if a.micro_batches > 1 else
+               "re-quantised every step" if a.requant_weights else "cached (as between optimizer steps)")
     what = "Llama layer (attention + SwiGLU MLP)" if a.block == "layer" else "SwiGLU MLP"
     print(f"{name}, torch {torch.__version__}, torchao {ao_version or 'not installed'}; {what}, "
           f"seq {a.seq} x batch {a.batch}, FP32 params, {a.input_dtype.upper()} input"
           f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
-          f"{'re-quantised every step' if a.requant_weights else 'cached (as between optimizer steps)'}\n")
+          f"{wq_note}\n")
     print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs torchao tw",
                  f"ms/step, {a.window} back to back", "vs BF16, b2b", "vs torchao tw, b2b", "peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)",
                  "first call s", "FP8 linears", "graph breaks", "status"], rows))

@@ -368,14 +368,16 @@ def test_benchmarks_refuse_to_time_without_fp8(bench_modules, capsys):
 
 @pytest.mark.parametrize("block,n_fp8,extra", [("layer", 7, ("--peak-report",)),
                                                 ("mlp", 3, ("--requant-weights", "--compile-mode", "reduce-overhead")),
-                                                ("layer", 7, ("--rounds", "2", "--requant-weights"))],
-                         ids=["layer", "mlp-reduce-overhead", "layer-round-robin"])
+                                                ("layer", 7, ("--rounds", "2", "--requant-weights", "--micro-batches", "2"))],
+                         ids=["layer", "mlp-reduce-overhead", "layer-round-robin-micro-batches"])
 def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
     data = _run_smoke("layer_fwd_bwd.py", tmp_path, "--block", block, *extra)
     rounds = int(extra[extra.index("--rounds") + 1]) if "--rounds" in extra else 1
     assert data["rounds"] == rounds
     assert data["block"] == block and data["param_dtype"] == "fp32"
     assert data["requant_weights"] == ("--requant-weights" in extra)
+    # --micro-batches 2: weights re-quantised every second step, the compiled ones read from their cache
+    assert data["micro_batches"] == (2 if "--micro-batches" in extra else 1)
     # the allocator history is CUDA's: on CPU the option is accepted and reports nothing
     assert not any("peak_live" in r for r in data["results"])
     assert data["compile_mode"] == ("reduce-overhead" if "--compile-mode" in extra else None)
