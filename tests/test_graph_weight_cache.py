@@ -128,6 +128,17 @@ def test_load_state_dict_to_and_deepcopy_refresh_the_cache():
     model.double()
     assert model.w1._fp8_wcache_fprop_scale.dtype == torch.float32  # re-quantised, not cast
     assert not any(m.graph_weight_cache_stale() for m in _fp8(model))
+    # deferred initialisation: on the meta device there is nothing to quantise; materialised and
+    # initialised again, the cache follows the new weights
+    model.to("meta")
+    model.to_empty(device="cpu")
+    for m in _fp8(model):
+        m.reset_parameters()
+    ref_fresh = copy.deepcopy(model)
+    set_graph_weight_cache(ref_fresh, False)
+    torch._dynamo.reset()
+    x64 = x.double()
+    assert torch.equal(torch.compile(model, backend="aot_eager")(x64), ref_fresh(x64))
 
 
 def test_turning_it_off_drops_the_buffers_and_delayed_is_left_alone():

@@ -18,8 +18,8 @@ quantises every operand twice. Only the wgrad copy of X is saved for backward, i
 The FP8 weight copies are cached and re-quantised only when the weight changed (its version
 counter moved, i.e. once per optimizer step, not per micro-batch). Under ``torch.compile`` the
 traced linear quantises its weight in the graph unless its compiled weight cache is on
-(:meth:`Float8Linear.set_graph_weight_cache`: buffers re-quantised after each optimizer step). Delayed scaling keeps an
-amax history per operand in buffers, so it is part of ``state_dict``; its scale for step t is
+(:meth:`Float8Linear.set_graph_weight_cache`: buffers re-quantised after each optimizer step).
+Delayed scaling keeps an amax history per operand in buffers, so it is part of ``state_dict``; its scale for step t is
 computed from the history through step t-1, the amax of step t is appended after use, and an
 optional hook max-reduces pending amaxes across data-parallel ranks before each update. The
 update schedule (per use, or once per optimizer step with one collective for the whole model)
@@ -750,6 +750,12 @@ class Float8Linear(nn.Linear):
         if not self._graph_wcache_on:
             return
         w = self.weight.detach()
+        if w.is_meta:  # (.to("meta"), deferred init): quantised when the weight is materialised
+            return
+        if type(self.weight.data) is not torch.Tensor:
+            raise RuntimeError(f"{self.fqn or 'Float8Linear'}: the weight became a {type(self.weight.data).__name__} "
+                               "(e.g. fully_shard) after set_graph_weight_cache; the cached FP8 weight would be the "
+                               "unsharded old one. Call set_graph_weight_cache(model, False) before sharding")
         r = self.recipe
 
         def stateless(i, t, pair=False):  # current scaling, the eager quantisers (Triton on CUDA)
