@@ -25,6 +25,12 @@ def fp8_state(model) -> dict:
     return out
 
 
+def _stale(model) -> list:
+    from nemo_fp8_recipes.nn import fp8_modules
+
+    return [name for name, m in fp8_modules(model).items() if m.graph_weight_cache_stale()]
+
+
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -41,6 +47,8 @@ def main() -> int:
             "grad_norms": [h["grad_norm"] for h in result.history],
             "fp8_state": fp8_state(result.model),
             "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+            "compiled_weight_cache": result.compiled_weight_cache,
+            "stale_weight_caches": _stale(result.model),
         }
         (out / f"{run['name']}.rank{rank}.json").write_text(json.dumps(record))
     dist.barrier()
