@@ -721,30 +721,12 @@ def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device
     out: Dict[str, dict] = {}
     for _ in range(max(1, rounds)):
         for name, fn in fns.items():
-            for j in range(3):  # warm, and calibrate the call count
-                fn(j % n_inputs)
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for j in range(3):
-                fn(j % n_inputs)
-            if cuda:
-                torch.cuda.synchronize()
-            calls = max(3, math.ceil(seconds / max((time.perf_counter() - t0) / 3, 1e-6)))
+            # warm, and calibrate the call count: 3 warm-up calls, then one window of 3
+            call_ms = bench_samples(fn, n_inputs, warmup=3, iters=1, cuda=cuda, window=3)[0]
+            calls = max(3, math.ceil(seconds * 1e3 / max(call_ms, 1e-3)))
             with GpuMonitor(device) as mon:
                 e0 = mon.energy_mj()
-                if cuda:
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                t0 = time.perf_counter()
-                for j in range(calls):
-                    fn(j % n_inputs)
-                if cuda:
-                    end.record()
-                    end.synchronize()
-                    ms = start.elapsed_time(end) / calls
-                else:
-                    ms = (time.perf_counter() - t0) * 1e3 / calls
+                ms = bench_samples(fn, n_inputs, warmup=0, iters=1, cuda=cuda, window=calls)[0]
                 e1 = mon.energy_mj() if e0 is not None else None
             samples[name]["ms"].append(ms)
             if e0 is not None and e1 is not None and e1 > e0:

@@ -171,10 +171,17 @@ def convert_model(
     fp8_buffers = [f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, Float8Linear)
                    for b, _ in m.named_buffers(recurse=False)]
     fp8_buffers += [f"{n}.{b}" for n in state.hp_modules for b in (HP_FWD_COUNT, HP_BWD_COUNT)]
-    if fp8_buffers:
-        ignore = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-        model._ddp_params_and_buffers_to_ignore = ignore + fp8_buffers
+    _ddp_ignore(model, fp8_buffers)
     return model
+
+
+def _ddp_ignore(model: nn.Module, names) -> None:
+    """Add buffer names (``"<module fqn>.<buffer>"``) to the ones DDP leaves out of its buffer
+    broadcast from rank 0 (``_ddp_params_and_buffers_to_ignore``), each once."""
+    ignore = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    new = [b for b in names if b not in ignore]
+    if new:
+        model._ddp_params_and_buffers_to_ignore = ignore + new
 
 
 def invalidate_weight_cache(model: nn.Module) -> None:
@@ -208,9 +215,8 @@ def set_graph_weight_cache(model: nn.Module, enabled: bool = True) -> int:
         m.set_graph_weight_cache(enabled)
         names += [f"{fqn}.{b}" for b in m._GRAPH_WCACHE]
         n += 1
-    if enabled and names:  # every rank quantises its own (identical) copy: out of DDP's buffer broadcast
-        ignore = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
-        model._ddp_params_and_buffers_to_ignore = ignore + [b for b in names if b not in ignore]
+    if enabled:  # every rank quantises its own (identical) copy: out of DDP's buffer broadcast
+        _ddp_ignore(model, names)
     return n
 
 

@@ -147,9 +147,16 @@ def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = Fals
             # contiguous codes the compiler's own transpose writes: on the H200 that is faster
             # than the one-pass pair kernel eager mode uses (0.19 vs 0.28 ms at 8192x14336 BF16)
             return (q, q.t()) if pair else q
+    return _quantize_plain(recipe, i, t, pair, triton=False)
+
+
+def _quantize_plain(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False, triton: Optional[bool] = None):
+    """Stateless current scaling of operand ``i`` through the dispatch (``quantize_auto`` /
+    ``quantize_pair_auto``; ``triton``: None picks the fused kernels where they run)."""
+    fmt, gran = _operand_spec(recipe, i)
     if pair:
-        return quantize_pair_auto(t, fmt, gran, rounding, triton=False)
-    return quantize(t, fmt, gran, rounding, dim=-1, triton=False)
+        return quantize_pair_auto(t, fmt, gran, recipe.scale_rounding, triton=triton)
+    return quantize(t, fmt, gran, recipe.scale_rounding, dim=-1, triton=triton)
 
 
 def _use_quant_ops(t: torch.Tensor) -> bool:
@@ -756,15 +763,8 @@ class Float8Linear(nn.Linear):
             raise RuntimeError(f"{self.fqn or 'Float8Linear'}: the weight became a {type(self.weight.data).__name__} "
                                "(e.g. fully_shard) after set_graph_weight_cache; the cached FP8 weight would be the "
                                "unsharded old one. Call set_graph_weight_cache(model, False) before sharding")
-        r = self.recipe
-
-        def stateless(i, t, pair=False):  # current scaling, the eager quantisers (Triton on CUDA)
-            fmt, gran = _operand_spec(r, i)
-            if pair:
-                return quantize_pair_auto(t, fmt, gran, r.scale_rounding)
-            return quantize(t, fmt, gran, r.scale_rounding, dim=-1)
-
-        q_f, q_d = _quantize_weight(w, r, self.emulate, stateless)
+        # current scaling, the eager quantisers (the fused kernels on CUDA), no module state
+        q_f, q_d = _quantize_weight(w, self.recipe, self.emulate, functools.partial(_quantize_plain, self.recipe))
         new = (*_tensors(q_f), *_tensors(q_d))
         for name, t in zip(self._GRAPH_WCACHE, new):
             old = self._buffers.get(name)
