@@ -73,10 +73,13 @@ def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> f
 
 
 def capture_graphs(fn: Callable[[int], object], n_inputs: int,
-                   errors: Optional[list] = None) -> Optional[list]:
+                   errors: Optional[list] = None, share_pool: bool = False) -> Optional[list]:
     """One CUDA graph of ``fn(i)`` per input set (after a warm-up of every set on a side
     stream, as capture requires), or ``None`` where CUDA is unavailable or ``fn`` cannot be
-    captured (``errors``, if given, gets the reason appended)."""
+    captured (``errors``, if given, gets the reason appended). ``share_pool``: every graph
+    allocates from the first one's memory pool (one step's memory, not one per input set), for
+    graphs that are replayed one at a time and whose outputs are not kept from one replay to
+    the next (a training step's gradients, dropped at the next step)."""
     import torch
 
     if not torch.cuda.is_available():
@@ -92,7 +95,7 @@ def capture_graphs(fn: Callable[[int], object], n_inputs: int,
         graphs = []
         for i in range(n_inputs):
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, pool=graphs[0].pool() if share_pool and graphs else None):
                 fn(i)
             graphs.append(g)
     except Exception as e:  # noqa: BLE001 - reported as "not capturable" (None), never as a number
@@ -122,7 +125,7 @@ def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, ite
 
 def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, rounds: int,
                       warmup: int, iters: int, window: int, b2b_warmup: int = 0,
-                      graphs: Optional[Dict[str, list]] = None,
+                      graphs: Optional[Dict[str, object]] = None,
                       contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
                       errors: Optional[Dict[str, BaseException]] = None) -> Dict[str, dict]:
     """:func:`bench_with_gpu` for several variants at once, in ``rounds`` round-robin passes:
@@ -131,7 +134,9 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
     graphs), so a GPU whose clock drifts over the run (it warms up, meets its power cap) slows
     every variant alike instead of the ones measured last. Each variant's first block runs
     ``warmup`` untimed calls, every later block ``max(1, b2b_warmup)`` (the switch between
-    variants). ``rounds=1`` is the sequential order. Returns per variant ``{"ms", "ms_b2b",
+    variants). ``graphs[k]``: the variant's captured graphs (one per input set, replayed as
+    they are) or a callable ``replay(i)`` (e.g. one that also runs eager work between
+    replays). ``rounds=1`` is the sequential order. Returns per variant ``{"ms", "ms_b2b",
     "ms_graph", "gpu", "gpu_b2b", "gpu_reason", "samples"}``: medians over all rounds, the GPU
     monitors' summaries over all of a variant's blocks, the sample counts. ``contexts``: per
     variant, a context manager entered around each of its blocks, untimed (e.g. the settings a
@@ -193,9 +198,16 @@ def _bench_block(k, fn, n_inputs, cuda, w, per_sync, per_b2b, b2b_warmup, window
                                               cuda=cuda, window=window)
     gsamples[k]["b2b"] += mon.samples
     if graphs.get(k):
-        g = graphs[k]
-        samples[k]["ms_graph"] += bench_samples(lambda i, g=g: g[i].replay(), n_inputs,
+        samples[k]["ms_graph"] += bench_samples(graph_replay(graphs[k]), n_inputs,
                                                 warmup=w, iters=per_sync, cuda=True)
+
+
+def graph_replay(graphs) -> Callable[[int], object]:
+    """``replay(i)`` for captured graphs (one per input set), or ``graphs`` itself if it is
+    already such a callable."""
+    if callable(graphs):
+        return graphs
+    return lambda i: graphs[i].replay()
 
 
 #: Kernel classes of :func:`device_time_breakdown` (first match wins, on the lower-cased name):
@@ -702,16 +714,21 @@ def bench_with_gpu(fn: Callable[[int], object], n_inputs: int, device, *, warmup
 
 
 def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, seconds: float,
-                  rounds: int = 2) -> Dict[str, dict]:
+                  rounds: int = 2,
+                  contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None) -> Dict[str, dict]:
     """Energy per call of each variant at the GPU's sustained draw: each variant in turn
     (``rounds`` round-robin passes) runs back to back for about ``seconds`` (the call count from a
-    3-call calibration), between two reads of the board's energy counter
-    (:meth:`GpuMonitor.energy_mj`) and two CUDA events. Returns per variant ``{"ms", "j", "w",
-    "gpu", "energy_reason", "calls"}``: the medians over the rounds of the time and the joules per
+    3-call calibration), between two refreshes of the board's energy counter, less the idle
+    draw after the work (:func:`_energy_of`), and two CUDA events. Returns per variant
+    ``{"ms", "j", "w", "gpu", "energy_reason", "calls", "idle_w", "counter_wait_ms"}`` (the
+    last two per window): the medians over the rounds of the time and the joules per
     call, their ratio (the mean draw, W), the last window's :meth:`GpuMonitor.summary`, and why
     ``j``/``w`` are None where the counter could not be read (on CPU: the host's time only).
     Under a power cap the throughput a kernel reaches is ``cap / (joules per FLOP)``: this is the
-    measurement that says what a kernel costs once every variant runs at the cap."""
+    measurement that says what a kernel costs once every variant runs at the cap. ``contexts``:
+    per variant, a context manager entered around each of its windows and its calibration
+    (:func:`bench_interleaved`'s)."""
+    import contextlib
     import math
 
     import torch
@@ -719,25 +736,63 @@ def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device
     cuda = str(device).startswith("cuda")
     samples = {k: {"ms": [], "j": []} for k in fns}
     out: Dict[str, dict] = {}
+    contexts = contexts or {}
     for _ in range(max(1, rounds)):
         for name, fn in fns.items():
-            # warm, and calibrate the call count: 3 warm-up calls, then one window of 3
-            call_ms = bench_samples(fn, n_inputs, warmup=3, iters=1, cuda=cuda, window=3)[0]
-            calls = max(3, math.ceil(seconds * 1e3 / max(call_ms, 1e-3)))
-            with GpuMonitor(device) as mon:
-                e0 = mon.energy_mj()
-                ms = bench_samples(fn, n_inputs, warmup=0, iters=1, cuda=cuda, window=calls)[0]
-                e1 = mon.energy_mj() if e0 is not None else None
+            with contexts.get(name, contextlib.nullcontext)():
+                # warm, and calibrate the call count: 3 warm-up calls, then one window of 3
+                call_ms = bench_samples(fn, n_inputs, warmup=3, iters=1, cuda=cuda, window=3)[0]
+                calls = max(3, math.ceil(seconds * 1e3 / max(call_ms, 1e-3)))
+                with GpuMonitor(device) as mon:  # (the GPU idle: the calibration synchronised)
+                    ms, joules, extra = _energy_of(mon, lambda: bench_samples(
+                        fn, n_inputs, warmup=0, iters=1, cuda=cuda, window=calls)[0])
             samples[name]["ms"].append(ms)
-            if e0 is not None and e1 is not None and e1 > e0:
-                samples[name]["j"].append((e1 - e0) / 1e3 / calls)
+            if joules is not None:
+                samples[name]["j"].append(joules / calls)
+                samples[name].setdefault("idle", []).append(extra)
             out[name] = {"gpu": mon.summary(), "calls": calls,
+                         "idle_w": [x["idle_w"] for x in samples[name].get("idle", [])],
+                         "counter_wait_ms": [x["counter_wait_ms"] for x in samples[name].get("idle", [])],
                          "energy_reason": None if samples[name]["j"] else (mon.reason or "energy counter did not advance")}
     for name, s in samples.items():
         ms = statistics.median(s["ms"])
         j = statistics.median(s["j"]) if s["j"] else None
         out[name].update(ms=ms, j=j, w=None if j is None else j / (ms / 1e3))
     return out
+
+
+def _energy_tick(mon: "GpuMonitor", timeout_s: float = 0.5) -> Tuple[Optional[int], Optional[float], float]:
+    """The board's energy counter read as soon as it next advances: ``(mJ, when (perf_counter
+    s), ms waited)``; mJ None without the counter. The driver refreshes the counter periodically
+    (every 100 ms on the H200: docs/results/energy_tick_session26), not at every read, so a read
+    right after the GPU's work ends can miss up to one refresh interval of it — several per cent
+    of a 2 s window at 700 W. Gives up after ``timeout_s`` (a counter that did not move)."""
+    e = mon.energy_mj()
+    t0 = time.perf_counter()
+    if e is None:
+        return None, None, 0.0
+    while True:
+        e2 = mon.energy_mj()
+        now = time.perf_counter()
+        if e2 is None or e2 != e or now - t0 > timeout_s:
+            return e2, now, (now - t0) * 1e3
+
+
+def _energy_of(mon: "GpuMonitor", run: Callable[[], float]) -> Tuple[float, Optional[float], Optional[dict]]:
+    """``run()``'s result (its ms) and the joules the board drew for it: between two counter
+    refreshes (:func:`_energy_tick`) — one just before the work starts, one just after it ends —
+    less the idle draw over the wait for the second (measured over one refresh interval of the
+    idle GPU right before). Also ``{"idle_w", "counter_wait_ms"}``."""
+    ea, ta, _ = _energy_tick(mon)
+    e0, t0, _ = _energy_tick(mon) if ea is not None else (None, None, 0.0)
+    ms = run()
+    if e0 is None or ea is None or e0 <= ea:
+        return ms, None, None
+    e1, _, wait_ms = _energy_tick(mon)
+    if e1 is None or e1 <= e0:
+        return ms, None, None
+    idle_w = (e0 - ea) / 1e3 / (t0 - ta)
+    return ms, (e1 - e0) / 1e3 - idle_w * wait_ms / 1e3, {"idle_w": idle_w, "counter_wait_ms": wait_ms}
 
 
 def gpu_cell(s: Optional[dict]) -> str:

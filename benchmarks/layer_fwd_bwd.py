@@ -73,6 +73,15 @@ reported while compiling the variant (0 = one graph). Ratios are within one size
 speed-up over BF16, and
 "vs torchao tw" = torchao tensorwise ms / this variant's ms (> 1: faster than torchao). Results
 are rewritten to ``--out`` after every variant, so a run cut short keeps what it measured.
+``--cuda-graph``: every variant's whole step is also captured as CUDA graphs (one per input
+set, one memory pool, after its peak memory is read) and its replays timed with the other two
+timings — the GPU's time alone, without the host's launch and Python time ("CUDA graph"
+columns); with ``--micro-batches K`` the compiled weight cache is re-quantised in place before
+every K-th replay (a variant whose FP8 weights cannot be refreshed in place is reported as not
+captured, with the reason). ``--energy SECONDS``: afterwards each step (and replay) runs back to
+back for about SECONDS, round-robin twice, between two refreshes of the board's energy counter
+(NVML; ``_timing.energy_window``): joules per step, mean draw, SM clock — at the power cap a
+step's time is its joules over the cap.
 ``--smoke``: tiny emulated CPU run for CI (compiled with ``aot_eager``; no timing claims).
 """
 
@@ -81,6 +90,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -91,10 +101,9 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench_interleaved, bench_with_gpu, benchmark_device, device_time_breakdown, error_status, fmt, fmt_tflops, free_memory, gpu_timeline,
-    peak_memory_report, timeline_table,
-    recipe_mode, table,
-    gpu_cell, write_json,
+    bench_interleaved, bench_samples, bench_with_gpu, benchmark_device, capture_graphs, device_time_breakdown,
+    energy_window, error_status, fmt, fmt_tflops, free_memory, gpu_cell, gpu_timeline, graph_replay,
+    peak_memory_report, recipe_mode, table, timeline_table, write_json,
 )
 from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
 from _torchao import convert_torchao, torchao_status  # noqa: E402
@@ -275,7 +284,10 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
         graphs = mode == "compiled" and a.compile_mode in ("reduce-overhead", "max-autotune")
         calls = [0]
 
-        def step(i: int) -> None:
+        def step(i: int, refresh: bool = True) -> None:
+            """One fwd+bwd step on input set ``i``; ``refresh=False``: without the every-K-th-step
+            re-quantisation of the FP8 weights (a CUDA graph's capture, which runs it between
+            replays instead: :func:`graph_step`)."""
             if graphs:  # CUDA-graph trees: a new training step (the last one's outputs are dead)
                 torch.compiler.cudagraph_mark_step_begin()
             x = inputs.xs[i]
@@ -284,9 +296,10 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
                 q.grad = None
             # the FP8 weights are re-quantised once per optimizer step: every step with one
             # micro-batch per step, every K-th with --micro-batches K
-            if requant and calls[0] % a.micro_batches == 0:
-                invalidate_weight_cache(model)
-            calls[0] += 1
+            if refresh:
+                if requant and calls[0] % a.micro_batches == 0:
+                    invalidate_weight_cache(model)
+                calls[0] += 1
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
                 y = fn(x)
             y.backward(inputs.grads(y.dtype)[i])
@@ -311,6 +324,8 @@ def take_timings(out: dict, t: dict, dev: str) -> None:
     """A timing's fields (:func:`bench_interleaved`) into a row."""
     out["ms"], out["ms_b2b"], out["gpu"], out["gpu_b2b"] = t["ms"], t["ms_b2b"], t["gpu"], t["gpu_b2b"]
     out["samples"] = t["samples"]
+    if t.get("ms_graph") is not None:
+        out["ms_graph"] = t["ms_graph"]
     if dev == "cuda" and t["gpu_reason"]:
         out["gpu_reason"] = t["gpu_reason"]
 
@@ -341,6 +356,18 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
                                              window=a.window), dev)
             if cuda:
                 out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            replay = None
+            if a.cuda_graph:  # (after the peak: the graphs' memory pool is not the step's)
+                replay = graph_step(step, model, mode, inputs, a, out)
+                if replay is not None:
+                    out["ms_graph"] = statistics.median(bench_samples(replay, inputs.n, warmup=2, iters=a.iters,
+                                                                      cuda=cuda))
+            if a.energy:
+                fns = {"step": step, **({"graph": replay} if replay is not None else {})}
+                got = energy_window(fns, inputs.n, dev, seconds=a.energy)
+                out["energy"] = got["step"]
+                if replay is not None:
+                    out["energy_graph"] = got["graph"]
             profile_extras(step, out, inputs, a, dev)
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
         traceback.print_exc()
@@ -350,6 +377,43 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         for q in model.parameters():
             q.grad = None
     return out
+
+
+def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
+    """``--cuda-graph``: capture ``step`` as one CUDA graph per input set (the whole fwd+bwd:
+    forward, backward, the gradients' accumulation; compiled or eager), all from one memory pool,
+    and return ``replay(i)``, or None with the reason in ``row["graph_status"]``. With one
+    micro-batch per step the weights' re-quantisation is inside the graph; with
+    ``--micro-batches K`` (compiled) the graph reads the compiled weight cache, which ``replay``
+    re-quantises in place (same buffers) before every K-th replay, as the optimizer step does.
+    The GPU's time of the step alone: no host launch or Python time, as a training loop with
+    CUDA graphs runs it (Megatron's ``--cuda-graph-impl``, ``torch.compile(mode="reduce-overhead")``)."""
+    fp8 = [m for m in model.modules() if type(m) is Float8Linear]
+    k = a.micro_batches if fp8 else 1  # (no FP8 weights of ours: nothing re-quantised between replays)
+    if k > 1 and not all(m._graph_wcache_on for m in fp8):
+        row["graph_status"] = ("not captured: with --micro-batches > 1 the FP8 weights are re-quantised between "
+                               "replays, in place, which only the compiled weight cache does (compiled mode, current "
+                               "scaling); an eager cache (eager mode, delayed scaling's island) would be rebuilt "
+                               "in new memory the graph does not read")
+        return None
+    errors: list = []
+    graphs = capture_graphs((lambda i: step(i, refresh=False)) if k > 1 else step, inputs.n, errors,
+                            share_pool=True)
+    if graphs is None:
+        row["graph_status"] = "not captured: " + (errors[0] if errors else "no CUDA device")
+        return None
+    row["graph_status"] = "ok"
+    if k == 1:
+        return graph_replay(graphs)
+    calls = [0]
+
+    def replay(i: int) -> None:
+        if calls[0] % k == 0:  # the optimizer step's re-quantisation, eager, into the same buffers
+            invalidate_weight_cache(model)
+        calls[0] += 1
+        graphs[i].replay()
+
+    return replay
 
 
 @contextlib.contextmanager
@@ -499,8 +563,22 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
         if steps:
             errors = {}
             blocks = {v: (lambda v=v: _round_block(v, models[v], inputs)) for v in steps}
+            replays = {}
+            if a.cuda_graph:  # (after every variant's peak: the graphs' memory pools are not a step's)
+                for variant, step in steps.items():
+                    with _round_block(variant, models[variant], inputs):
+                        replay = graph_step(step, models[variant], mode, inputs, a, outs[variant])
+                    if replay is not None:
+                        replays[variant] = replay
             times = bench_interleaved(steps, inputs.n, dev, rounds=a.rounds, warmup=1, iters=a.iters,
-                                      window=a.window, b2b_warmup=1, contexts=blocks, errors=errors)
+                                      window=a.window, b2b_warmup=1, graphs=replays, contexts=blocks, errors=errors)
+            if a.energy:
+                fns = {**{(v, "step"): f for v, f in steps.items() if v not in errors},
+                       **{(v, "graph"): f for v, f in replays.items() if v not in errors}}
+                got = energy_window(fns, inputs.n, dev, seconds=a.energy,
+                                    contexts={key: blocks[key[0]] for key in fns})
+                for (variant, kind), e in got.items():
+                    outs[variant]["energy" if kind == "step" else "energy_graph"] = e
             for variant, step in steps.items():
                 row = outs[variant]
                 if variant in errors:
@@ -544,7 +622,7 @@ def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reas
     row0 = {"size": size, "block": a.block, "variant": variant, "dim": cfg.dim,
             "ffn_dim": cfg.ffn_dim, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
             "tokens": inputs.tokens, "fp8_linears": None, "ms": None, "tflops": None,
-            "first_call_s": None, "peak_gib": None, "graph_breaks": None}
+            "first_call_s": None, "peak_gib": None, "graph_breaks": None, "ms_graph": None}
     skip = None
     if variant in TORCHAO:
         skip = ao_reason or None
@@ -609,6 +687,16 @@ def main(argv=None) -> int:
                         "variant's peak memory is taken over its first call and warm-up, less what "
                         "the other variants hold. 1 (default): each variant set up, timed and "
                         "dropped in turn (less memory: one variant's block allocated at a time)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also capture every variant's whole step (fwd+bwd, compiled or eager) as CUDA graphs "
+                        "(one per input set, one memory pool) and time their replays: the GPU's time alone, "
+                        "without the host's launch and Python time (columns 'CUDA graph'; CUDA only; with "
+                        "--micro-batches K compiled only, the weight cache re-quantised before every K-th replay)")
+    p.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
+                   help="after the timings, run every variant's step back to back for about SECONDS, round-robin "
+                        "twice (and its graph replays with --cuda-graph), between two reads of the board's energy "
+                        "counter (NVML): joules per step, mean W, SM clock. At the power cap a step's time is its "
+                        "energy over the cap, so this says what bounds the ratios there (0: off)")
     p.add_argument("--out", default=None, help="write the results as JSON here (after every variant)")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)
@@ -621,6 +709,11 @@ def main(argv=None) -> int:
         p.error(f"--rounds must be at least 1, got {a.rounds}")
     if a.micro_batches < 1:
         p.error(f"--micro-batches must be at least 1, got {a.micro_batches}")
+    if a.energy < 0:
+        p.error("--energy is a duration in seconds (0: off)")
+    if a.cuda_graph and a.compile_mode in ("reduce-overhead", "max-autotune") and "compiled" in modes:
+        p.error(f"--cuda-graph captures the whole step itself; --compile-mode {a.compile_mode} already replays "
+                "each compiled graph as a CUDA graph (use one or the other)")
     if a.rounds > 1 and a.compile_mode in ("reduce-overhead", "max-autotune") and "compiled" in modes:
         p.error(f"--rounds {a.rounds} interleaves the variants, whose CUDA-graph trees "
                 f"(--compile-mode {a.compile_mode}) are one per process and would be re-recorded at every "
@@ -655,7 +748,8 @@ def main(argv=None) -> int:
               "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
               "compile_backend": a.compile_backend, "compile_mode": a.compile_mode, "warmup": a.warmup,
               "iters": a.iters, "rounds": a.rounds,
-              "requant_weights": a.requant_weights, "micro_batches": a.micro_batches}
+              "requant_weights": a.requant_weights, "micro_batches": a.micro_batches,
+              "cuda_graph": a.cuda_graph, "energy_s": a.energy}
     failed = False
 
     for size, cfg in cfgs.items():
@@ -684,6 +778,8 @@ def main(argv=None) -> int:
              fmt(r.get("speedup"), ".2f", "x"), fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
              fmt(r.get("ms_b2b"), ".2f"), fmt(r.get("speedup_b2b"), ".2f", "x"),
              fmt(r.get("vs_torchao_tensorwise_b2b"), ".2f", "x"),
+             *((fmt(r.get("ms_graph"), ".2f"), fmt(r.get("speedup_graph"), ".3f", "x"),
+                fmt(r.get("vs_torchao_tensorwise_graph"), ".3f", "x")) if a.cuda_graph else ()),
              fmt(r["peak_gib"], ".1f"), gpu_cell(r.get("gpu")), gpu_cell(r.get("gpu_b2b")),
              fmt(r["first_call_s"], ".1f"),
              "-" if r["fp8_linears"] is None else r["fp8_linears"],
@@ -699,8 +795,18 @@ def main(argv=None) -> int:
           f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
           f"{wq_note}\n")
     print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs torchao tw",
-                 f"ms/step, {a.window} back to back", "vs BF16, b2b", "vs torchao tw, b2b", "peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)",
+                 f"ms/step, {a.window} back to back", "vs BF16, b2b", "vs torchao tw, b2b",
+                 *(("ms, CUDA graph", "vs BF16, graph", "vs torchao tw, graph") if a.cuda_graph else ()),
+                 "peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)",
                  "first call s", "FP8 linears", "graph breaks", "status"], rows))
+    not_captured = [r for r in res if a.cuda_graph and r["status"] == "ok" and r.get("graph_status") != "ok"]
+    if not_captured:
+        print("\nCUDA graph not timed: " + "; ".join(f"{r['size']} {r['variant']} {r['mode']}: "
+                                                     f"{r.get('graph_status') or 'not captured'}" for r in not_captured))
+    if a.energy:
+        print(f"\nEnergy: each step back to back for about {a.energy:g} s, round-robin twice (medians); "
+              "J vs BF16 = BF16's joules per step / this one's:\n")
+        print(energy_table(res, cfgs, modes, variants))
     prof = [r for r in res if r.get("breakdown")]
     if prof:
         print(f"\nwhere the time goes ({prof[0]['breakdown']['source']}, ms per step, torch.profiler):\n")
@@ -718,6 +824,24 @@ def main(argv=None) -> int:
     return 1 if failed else 0
 
 
+def energy_table(res, cfgs, modes, variants) -> str:
+    """``--energy``'s table: per row (and per kind: the step, its CUDA-graph replay) the time
+    and joules per step, mean draw, SM clock, and the joule ratio to BF16's same kind."""
+    out = []
+    for r in sorted(res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]),
+                                        variants.index(r["variant"]))):
+        for kind, key in (("step", "energy"), ("CUDA graph", "energy_graph")):
+            e = r.get(key)
+            if not e:
+                continue
+            gpu = e.get("gpu") or {}
+            out.append((r["size"], r["variant"], r["mode"], kind, fmt(e["ms"], ".2f"), fmt(e.get("j"), ".3f"),
+                        fmt(e.get("w"), ".0f"), fmt(gpu.get("sm_mhz_median"), ".0f"),
+                        fmt(r.get(key + "_vs_bf16"), ".3f", "x"), e.get("energy_reason") or ""))
+    return table(["size", "variant", "mode", "timed", "ms/step", "J/step", "W", "SM MHz", "J vs BF16", "energy not read"],
+                 out)
+
+
 def _add_ratios(res) -> None:
     """Speed-up over BF16 and ratio to torchao tensorwise, within one size and mode."""
     for r in res:
@@ -732,6 +856,12 @@ def _add_ratios(res) -> None:
         r["speedup_b2b"] = b["ms_b2b"] / r["ms_b2b"] if b and both and b.get("ms_b2b") else None
         r["vs_torchao_tensorwise_b2b"] = (t["ms_b2b"] / r["ms_b2b"]
                                           if t and both and t.get("ms_b2b") else None)
+        g = r.get("ms_graph")
+        r["speedup_graph"] = b["ms_graph"] / g if g and b and b.get("ms_graph") else None
+        r["vs_torchao_tensorwise_graph"] = t["ms_graph"] / g if g and t and t.get("ms_graph") else None
+        for key in ("energy", "energy_graph"):  # BF16's joules per step over this one's
+            j, jb = (r.get(key) or {}).get("j"), ((b or {}).get(key) or {}).get("j")
+            r[key + "_vs_bf16"] = jb / j if j and jb else None
 
 
 if __name__ == "__main__":
