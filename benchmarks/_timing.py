@@ -26,9 +26,13 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
 
 
 def bench_samples(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30,
-                  cuda: Optional[bool] = None, window: int = 1, start: int = 0) -> List[float]:
+                  cuda: Optional[bool] = None, window: int = 1, start: int = 0,
+                  sync_each: bool = False) -> List[float]:
     """The ``iters`` per-call samples (ms) that :func:`bench` takes the median of; the inputs
-    cycle from set ``start``."""
+    cycle from set ``start``. ``sync_each``: the ``window`` calls of a sample each wait for the
+    GPU (a synchronisation after every call, inside the timed sample) instead of being queued
+    back to back — the synchronised per-call time averaged over ``window`` calls, e.g. over the
+    micro-batches of one optimizer step whose first call does more work than the others."""
     import torch
 
     if cuda is None:
@@ -47,6 +51,8 @@ def bench_samples(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, i
         for _ in range(window):
             fn(k % n_inputs)
             k += 1
+            if sync_each and cuda:
+                torch.cuda.synchronize()
         if cuda:
             b.record()
             b.synchronize()
@@ -127,7 +133,7 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
                       warmup: int, iters: int, window: int, b2b_warmup: int = 0,
                       graphs: Optional[Dict[str, object]] = None,
                       contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
-                      errors: Optional[Dict[str, BaseException]] = None) -> Dict[str, dict]:
+                      errors: Optional[Dict[str, BaseException]] = None, group: int = 1) -> Dict[str, dict]:
     """:func:`bench_with_gpu` for several variants at once, in ``rounds`` round-robin passes:
     each pass times every variant in turn (``ceil(iters / rounds)`` synchronised samples, then
     the back-to-back windows, then, for a variant in ``graphs``, the replays of its captured
@@ -136,7 +142,11 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
     ``warmup`` untimed calls, every later block ``max(1, b2b_warmup)`` (the switch between
     variants). ``graphs[k]``: the variant's captured graphs (one per input set, replayed as
     they are) or a callable ``replay(i)`` (e.g. one that also runs eager work between
-    replays). ``rounds=1`` is the sequential order. Returns per variant ``{"ms", "ms_b2b",
+    replays). ``group``: calls whose cost differs within a cycle of ``group`` (the first of K
+    micro-batches re-quantises the weights) are timed over whole cycles, so a median cannot
+    leave the costly call out — each synchronised or replayed sample is ``group`` calls, each
+    synchronised (``bench_samples(sync_each=True)``), and the back-to-back window is rounded up
+    to a multiple of ``group``. ``rounds=1`` is the sequential order. Returns per variant ``{"ms", "ms_b2b",
     "ms_graph", "gpu", "gpu_b2b", "gpu_reason", "samples"}``: medians over all rounds, the GPU
     monitors' summaries over all of a variant's blocks, the sample counts. ``contexts``: per
     variant, a context manager entered around each of its blocks, untimed (e.g. the settings a
@@ -150,6 +160,8 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
     rounds = max(1, rounds)
     per_sync = max(1, math.ceil(iters / rounds))
     per_b2b = max(1, math.ceil(max(3, iters // 2) / rounds))
+    group = max(1, group)
+    window = math.ceil(window / group) * group
     graphs = graphs or {}
     samples = {k: {"ms": [], "ms_b2b": [], "ms_graph": []} for k in fns}
     mons = {k: {"sync": GpuMonitor(device), "b2b": GpuMonitor(device)} for k in fns}
@@ -163,7 +175,7 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
             try:
                 with contexts.get(k, contextlib.nullcontext)():
                     _bench_block(k, fn, n_inputs, cuda, warmup if r == 0 else max(1, b2b_warmup), per_sync,
-                                 per_b2b, b2b_warmup, window, samples, mons, gsamples, graphs)
+                                 per_b2b, b2b_warmup, window, samples, mons, gsamples, graphs, group)
             except Exception as e:  # noqa: BLE001 - one variant's failure (e.g. out of memory)
                 if errors is None:
                     raise
@@ -187,19 +199,20 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
 
 
 def _bench_block(k, fn, n_inputs, cuda, w, per_sync, per_b2b, b2b_warmup, window, samples, mons, gsamples,
-                 graphs) -> None:
+                 graphs, group=1) -> None:
     """One variant's block of one round of :func:`bench_interleaved`: its synchronised samples,
     its back-to-back windows, the replays of its graphs."""
     with mons[k]["sync"] as mon:
-        samples[k]["ms"] += bench_samples(fn, n_inputs, warmup=w, iters=per_sync, cuda=cuda)
+        samples[k]["ms"] += bench_samples(fn, n_inputs, warmup=w, iters=per_sync, cuda=cuda, window=group,
+                                          sync_each=True)
     gsamples[k]["sync"] += mon.samples
     with mons[k]["b2b"] as mon:
         samples[k]["ms_b2b"] += bench_samples(fn, n_inputs, warmup=b2b_warmup, iters=per_b2b,
                                               cuda=cuda, window=window)
     gsamples[k]["b2b"] += mon.samples
     if graphs.get(k):
-        samples[k]["ms_graph"] += bench_samples(graph_replay(graphs[k]), n_inputs,
-                                                warmup=w, iters=per_sync, cuda=True)
+        samples[k]["ms_graph"] += bench_samples(graph_replay(graphs[k]), n_inputs, warmup=w, iters=per_sync,
+                                                cuda=True, window=group, sync_each=True)
 
 
 def graph_replay(graphs) -> Callable[[int], object]:
@@ -702,20 +715,22 @@ class GpuMonitor:
 
 
 def bench_with_gpu(fn: Callable[[int], object], n_inputs: int, device, *, warmup: int, iters: int,
-                   window: int, b2b_warmup: int = 0) -> dict:
+                   window: int, b2b_warmup: int = 0, group: int = 1) -> dict:
     """The two timings the linear and layer benchmarks report, each under a :class:`GpuMonitor`:
     ``ms`` synchronised after every call (:func:`bench`, ``warmup`` calls first) and ``ms_b2b``
     per call of ``window`` calls queued back to back (``b2b_warmup`` calls first, half as many
     samples, at least 3) — :func:`bench_interleaved` of this one variant. Returns ``{"ms",
     "ms_b2b", "gpu", "gpu_b2b", "gpu_reason"}`` (the monitors' summaries, and why the first
-    recorded nothing, if it did not), with its ``ms_graph`` (None) and ``samples``."""
+    recorded nothing, if it did not), with its ``ms_graph`` (None) and ``samples``; ``group`` as
+    there."""
     return bench_interleaved({"": fn}, n_inputs, device, rounds=1, warmup=warmup, iters=iters,
-                             window=window, b2b_warmup=b2b_warmup)[""]
+                             window=window, b2b_warmup=b2b_warmup, group=group)[""]
 
 
 def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, seconds: float,
                   rounds: int = 2,
-                  contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None) -> Dict[str, dict]:
+                  contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
+                  group: int = 1) -> Dict[str, dict]:
     """Energy per call of each variant at the GPU's sustained draw: each variant in turn
     (``rounds`` round-robin passes) runs back to back for about ``seconds`` (the call count from a
     3-call calibration), between two refreshes of the board's energy counter, less the idle
@@ -727,7 +742,8 @@ def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device
     Under a power cap the throughput a kernel reaches is ``cap / (joules per FLOP)``: this is the
     measurement that says what a kernel costs once every variant runs at the cap. ``contexts``:
     per variant, a context manager entered around each of its windows and its calibration
-    (:func:`bench_interleaved`'s)."""
+    (:func:`bench_interleaved`'s); ``group``: the call count is a multiple of it (whole cycles,
+    as there)."""
     import contextlib
     import math
 
@@ -743,6 +759,7 @@ def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device
                 # warm, and calibrate the call count: 3 warm-up calls, then one window of 3
                 call_ms = bench_samples(fn, n_inputs, warmup=3, iters=1, cuda=cuda, window=3)[0]
                 calls = max(3, math.ceil(seconds * 1e3 / max(call_ms, 1e-3)))
+                calls = math.ceil(calls / max(1, group)) * max(1, group)
                 with GpuMonitor(device) as mon:  # (the GPU idle: the calibration synchronised)
                     ms, joules, extra = _energy_of(mon, lambda: bench_samples(
                         fn, n_inputs, warmup=0, iters=1, cuda=cuda, window=calls)[0])
@@ -763,10 +780,11 @@ def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device
 
 def _energy_tick(mon: "GpuMonitor", timeout_s: float = 0.5) -> Tuple[Optional[int], Optional[float], float]:
     """The board's energy counter read as soon as it next advances: ``(mJ, when (perf_counter
-    s), ms waited)``; mJ None without the counter. The driver refreshes the counter periodically
-    (every 100 ms on the H200: docs/results/energy_tick_session26), not at every read, so a read
-    right after the GPU's work ends can miss up to one refresh interval of it — several per cent
-    of a 2 s window at 700 W. Gives up after ``timeout_s`` (a counter that did not move)."""
+    s), ms waited)``. The driver refreshes the counter periodically (every 100 ms on the H200:
+    docs/results/energy_tick_session26), not at every read, so a read right after the GPU's work
+    ends can miss up to one refresh interval of it — several per cent of a 2 s window at 700 W.
+    mJ is None without the counter, or when it did not advance within ``timeout_s`` (noted in
+    ``mon.reason``: a read that is not at a refresh would be off by up to an interval)."""
     e = mon.energy_mj()
     t0 = time.perf_counter()
     if e is None:
@@ -774,8 +792,13 @@ def _energy_tick(mon: "GpuMonitor", timeout_s: float = 0.5) -> Tuple[Optional[in
     while True:
         e2 = mon.energy_mj()
         now = time.perf_counter()
-        if e2 is None or e2 != e or now - t0 > timeout_s:
+        if e2 is None:
+            return None, None, 0.0
+        if e2 != e:
             return e2, now, (now - t0) * 1e3
+        if now - t0 > timeout_s:
+            mon._note(f"the energy counter did not advance within {timeout_s:g} s")
+            return None, None, 0.0
 
 
 def _energy_of(mon: "GpuMonitor", run: Callable[[], float]) -> Tuple[float, Optional[float], Optional[dict]]:
@@ -786,13 +809,19 @@ def _energy_of(mon: "GpuMonitor", run: Callable[[], float]) -> Tuple[float, Opti
     ea, ta, _ = _energy_tick(mon)
     e0, t0, _ = _energy_tick(mon) if ea is not None else (None, None, 0.0)
     ms = run()
-    if e0 is None or ea is None or e0 <= ea:
+    if e0 is None or ea is None:
         return ms, None, None
-    e1, _, wait_ms = _energy_tick(mon)
-    if e1 is None or e1 <= e0:
+    e1, t1, wait_ms = _energy_tick(mon)
+    if e1 is None:
         return ms, None, None
-    idle_w = (e0 - ea) / 1e3 / (t0 - ta)
-    return ms, (e1 - e0) / 1e3 - idle_w * wait_ms / 1e3, {"idle_w": idle_w, "counter_wait_ms": wait_ms}
+    interval = t0 - ta
+    idle_w = (e0 - ea) / 1e3 / interval
+    joules = (e1 - e0) / 1e3 - idle_w * wait_ms / 1e3
+    if t1 - t0 < 3 * interval or joules <= 0:  # (refresh-sized errors would dominate)
+        mon._note(f"window of {(t1 - t0) * 1e3:.0f} ms is under three refreshes of the energy counter "
+                  f"({interval * 1e3:.0f} ms each): too short to read")
+        return ms, None, None
+    return ms, joules, {"idle_w": idle_w, "counter_wait_ms": wait_ms}
 
 
 def gpu_cell(s: Optional[dict]) -> str:

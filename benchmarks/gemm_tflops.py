@@ -41,6 +41,7 @@ much (``energy`` in each JSON row; a second table).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import traceback
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)
-    if a.energy < 0:
+    if not (math.isfinite(a.energy) and a.energy >= 0):
         p.error("--energy is a duration in seconds (0: off)")
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
     for v in variants:

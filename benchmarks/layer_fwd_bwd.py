@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -353,21 +354,20 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
     try:
         if step is not None:
             take_timings(out, bench_with_gpu(step, inputs.n, dev, warmup=a.warmup, iters=a.iters,
-                                             window=a.window), dev)
+                                             window=a.window, group=a.micro_batches), dev)
             if cuda:
                 out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             replay = None
             if a.cuda_graph:  # (after the peak: the graphs' memory pool is not the step's)
                 replay = graph_step(step, model, mode, inputs, a, out)
-                if replay is not None:
-                    out["ms_graph"] = statistics.median(bench_samples(replay, inputs.n, warmup=2, iters=a.iters,
-                                                                      cuda=cuda))
+                if replay is not None:  # (whole optimizer steps: K replays per sample)
+                    out["ms_graph"] = statistics.median(bench_samples(
+                        replay, inputs.n, warmup=2, iters=a.iters, cuda=cuda, window=a.micro_batches, sync_each=True))
             if a.energy:
                 fns = {"step": step, **({"graph": replay} if replay is not None else {})}
-                got = energy_window(fns, inputs.n, dev, seconds=a.energy)
-                out["energy"] = got["step"]
-                if replay is not None:
-                    out["energy_graph"] = got["graph"]
+                for key, e in measure_energy(fns, inputs, a, dev).items():
+                    out["energy" if key == "step" else "energy_graph"] = e
+            replay = None
             profile_extras(step, out, inputs, a, dev)
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
         traceback.print_exc()
@@ -377,6 +377,17 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
         for q in model.parameters():
             q.grad = None
     return out
+
+
+def measure_energy(fns, inputs: Inputs, a, dev: str, contexts=None) -> dict:
+    """``--energy``: :func:`energy_window` of ``fns``, or, if that fails (e.g. out of memory), an
+    energy record per key with the error as its ``energy_reason`` — the timings stay."""
+    try:
+        return energy_window(fns, inputs.n, dev, seconds=a.energy, contexts=contexts, group=a.micro_batches)
+    except Exception as e:  # noqa: BLE001 - the energy reading fails, not the row
+        traceback.print_exc()
+        return {k: {"ms": None, "j": None, "w": None, "gpu": None, "calls": None,
+                    "energy_reason": error_status(e)} for k in fns}
 
 
 def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
@@ -390,11 +401,11 @@ def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
     CUDA graphs runs it (Megatron's ``--cuda-graph-impl``, ``torch.compile(mode="reduce-overhead")``)."""
     fp8 = [m for m in model.modules() if type(m) is Float8Linear]
     k = a.micro_batches if fp8 else 1  # (no FP8 weights of ours: nothing re-quantised between replays)
-    if k > 1 and not all(m._graph_wcache_on for m in fp8):
+    if k > 1 and not all(m._graph_wcache_on and m.traceable() for m in fp8):
         row["graph_status"] = ("not captured: with --micro-batches > 1 the FP8 weights are re-quantised between "
-                               "replays, in place, which only the compiled weight cache does (compiled mode, current "
-                               "scaling); an eager cache (eager mode, delayed scaling's island) would be rebuilt "
-                               "in new memory the graph does not read")
+                               "replays, in place, which only the compiled weight cache of a traced FP8 linear does "
+                               "(compiled mode, current scaling); an eager cache (eager mode, delayed scaling's or real "
+                               "MXFP8's island) would be rebuilt in new memory the graph does not read")
         return None
     errors: list = []
     graphs = capture_graphs((lambda i: step(i, refresh=False)) if k > 1 else step, inputs.n, errors,
@@ -571,12 +582,12 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
                     if replay is not None:
                         replays[variant] = replay
             times = bench_interleaved(steps, inputs.n, dev, rounds=a.rounds, warmup=1, iters=a.iters,
-                                      window=a.window, b2b_warmup=1, graphs=replays, contexts=blocks, errors=errors)
+                                      window=a.window, b2b_warmup=1, graphs=replays, contexts=blocks, errors=errors,
+                                      group=a.micro_batches)
             if a.energy:
                 fns = {**{(v, "step"): f for v, f in steps.items() if v not in errors},
                        **{(v, "graph"): f for v, f in replays.items() if v not in errors}}
-                got = energy_window(fns, inputs.n, dev, seconds=a.energy,
-                                    contexts={key: blocks[key[0]] for key in fns})
+                got = measure_energy(fns, inputs, a, dev, contexts={key: blocks[key[0]] for key in fns})
                 for (variant, kind), e in got.items():
                     outs[variant]["energy" if kind == "step" else "energy_graph"] = e
             for variant, step in steps.items():
@@ -596,7 +607,7 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
                     row.update(status=error_status(e), ms=None)
         for variant in variants:
             failed |= report_row(outs[variant], cfg, inputs, a, res, header)
-        steps = None
+        steps = replays = None  # (the graphs' memory pools go with them, before the next mode)
     models.clear()
     free_memory()
     return failed
@@ -689,9 +700,11 @@ def main(argv=None) -> int:
                         "dropped in turn (less memory: one variant's block allocated at a time)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="also capture every variant's whole step (fwd+bwd, compiled or eager) as CUDA graphs "
-                        "(one per input set, one memory pool) and time their replays: the GPU's time alone, "
-                        "without the host's launch and Python time (columns 'CUDA graph'; CUDA only; with "
-                        "--micro-batches K compiled only, the weight cache re-quantised before every K-th replay)")
+                        "(one per input set, one memory pool per variant, held until the mode's timings end: about "
+                        "one more step's activations and gradients per variant) and time their replays: the GPU's "
+                        "time alone, without the host's launch and Python time (columns 'CUDA graph'; CUDA only; "
+                        "with --micro-batches K compiled only, the weight cache re-quantised before every K-th "
+                        "replay)")
     p.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
                    help="after the timings, run every variant's step back to back for about SECONDS, round-robin "
                         "twice (and its graph replays with --cuda-graph), between two reads of the board's energy "
@@ -709,7 +722,7 @@ def main(argv=None) -> int:
         p.error(f"--rounds must be at least 1, got {a.rounds}")
     if a.micro_batches < 1:
         p.error(f"--micro-batches must be at least 1, got {a.micro_batches}")
-    if a.energy < 0:
+    if not (math.isfinite(a.energy) and a.energy >= 0):
         p.error("--energy is a duration in seconds (0: off)")
     if a.cuda_graph and a.compile_mode in ("reduce-overhead", "max-autotune") and "compiled" in modes:
         p.error(f"--cuda-graph captures the whole step itself; --compile-mode {a.compile_mode} already replays "

@@ -303,41 +303,81 @@ def test_gemm_tflops_energy_rows(tmp_path):
     assert bad.returncode == 2 and "--energy is a duration" in bad.stderr
 
 
+def _scripted_counter(t, busy, idle_w=100.0, busy_w=700.0, refresh_s=0.02, frozen=False):
+    """A :class:`GpuMonitor` (CPU: no NVML) whose energy counter, like NVML's, integrates the
+    draw (``idle_w`` always, ``busy_w`` during the ``busy`` intervals) but shows it only at
+    refreshes every ``refresh_s`` (``frozen``: never advances)."""
+    import time as _time
+
+    t0 = _time.perf_counter()
+
+    class Counter(t.GpuMonitor):
+        def energy_mj(self):
+            now = _time.perf_counter()
+            if frozen:
+                return 1000
+            tick = t0 + (now - t0) // refresh_s * refresh_s
+            extra = sum(max(0.0, min(tick, b) - a) for a, b in busy)
+            return int((idle_w * (tick - t0) + (busy_w - idle_w) * extra) * 1e3)
+
+    mon = Counter("cpu")
+    mon.reason = None
+    return mon, t0
+
+
 def test_energy_of_counts_the_work_between_counter_refreshes(bench_modules):
-    """:func:`_energy_of` against a counter that, like NVML's, integrates the draw but shows it
-    only at refreshes (every 20 ms here): 100 W idle, 700 W while the work (0.3 s) runs. A plain
-    read after the work would miss up to one refresh of it (up to 14 J of 210); waiting for the
-    refresh and subtracting the idle draw over that wait gives the work's joules."""
+    """:func:`_energy_of` against a counter that shows its integral only at refreshes (every
+    20 ms): 100 W idle, 700 W while the work runs (0.3 s, ending 1 ms after a refresh). A read
+    right after the work would miss 19 ms of it (13 J of 210, 6%); waiting for the next refresh
+    and subtracting the idle draw over that wait gives the work's joules. A counter that does
+    not advance, and a window shorter than the idle correction, give no joules and say why."""
     import time as _time
 
     t, _, _ = bench_modules
-    t0 = _time.perf_counter()
-    busy = []  # (start, end) of the work, in perf_counter seconds
+    busy = []
+    mon, t0 = _scripted_counter(t, busy)
 
-    def drawn(now):  # joules drawn since t0: 100 W always, +600 W while busy
-        extra = sum(max(0.0, min(now, b) - a) for a, b in busy)
-        return 100.0 * (now - t0) + 600.0 * extra
-
-    class Counter:  # the board's counter: refreshed every 20 ms
-        reason = None
-
-        def energy_mj(self):
-            now = _time.perf_counter()
-            tick = t0 + (now - t0) // 0.02 * 0.02
-            return int(drawn(tick) * 1e3)
-
-    def work():
+    def work(seconds=0.3):
         a = _time.perf_counter()
-        while _time.perf_counter() - a < 0.3:
+        end = a + seconds
+        end = t0 + ((end - t0) // 0.02 + 1) * 0.02 + 0.001  # (1 ms after a refresh)
+        while _time.perf_counter() < end:
             pass
         busy.append((a, _time.perf_counter()))
         return 300.0
 
-    ms, joules, extra = t._energy_of(Counter(), work)
+    ms, joules, extra = t._energy_of(mon, work)
     assert ms == 300.0
     want = 700.0 * (busy[0][1] - busy[0][0])
-    assert abs(joules - want) < 0.03 * want, (joules, want, extra)
-    assert abs(extra["idle_w"] - 100.0) < 15.0 and 0 < extra["counter_wait_ms"] <= 40.0
+    assert abs(joules - want) < 0.02 * want, (joules, want, extra)
+    assert abs(extra["idle_w"] - 100.0) < 10.0 and 10.0 < extra["counter_wait_ms"] <= 25.0
+    assert mon.reason is None
+    frozen, _ = _scripted_counter(t, [], frozen=True)
+    assert t._energy_of(frozen, lambda: 1.0) == (1.0, None, None)
+    assert "did not advance" in frozen.reason
+    # work of 0 W over a window: the idle correction leaves nothing (or less): no joules, a reason
+    quiet, _ = _scripted_counter(t, [], idle_w=100.0)
+    assert t._energy_of(quiet, lambda: 1.0)[1:] == (None, None)
+    assert "too short" in quiet.reason
+
+
+def test_grouped_timing_keeps_the_costly_call_of_each_cycle(bench_modules):
+    """``group=K``: with one costly call in every K (the micro-batch that re-quantises the
+    weights), every synchronised sample is a whole cycle, so the median includes it; the
+    back-to-back window is rounded up to whole cycles. Without it the median leaves it out."""
+    import time as _time
+
+    t, _, _ = bench_modules
+    calls = [0]
+
+    def fn(i):  # 30 ms every third call, 1 ms otherwise
+        _time.sleep(0.030 if calls[0] % 3 == 0 else 0.001)
+        calls[0] += 1
+
+    grouped = t.bench_interleaved({"f": fn}, 2, "cpu", rounds=1, warmup=1, iters=5, window=4, group=3)["f"]
+    plain = t.bench_interleaved({"f": fn}, 2, "cpu", rounds=1, warmup=1, iters=5, window=4)["f"]
+    assert 9.0 < grouped["ms"] < 16.0 and 9.0 < grouped["ms_b2b"] < 16.0, grouped  # (32 ms / 3 per call)
+    assert plain["ms"] < 5.0, plain
 
 
 @pytest.mark.gpu
@@ -567,11 +607,12 @@ def test_layer_cuda_graph_and_energy_rows(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("micro_batches", [1, 2])
 def test_layer_cuda_graph_replays_the_compiled_step(bench_modules, micro_batches):
-    """``--cuda-graph``'s replay of a compiled tensorwise MLP step gives the gradients of the step
-    called normally, bit for bit. A weight changed as an optimizer step changes it reaches the
-    graph: with one micro-batch per step at once (quantised in the graph), with two through the
-    compiled weight cache, which the replay re-quantises in place before every second replay
-    (and not in between)."""
+    """``--cuda-graph``'s replays of a compiled tensorwise MLP step (two input sets: two graphs
+    sharing one memory pool, replayed in turn with the step also called normally in between, as
+    the round-robin timing runs them) give the gradients of the step called normally, bit for bit.
+    A weight changed as an optimizer step changes it reaches the graphs: with one micro-batch per
+    step at once (quantised in the graph), with two through the compiled weight cache, which the
+    replay re-quantises in place before every second replay (and not in between)."""
     import argparse
 
     import torch
@@ -581,9 +622,7 @@ def test_layer_cuda_graph_replays_the_compiled_step(bench_modules, micro_batches
     _, _, layer = bench_modules
     cfg = load_model_config("llama3_8b").replace(name="tiny", dim=512, num_heads=4, num_kv_heads=2, ffn_dim=1024,
                                                  max_seq_len=256)
-    # one input set: one graph, whose gradient tensors stay what the parameters' .grad hold after
-    # the capture (with several, they hold the last graph's)
-    a = argparse.Namespace(seq=256, batch=2, input_sets=1, micro_batches=micro_batches, requant_weights=True,
+    a = argparse.Namespace(seq=256, batch=2, input_sets=2, micro_batches=micro_batches, requant_weights=True,
                            compile_backend="inductor", compile_mode=None, cuda_graph=True)
     torch._dynamo.reset()
     inputs = layer.Inputs(cfg, a, "cuda", torch.float32, torch.float32)
@@ -594,34 +633,51 @@ def test_layer_cuda_graph_replays_the_compiled_step(bench_modules, micro_batches
     replay = layer.graph_step(step, model, "compiled", inputs, a, row)
     assert row["graph_status"] == "ok" and replay is not None, row
     params = [q for q in model.parameters() if q.requires_grad]
-    x = inputs.xs[0]
-    graph_out = [q.grad for q in params] + [x.grad]  # (the graph's own output tensors)
+    x1 = inputs.xs[1]
+    # the last captured graph's (input set 1's) own output tensors; set 0's graph wrote its
+    # gradients into the shared pool, where set 1's graph may reuse that memory
+    graph_out = [q.grad for q in params] + [x1.grad]
 
-    def replayed():
-        replay(0)
+    def replayed_1():
+        replay(1)
         torch.cuda.synchronize()
         return [t.clone() for t in graph_out]
 
-    def stepped():
-        step(0, refresh=False)
+    def stepped(i):
+        step(i, refresh=False)
         torch.cuda.synchronize()
-        return [q.grad.clone() for q in params] + [x.grad.clone()]
+        return [q.grad.clone() for q in params] + [inputs.xs[i].grad.clone()]
 
     def diff(u, v):
         return [(t - w).abs().max().item() for t, w in zip(u, v)]
 
-    r0, s0 = replayed(), stepped()  # (replay 0 of the step: the cache re-quantised first)
-    assert diff(r0, s0) == [0.0] * len(r0)
-    with torch.no_grad():  # what an optimizer step does to the weights (a new version)
-        for q in params:
-            q.mul_(1.5)
-    if micro_batches > 1:  # replay 1: the same optimizer step's second micro-batch, not re-quantised
-        assert diff(replayed(), r0) == [0.0] * len(r0)
-    r1 = replayed()  # the next optimizer step's first micro-batch
-    assert min(diff(r1, r0)) > 0
-    assert diff(r1, stepped()) == [0.0] * len(r1)
+    zero = [0.0] * (len(params) + 1)
     fp8 = [m for m in model.modules() if type(m) is layer.Float8Linear]
-    assert len(fp8) == 3 and not any(m.graph_weight_cache_stale() for m in fp8)
+    assert len(fp8) == 3
+
+    def scale_weights(f):  # what an optimizer step does to the weights (a new version)
+        with torch.no_grad():
+            for q in params:
+                q.mul_(f)
+
+    replay(0)  # replay call 0: the first micro-batch of a step (K = 2: the cache re-quantised first)
+    stepped(0)
+    r0 = replayed_1()  # call 1
+    assert diff(r0, stepped(1)) == zero
+    scale_weights(1.5)
+    replay(0)  # call 2: a new optimizer step
+    stepped(0)
+    if micro_batches > 1:  # changed inside the step: not seen until the next step's refresh
+        scale_weights(2.0)
+        assert all(m.graph_weight_cache_stale() for m in fp8)
+    r1 = replayed_1()  # call 3
+    assert min(diff(r1, r0)) > 0
+    assert diff(r1, stepped(1)) == zero
+    if micro_batches > 1:
+        replay(0)  # call 4: the next step, refreshed from the doubled weights
+        r2 = replayed_1()
+        assert min(diff(r2, r1)) > 0 and diff(r2, stepped(1)) == zero
+        assert not any(m.graph_weight_cache_stale() for m in fp8)
     torch._dynamo.reset()
 
 
