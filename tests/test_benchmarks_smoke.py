@@ -350,7 +350,9 @@ def test_energy_of_counts_the_work_between_counter_refreshes(bench_modules):
     assert ms == 300.0
     want = 700.0 * (busy[0][1] - busy[0][0])
     assert abs(joules - want) < 0.02 * want, (joules, want, extra)
-    assert abs(extra["idle_w"] - 100.0) < 10.0 and 10.0 < extra["counter_wait_ms"] <= 25.0
+    # (the idle draw comes from two refresh reads 20 ms apart, whose timing a busy CI host can
+    # delay by a few ms; its error times the ~20 ms wait is well under a joule)
+    assert abs(extra["idle_w"] - 100.0) < 30.0 and 10.0 < extra["counter_wait_ms"] <= 45.0
     assert mon.reason is None
     frozen, _ = _scripted_counter(t, [], frozen=True)
     assert t._energy_of(frozen, lambda: 1.0) == (1.0, None, None)
@@ -370,14 +372,15 @@ def test_grouped_timing_keeps_the_costly_call_of_each_cycle(bench_modules):
     t, _, _ = bench_modules
     calls = [0]
 
-    def fn(i):  # 30 ms every third call, 1 ms otherwise
-        _time.sleep(0.030 if calls[0] % 3 == 0 else 0.001)
+    def fn(i):  # 60 ms every third call, 1 ms otherwise
+        _time.sleep(0.060 if calls[0] % 3 == 0 else 0.001)
         calls[0] += 1
 
     grouped = t.bench_interleaved({"f": fn}, 2, "cpu", rounds=1, warmup=1, iters=5, window=4, group=3)["f"]
     plain = t.bench_interleaved({"f": fn}, 2, "cpu", rounds=1, warmup=1, iters=5, window=4)["f"]
-    assert 9.0 < grouped["ms"] < 16.0 and 9.0 < grouped["ms_b2b"] < 16.0, grouped  # (32 ms / 3 per call)
-    assert plain["ms"] < 5.0, plain
+    # (62 ms / 3 = 20.7 ms per call; a busy host only lengthens the sleeps a little)
+    assert 18.0 < grouped["ms"] < 35.0 and 18.0 < grouped["ms_b2b"] < 35.0, grouped
+    assert plain["ms"] < 12.0, plain
 
 
 @pytest.mark.gpu
