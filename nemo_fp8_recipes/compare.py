@@ -26,10 +26,14 @@ What it computes (all from the same, optionally smoothed, curves; :func:`compare
   with ``step > last_step - N``; at least the last point). ``final vs baseline`` is the relative
   difference of the two final losses.
 - **Gate** (``--max-rel-dev X``): a run fails when ``max |rel dev|`` over the *gate window* — the
-  aligned steps with ``step > S - N``, ``S`` the last aligned step, ``N = --last`` — exceeds X
-  (a fraction: 0.01 = 1%), or when it has no aligned step. The early, fast-falling part of the
-  curve is left out on purpose: there the relative deviation measures the warm-up, not the
-  recipe. The exit status is 1 when any run fails, 0 otherwise, 2 for usage/data errors.
+  aligned steps with ``step > S - N``, ``S`` the **baseline's** last step, ``N = --last`` —
+  exceeds X (a fraction: 0.01 = 1%). It also fails, with the reason, when the run ended before
+  ``S`` (stopped early, or its event file was cut short), when no step of the window was logged
+  by both, or when an event file of the run or of the baseline is truncated or corrupt (a record
+  that fails TensorBoard's length/CRC check: everything after it would be silently missing).
+  The early, fast-falling part of the curve is left out on purpose: there the relative deviation
+  measures the warm-up, not the recipe. The exit status is 1 when any run fails, 0 otherwise, 2
+  for usage/data errors.
 - **Throughput**: the median of each run's ``tokens_per_s`` scalar; ``speedup`` = run tokens/s /
   baseline tokens/s (``n/a`` when a run did not log it).
 
@@ -52,6 +56,7 @@ import json
 import math
 import os
 import sys
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -67,6 +72,7 @@ __all__ = [
     "tensorboard_layout",
     "find_runs",
     "resolve_run_dirs",
+    "check_event_file",
     "load_run",
     "load_runs",
     "moving_average",
@@ -80,7 +86,8 @@ __all__ = [
 DEFAULT_TAG = "train/loss"
 TOKENS_TAG = "tokens_per_s"
 DEVIATION_TAG = "compare/rel_dev"
-JSON_VERSION = 1
+JSON_VERSION = 2
+_JSON_VERSIONS = (1, 2)  # 1: before event-file checks and gate reasons; still re-imported
 _EVENTS_GLOB = "events.out.tfevents.*"
 _MARKER = "compare.json"  # an output directory of this tool: never a run
 
@@ -178,7 +185,8 @@ def resolve_run_dirs(paths: Sequence[str]) -> List[Path]:
 @dataclass
 class RunSeries:
     """One run's curve: ``steps`` (ascending) and ``values`` of ``tag``; ``tokens_per_s`` values
-    (empty when not logged); ``tags``: every scalar tag of the run."""
+    (empty when not logged); ``tags``: every scalar tag of the run; ``problems``: damaged event
+    files (:func:`check_event_file`), one line each."""
 
     name: str
     path: str
@@ -187,6 +195,7 @@ class RunSeries:
     values: List[float]
     tokens_per_s: List[float] = field(default_factory=list)
     tags: List[str] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
 
 
 def _accumulator(path: Path):
@@ -198,9 +207,45 @@ def _accumulator(path: Path):
     return acc
 
 
-def load_run(path: Path, tag: str = DEFAULT_TAG, tokens_tag: str = TOKENS_TAG, name: Optional[str] = None) -> RunSeries:
-    """Read ``tag`` (and ``tokens_tag`` if present) from the event files of run directory ``path``."""
+def check_event_file(path: Path) -> Optional[str]:
+    """Walk every record of one event file with TensorBoard's own record reader (length header,
+    masked CRC32C of the header and of the data). ``None`` if the file is whole; else one line
+    saying where it breaks and how many records were readable before that. TensorBoard's
+    ``EventAccumulator`` stops quietly at such a record, so a damaged file reads as a shorter run."""
+    from tensorboard.compat.tensorflow_stub import errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+
     path = Path(path)
+    try:
+        size = path.stat().st_size
+        reader = PyRecordReader_New(str(path))
+    except (OSError, errors.OpError) as e:
+        return f"{path.name}: cannot be read ({e})"
+    n = 0
+    try:
+        while True:
+            try:
+                reader.GetNext()
+            except errors.OutOfRangeError:
+                return None
+            n += 1
+    except errors.DataLossError as e:
+        msg = str(getattr(e, "message", "") or e)
+        what = "truncated" if "truncat" in msg.lower() else "corrupt"
+        return (f"{path.name} is {what} after {n} readable record(s) ({size} bytes): {msg.strip()}; the steps "
+                "after that point are missing")
+    finally:
+        try:
+            reader.file_handle.close()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+def load_run(path: Path, tag: str = DEFAULT_TAG, tokens_tag: str = TOKENS_TAG, name: Optional[str] = None) -> RunSeries:
+    """Read ``tag`` (and ``tokens_tag`` if present) from the event files of run directory ``path``;
+    every event file is checked record by record first (:func:`check_event_file`)."""
+    path = Path(path)
+    problems = [p for f in sorted(path.glob(_EVENTS_GLOB)) for p in [check_event_file(f)] if p]
     acc = _accumulator(path)
     tags = sorted(acc.Tags().get("scalars", []))
     name = name or path.name
@@ -217,7 +262,7 @@ def load_run(path: Path, tag: str = DEFAULT_TAG, tokens_tag: str = TOKENS_TAG, n
     steps = sorted(by_step)
     tps = [float(e.value) for e in acc.Scalars(tokens_tag)] if tokens_tag in tags else []
     return RunSeries(name=name, path=str(path), tag=tag, steps=steps, values=[by_step[s] for s in steps],
-                     tokens_per_s=tps, tags=tags)
+                     tokens_per_s=tps, tags=tags, problems=problems)
 
 
 def _run_names(paths: Sequence[Path]) -> List[str]:
@@ -270,7 +315,8 @@ def _abs_max(xs: Sequence[float]) -> Optional[float]:
 @dataclass
 class RunStats:
     """One row of the table (fractions, not percent). ``None`` = not applicable (baseline) or
-    not available (no tokens/s logged, no aligned steps)."""
+    not available (no tokens/s logged, no aligned steps). ``reasons``: why the run cannot be
+    judged in full (it ended before the baseline, damaged event files, ...) or failed the gate."""
 
     name: str
     path: str
@@ -286,6 +332,7 @@ class RunStats:
     tokens_per_s: Optional[float]
     speedup: Optional[float]
     passed: Optional[bool]
+    reasons: List[str] = field(default_factory=list)
 
 
 @dataclass
@@ -322,7 +369,8 @@ class Comparison:
     def settings_line(self) -> str:
         """One line describing how the numbers were computed."""
         sm = "none" if self.smooth <= 1 else f"trailing moving average over {self.smooth} points"
-        gate = (f"max |rel dev| over the last {self.last} aligned steps <= {_pct(self.max_rel_dev)}"
+        gate = (f"max |rel dev| over the baseline's last {self.last} steps <= {_pct(self.max_rel_dev)}, "
+                "every run reaching the baseline's last step"
                 if self.max_rel_dev is not None else "off (--max-rel-dev)")
         return (f"tag `{self.tag}`, baseline **{self.baseline}**, smoothing: {sm}, final loss: mean over "
                 f"the last {self.last} steps, gate: {gate}")
@@ -339,6 +387,9 @@ class Comparison:
                    _pct(s.mean_rel_dev), _pct(s.gate_rel_dev), _num(s.tokens_per_s, 0, thousands=True),
                    "—" if s.speedup is None else f"{s.speedup:.2f}×", gate]
             lines.append("| " + " | ".join(row) + " |")
+        notes = [f"- **{s.name}**: {why}" for s in self.stats for why in s.reasons]
+        if notes:
+            lines += ["", "Notes:", *notes]
         return "\n".join(lines) + "\n"
 
     def to_csv(self) -> str:
@@ -347,13 +398,14 @@ class Comparison:
         w = csv.writer(buf, lineterminator="\n")
         cols = ["run", "path", "baseline", "last_step", "aligned_steps", "final_loss", "final_vs_baseline",
                 "max_rel_dev", "mean_rel_dev", "gate_rel_dev", "gate_first_step", "gate_last_step",
-                "tokens_per_s", "speedup", "passed"]
+                "tokens_per_s", "speedup", "passed", "reasons"]
         w.writerow(cols)
         for s in self.stats:
             d = asdict(s)
             gw = d.pop("gate_window") or (None, None)
             d["gate_first_step"], d["gate_last_step"] = gw
             d["run"] = d.pop("name")
+            d["reasons"] = "; ".join(d["reasons"]) or None
             w.writerow(["" if d[c] is None else repr(d[c]) if isinstance(d[c], float) else d[c] for c in cols])
         return buf.getvalue()
 
@@ -376,18 +428,39 @@ class Comparison:
     @classmethod
     def from_json(cls, text: str, **changes) -> "Comparison":
         """Re-import :meth:`to_json` output. The stored curves are re-analysed, with any of
-        ``baseline``, ``smooth``, ``last``, ``max_rel_dev`` changed (``None`` keeps the stored one)."""
-        data = json.loads(text)
-        if data.get("version") != JSON_VERSION or "runs" not in data:
-            raise CompareError(f"not a nemo-fp8-compare JSON export (version {JSON_VERSION} with 'runs')")
-        st = dict(data["settings"])
-        for k, v in changes.items():
-            if v is not None:
-                st[k] = v
-        runs = [RunSeries(**{**r, "values": [math.nan if v is None else v for v in r["values"]]})
-                for r in data["runs"]]
-        return compare_runs(runs, baseline=st["baseline"], smooth=st["smooth"], last=st["last"],
-                            max_rel_dev=st["max_rel_dev"], tokens_tag=st.get("tokens_tag", TOKENS_TAG))
+        ``baseline``, ``smooth``, ``last``, ``max_rel_dev`` changed (``None`` keeps the stored one).
+        Text that is not such an export raises :class:`CompareError` saying what is wrong."""
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise CompareError(f"not valid JSON ({e}); give a compare.json written by nemo-fp8-compare") from None
+        if not isinstance(data, dict) or data.get("version") not in _JSON_VERSIONS or "runs" not in data:
+            raise CompareError(f"not a nemo-fp8-compare JSON export (a version {JSON_VERSION} object with 'runs')")
+        try:
+            st = dict(data["settings"])
+            for k, v in changes.items():
+                if v is not None:
+                    st[k] = v
+            fields = {f.name for f in dataclasses.fields(RunSeries)}
+            runs = []
+            for r in data["runs"]:
+                if not isinstance(r, dict) or not {"name", "path", "tag", "steps", "values"} <= set(r):
+                    raise CompareError("a run entry lacks name/path/tag/steps/values")
+                r = {k: v for k, v in r.items() if k in fields}
+                r["values"] = [math.nan if v is None else float(v) for v in r["values"]]
+                r["steps"] = [int(v) for v in r["steps"]]
+                if len(r["steps"]) != len(r["values"]):
+                    raise CompareError(f"run {r['name']}: {len(r['steps'])} steps but {len(r['values'])} values")
+                runs.append(RunSeries(**r))
+            baseline, smooth, last, mrd = st["baseline"], st["smooth"], st["last"], st["max_rel_dev"]
+            tokens_tag = st.get("tokens_tag", TOKENS_TAG)
+        except CompareError as e:
+            raise CompareError(f"damaged nemo-fp8-compare JSON export: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CompareError(f"damaged nemo-fp8-compare JSON export ({type(e).__name__}: {e}); "
+                               "write it again from the run directories") from None
+        return compare_runs(runs, baseline=baseline, smooth=smooth, last=last, max_rel_dev=mrd,
+                            tokens_tag=tokens_tag)
 
 
 def _finite(obj):
@@ -422,7 +495,15 @@ def _pick_baseline(runs: Sequence[RunSeries], baseline: Optional[str]) -> RunSer
         for r in runs:
             if baseline in (r.name, r.path) or Path(r.path).name == baseline:
                 return r
-        raise CompareError(f"--baseline {baseline!r} is not one of the runs: {', '.join(names)}")
+        try:
+            want = Path(baseline).expanduser().resolve()
+        except (OSError, RuntimeError):
+            want = None
+        for r in runs:
+            if want is not None and Path(r.path).expanduser().resolve() == want:
+                return r
+        raise CompareError(f"--baseline {baseline!r} is not one of the runs (give a run's name or its "
+                           f"directory): {', '.join(f'{r.name} ({r.path})' for r in runs)}")
     for r in runs:
         if r.name == "bf16" or Path(r.path).name == "bf16":
             return r
@@ -437,19 +518,22 @@ def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, s
     """Compute the table (see the module docstring for every definition)."""
     if not runs:
         raise CompareError("no runs to compare")
-    if smooth < 1:
-        raise CompareError(f"--smooth must be >= 1 (1 = off), got {smooth}")
-    if last < 1:
-        raise CompareError(f"--last must be >= 1 step, got {last}")
-    if max_rel_dev is not None and not max_rel_dev >= 0:
-        raise CompareError(f"--max-rel-dev must be a fraction >= 0 (0.01 = 1%), got {max_rel_dev}")
+    if isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 1:
+        raise CompareError(f"--smooth must be an integer >= 1 (1 = off), got {smooth!r}")
+    if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+        raise CompareError(f"--last must be an integer >= 1 (training steps), got {last!r}")
+    if max_rel_dev is not None and not (math.isfinite(max_rel_dev) and max_rel_dev >= 0):
+        raise CompareError(f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {max_rel_dev}; "
+                           "leave it out to compare without a gate")
     base = _pick_baseline(runs, baseline)
     for r in runs:
         if not r.steps:
-            raise CompareError(f"run {r.name} ({r.path}) has no {r.tag} values")
+            raise CompareError(f"run {r.name} ({r.path}) has no {r.tag} values"
+                               + (f" ({'; '.join(r.problems)})" if r.problems else ""))
     curves = {r.name: dict(zip(r.steps, moving_average(r.values, smooth))) for r in runs}
     base_curve = curves[base.name]
     base_tps = _median(base.tokens_per_s)
+    base_end = base.steps[-1]
 
     def final(r: RunSeries) -> float:
         c = curves[r.name]
@@ -470,27 +554,40 @@ def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, s
                                   aligned_steps=len(r.steps), final_loss=fl, final_vs_baseline=None,
                                   max_rel_dev=None, mean_rel_dev=None, gate_rel_dev=None, gate_window=None,
                                   tokens_per_s=tps, speedup=1.0 if tps is not None else None,
-                                  passed=None))
+                                  passed=None, reasons=[f"damaged event file: {p}" for p in r.problems]))
             continue
         aligned = [s for s in r.steps if s in base_curve]
         dev = [(c[s] - base_curve[s]) / base_curve[s] if base_curve[s] != 0 else math.inf for s in aligned]
         deviations[r.name] = (aligned, dev)
-        if aligned:
-            end = aligned[-1]
-            gate_steps = [s for s in aligned if s > end - last]
-            gate_dev = _abs_max([d for s, d in zip(aligned, dev) if s > end - last])
-            window = (gate_steps[0], gate_steps[-1])
-            mean_dev = sum(abs(d) if math.isfinite(d) else math.inf for d in dev) / len(dev)
+        # The gate window is anchored at the baseline's last step, so a run that stopped early
+        # (or whose events were cut short) is never judged on its first steps only.
+        in_window = [(s, d) for s, d in zip(aligned, dev) if s > base_end - last]
+        if in_window:
+            gate_dev = _abs_max([d for _, d in in_window])
+            window = (in_window[0][0], in_window[-1][0])
         else:
-            gate_dev, window, mean_dev = None, None, None
+            gate_dev, window = None, None
+        mean_dev = (sum(abs(d) if math.isfinite(d) else math.inf for d in dev) / len(dev)) if dev else None
+        reasons = [f"damaged event file: {p}" for p in r.problems]
+        if base.problems:
+            reasons.append(f"the baseline {base.name} has a damaged event file")
+        if r.steps[-1] < base_end:
+            reasons.append(f"ended at step {r.steps[-1]}, before the baseline's last step {base_end} "
+                           "(stopped early, or its event file was cut short): only a run that reaches it is judged")
+        if not in_window:
+            reasons.append(f"no step of the gate window (steps > {base_end - last}, the baseline's last {last}) "
+                           "was logged by both runs")
         passed = None
         if max_rel_dev is not None:
-            passed = gate_dev is not None and gate_dev <= max_rel_dev
+            passed = not reasons and gate_dev is not None and gate_dev <= max_rel_dev
+            if not reasons and gate_dev is not None and gate_dev > max_rel_dev:
+                reasons.append(f"max |rel dev| {_pct(gate_dev)} over steps {window[0]}..{window[1]} is above "
+                               f"{_pct(max_rel_dev)}")
         stats.append(RunStats(
             name=r.name, path=r.path, baseline=False, last_step=r.steps[-1], aligned_steps=len(aligned),
             final_loss=fl, final_vs_baseline=(fl - base_final) / base_final if base_final else None,
             max_rel_dev=_abs_max(dev), mean_rel_dev=mean_dev, gate_rel_dev=gate_dev, gate_window=window,
-            tokens_per_s=tps, speedup=speedup, passed=passed,
+            tokens_per_s=tps, speedup=speedup, passed=passed, reasons=reasons,
         ))
     stats.sort(key=lambda st: not st.baseline)  # baseline row first, the rest in the order given
     return Comparison(tag=runs[0].tag, baseline=base.name, smooth=smooth, last=last, max_rel_dev=max_rel_dev,
@@ -602,8 +699,10 @@ def _parser() -> argparse.ArgumentParser:
             "definitions:\n"
             "  rel dev      (run - baseline) / baseline at every step both runs logged\n"
             "  final loss   mean of the curve over the last --last steps of the run\n"
-            "  gate         fails a run whose max |rel dev| over the aligned steps in the last --last\n"
-            "               steps (step > S - N, S = last aligned step) exceeds --max-rel-dev\n"
+            "  gate         fails a run whose max |rel dev| over the steps both logged in the baseline's\n"
+            "               last --last steps (step > S - N, S = the baseline's last step) exceeds\n"
+            "               --max-rel-dev; also a run that ended before S, or whose event files (or the\n"
+            "               baseline's) are truncated or corrupt, with the reason\n"
             "  tokens/s     median of the run's tokens_per_s scalar; speedup = over the baseline's\n"
             "  smoothing    trailing moving average over --smooth logged points (1 = off), applied\n"
             "               before every number above\n\n"
@@ -648,6 +747,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point ``nemo-fp8-compare`` (also ``python -m nemo_fp8_recipes.compare``)."""
     args = _parser().parse_args(argv)
     try:
+        for flag, value, minimum in (("--smooth", args.smooth, 1), ("--last", args.last, 1)):
+            if value is not None and value < minimum:
+                raise CompareError(f"{flag} must be >= {minimum}, got {value}"
+                                   + (" (1 = no smoothing)" if flag == "--smooth" else " (training steps)"))
+        if args.max_rel_dev is not None and not (math.isfinite(args.max_rel_dev) and args.max_rel_dev >= 0):
+            raise CompareError(f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {args.max_rel_dev}; "
+                               "leave it out to compare without a gate")
         if args.from_json:
             if args.runs:
                 raise CompareError("give either RUN_DIRs or --from-json, not both")
@@ -657,7 +763,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.tag is not None or args.tokens_tag is not None:
                 raise CompareError("--tag/--tokens-tag cannot change a JSON export (it holds one tag); "
                                    "compare the run directories again instead")
-            comparison = Comparison.from_json(src.read_text(encoding="utf-8"), baseline=args.baseline,
+            try:
+                text = src.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise CompareError(f"--from-json {src}: cannot be read as text ({e})") from None
+            comparison = Comparison.from_json(text, baseline=args.baseline,
                                               smooth=args.smooth, last=args.last, max_rel_dev=args.max_rel_dev)
             out = Path(args.out) if args.out else src.parent
         else:
@@ -668,9 +778,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tag = args.tag or DEFAULT_TAG
             tokens_tag = args.tokens_tag or TOKENS_TAG
             runs = [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, _run_names(dirs))]
-            comparison = compare_runs(runs, baseline=args.baseline, smooth=args.smooth or 1,
-                                      last=args.last or 100, max_rel_dev=args.max_rel_dev, tokens_tag=tokens_tag)
+            comparison = compare_runs(runs, baseline=args.baseline, smooth=1 if args.smooth is None else args.smooth,
+                                      last=100 if args.last is None else args.last, max_rel_dev=args.max_rel_dev,
+                                      tokens_tag=tokens_tag)
             out = Path(args.out) if args.out else _default_out([str(d) for d in dirs])
+        if out.exists() and not out.is_dir():
+            raise CompareError(f"--out {out} is a file; give a directory (it receives compare.md, .csv, .json, "
+                               ".png and deviation/)")
+        for r in comparison.runs:
+            for problem in r.problems:
+                print(f"nemo-fp8-compare: warning: run {r.name}: {problem}", file=sys.stderr)
         paths = write_outputs(comparison, out, png=not args.no_png, events=not args.no_events)
     except CompareError as e:
         print(f"nemo-fp8-compare: error: {e}", file=sys.stderr)
@@ -686,9 +803,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             logdir = str(out)
         print(f"TensorBoard: tensorboard --logdir {logdir}   (Custom Scalars tab: overlay + deviation)")
     if not comparison.passed:
-        names = ", ".join(f"{s.name} ({_pct(s.gate_rel_dev)})" for s in comparison.failures)
-        print(f"GATE FAILED: max |rel dev| over the last {comparison.last} steps above "
-              f"{_pct(comparison.max_rel_dev)}: {names}", file=sys.stderr)
+        lines = "\n".join(f"  {s.name}: {'; '.join(s.reasons) or _pct(s.gate_rel_dev)}" for s in comparison.failures)
+        print(f"GATE FAILED (max |rel dev| <= {_pct(comparison.max_rel_dev)} over the baseline's last "
+              f"{comparison.last} steps):\n{lines}", file=sys.stderr)
         return 1
     if comparison.max_rel_dev is not None:
         print(f"gate passed: every run within {_pct(comparison.max_rel_dev)} of {comparison.baseline}")

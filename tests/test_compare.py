@@ -202,8 +202,10 @@ def test_gate_fails_exactly_when_a_run_exceeds_the_threshold(sweep, tmp_path, ca
     assert main(args + ["--max-rel-dev", repr(threshold)]) == 1
     err = capsys.readouterr().err
     # judge the gate's own line (other tests' logging handlers may also write to stderr here)
-    gate = [line for line in err.splitlines() if line.startswith("GATE FAILED")]
-    assert len(gate) == 1 and worst in gate[0] and best not in gate[0]
+    gate = _gate_lines(err)
+    assert sum(line.startswith("GATE FAILED") for line in gate) == 1
+    failed = [line.split(":")[0].strip() for line in gate[1:] if line.startswith("  ")]
+    assert failed == [worst]
     rows = read_csv(tmp_path / "compare.csv")
     assert rows[worst]["passed"] == "False" and rows[best]["passed"] == "True"
 
@@ -312,3 +314,132 @@ def test_val_loss_and_an_explicit_baseline(sweep, tmp_path):
         dev = [abs(val[r][s] - val["blockwise"][s]) / val["blockwise"][s] for s in (10, 20, 30)]
         assert float(rows[r]["max_rel_dev"]) == pytest.approx(max(dev), rel=1e-9)
         assert math.isclose(float(rows[r]["final_loss"]), np.mean([val[r][s] for s in (10, 20, 30)]), rel_tol=1e-12)
+
+
+# ---- runs that ended early, damaged event files, bad arguments ------------------------------------
+@pytest.fixture(scope="module")
+def early_stop(sweep, tmp_path_factory):
+    """A 30-step bf16 baseline (the sweep's, copied) beside a blockwise run of the same settings that
+    stopped after 4 steps: the case where a gate anchored at the last common step passed."""
+    import shutil
+
+    parent, _ = sweep
+    root = tmp_path_factory.mktemp("early_stop")
+    shutil.copytree(parent / "bf16", root / "llama3_tiny" / "bf16")
+    cfg = compose_config([o for o in TINY if not o.startswith("trainer.max_steps")]
+                         + ["trainer.max_steps=4", "recipe=blockwise", f"run.root={root}"])
+    train(cfg)
+    return root / "llama3_tiny"
+
+
+def _gate_lines(err: str):
+    """The GATE FAILED line and the indented per-run lines under it."""
+    lines = err.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith("GATE FAILED"))
+    out = [lines[i]]
+    for line in lines[i + 1:]:
+        if not line.startswith("  "):
+            break
+        out.append(line)
+    return out
+
+
+def test_a_run_that_ended_before_the_baseline_fails_the_gate(early_stop, tmp_path, capsys):
+    capsys.readouterr()
+    code = main([str(early_stop), "--last", "5", "--max-rel-dev", "0.02", "--out", str(tmp_path), "--no-png",
+                 "--no-events"])
+    assert code == 1
+    io_ = capsys.readouterr()
+    gate = "\n".join(_gate_lines(io_.err))
+    assert "blockwise" in gate and "ended at step 4, before the baseline's last step 30" in gate
+    rows = read_csv(tmp_path / "compare.csv")
+    assert rows["blockwise"]["passed"] == "False" and "ended at step 4" in rows["blockwise"]["reasons"]
+    assert "Notes:" in io_.out and "ended at step 4" in io_.out
+    # the window is the baseline's last 5 steps, which the short run never reached
+    assert rows["blockwise"]["gate_rel_dev"] == ""
+    # without a gate the table still says why the run is not comparable
+    assert main([str(early_stop), "--last", "5", "--out", str(tmp_path), "--no-png", "--no-events"]) == 0
+    assert "ended at step 4" in capsys.readouterr().out
+
+
+def _copy_run(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return next(dst.glob("events.out.tfevents.*"))
+
+
+def test_truncated_and_corrupt_event_files_are_reported_not_read_as_shorter(sweep, tmp_path, capsys):
+    from nemo_fp8_recipes.compare import check_event_file
+
+    parent, _ = sweep
+    root = tmp_path / "runs"
+    _copy_run(parent / "bf16", root / "bf16")
+    cut = _copy_run(parent / "blockwise", root / "blockwise")
+    flip = _copy_run(parent / "tensorwise", root / "tensorwise")
+    assert check_event_file(cut) is None and check_event_file(flip) is None
+    data = cut.read_bytes()
+    cut.write_bytes(data[: int(len(data) * 0.6)])  # cut inside a record
+    raw = bytearray(flip.read_bytes())
+    raw[int(len(raw) * 0.5)] ^= 0xFF  # one flipped byte inside a record
+    flip.write_bytes(bytes(raw))
+    assert "truncated" in check_event_file(cut)
+    assert "corrupt" in check_event_file(flip) and "crc32" in check_event_file(flip)
+
+    capsys.readouterr()
+    code = main([str(root), "--last", "10", "--max-rel-dev", "0.5", "--out", str(tmp_path / "out"), "--no-png",
+                 "--no-events"])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "warning: run blockwise" in err and "truncated" in err
+    assert "warning: run tensorwise" in err and "corrupt" in err
+    rows = read_csv(tmp_path / "out" / "compare.csv")
+    for r in ("blockwise", "tensorwise"):
+        assert rows[r]["passed"] == "False" and "damaged event file" in rows[r]["reasons"]
+    # a damaged baseline fails every run
+    good = tmp_path / "runs2"
+    _copy_run(parent / "tensorwise", good / "tensorwise")
+    bad_base = _copy_run(parent / "bf16", good / "bf16")
+    bad_base.write_bytes(bad_base.read_bytes()[:-7])
+    assert main([str(good), "--last", "10", "--max-rel-dev", "0.5", "--out", str(tmp_path / "o2"), "--no-png",
+                 "--no-events"]) == 1
+    assert "the baseline bf16 has a damaged event file" in read_csv(tmp_path / "o2" / "compare.csv")["tensorwise"][
+        "reasons"]
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--last", "0"], "--last must be >= 1"),
+    (["--smooth", "0"], "--smooth must be >= 1"),
+    (["--max-rel-dev", "inf"], "--max-rel-dev must be a finite fraction"),
+    (["--max-rel-dev", "nan"], "--max-rel-dev must be a finite fraction"),
+])
+def test_meaningless_numbers_are_refused_not_reinterpreted(sweep, tmp_path, capsys, args, words):
+    parent, _ = sweep
+    assert main([str(parent), "--out", str(tmp_path), "--no-png", "--no-events", *args]) == 2
+    assert words in capsys.readouterr().err
+    assert not (tmp_path / "compare.csv").exists()
+
+
+def test_malformed_json_and_an_out_file_are_usage_errors(sweep, tmp_path, capsys):
+    parent, _ = sweep
+    for text in ("{not json", "[1, 2]", '{"version": 2, "runs": [{"name": "x"}], "settings": {}}', "\xff\xfe"):
+        bad = tmp_path / "bad.json"
+        bad.write_bytes(text.encode("latin-1"))
+        assert main(["--from-json", str(bad)]) == 2, text
+        err = capsys.readouterr().err
+        assert "nemo-fp8-compare: error:" in err and "Traceback" not in err
+    a_file = tmp_path / "out.txt"
+    a_file.write_text("keep me")
+    assert main([str(parent), "--out", str(a_file)]) == 2
+    assert "is a file; give a directory" in capsys.readouterr().err
+    assert a_file.read_text() == "keep me"
+
+
+def test_the_baseline_can_be_named_by_its_directory(sweep, tmp_path):
+    parent, _ = sweep
+    for spelling in (str(parent / "tensorwise") + "/", str((parent / "tensorwise").resolve()),
+                     "tensorwise"):
+        out = tmp_path / str(abs(hash(spelling)))
+        assert main([str(parent), "--baseline", spelling, "--last", "10", "--out", str(out), "--no-png",
+                     "--no-events"]) == 0
+        assert read_csv(out / "compare.csv")["tensorwise"]["baseline"] == "True"
