@@ -8,15 +8,25 @@ files are ignored on load and removed on the next successful save.
 
 Everything stored is a tensor, a container or a Python scalar/string, so checkpoints load with
 ``torch.load(weights_only=True)`` (no arbitrary code runs when a checkpoint is read).
+
+Every checkpoint carries checksums of its own content (:func:`state_checksums`: a CRC32 of each
+tensor's bytes, by its path in the state, and one of every other value), written with it in the
+same file and verified by :func:`load_checkpoint`. A flipped byte in the optimizer state, a
+truncated or an empty file is refused with :class:`CheckpointError` naming what does not match;
+:meth:`CheckpointManager.last_good` finds the newest older checkpoint that loads and verifies, so
+the error can name it. A disk that fills up during a save raises :class:`CheckpointError` saying
+so; the previous checkpoints are untouched.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
 import re
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Union
 
@@ -29,6 +39,7 @@ __all__ = [
     "CheckpointManager",
     "save_checkpoint",
     "load_checkpoint",
+    "state_checksums",
     "capture_rng_state",
     "restore_rng_state",
 ]
@@ -43,40 +54,126 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used as asked (missing, unreadable, or from another run)."""
 
 
+_CHECKSUM_KEY = "checksums"
+_CHECKSUM_ALGORITHM = "crc32"
+
+
+def _leaves(obj: Any, path: str, tensors: Dict[str, str], values: List[str]) -> None:
+    if torch.is_tensor(obj):
+        t = obj.detach()
+        t = (t.cpu() if t.device.type != "cpu" else t).contiguous().reshape(-1)
+        crc = zlib.crc32(t.view(torch.uint8).numpy()) if t.numel() else 0
+        tensors[path] = f"{crc & 0xFFFFFFFF:08x} {str(obj.dtype).replace('torch.', '')} {list(obj.shape)}"
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _leaves(v, f"{path}.{k}" if path else str(k), tensors, values)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _leaves(v, f"{path}[{i}]", tensors, values)
+    else:
+        values.append(f"{path}={obj!r}")
+
+
+def state_checksums(state: Dict[str, Any]) -> Dict[str, Any]:
+    """Checksums of a checkpoint state: ``{"algorithm": "crc32", "tensors": {path: "<crc32>
+    <dtype> <shape>"}, "values": <crc32 of every non-tensor value and its path>}``. The
+    ``checksums`` entry itself is left out, so a loaded state checks against what it carries."""
+    tensors: Dict[str, str] = {}
+    values: List[str] = []
+    _leaves({k: v for k, v in state.items() if k != _CHECKSUM_KEY}, "", tensors, values)
+    return {"algorithm": _CHECKSUM_ALGORITHM, "tensors": tensors,
+            "values": zlib.crc32("\n".join(values).encode("utf-8")) & 0xFFFFFFFF}
+
+
+def _verify(state: Dict[str, Any], path: Path) -> None:
+    stored = state.pop(_CHECKSUM_KEY, None)
+    if stored is None:
+        log.warning("%s carries no checksums (written by an older version): loaded without verification", path)
+        return
+    if not isinstance(stored, dict) or stored.get("algorithm") != _CHECKSUM_ALGORITHM:
+        raise CheckpointError(f"{path} is corrupt: its checksum record is unreadable")
+    now = state_checksums(state)
+    want = stored.get("tensors", {})
+    bad = sorted(k for k in set(want) | set(now["tensors"]) if want.get(k) != now["tensors"].get(k))
+    if stored.get("values") != now["values"]:
+        bad.append("(non-tensor values: step, config, RNG state, ...)")
+    if bad:
+        raise CheckpointError(
+            f"{path} is corrupt: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} do not match the checksums "
+            f"written with it ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+
+
+def _disk_full(e: BaseException, directory: Path) -> bool:
+    """Whether a failed write failed for want of space: ENOSPC/EDQUOT, or a write error of
+    torch.save's zip writer (a RuntimeError without an errno) on a filesystem with no room left.
+    Call it before the partial file is removed."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(e, (OSError, RuntimeError)):
+        return False
+    if "No space left on device" in str(e):
+        return True
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < (1 << 20)
+
+
 def save_checkpoint(state: Dict[str, Any], path: Union[str, Path]) -> Path:
-    """Write ``state`` to ``path`` atomically (temp file in the same dir + fsync + os.replace).
+    """Write ``state`` and its :func:`state_checksums` to ``path`` atomically (temp file in the
+    same dir + fsync + os.replace). ``state`` itself is not modified.
 
     If anything fails while writing, the temporary file is removed and ``path`` is untouched
-    (the previous file at ``path``, if any, stays valid). Returns ``path``.
+    (the previous file at ``path``, if any, stays valid). A full disk raises
+    :class:`CheckpointError` saying so. Returns ``path``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f"{_TMP_PREFIX}{path.name}.{os.getpid()}.{time.monotonic_ns()}"
+    payload = {**state, _CHECKSUM_KEY: state_checksums(state)}
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        full = _disk_full(e, path.parent)
         try:
             tmp.unlink()
         except OSError:
             pass
+        if full:
+            raise CheckpointError(
+                f"disk full while writing checkpoint {path.name} in {path.parent} "
+                f"({e if isinstance(e, OSError) else 'no space left on the device'}); nothing was replaced: "
+                "the older checkpoints there are intact. Free space, lower trainer.ckpt_keep, write elsewhere "
+                "(run.root=...), or turn checkpoints off with trainer.checkpoint=false"
+            ) from e
         raise
     _fsync_dir(path.parent)
     return path
 
 
 def load_checkpoint(path: Union[str, Path], map_location: Union[str, torch.device] = "cpu") -> Dict[str, Any]:
-    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``)."""
+    """Load a checkpoint written by :func:`save_checkpoint` (``weights_only=True``) and verify
+    its checksums; the returned state does not hold them. A missing, empty, truncated or corrupt
+    file raises :class:`CheckpointError` saying which."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path} is empty (0 bytes): not a checkpoint")
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the path and the cause
-        raise CheckpointError(f"cannot read checkpoint {path}: {type(e).__name__}: {e}") from e
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise CheckpointError(f"cannot read checkpoint {path} (truncated or corrupt?): {type(e).__name__}: {first}") from e
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a checkpoint of this trainer (it holds a {type(state).__name__})")
+    _verify(state, path)
+    return state
 
 
 class CheckpointManager:
@@ -105,6 +202,41 @@ class CheckpointManager:
         """The most recent complete checkpoint, or None."""
         ckpts = self.list()
         return ckpts[-1] if ckpts else None
+
+    @staticmethod
+    def step_of(path: Path) -> Optional[int]:
+        """The step of a checkpoint file name, or None."""
+        m = _NAME_RE.match(Path(path).name)
+        return int(m.group(1)) if m else None
+
+    def last_good(self, before: Optional[Path] = None) -> Optional[Path]:
+        """The newest checkpoint (older than ``before`` if given) that loads and verifies, or None.
+        Reads each candidate in full: meant for the error path."""
+        limit = self.step_of(before) if before is not None else None
+        for p in reversed(self.list()):
+            if limit is not None and (self.step_of(p) or 0) >= limit:
+                continue
+            try:
+                load_checkpoint(p)
+            except CheckpointError:
+                continue
+            return p
+        return None
+
+    def supersede_after(self, step: int) -> List[Path]:
+        """Rename the checkpoints of steps after ``step`` to ``<name>.superseded-<time>`` (kept, no
+        longer listed): a run resumed from an older checkpoint of this directory continues from it,
+        and a later ``trainer.resume=auto`` follows the new trajectory. Returns the new paths."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = []
+        for p in self.list():
+            if (self.step_of(p) or 0) > step:
+                q = p.with_name(f"{p.name}.superseded-{stamp}")
+                os.replace(p, q)
+                moved.append(q)
+        if moved:
+            _fsync_dir(self.directory)
+        return moved
 
     def save(self, step: int, state: Dict[str, Any]) -> Path:
         """Save ``state`` as the checkpoint of ``step`` atomically, then prune old ones and stale

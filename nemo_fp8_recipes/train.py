@@ -297,6 +297,24 @@ def _resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Pat
     return p
 
 
+def _load_for_resume(path: Path, tcfg: TrainerConfig) -> Dict[str, Any]:
+    """Load and verify the checkpoint to resume from; a bad one is refused, naming the newest
+    older checkpoint of its directory that loads and verifies (never a silent fall-back)."""
+    try:
+        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest.
+        return load_checkpoint(path, map_location="cpu")
+    except CheckpointError as e:
+        good = CheckpointManager(path.parent).last_good(before=path)
+        how = "trainer.resume=auto picked it as the latest" if tcfg.resume == "auto" else f"trainer.resume={tcfg.resume}"
+        if good is not None:
+            fix = (f"The newest older checkpoint that loads and verifies is {good}: resume from it with "
+                   f"trainer.resume={good} (the later checkpoints of the directory are then kept aside as "
+                   "*.superseded-<time>), or move the bad file away")
+        else:
+            fix = "No older checkpoint of that directory loads either: start a new run (run.tag=<name>)"
+        raise CheckpointError(f"{e} ({how}). {fix}") from None
+
+
 _HYPERPARAMETERS = ("seed", "seq_len", "micro_batch_size", "global_batch_size", "lr", "min_lr",
                     "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
 
@@ -498,8 +516,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     start_step, tokens_seen, skipped = 0, 0, 0
     last_ckpt: Optional[Path] = None
     if resume_path is not None:
-        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest.
-        ckpt = load_checkpoint(resume_path, map_location="cpu")
+        ckpt = _load_for_resume(resume_path, tcfg)
         forced = _check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint,
                                    auto=tcfg.resume == "auto")
         _load_model_state(dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
@@ -515,6 +532,10 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         tokens_seen = int(ckpt.get("tokens_seen", 0))
         skipped = int(ckpt.get("skipped_steps", 0))
         last_ckpt = resume_path
+        if ctx.is_main and resume_path.parent.resolve() == mgr.directory.resolve():
+            for q in mgr.supersede_after(start_step):
+                log.warning("resumed from step %d: the later checkpoint %s is kept as %s and no longer resumed from",
+                            start_step, q.name.split(".superseded-")[0], q.name)
         log.info("resumed from %s at step %d", resume_path, start_step)
     # written only once the resume checks passed, so a refused run cannot overwrite the config
     # that produced the checkpoints in this directory
