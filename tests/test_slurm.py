@@ -103,7 +103,9 @@ def test_native_script_for_1_4_64_nodes(nodes, tmp_path):
         assert f"export {env}" in config
     assert "NVTE_FP8_BLOCK" not in config  # the native backend has no Transformer Engine
     bash_syntax_ok(job.script, tmp_path)
-    assert job.warnings and "does not set up torch.distributed" in job.warnings[0]
+    # the embedded trainer runs data parallel under torchrun: no "single process" warning
+    assert not job.warnings
+    assert f"{8 * nodes} processes (one per GPU), data parallel" in job.script or nodes * 8 == 1
 
 
 def test_cpu_job_runs_plain_python_without_gpu_flags(tmp_path):
@@ -222,6 +224,18 @@ def test_dry_run_prints_the_script_only(tmp_path, capsys):
     ("+cluster.sbatch_args.output=/tmp/x", "cluster.sbatch_args.output"),
     ("+cluster.sbatch_args.reservation='a b'", "cluster.sbatch_args.reservation"),
     ("+cluster.env.BAD-NAME=1", "cluster.env name"),
+    # sbatch takes unambiguous abbreviations of long options: these would set what we render
+    ("+cluster.sbatch_args.outp=/tmp/x", "cluster.sbatch_args.outp"),
+    ("+cluster.sbatch_args.chd=/tmp", "cluster.sbatch_args.chd"),
+    ("+cluster.sbatch_args.job=x", "cluster.sbatch_args.job"),
+    ("+cluster.sbatch_args.err=/tmp/x", "cluster.sbatch_args.err"),
+    ("+cluster.sbatch_args.partit=a", "cluster.sbatch_args.partit"),
+    # program fields: never an srun option, never a path relative to an unknown directory
+    ("cluster.python='--export=NONE'", "cluster.python"),
+    ("cluster.torchrun='-n'", "cluster.torchrun"),
+    ("cluster.python=venv/bin/python", "cluster.python"),
+    ("cluster.python='~no_such_user_xyz/bin/python'", "cluster.python"),
+    ("+cluster.env.FOO=[a,b]", "cluster.env.FOO"),
 ])
 def test_bad_values_are_rejected_not_injected(override, key, tmp_path, capsys):
     with pytest.raises(ConfigError) as e:
@@ -230,6 +244,38 @@ def test_bad_values_are_rejected_not_injected(override, key, tmp_path, capsys):
     assert main([override, f"run.root={tmp_path}", "submit.dry_run=true"]) == 2
     err = capsys.readouterr().err
     assert key in err and "Traceback" not in err and "#SBATCH" not in err
+
+
+def test_abbreviations_of_our_sbatch_options_are_refused_other_options_pass(tmp_path):
+    from nemo_fp8_recipes.launch.slurm import reserved_sbatch_option
+
+    assert reserved_sbatch_option("outp") == "output" and reserved_sbatch_option("o") == "output"
+    assert reserved_sbatch_option("exclusive") == "exclusive" and reserved_sbatch_option("exclu") == "exclusive"
+    for other in ("gpus", "ntasks", "reservation", "constraint", "exclude", "gres", "mem-per-gpu", "time-min"):
+        assert reserved_sbatch_option(other) is None, other
+    [job] = plan_jobs(["+cluster.sbatch_args.reservation=r1", "+cluster.sbatch_args.exclude=node7",
+                       "+cluster.sbatch_args.requeue=true", f"run.root={tmp_path}"], cwd=tmp_path)
+    assert {"#SBATCH --reservation=r1", "#SBATCH --exclude=node7", "#SBATCH --requeue"} <= set(header(job.script))
+
+
+def test_program_fields_are_programs(tmp_path):
+    home = os.path.expanduser("~")
+    [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.python='~/venv/bin/python'", f"run.root={tmp_path}"],
+                      cwd=tmp_path)
+    assert launch_argv(job.script)[3] == f"{home}/venv/bin/python"  # expanded, not quoted into a dead path
+    [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.python=python3", f"run.root={tmp_path}"], cwd=tmp_path)
+    assert launch_argv(job.script)[3] == "python3"
+    [job] = plan_jobs(["cluster.torchrun=/opt/venv/bin/torchrun", f"run.root={tmp_path}"], cwd=tmp_path)
+    assert "/opt/venv/bin/torchrun" in launch_argv(job.script)
+
+
+def test_cpu_jobs_on_several_nodes_run_data_parallel(tmp_path):
+    [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.nodes=2", "trainer.device=cpu", f"run.root={tmp_path}"],
+                      cwd=tmp_path)
+    argv = launch_argv(job.script)
+    t = next(i for i, a in enumerate(argv) if a.endswith("torchrun"))
+    assert argv[t + 2] == "--nproc-per-node=1"  # one process per node, gloo; not N independent copies
+    assert "data parallel over gloo" in job.script
 
 
 def test_newlines_are_rejected_everywhere(tmp_path):
@@ -368,6 +414,39 @@ def test_sweep_runs_on_a_real_slurm_cluster(slurm_env, tmp_path):
     # the sweep's runs sit side by side and compare cleanly
     assert compare_main([str(tmp_path / "runs" / "llama3_tiny"), "--last", "4", "--no-png", "--no-events"]) == 0
     print(f"\nreal SLURM sweep: jobs {', '.join(j for j, _ in job_ids)} completed in {time.monotonic() - t0:.1f} s")
+
+
+def test_the_real_sbatch_expands_the_abbreviations_we_refuse(slurm_env, tmp_path):
+    """What the prefix check is for, shown on the real sbatch: ``--outp`` writes the job's log where
+    ``--output`` would, and every prefix of one of our options that the check refuses is either
+    expanded to it by sbatch or refused by sbatch as ambiguous; the exact names we let through
+    (--gpus, --ntasks) are options of their own."""
+    from nemo_fp8_recipes.launch.slurm import _OWN_SBATCH_OPTIONS, reserved_sbatch_option
+
+    log = tmp_path / "abbrev-%j.out"
+    script = tmp_path / "abbrev.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --outp={log}\n#SBATCH --time=1\necho written-through-outp\n")
+    proc = subprocess.run(["sbatch", "--parsable", str(script)], env=slurm_env, capture_output=True, text=True,
+                          timeout=30, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    job_id = parse_job_id(proc.stdout)
+    assert wait_for_job(job_id, timeout_s=60, env=slurm_env).ok
+    assert (tmp_path / f"abbrev-{job_id}.out").read_text().strip() == "written-through-outp"
+
+    def sbatch_reads(opt: str) -> str:
+        p = subprocess.run(["sbatch", "--test-only", f"--{opt}=1", "--wrap=true"], env=slurm_env,
+                           capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        return p.stderr
+
+    for ours in ("output", "chdir", "job-name", "error", "partition"):
+        for n in (3, len(ours) - 1):
+            prefix = ours[:n]
+            assert reserved_sbatch_option(prefix) is not None
+            said = sbatch_reads(prefix)
+            assert "unrecognized option" not in said and "unknown option" not in said, (prefix, said)
+    for exact in ("gpus", "ntasks"):
+        assert reserved_sbatch_option(exact) is None and "ambiguous" not in sbatch_reads(exact)
+    assert set(_OWN_SBATCH_OPTIONS) >= {"output", "error", "chdir", "job-name"}
 
 
 def test_hydra_submitit_launcher_on_a_real_slurm_cluster(slurm_env, tmp_path):

@@ -54,6 +54,8 @@ __all__ = [
     "check_path",
     "check_env",
     "check_mount",
+    "check_program",
+    "reserved_sbatch_option",
     "render_sbatch",
     "render_command",
     "torchrun_args",
@@ -148,11 +150,47 @@ def check_env(env: Mapping[str, object], key: str = "cluster.env") -> Dict[str, 
             continue
         if isinstance(v, bool):
             v = "1" if v else "0"
+        if not isinstance(v, (str, int, float)):
+            raise SlurmSpecError(
+                f"{key}.{k}={v!r} is not allowed: an environment variable holds one string, not a "
+                f"{type(v).__name__}; quote it for Hydra if the commas are meant literally, e.g. "
+                f"\"{key}.{k}='a,b'\"")
         text = str(v)
         if "\n" in text or "\r" in text or "\0" in text:
             raise SlurmSpecError(f"{key}.{k}={text!r} is not allowed: values must be one line (no newline or NUL)")
         out[str(k)] = text
     return out
+
+
+_PROGRAM_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._+-]*")
+
+
+def check_program(value, key: str) -> str:
+    """A program ``srun`` starts (``cluster.python``, ``cluster.torchrun``): an absolute path, or a
+    plain name looked up on the nodes' ``PATH``. ``~`` and ``~user`` are expanded here (the
+    script is rendered for the submitting user); a relative path with a ``/`` is refused (it
+    would be looked up from the job's working directory, which is easy to get wrong), and so is
+    anything starting with ``-``, which ``srun`` would read as one of its own options. Returns the
+    program as it goes into the script."""
+    text = "" if value is None else str(value)
+    if text.startswith("~"):
+        expanded = os.path.expanduser(text)
+        if expanded.startswith("~"):
+            raise SlurmSpecError(f"{key}={text!r}: no such user's home directory to expand; give an absolute path")
+        text = expanded
+    if text.startswith("-"):
+        raise SlurmSpecError(
+            f"{key}={text!r} is not a program: srun would read it as one of its own options. Give the program's "
+            "absolute path (e.g. /opt/venv/bin/python) or its name on the nodes' PATH (python); srun options "
+            "go in cluster.sbatch_args or cluster.env")
+    if "/" in text:
+        if not os.path.isabs(text):
+            raise SlurmSpecError(
+                f"{key}={text!r} is a relative path, which the job would resolve from its working directory; give "
+                f"the absolute path (e.g. {os.path.abspath(text)}) or a plain program name on the nodes' PATH")
+        return check_path(text, key)
+    return _need(_PROGRAM_NAME_RE, text, key,
+                 "use an absolute path or a program name (letters, digits and . _ + -, not starting with -)")
 
 
 def check_mount(mount: str, key: str = "cluster.container.mounts") -> str:
@@ -181,7 +219,9 @@ def _check_arg(value, key: str) -> str:
 
 
 # ---- the job -------------------------------------------------------------------------------------
-# Options render_sbatch writes itself; cluster.sbatch_args may not set them behind its back.
+# Options render_sbatch writes itself; cluster.sbatch_args may not set them behind its back —
+# neither by name nor by an abbreviation (sbatch, like getopt_long, takes any unambiguous prefix
+# of a long option: --outp is --output).
 _OWN_SBATCH_OPTIONS = {
     "job-name": "cluster.job_name", "nodes": "cluster.nodes", "ntasks-per-node": "(always 1)",
     "gpus-per-node": "cluster.gpus_per_node", "partition": "cluster.partition",
@@ -189,6 +229,20 @@ _OWN_SBATCH_OPTIONS = {
     "cpus-per-task": "cluster.cpus_per_task", "exclusive": "cluster.exclusive",
     "output": "(the run directory)", "error": "(the run directory)", "chdir": "cluster.chdir",
 }
+# sbatch long options that are proper prefixes of one of ours but name another option themselves
+# (an exact name wins over an abbreviation): --gpus is not --gpus-per-node.
+_OTHER_SBATCH_OPTIONS_PREFIXING_OURS = frozenset({"gpus", "ntasks"})
+
+
+def reserved_sbatch_option(opt: str) -> Optional[str]:
+    """The option of ours that ``#SBATCH --<opt>`` would set (its full name), or None: the name
+    itself, or any prefix of it that sbatch would expand to it (or reject as ambiguous)."""
+    if opt in _OWN_SBATCH_OPTIONS:
+        return opt
+    if opt in _OTHER_SBATCH_OPTIONS_PREFIXING_OURS:
+        return None
+    hits = sorted(o for o in _OWN_SBATCH_OPTIONS if o.startswith(opt))
+    return hits[0] if hits else None
 
 
 @dataclass(frozen=True)
@@ -278,9 +332,15 @@ class SlurmJob:
         for opt, value in self.sbatch_args.items():
             _need(_SBATCH_OPT_RE, opt, "cluster.sbatch_args option",
                   "use the long option name without dashes, e.g. reservation or constraint")
-            if opt in _OWN_SBATCH_OPTIONS:
+            ours = reserved_sbatch_option(opt)
+            if ours == opt:
                 raise SlurmSpecError(
                     f"cluster.sbatch_args.{opt} is rendered from {_OWN_SBATCH_OPTIONS[opt]}; set that instead")
+            if ours is not None:
+                raise SlurmSpecError(
+                    f"cluster.sbatch_args.{opt}: sbatch reads --{opt} as an abbreviation of --{ours}, which is "
+                    f"rendered from {_OWN_SBATCH_OPTIONS[ours]}; set that instead (give other sbatch options "
+                    "by their full name)")
             if not isinstance(value, bool):
                 _need(_SBATCH_VALUE_RE, value, f"cluster.sbatch_args.{opt}",
                       "use letters, digits and . _ : , = / @ + % - (or true for a flag)")

@@ -53,6 +53,7 @@ from .slurm import (
     SlurmSpecError,
     check_job_name,
     check_path,
+    check_program,
     render_command,
     render_sbatch,
     submit_script,
@@ -283,10 +284,8 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
                                   "the job name derived from model, GPUs, recipe and run.tag (or set cluster.job_name)")
 
     image = cl.container.image
-    python = cl.python or ("python" if image else sys.executable)
-    check_path(python, "cluster.python")
-    torchrun = cl.torchrun or ("torchrun" if image else _default_torchrun(python))
-    check_path(torchrun, "cluster.torchrun")
+    python = check_program(cl.python or ("python" if image else sys.executable), "cluster.python")
+    torchrun = check_program(cl.torchrun or ("torchrun" if image else _default_torchrun(python)), "cluster.torchrun")
 
     env = {str(k): v for k, v in (cl.env or {}).items()}
     if backend == "megatron_bridge":
@@ -316,18 +315,19 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
     ]
     if backend == "native":
         args = trainer_overrides(overrides, run_root, run_dir_overridden)
-        if cl.gpus_per_node == 0:
+        if cl.gpus_per_node == 0 and cl.nodes == 1:
             command = [python, "-m", "nemo_fp8_recipes.train", *args]
-            comment.append("CPU job: one plain python process per node (no torchrun, no GPUs)")
+            comment.append("CPU job: one plain python process (no torchrun, no GPUs)")
+        elif cl.gpus_per_node == 0:
+            command = [*torchrun_args(torchrun, 1), "-m", "nemo_fp8_recipes.train", *args]
+            comment.append(f"CPU job on {cl.nodes} nodes: one process per node, data parallel over gloo "
+                           f"(trainer.data_parallel={cfg.trainer.data_parallel})")
         else:
             command = [*torchrun_args(torchrun, cl.gpus_per_node), "-m", "nemo_fp8_recipes.train", *args]
-            if cl.nodes * cl.gpus_per_node > 1:
-                warnings.append(
-                    f"the embedded trainer (backend=native) trains one model per process and does not "
-                    f"set up torch.distributed: the {cl.nodes * cl.gpus_per_node} processes torchrun starts "
-                    "would each train a full copy into the same run directory. Use cluster.nodes=1 "
-                    "cluster.gpus_per_node=1 for the embedded trainer, or backend=megatron_bridge"
-                )
+            n = cl.nodes * cl.gpus_per_node
+            if n > 1:
+                comment.append(f"{n} processes (one per GPU), data parallel: trainer.data_parallel="
+                               f"{cfg.trainer.data_parallel}; rank 0 writes the run directory")
     else:
         args, bridge_warnings = _bridge_command(cfg, recipe, sub.bridge, framework_overrides, overrides,
                                                 run_dir, cl, env, variables, comment)
