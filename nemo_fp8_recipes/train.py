@@ -398,8 +398,8 @@ def train(cfg) -> TrainResult:
 def _train(cfg, holder: List[DistContext]) -> TrainResult:
     from omegaconf import OmegaConf
 
-    from .nn import (audit, collect_telemetry, convert_model, set_delayed_scaling_update, set_graph_weight_cache,
-                     set_telemetry, set_wgrad_accumulation_fusion, sync_delayed_scaling)
+    from .nn import (audit, collect_telemetry, convert_model, discard_delayed_scaling, set_delayed_scaling_update,
+                     set_graph_weight_cache, set_telemetry, set_wgrad_accumulation_fusion, sync_delayed_scaling)
     from .recipes import describe_device, require_supported, uses_real_fp8_gemm
 
     t_start = time.perf_counter()
@@ -664,7 +664,6 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                         raise
                     loss_acc += out.ce_loss.detach()
                     aux_acc += out.aux_loss.detach()
-                sync_delayed_scaling(raw_model)  # one amax all-reduce for the whole model
                 if ctx.distributed:
                     both = all_reduce_sum(torch.stack([loss_acc, aux_acc]), ctx)
                     loss_acc, aux_acc = both[0], both[1]
@@ -681,12 +680,16 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                     optimizer.zero_grad(set_to_none=True)
                     if tcfg.nan_policy == "stop":
                         raise NonFiniteLossError(step + 1, bad[0], bad[1], last_ckpt)
+                    # the skipped batch's (non-finite) amaxes must not enter the delayed-scaling
+                    # histories, where they would pin every scale for amax_history_len steps
+                    discard_delayed_scaling(raw_model)
                     skipped += 1
-                    log.warning("step %d: non-finite %s (%s); batch skipped (%d skipped so far)",
-                                step + 1, bad[0], bad[1], skipped)
+                    log.warning("step %d: non-finite %s (%s); batch skipped (%d skipped so far), its "
+                                "delayed-scaling amaxes discarded", step + 1, bad[0], bad[1], skipped)
                     if skipped > tcfg.max_skipped_steps:
                         raise NonFiniteLossError(step + 1, bad[0], bad[1], last_ckpt)
                 else:
+                    sync_delayed_scaling(raw_model)  # one amax all-reduce for the whole model
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 scheduler.step()

@@ -284,7 +284,11 @@ def test_amax_reduce_hook_is_applied():
     m.amax_reduce_fn = lambda t: (seen.append(t.clone()), t * 2)[1]
     m(torch.ones(16, 16))
     m(torch.ones(16, 16))
-    assert len(seen) == 1 and m.fp8_amax_history[0, 0].item() == 2.0
+    # the second forward commits the input's and the weight's amax (the FP8 weight follows its
+    # history), each through the hook
+    w_amax = float(lin.weight.abs().max())
+    assert len(seen) == 2 and m.fp8_amax_history[0, 0].item() == 2.0
+    assert m.fp8_amax_history[1, 0].item() == pytest.approx(2 * w_amax, rel=1e-6)
 
 
 def test_telemetry_groups():
@@ -437,6 +441,87 @@ def test_step_schedule_holds_scales_within_a_step_and_advances_once():
     assert m.fp8_amax_history[0].tolist() == [8.0, 1.0, 4.0]
     with pytest.raises(ValueError, match="valid modes: lazy, step"):
         set_delayed_scaling_update(model, "sometimes")
+
+
+@pytest.mark.parametrize("schedule", ["lazy", "step"])
+def test_a_weight_that_does_not_change_follows_its_amax_history(schedule):
+    """Frozen weights, evaluation of a fresh model, a second forward before any optimizer step:
+    the FP8 weight is re-quantised with the scale its history gives (TE re-quantises the weight
+    at every forward), not kept at the scale 1 of its first quantisation."""
+    from nemo_fp8_recipes.nn import set_delayed_scaling_update, sync_delayed_scaling
+    from nemo_fp8_recipes.quant.reference import quantize
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(32, 32, bias=False))
+    with torch.no_grad():
+        model[0].weight.mul_(0.01)  # |w| << 448: scale 1 keeps few mantissa bits... and many zeros
+    model[0].weight.requires_grad_(False)  # frozen
+    convert_model(model, get_recipe("delayed", amax_history_len=4))
+    m = model[0]
+    set_delayed_scaling_update(model, schedule)
+    x = torch.randn(8, 32)
+    model.eval()
+    with torch.no_grad():
+        first = model(x)
+        if schedule == "step":
+            sync_delayed_scaling(model)
+        second = model(x)
+    w = m.weight.detach()
+    s_w = 448.0 / float(w.abs().max())
+    assert m._wcache[0].scale_inv.item() == pytest.approx(1 / s_w, rel=1e-6)  # not 1.0
+    w_q = quantize(w, "e4m3", "tensor", scale=torch.tensor(s_w)).dequantize()
+    x_q = quantize(x, "e4m3", "tensor", scale=torch.tensor(448.0 / float(x.abs().max()))).dequantize()
+    want = (x_q.double() @ w_q.double().T).float()
+    assert torch.allclose(second, want, rtol=1e-5, atol=1e-6)
+    exact = x.double() @ w.double().T
+    err = lambda y: float((y.double() - exact).norm() / exact.norm())  # noqa: E731
+    assert err(second) < 0.5 * err(first)  # the first forward's scale-1 copy is far worse
+    # and the weight's history keeps receiving its amax, step after step
+    with torch.no_grad():
+        for _ in range(3):
+            model(x)
+            if schedule == "step":
+                sync_delayed_scaling(model)
+    if schedule == "lazy":
+        set_delayed_scaling_update(model, "step")  # commits what is pending
+    assert (m.fp8_amax_history[1] == float(w.abs().max())).sum().item() == 4
+
+
+def test_a_skipped_non_finite_step_does_not_pin_the_scales():
+    """discard_delayed_scaling drops a bad step's amaxes; kept, an Inf pins the scale for the whole
+    history (TE's rule: a non-finite amax keeps the previous scale), which telemetry reports."""
+    from nemo_fp8_recipes.nn import (collect_telemetry, discard_delayed_scaling, pinned_scales,
+                                     set_delayed_scaling_update, sync_delayed_scaling)
+
+    def fresh():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 16, bias=False))
+        convert_model(model, get_recipe("delayed", amax_history_len=8))
+        set_delayed_scaling_update(model, "step")
+        model(torch.full((16, 16), 2.0))
+        sync_delayed_scaling(model)
+        return model, model[0]
+
+    bad = torch.full((16, 16), 2.0)
+    bad[0, 0] = float("inf")
+    kept, k = fresh()
+    kept(bad)
+    sync_delayed_scaling(kept)
+    kept(torch.full((16, 16), 100.0))  # activations grow
+    sync_delayed_scaling(kept)
+    assert k.fp8_scale[0].item() == 448.0 / 2.0  # pinned: the growth is not followed (saturates)
+    assert pinned_scales(kept) == {"0": ["input"]}
+    tel = collect_telemetry(kept)
+    assert tel["fp8/linear/input/scale_pinned"] == 1.0 and tel["fp8/linear/weight/scale_pinned"] == 0.0
+
+    dropped, d = fresh()
+    dropped(bad)
+    assert discard_delayed_scaling(dropped) == 1
+    dropped(torch.full((16, 16), 100.0))
+    sync_delayed_scaling(dropped)
+    assert d.fp8_scale[0].item() == pytest.approx(448.0 / 100.0, rel=1e-6)  # follows the growth
+    assert pinned_scales(dropped) == {}
+    assert torch.isfinite(d.fp8_amax_history).all()
 
 
 def test_step_schedule_matches_lazy_schedule_per_step():

@@ -249,6 +249,20 @@ def test_nan_skip_policy_counts_skipped_batches(tmp_path, token_cache):
     assert skipped[-1] == 5
 
 
+def test_skipped_non_finite_steps_leave_the_delayed_scaling_histories_finite(tmp_path, token_cache):
+    """nan_policy=skip with delayed scaling: the skipped batches' Inf/NaN amaxes are discarded, so
+    no scale is pinned by them for amax_history_len steps."""
+    from nemo_fp8_recipes.nn import fp8_modules, pinned_scales
+
+    nan = [o if not o.startswith("recipe=") else "recipe=delayed" for o in NAN]
+    ok = train(_cfg(tmp_path, token_cache, *nan, "trainer.nan_policy=skip", "trainer.max_skipped_steps=10",
+                    "trainer.ckpt_interval=0"))
+    assert ok.skipped_steps == 5
+    mods = [m for m in fp8_modules(ok.model).values() if m.recipe.is_delayed]
+    assert mods and all(torch.isfinite(m.fp8_amax_history).all() for m in mods)
+    assert pinned_scales(ok.model) == {}
+
+
 def test_cli_errors_are_clean_and_name_the_fix(tmp_path, token_cache, capsys, monkeypatch):
     base = TINY + [f"run.root={tmp_path}", f"data.cache_dir={token_cache}"]
     # NaN: exit code 3, step and checkpoint named, no traceback

@@ -15,7 +15,7 @@ from .convert import (
     set_wgrad_accumulation_fusion,
 )
 from .linear import Float8Linear
-from .scaling import set_delayed_scaling_update, sync_delayed_scaling
+from .scaling import discard_delayed_scaling, pinned_scales, set_delayed_scaling_update, sync_delayed_scaling
 
 __all__ = [
     "AuditReport",
@@ -33,4 +33,6 @@ __all__ = [
     "set_telemetry",
     "set_wgrad_accumulation_fusion",
     "sync_delayed_scaling",
+    "discard_delayed_scaling",
+    "pinned_scales",
 ]

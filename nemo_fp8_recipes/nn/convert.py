@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..policy import GEMM_ROLES, HIGH_PRECISION_ROLES, Decision, PrecisionPolicy, Role, layer_index
 from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
-from .linear import Float8Linear, check_wgrad_fusion
+from .linear import OPERANDS, Float8Linear, check_wgrad_fusion
 
 __all__ = [
     "convert_model",
@@ -409,14 +409,23 @@ def _group_of(fqn: str, role: str) -> str:
 def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
     """Flat ``{"fp8/<group>/<operand>/<stat>": value}`` aggregated per layer group (attention,
     mlp, experts, shared_expert, ...) since the last call: amax is the max, the other stats
-    (scale, underflow_frac, saturated_frac, sqnr_db) the mean over modules and calls."""
+    (scale, underflow_frac, saturated_frac, sqnr_db) the mean over modules and calls. Delayed
+    scaling adds ``scale_pinned``: the fraction of the group's modules whose amax history holds a
+    non-finite value, which holds their scale where it is until it ages out."""
+    from .scaling import pinned_scales
+
     acc: Dict[str, List[float]] = {}
-    for m in fp8_modules(model).values():
+    pinned = pinned_scales(model)
+    for name, m in fp8_modules(model).items():
         tel = m.pop_telemetry() if reset else {}
         group = _group_of(m.fqn, m.role)
         for operand, stats in tel.items():
             for stat, v in stats.items():
                 acc.setdefault(f"fp8/{group}/{operand}/{stat}", []).append(v)
+        if m.recipe.is_delayed:
+            for operand in OPERANDS:
+                acc.setdefault(f"fp8/{group}/{operand}/scale_pinned", []).append(
+                    float(operand in pinned.get(name, ())))
     out = {}
     for k, vs in acc.items():
         out[k] = max(vs) if k.endswith("/amax") else sum(vs) / len(vs)

@@ -619,6 +619,9 @@ class Float8Linear(nn.Linear):
         self._telemetry: Dict[int, list] = {}
         self._wcache_key = None
         self._wcache = None
+        # delayed scaling: bumped whenever the scales advance (step schedule), so the cached FP8
+        # weight is re-quantised with its new scale even when the weight itself did not change
+        self._scale_generation = 0
         self._graph_wcache_on = False  # set_graph_weight_cache
         self._graph_wcache_meta = None
         self._graph_wcache_version = None
@@ -865,12 +868,22 @@ class Float8Linear(nn.Linear):
     # ---- weight cache ------------------------------------------------------------------------
     def _quantized_weight(self):
         """(W quantised along K as [N, K], W quantised along N as [K, N]) — cached until the
-        weight changes. A weight created under ``torch.inference_mode`` has no version counter,
-        so a change could not be seen: it is quantised at every call instead."""
+        weight changes (delayed scaling: or its scale). A weight created under
+        ``torch.inference_mode`` has no version counter, so a change could not be seen: it is
+        quantised at every call instead."""
         w = self.weight
         if w.is_inference():
             return _quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
         key = (w._version, _OPTIMIZER_GENERATION[0], w.data_ptr(), w.dtype, w.device)
+        if self.recipe.is_delayed:
+            # The FP8 weight follows its amax history, as TE's (which re-quantises the weight at
+            # every forward): a frozen weight, an evaluation or a second forward before any
+            # optimizer step must not keep the scale of its first quantisation. Step schedule:
+            # re-quantised once the scales advanced; lazy schedule: whenever an amax is pending
+            # (i.e. at every forward, like TE).
+            if self.scaling_update == "lazy" and self._pending[_W]:
+                self._wcache_key = None
+            key = key + (self._scale_generation,)
         if self._wcache_key == key and self._wcache is not None:
             return self._wcache
         self._wcache_key = key

@@ -36,6 +36,8 @@ from ..quant.reference import amax_to_scale
 __all__ = [
     "UPDATE_MODES",
     "advance_delayed_scaling",
+    "discard_delayed_scaling",
+    "pinned_scales",
     "set_delayed_scaling_update",
     "sync_delayed_scaling",
 ]
@@ -133,3 +135,36 @@ def _advance(mods: List[nn.Module], process_group, reduce: bool) -> None:
     torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods])
     for m in mods:
         m._pending = [False, False, False]
+        m._scale_generation += 1  # the cached FP8 weight is re-quantised with the new scale
+
+
+@torch.no_grad()
+def discard_delayed_scaling(model: nn.Module) -> int:
+    """Drop the amaxes recorded since the last :func:`sync_delayed_scaling` without appending
+    them: for a step whose batch is skipped (non-finite loss or gradients), whose Inf/NaN amaxes
+    would otherwise sit in every history for ``amax_history_len`` steps and pin the scales there
+    (a non-finite amax keeps the previous scale). Local, no collective; call it on every rank
+    (the trainer's skip decision is taken on all-reduced values). Returns the number of modules."""
+    mods = _delayed_modules(model)
+    if mods:
+        torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods])
+        for m in mods:
+            m._pending = [False, False, False]
+    return len(mods)
+
+
+@torch.no_grad()
+def pinned_scales(model: nn.Module) -> Dict[str, List[str]]:
+    """``{module name: [operands]}`` whose amax history holds a non-finite value: their scale
+    cannot move until that entry leaves the history (``amax_history_len`` updates)."""
+    from .convert import fp8_modules
+
+    out: Dict[str, List[str]] = {}
+    for name, m in fp8_modules(model).items():
+        if not m.recipe.is_delayed:
+            continue
+        bad = (~torch.isfinite(m.fp8_amax_history)).any(-1).tolist()
+        ops = [op for op, b in zip(("input", "weight", "grad_output"), bad) if b]
+        if ops:
+            out[name] = ops
+    return out
