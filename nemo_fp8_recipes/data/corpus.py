@@ -190,6 +190,10 @@ def list_source_files(cfg: DataConfig) -> List[SourceFile]:
             if not p.exists():
                 raise DataError(f"data path not found: {entry} (data.paths for data.source={cfg.source})")
             if p.is_file():
+                if cfg.source == "text" and _looks_binary(p):
+                    raise DataError(
+                        f"data path {entry} is a binary file (it holds NUL bytes), not text; give text files or "
+                        "directories (binary files found inside a directory are skipped)")
                 files.append(SourceFile(p.resolve(), p.name))
                 continue
             root = p.resolve()
@@ -231,6 +235,11 @@ def iter_documents(cfg: DataConfig, files: Sequence[SourceFile]) -> Iterator[Tup
                         continue
                     try:
                         rec = json.loads(line)
+                    except UnicodeDecodeError as e:
+                        raise DataError(
+                            f"{f.path}:{lineno}: not valid UTF-8 (byte {e.start} of the line: {line[e.start:e.start + 4]!r}); "
+                            "JSONL files must be UTF-8 text: re-encode it (e.g. iconv -f latin1 -t utf-8) or drop the line"
+                        ) from None
                     except json.JSONDecodeError as e:
                         raise DataError(f"{f.path}:{lineno}: not valid JSON ({e.msg})") from None
                     if not isinstance(rec, dict) or cfg.text_key not in rec:
@@ -304,6 +313,16 @@ def _write_split(cfg, files, tokenizer, out_dir: Path, tag: str, force_val: Opti
 def _build_cache(cfg: DataConfig, files, tokenizer, out_dir: Path, fingerprint: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     tag = f"tmp-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        _build_cache_files(cfg, files, tokenizer, out_dir, fingerprint, tag)
+    except BaseException:
+        # a data error (bad JSON, bad UTF-8, ...) or an interruption: leave no temporary files
+        for p in out_dir.glob(f".*.{tag}"):
+            p.unlink(missing_ok=True)
+        raise
+
+
+def _build_cache_files(cfg: DataConfig, files, tokenizer, out_dir: Path, fingerprint: str, tag: str) -> None:
     t0 = time.perf_counter()
     counts = _write_split(cfg, files, tokenizer, out_dir, tag, None)
     docs = counts["train_docs"] + counts["val_docs"]
