@@ -40,6 +40,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..policy import PrecisionPolicy
@@ -194,12 +195,11 @@ def parse_gpu(spec: Union[None, str, DeviceInfo], cuda: Optional[str] = None) ->
     if isinstance(spec, DeviceInfo):
         return spec
     cv = None
-    if cuda:
-        try:
-            major, minor = (str(cuda).split(".") + ["0"])[:2]
-            cv = (int(major), int(minor))
-        except ValueError:
-            raise ValueError(f"--cuda {cuda!r} is not a version like 12.8") from None
+    if cuda is not None and str(cuda) != "":
+        m = re.fullmatch(r"(\d+)(?:\.(\d+))?(?:\.\d+)?", str(cuda).strip())
+        if not m or int(m.group(1)) < 1:
+            raise ValueError(f"--cuda {cuda!r} is not a CUDA version like 12.8 (major >= 1)")
+        cv = (int(m.group(1)), int(m.group(2) or 0))
     if spec is None or str(spec).lower() in ("", "auto", "local"):
         info = describe_device()
         if cv is not None and info.type == "cuda":
@@ -743,6 +743,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if flags:
         print(f"nemo-fp8-check: unknown option(s) {flags}; see --help", file=sys.stderr)
         return 2
+    if args.te != "auto" and not re.fullmatch(r"\d+(\.\d+){0,3}([.+-]?[A-Za-z0-9.+-]*)?", str(args.te)):
+        print(f"nemo-fp8-check: --te {args.te!r} is not a Transformer Engine version like 2.9 or 2.20.2 "
+              "(or auto: the one installed here)", file=sys.stderr)
+        return 2
+    if args.json:
+        parent = Path(args.json).expanduser().resolve().parent
+        if not parent.is_dir():
+            print(f"nemo-fp8-check: --json {args.json}: the directory {parent} does not exist; create it "
+                  f"(mkdir -p {parent}) or write the report elsewhere", file=sys.stderr)
+            return 2
+        if Path(args.json).is_dir():
+            print(f"nemo-fp8-check: --json {args.json} is a directory; give a file name (e.g. "
+                  f"{Path(args.json) / 'check.json'})", file=sys.stderr)
+            return 2
     backend = "te" if args.megatron else None
     ours, theirs = split_overrides(rest, backend=backend)
     problem = validate_overrides(ours)
@@ -760,8 +774,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(rep.table())
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(rep.to_dict(), fh, indent=2)
+        out = Path(args.json).expanduser()
+        tmp = out.with_name(f".{out.name}.tmp")
+        try:
+            tmp.write_text(json.dumps(rep.to_dict(), indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, out)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            print(f"nemo-fp8-check: could not write --json {args.json}: {e}", file=sys.stderr)
+            return 2
     if rep.errors or (args.strict and rep.warnings):
         return 1
     return 0
