@@ -195,13 +195,24 @@ class PrecisionPolicy:
             )
         for name in ("first_layers_bf16", "last_layers_bf16"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         for name in ("include", "exclude"):
             v = getattr(self, name)
-            if isinstance(v, str):
+            if v is None:
+                v = ()
+            elif isinstance(v, str):
                 v = (v,)
-            object.__setattr__(self, name, tuple(v or ()))
+            elif not isinstance(v, (list, tuple, set, frozenset)):
+                raise ValueError(f"{name} must be a glob pattern on module names or a list of them "
+                                 f"(e.g. {name}=['layers.0.*', '*.wo']), got {v!r}")
+            bad = [p for p in v if not isinstance(p, str)]
+            if bad:
+                raise ValueError(f"{name} patterns must be strings (glob patterns on module names), got {bad!r}")
+            object.__setattr__(self, name, tuple(v))
+        if self.num_layers is not None and (isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int)
+                                            or self.num_layers < 1):
+            raise ValueError(f"num_layers must be an integer >= 1 or None, got {self.num_layers!r}")
 
     def with_num_layers(self, n: Optional[int]) -> "PrecisionPolicy":
         import dataclasses

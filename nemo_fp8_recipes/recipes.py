@@ -130,6 +130,15 @@ class GemmConfig:
 
 
 _ALGOS = ("max", "most_recent")
+#: Largest delayed-scaling margin: E4M3's emax (448 / 2**8 = 1.75, the amax still in the normal range).
+MAX_MARGIN = 8
+#: Longest amax history: 3 x 65536 FP32 entries = 768 KiB per FP8 linear.
+MAX_AMAX_HISTORY_LEN = 65536
+
+
+def _is_int(v) -> bool:
+    """An int that is not a bool (``True`` is an ``int`` in Python)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -290,8 +299,10 @@ class DelayedScalingRecipe(Recipe):
 
     def _validate(self) -> None:
         _require(
-            isinstance(self.amax_history_len, int) and self.amax_history_len >= 1,
-            f"delayed: amax_history_len must be an integer >= 1, got {self.amax_history_len!r}",
+            _is_int(self.amax_history_len) and 1 <= self.amax_history_len <= MAX_AMAX_HISTORY_LEN,
+            f"delayed: amax_history_len must be an integer in 1..{MAX_AMAX_HISTORY_LEN}, got "
+            f"{self.amax_history_len!r} (each FP8 linear keeps 3 x amax_history_len FP32 entries; TE's "
+            "default is 1024)",
         )
         _require(
             self.amax_compute_algo in _ALGOS,
@@ -299,8 +310,10 @@ class DelayedScalingRecipe(Recipe):
             + ", ".join(_ALGOS),
         )
         _require(
-            isinstance(self.margin, int) and self.margin >= 0,
-            f"delayed: margin must be an integer >= 0, got {self.margin!r}",
+            _is_int(self.margin) and 0 <= self.margin <= MAX_MARGIN,
+            f"delayed: margin must be an integer in 0..{MAX_MARGIN}, got {self.margin!r} (the scale is divided "
+            f"by 2**margin: beyond {MAX_MARGIN} a tensor's amax lands below 1.0 in E4M3, in its subnormals, and a "
+            "large margin underflows the FP32 scale to 0, which turns every output into NaN; TE's default is 0)",
         )
         _per_tensor_checks(self)
 

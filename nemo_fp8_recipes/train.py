@@ -85,7 +85,9 @@ __all__ = [
 
 log = logging.getLogger("nemo_fp8_recipes.train")
 
-CHECKPOINT_FORMAT = 2  # 2: full FQN-keyed model/optimizer state (any world size, DDP or FSDP2)
+CHECKPOINT_FORMAT = 2
+#: recipes whose emulation torch.compile's CPU (C++) backend cannot compile
+_NO_CPU_COMPILE = ("blockwise", "mxfp8")  # 2: full FQN-keyed model/optimizer state (any world size, DDP or FSDP2)
 _FP8_STATE_MARKERS = ("fp8_", "_extra_state")
 
 
@@ -166,18 +168,23 @@ def build_recipe(recipe_node):
 
 def build_policy(policy_node):
     """A :class:`~nemo_fp8_recipes.policy.PrecisionPolicy` from the ``policy`` config node."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from .policy import PrecisionPolicy
 
-    values = OmegaConf.to_container(policy_node, resolve=True) if policy_node is not None else {}
+    if policy_node is not None and not isinstance(policy_node, (DictConfig, dict)):
+        valid = ", ".join(f.name for f in dataclasses.fields(PrecisionPolicy))
+        raise ConfigError(f"policy must be a block of options, got {policy_node!r}; set them one by one, e.g. "
+                          f"policy.first_layers_bf16=1 (options: {valid})")
+    values = (OmegaConf.to_container(policy_node, resolve=True) if isinstance(policy_node, DictConfig)
+              else dict(policy_node or {}))
     valid = [f.name for f in dataclasses.fields(PrecisionPolicy)]
     unknown = sorted(set(values) - set(valid))
     if unknown:
         raise ConfigError(f"unknown policy option(s) {unknown}; valid options: {', '.join(valid)}")
     for k in ("include", "exclude"):
-        if k in values and values[k] is not None:
-            values[k] = tuple(values[k]) if not isinstance(values[k], str) else (values[k],)
+        if k in values and isinstance(values[k], (list, tuple)):
+            values[k] = tuple(values[k])
     try:
         return PrecisionPolicy(**values)
     except (ValueError, TypeError) as e:
@@ -453,8 +460,28 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         )
     if tcfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"trainer.seq_len={tcfg.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
-    if tcfg.compile and not getattr(recipe, "supports_compile", True):
-        raise ConfigError(f"recipe {recipe.name} does not support torch.compile; use trainer.compile=false")
+    if tcfg.memory_check:
+        from .memory import check_fits
+
+        shard = ctx.world_size if ctx.distributed and tcfg.data_parallel == "fsdp2" else 1
+        too_big = check_fits(mcfg, device, tokens_per_micro_batch=tcfg.micro_batch_size * tcfg.seq_len,
+                             fp8=recipe.is_fp8, activation_bytes=2 if _autocast(device, tcfg.autocast)[1] else 4,
+                             shard=shard, where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} "
+                                                f"tokens" + (f" per rank" if ctx.distributed else ""))
+        if too_big:
+            raise ConfigError(too_big)
+    if tcfg.compile and device.type == "cpu" and recipe.name in _NO_CPU_COMPILE:
+        # Refused at start: Inductor's C++ backend fails on the 1x128 / 1x32 block reshapes of
+        # these emulated quantisers (AssertionError in CppScheduling.try_loop_split: two fused
+        # nodes end with different loop ranges after the split; no config switch avoids it) after
+        # one to two minutes of compiling. On CUDA the Triton backend compiles them.
+        raise ConfigError(
+            f"trainer.compile=true on CPU cannot compile recipe {recipe.name}: the C++ backend of torch.compile "
+            f"(torch {torch.__version__}) fails on its block-scaled quantisers after minutes of compiling. On CPU "
+            "use trainer.compile=false (the emulation computes the same numbers), or compile on a GPU "
+            f"(trainer.device=cuda); recipes that compile on CPU: "
+            + ", ".join(r for r in ("bf16", "delayed", "tensorwise") if r != recipe.name)
+        )
 
     run_dir = Path(rcfg.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -531,6 +558,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         start_step = int(ckpt["step"])
         tokens_seen = int(ckpt.get("tokens_seen", 0))
         skipped = int(ckpt.get("skipped_steps", 0))
+        resume_window = dict(ckpt.get("log_window") or {})
         last_ckpt = resume_path
         if ctx.is_main and resume_path.parent.resolve() == mgr.directory.resolve():
             for q in mgr.supersede_after(start_step):
@@ -589,6 +617,8 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                 "next_step": step,
                 "consumed_samples": step * train_batches.samples_per_step,
             },
+            # the train/loss logging window open at this step, so a resumed run logs the same mean
+            "log_window": {"loss_sum": window_loss, "steps": window_n},
             "recipe": recipe.describe(),
             "model_config": mcfg.to_dict(),
             "trainer": dataclasses.asdict(tcfg),
@@ -633,6 +663,9 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     bar = tqdm(total=tcfg.max_steps, initial=start_step, disable=not show_bar, dynamic_ncols=True,
                desc=f"{mcfg.name}/{recipe.name}", unit="step")
     window_loss, window_n, window_time, window_tokens = 0.0, 0, 0.0, 0
+    if resume_path is not None:  # continue the logging window the checkpoint was written in
+        window_loss = float(resume_window.get("loss_sum", 0.0))
+        window_n = int(resume_window.get("steps", 0))
     step_time_total, steps_timed = 0.0, 0
     step = start_step
     model.train()
@@ -820,10 +853,34 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
 _EXIT_CODES = {ConfigError: 2, DataError: 2, CheckpointError: 4, NonFiniteLossError: 3, TrainingError: 5}
 
 
+def _quiet_failing_log_files() -> None:
+    """A log file that cannot be written (a full disk) says so once on stderr and is closed,
+    instead of Python's logging printing a traceback for every later record."""
+    import logging as _logging
+
+    for h in list(_logging.getLogger().handlers):
+        if not isinstance(h, _logging.FileHandler) or getattr(h, "_nemo_fp8_quiet", False):
+            continue
+
+        def handle_error(record, h=h):
+            err = sys.exc_info()[1]
+            _logging.getLogger().removeHandler(h)
+            try:
+                h.close()
+            except Exception:  # noqa: BLE001 - the file is already broken
+                pass
+            print(f"nemo-fp8-train: warning: cannot write the log file {h.baseFilename} ({err}); "
+                  "logging to the console only from here on", file=sys.stderr)
+
+        h.handleError = handle_error
+        h._nemo_fp8_quiet = True
+
+
 def _run_cli(cfg) -> None:
     """Body of the Hydra entry point: train, print clean messages for expected errors."""
     from .recipes import UnsupportedRecipeError
 
+    _quiet_failing_log_files()
     try:
         result = train(cfg)
     except UnsupportedRecipeError as e:

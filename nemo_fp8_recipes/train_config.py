@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,6 +86,7 @@ class TrainerConfig:
     data_parallel: str = "ddp"
     fuse_wgrad_accumulation: bool = False
     compiled_weight_cache: bool = True
+    memory_check: bool = True
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -98,10 +100,22 @@ class TrainerConfig:
              f"global_batch_size ({self.global_batch_size}) must be a positive multiple of "
              f"micro_batch_size ({self.micro_batch_size}); the ratio is the gradient accumulation")
         need(self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}")
-        need(self.lr > 0 and 0 <= self.min_lr <= self.lr,
-             f"lr must be > 0 and min_lr in [0, lr]; got lr={self.lr}, min_lr={self.min_lr}")
+        need(math.isfinite(self.lr) and self.lr > 0 and math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr,
+             f"lr must be a finite number > 0 and min_lr in [0, lr]; got lr={self.lr}, min_lr={self.min_lr}")
+        need(0 <= self.seed < 2**32,
+             f"seed must be an integer in [0, 2**32 - 1] (NumPy's and CUDA's generators take 32 bits), "
+             f"got {self.seed}")
+        for k in ("beta1", "beta2"):
+            v = getattr(self, k)
+            need(math.isfinite(v) and 0.0 <= v < 1.0,
+                 f"{k} must be in [0, 1) (AdamW's moving-average coefficient; typical 0.9 / 0.95), got {v}")
+        need(math.isfinite(self.eps) and self.eps > 0,
+             f"eps must be a finite number > 0 (AdamW's denominator guard; typical 1e-8), got {self.eps}")
+        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+             f"weight_decay must be a finite number >= 0 (0 = off; typical 0.1), got {self.weight_decay}")
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        need(self.grad_clip >= 0, f"grad_clip must be >= 0 (0 = off), got {self.grad_clip}")
+        need(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+             f"grad_clip must be a finite number >= 0 (0 = off), got {self.grad_clip}")
         for k in ("val_interval", "val_steps", "log_interval", "telemetry_interval",
                   "ckpt_interval", "max_skipped_steps"):
             need(getattr(self, k) >= 0, f"{k} must be >= 0, got {getattr(self, k)}")
@@ -195,6 +209,15 @@ def _explain_unknown_key(full_key: str, overrides: Sequence[str]) -> str:
         cfg = compose_config(group_choices)
     except Exception:  # noqa: BLE001 - fall back to the defaults
         cfg = compose_config()
+    own = _keys_at(cfg, full_key)
+    if own is not None:  # the key exists: a dict value sets keys this node does not have
+        given = _dict_override_keys(full_key, overrides)
+        unknown = [k for k in given if k not in own]
+        hint = "; ".join(f"'{k}' -> did you mean '{h[0]}'?" for k in unknown
+                         for h in [difflib.get_close_matches(k, own, n=1)] if h)
+        return (f"'{full_key}={{...}}' sets key(s) {', '.join(unknown) or '(unknown)'} that '{full_key}' does not "
+                f"have{' (' + hint + ')' if hint else ''}.\nValid keys under '{full_key}': {', '.join(own)} "
+                f"(set them one by one, e.g. {full_key}.{own[0]}=..., or in the dict)")
     parent, _, leaf = full_key.rpartition(".")
     keys = _keys_at(cfg, parent)
     while keys is None and parent:  # e.g. trainer.foo.bar: walk up to an existing node
@@ -216,6 +239,19 @@ def _explain_unknown_key(full_key: str, overrides: Sequence[str]) -> str:
         )
     msg += f"\n(To add a new key on purpose, prefix it with '+': +{full_key}=...)"
     return msg
+
+
+def _dict_override_keys(key: str, overrides: Sequence[str]) -> List[str]:
+    """Keys of a dict value given to ``key`` on the command line (``policy={a:1}`` -> ``['a']``)."""
+    try:
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+
+        for o in OverridesParser.create().parse_overrides(overrides=list(overrides)):
+            if o.key_or_group == key and isinstance(o.value(), dict):
+                return [str(k) for k in o.value()]
+    except Exception:  # noqa: BLE001 - a message helper: fall back to no keys
+        pass
+    return []
 
 
 def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
@@ -250,9 +286,31 @@ def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
     try:
         trainer_config(cfg)
         run_config(cfg)
+        _check_blocks(cfg)
     except ConfigError as e:
         return str(e)
     return None
+
+
+def _check_blocks(cfg) -> None:
+    """The recipe, policy, model and data blocks as their owners validate them, so a bad value
+    fails here, before Hydra starts a run (and writes a run directory)."""
+    from omegaconf import OmegaConf
+
+    from .train import build_policy, build_recipe
+
+    build_recipe(cfg.recipe)
+    build_policy(cfg.get("policy"))
+    if cfg.backend.get("name") != "native":
+        return  # Bridge's recipe function may define the model; its own validator checks it
+    from .data import DataConfig, DataError
+    from .models import ModelConfig
+
+    try:
+        ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(str(e) if isinstance(e, DataError) else f"{e}") from None
 
 
 def _typed(node, cls, path: str):

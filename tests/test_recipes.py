@@ -74,8 +74,8 @@ def test_overrides_and_string_enums():
     [
         (("fp4",), {}, "valid recipes: bf16, delayed, tensorwise, blockwise, mxfp8"),
         (("delayed",), {"amax_compute_algo": "mean"}, "choose one of: max, most_recent"),
-        (("delayed",), {"amax_history_len": 0}, "amax_history_len must be an integer >= 1"),
-        (("delayed",), {"margin": -1}, "margin must be an integer >= 0"),
+        (("delayed",), {"amax_history_len": 0}, "amax_history_len must be an integer in 1..65536"),
+        (("delayed",), {"margin": -1}, "margin must be an integer in 0..8"),
         (("delayed",), {"foo": 1}, "valid options:"),
         (("blockwise",), {"scale_rounding": "e8m0_ceil"}, "pow2 or fp32"),
         (("blockwise",), {"scale_rounding": "banana"}, "choose one of: fp32, pow2, e8m0_ceil, e8m0_floor"),

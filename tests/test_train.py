@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -301,6 +302,15 @@ def test_console_script_trains_and_prints_the_tensorboard_command(tmp_path, toke
 def test_compile_trains_like_eager(recipe, tmp_path, token_cache):
     args = [f"recipe={recipe}", "trainer.max_steps=4", "trainer.log_interval=2", "trainer.val_interval=2",
             "trainer.val_steps=1", "trainer.telemetry_interval=2"]
+    if recipe in ("blockwise", "mxfp8"):
+        # torch.compile's C++ backend fails on these emulations after minutes: refused at once
+        from nemo_fp8_recipes.train_config import ConfigError
+
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match=f"cannot compile recipe {recipe}.*trainer.compile=false"):
+            train(_cfg(tmp_path / "compiled", token_cache, *args, "trainer.compile=true"))
+        assert time.monotonic() - t0 < 30 and not (tmp_path / "compiled").exists()
+        return
     eager = train(_cfg(tmp_path / "eager", token_cache, *args))
     compiled = train(_cfg(tmp_path / "compiled", token_cache, *args, "trainer.compile=true"))
     # FP8 rounding can flip on ULP-level differences of the compiled non-FP8 ops: loose tolerance
@@ -317,7 +327,7 @@ def test_compile_with_micro_batches_caches_fp8_weights(tmp_path, token_cache):
     reads their weights quantised once per optimizer step (trainer.compiled_weight_cache, on by
     default), the losses follow the run without the cache, no cache is stale at the end, and
     resuming from the checkpoint re-quantises from the loaded weights."""
-    args = ["recipe=blockwise", "trainer.compile=true", "trainer.global_batch_size=8", "trainer.max_steps=2",
+    args = ["recipe=tensorwise", "trainer.compile=true", "trainer.global_batch_size=8", "trainer.max_steps=2",
             "trainer.val_interval=0", "trainer.log_interval=1"]
     cached = train(_cfg(tmp_path / "cached", token_cache, *args, "trainer.ckpt_interval=2"))
     plain = train(_cfg(tmp_path / "plain", token_cache, *args, "trainer.compiled_weight_cache=false"))

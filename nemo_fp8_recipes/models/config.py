@@ -17,6 +17,9 @@ from typing import Any, Dict, List, Mapping, Optional
 
 __all__ = ["ModelConfig", "load_model_config", "list_model_configs", "MODEL_CONFIG_DIR"]
 
+#: The model-config block holding the size's optimiser defaults (not a model field).
+OPTIM_KEY = "optim"
+
 #: Where the packaged ``model/<name>.yaml`` files live (the Hydra ``model`` group).
 MODEL_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "model"
 
@@ -99,6 +102,9 @@ class ModelConfig:
             need(self.router_score in _ROUTER_SCORES,
                  f"router_score must be one of {list(_ROUTER_SCORES)}, got {self.router_score!r}")
             need(self.aux_loss_coef >= 0, "aux_loss_coef must be >= 0")
+        for f in ("init_std", "norm_eps", "rope_theta"):
+            v = float(getattr(self, f))
+            need(math.isfinite(v) and v > 0, f"{f} must be a finite number > 0, got {getattr(self, f)}")
         need(0 <= int(self.outlier_channels) <= self.dim,
              f"outlier_channels must be in [0, dim={self.dim}], got {self.outlier_channels}")
         need(math.isfinite(float(self.outlier_scale)) and float(self.outlier_scale) > 0,
@@ -169,8 +175,11 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
-        """Build from a mapping (e.g. a Hydra ``model`` node); unknown keys list the valid ones."""
+        """Build from a mapping (e.g. a Hydra ``model`` node); unknown keys list the valid ones.
+        The ``optim`` block of a model config (the size's learning-rate defaults, which the
+        trainer's ``trainer.lr`` / ``min_lr`` / ``warmup_steps`` read) is not part of the model."""
         values = dict(values)
+        values.pop(OPTIM_KEY, None)
         _check_keys(values, values.get("name", "custom"))
         return cls(**values)
 

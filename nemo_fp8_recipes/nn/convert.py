@@ -129,6 +129,14 @@ def convert_model(
         r = r.replace(emulate=emulate)
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("convert_model was already applied to this model")
+    for fqn, sub in model.named_modules():
+        done = getattr(sub, _STATE_ATTR, None) if fqn else None
+        if done is not None:
+            raise RuntimeError(
+                f"convert_model was already applied to the submodule {fqn!r} (recipe {done.recipe.name}): converting "
+                f"the whole model now (recipe {r.name}) would leave that part under its own recipe and outside "
+                "this model's audit. Convert the whole model once, and keep parts out of FP8 with the policy "
+                "(PrecisionPolicy(exclude=[...]))")
     if device is None:
         p = next(iter(model.parameters()), None)
         device = p.device if p is not None and p.device.type != "meta" else None

@@ -16,7 +16,8 @@ Per-tensor recipes use one set of codes for both orientations (a transpose). Blo
 quantises every operand twice. Only the wgrad copy of X is saved for backward, in FP8.
 
 The FP8 weight copies are cached and re-quantised only when the weight changed (its version
-counter moved, i.e. once per optimizer step, not per micro-batch). Under ``torch.compile`` the
+counter moved, i.e. once per optimizer step, not per micro-batch) — and, under delayed scaling,
+when its scale moved (the copy follows the amax history even for a frozen weight). Under ``torch.compile`` the
 traced linear quantises its weight in the graph unless its compiled weight cache is on
 (:meth:`Float8Linear.set_graph_weight_cache`: buffers re-quantised after each optimizer step).
 Delayed scaling keeps an amax history per operand in buffers, so it is part of ``state_dict``; its scale for step t is
@@ -997,6 +998,9 @@ class Float8Linear(nn.Linear):
         (:meth:`traceable`). Turning telemetry on or off between steps makes the compiler
         re-trace once for each state (a guard on ``telemetry_enabled``).
         """
+        if not x.is_floating_point():
+            raise RuntimeError(f"Float8Linear {self.fqn or ''}: expected a floating-point input, got {x.dtype} "
+                               "(as nn.Linear, it multiplies floating-point tensors; cast the input first)")
         out_dtype = _out_dtype_for(x)
         if gate is not None:
             if self.fuses_swiglu(gate, x):
