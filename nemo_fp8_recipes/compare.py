@@ -63,6 +63,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "DEFAULT_TAG",
+    "LOSS_TAGS",
     "TOKENS_TAG",
     "DEVIATION_TAG",
     "CompareError",
@@ -84,6 +85,8 @@ __all__ = [
 ]
 
 DEFAULT_TAG = "train/loss"
+#: The training loss as each trainer logs it: nemo-fp8-train, Megatron-Bridge / Megatron-LM.
+LOSS_TAGS = (DEFAULT_TAG, "lm loss")
 TOKENS_TAG = "tokens_per_s"
 DEVIATION_TAG = "compare/rel_dev"
 JSON_VERSION = 2
@@ -241,14 +244,17 @@ def check_event_file(path: Path) -> Optional[str]:
             pass
 
 
-def load_run(path: Path, tag: str = DEFAULT_TAG, tokens_tag: str = TOKENS_TAG, name: Optional[str] = None) -> RunSeries:
+def load_run(path: Path, tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG, name: Optional[str] = None) -> RunSeries:
     """Read ``tag`` (and ``tokens_tag`` if present) from the event files of run directory ``path``;
-    every event file is checked record by record first (:func:`check_event_file`)."""
+    every event file is checked record by record first (:func:`check_event_file`). ``tag=None``:
+    the run's training loss under the name its trainer logs it (:data:`LOSS_TAGS`)."""
     path = Path(path)
     problems = [p for f in sorted(path.glob(_EVENTS_GLOB)) for p in [check_event_file(f)] if p]
     acc = _accumulator(path)
     tags = sorted(acc.Tags().get("scalars", []))
     name = name or path.name
+    if tag is None:
+        tag = next((t for t in LOSS_TAGS if t in tags), DEFAULT_TAG)
     if tag not in tags:
         hint = difflib.get_close_matches(tag, tags, n=1)
         raise CompareError(
@@ -275,7 +281,7 @@ def _run_names(paths: Sequence[Path]) -> List[str]:
     return [str(p) for p in paths]
 
 
-def load_runs(paths: Sequence[str], tag: str = DEFAULT_TAG, tokens_tag: str = TOKENS_TAG) -> List[RunSeries]:
+def load_runs(paths: Sequence[str], tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG) -> List[RunSeries]:
     """:func:`resolve_run_dirs` + :func:`load_run` for each, with unique names."""
     dirs = resolve_run_dirs(paths)
     return [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, _run_names(dirs))]
@@ -590,7 +596,8 @@ def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, s
             tokens_per_s=tps, speedup=speedup, passed=passed, reasons=reasons,
         ))
     stats.sort(key=lambda st: not st.baseline)  # baseline row first, the rest in the order given
-    return Comparison(tag=runs[0].tag, baseline=base.name, smooth=smooth, last=last, max_rel_dev=max_rel_dev,
+    tags = list(dict.fromkeys(r.tag for r in runs))  # one per trainer when runs of both are compared
+    return Comparison(tag=" / ".join(tags), baseline=base.name, smooth=smooth, last=last, max_rel_dev=max_rel_dev,
                       runs=list(runs), stats=stats, deviations=deviations, tokens_tag=tokens_tag)
 
 
@@ -717,7 +724,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="run directories (holding events.out.tfevents.*), or a parent of several runs")
     p.add_argument("--baseline", metavar="RUN", default=None,
                    help="run to compare against (name or path); default: the run named bf16, else the first")
-    p.add_argument("--tag", default=None, help=f"scalar to compare (default {DEFAULT_TAG}; e.g. val/loss)")
+    p.add_argument("--tag", default=None, help=f"scalar to compare (default: the training loss, {DEFAULT_TAG} of "
+                   "nemo-fp8-train runs or 'lm loss' of Megatron-Bridge runs; e.g. val/loss)")
     p.add_argument("--tokens-tag", default=None, help=f"throughput scalar (default {TOKENS_TAG})")
     p.add_argument("--smooth", type=int, default=None, metavar="N",
                    help="trailing moving average over N logged points before everything (default 1 = off)")
@@ -775,7 +783,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 _parser().print_usage(sys.stderr)
                 raise CompareError("give at least one RUN_DIR (or --from-json FILE)")
             dirs = resolve_run_dirs(args.runs)
-            tag = args.tag or DEFAULT_TAG
+            tag = args.tag  # None: each run's training loss (train/loss, or Megatron-Bridge's "lm loss")
             tokens_tag = args.tokens_tag or TOKENS_TAG
             runs = [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, _run_names(dirs))]
             comparison = compare_runs(runs, baseline=args.baseline, smooth=1 if args.smooth is None else args.smooth,

@@ -18,14 +18,25 @@ def gpu_skip_reason():
     return None
 
 
+def te_skip_reason():
+    """Why the ``te`` tests cannot run here (None when Transformer Engine imports on a GPU)."""
+    gpu = gpu_skip_reason()
+    if gpu is not None:
+        return f"Transformer Engine {gpu}"
+    from nemo_fp8_recipes.integrations.te import te_available
+
+    ok, why = te_available()
+    return None if ok else f"Transformer Engine is not importable here ({why}); pip install '.[te]' on this GPU machine"
+
+
 def pytest_collection_modifyitems(config, items):
     reason = gpu_skip_reason()
-    if reason is None:
-        return
-    skip = pytest.mark.skip(reason=reason)
+    te_reason = te_skip_reason() if any(item.get_closest_marker("te") for item in items) else None
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "gpu" in item.keywords and reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+        if item.get_closest_marker("te") is not None and te_reason is not None:
+            item.add_marker(pytest.mark.skip(reason=te_reason))
 
 
 # Numerics tables collected by tests (e.g. error vs the exact float64 GEMM per recipe and GEMM)

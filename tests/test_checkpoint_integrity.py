@@ -161,6 +161,7 @@ def test_a_full_disk_says_so_and_keeps_the_older_checkpoints(tmp_path, token_cac
     size = probe.checkpoint.stat().st_size
     disk = tmp_path / "small_disk"
     _mount_tmpfs(disk, str(int(2.6 * size) + 256 * 1024))  # room for two checkpoints and the logs
+    capsys.readouterr()  # what earlier in-process runs left on the captured streams
     try:
         code = main(TINY + [f"run.root={disk}", f"data.cache_dir={token_cache}", "recipe=tensorwise",
                             "trainer.max_steps=6", "trainer.ckpt_interval=1", "trainer.ckpt_keep=6"])

@@ -443,3 +443,28 @@ def test_the_baseline_can_be_named_by_its_directory(sweep, tmp_path):
         assert main([str(parent), "--baseline", spelling, "--last", "10", "--out", str(out), "--no-png",
                      "--no-events"]) == 0
         assert read_csv(out / "compare.csv")["tensorwise"]["baseline"] == "True"
+
+
+def test_megatron_bridge_runs_are_read_by_their_lm_loss_tag(sweep, tmp_path, capsys):
+    """Megatron-Bridge logs its training loss as 'lm loss' (``training/losses.py``) with
+    ``SummaryWriter.add_scalar``; the compare tool finds it without --tag and compares it with a
+    nemo-fp8-train run's train/loss."""
+    import shutil
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    parent, results = sweep
+    root = tmp_path / "runs"
+    shutil.copytree(parent / "bf16", root / "bf16")
+    w = SummaryWriter(log_dir=str(root / "tensorwise-bridge"))
+    for step, loss in sorted(results["tensorwise"].losses.items()):
+        if step % LOG_EVERY == 0:
+            w.add_scalar("lm loss", loss * 1.001, step)
+            w.add_scalar("lm loss vs samples", loss, step * 2)
+    w.close()
+    capsys.readouterr()
+    assert main([str(root), "--last", "10", "--out", str(tmp_path / "out"), "--no-png", "--no-events"]) == 0
+    out = capsys.readouterr().out
+    assert "tag `train/loss / lm loss`" in out and "| tensorwise-bridge |" in out
+    rows = read_csv(tmp_path / "out" / "compare.csv")
+    assert int(rows["tensorwise-bridge"]["aligned_steps"]) == STEPS // LOG_EVERY

@@ -102,11 +102,116 @@ def test_backend_group_and_bridge_config_validation():
 def test_bridge_launcher_checks_before_importing_bridge(capsys):
     rc = bridge.main(["--gpu", "h100", "model=llama3_8b", "recipe=delayed", "policy.first_layers_bf16=1"])
     assert rc == 2 and "[delayed-first-last]" in capsys.readouterr().out
-    rc = bridge.main(["--gpu", "h100", "model=llama3_tiny", "recipe=tensorwise"])
+    rc = bridge.main(["--gpu", "h100", "model=llama3_tiny", "recipe=tensorwise", "backend.provider=recipe"])
     assert rc == 2 and "has no Megatron-Bridge pretraining recipe" in capsys.readouterr().err
+    rc = bridge.main(["--gpu", "h100", "model=moe_tiny", "recipe=tensorwise"])
+    assert rc == 2 and "cannot be built offline" in capsys.readouterr().err
+    rc = bridge.main(["--gpu", "h100", "model=llama3_8b", "recipe=tensorwise", "trainer.max_steps=5"])
+    assert rc == 2 and "trainer.* keys apply to backend.provider=ours" in capsys.readouterr().err
     if importlib.util.find_spec("megatron.bridge") is None:
         rc = bridge.main(["--gpu", "h100", "model=llama3_8b", "recipe=tensorwise", "train.train_iters=5"])
         assert rc == 2 and "needs Megatron-Bridge" in capsys.readouterr().err
+        rc = bridge.main(["--gpu", "h100", "model=llama3_tiny", "recipe=tensorwise"])
+        assert rc == 2 and "needs Megatron-Bridge" in capsys.readouterr().err and "backend.dry_run=true" in \
+            capsys.readouterr().err + "backend.dry_run=true"
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "delayed"])
+def test_bridge_dry_run_of_our_model_needs_no_bridge_and_prints_the_fp8_settings(recipe, tmp_path, capsys):
+    rc = bridge.main(["--gpu", "h200", "--cuda", "12.9", "model=llama3_tiny", f"recipe={recipe}",
+                      "backend.dry_run=true", "trainer.max_steps=20", "model.num_layers=2", f"run.root={tmp_path}"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert f"provider=ours" in out and f"fp8_recipe = {recipe}" in out
+    kw = bridge.bridge_mixed_precision_kwargs(recipe)
+    for k in ("fp8", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin"):
+        assert f"    {k} = {kw[k]}" in out
+    assert "num_layers=2" in out and "hidden_size=256" in out and "tokenizer_type': 'NullTokenizer'" in out
+    assert "train.train_iters=20" in out and f"logger.tensorboard_dir={tmp_path}/llama3_tiny/{recipe}" in out
+    assert not (tmp_path / "llama3_tiny").exists()  # a dry run writes nothing
+
+
+def test_bridge_published_recipes_state_the_gpus_they_need(capsys):
+    assert {k: v.gpus for k, v in bridge.PUBLISHED_RECIPES.items()} == {
+        "llama3_8b": 2, "llama3_70b": 32, "llama31_405b": 256}
+    rc = bridge.main(["--gpu", "h100", "--cuda", "12.9", "model=llama3_70b", "recipe=tensorwise", "backend.dry_run=true"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "llama3_70b_pretrain_config" in out and "gpus_per_replica=32" in out
+    assert "one model replica needs 32 GPUs; this process group has 1" in out
+    with pytest.raises(bridge.BridgeLaunchError, match="needs a multiple of 2 GPUs.*context parallel 2.*has 1"):
+        bridge.check_world_size(1, 1, 2, "llama3_8b_pretrain_config", world=1)
+    with pytest.raises(bridge.BridgeLaunchError, match="has 3"):
+        bridge.check_world_size(1, 1, 2, "llama3_8b_pretrain_config", world=3)
+    bridge.check_world_size(1, 1, 2, "llama3_8b_pretrain_config", world=4)
+
+
+def test_bridge_provider_modes_and_model_overrides():
+    from nemo_fp8_recipes.integrations.validate import split_overrides
+
+    assert bridge.provider_mode("llama3_8b") == "recipe" and bridge.provider_mode("llama3_150m") == "ours"
+    assert bridge.provider_mode("llama3_8b", "ours") == "ours"
+    assert bridge.provider_mode("moe_tiny", "auto", "deepseek_v3_pretrain_config") == "recipe"
+    with pytest.raises(bridge.BridgeLaunchError, match="choose one of: auto, recipe, ours"):
+        bridge.provider_mode("llama3_8b", "hub")
+    with pytest.raises(bridge.BridgeLaunchError, match="leave it unset"):
+        bridge.provider_mode("llama3_8b", "ours", "llama3_8b_pretrain_config")
+    # model.<our field> is ours when we build the model, Bridge's provider field otherwise
+    ours, theirs = split_overrides(["backend=megatron_bridge", "model=llama3_tiny", "model.num_layers=2",
+                                    "model.recompute_granularity=full"], backend="megatron_bridge")
+    assert "model.num_layers=2" in ours and "model.recompute_granularity=full" in theirs
+    ours, theirs = split_overrides(["backend=megatron_bridge", "model=llama3_8b", "model.num_layers=2"],
+                                   backend="megatron_bridge")
+    assert "model.num_layers=2" in theirs
+    ours, theirs = split_overrides(["backend=megatron_bridge", "model=llama3_8b", "backend.provider=ours",
+                                    "model.num_layers=2"], backend="megatron_bridge")
+    assert "model.num_layers=2" in ours
+
+
+def test_bridge_provider_fields_from_our_model_configs():
+    from nemo_fp8_recipes.models.config import load_model_config
+
+    m = load_model_config("llama31_405b")
+    kw = bridge.provider_kwargs(m, seq_length=4096, tensor_parallel=8, pipeline_parallel=2, context_parallel=2,
+                                sequence_parallel=True, gradient_accumulation_fusion=False)
+    assert (kw["num_layers"], kw["hidden_size"], kw["ffn_hidden_size"]) == (126, 16384, 53248)
+    assert (kw["num_attention_heads"], kw["num_query_groups"], kw["kv_channels"]) == (128, 8, 128)
+    assert kw["rope_scaling"] is True and kw["rope_scaling_factor"] == 8.0 and kw["rotary_base"] == 500000.0
+    assert kw["normalization"] == "RMSNorm" and kw["gated_linear_unit"] and not kw["add_bias_linear"]
+    assert kw["share_embeddings_and_output_weights"] is False and kw["params_dtype"] is torch.bfloat16
+    assert kw["pipeline_dtype"] is torch.bfloat16 and kw["sequence_parallel"] is True
+    tiny = bridge.provider_kwargs(load_model_config("llama3_tiny"), seq_length=256)
+    assert tiny["rope_scaling"] is False and tiny["pipeline_dtype"] is None and tiny["vocab_size"] == 512
+    with pytest.raises(bridge.BridgeLaunchError, match="must divide model.num_heads"):
+        bridge.provider_kwargs(load_model_config("llama3_tiny"), seq_length=256, tensor_parallel=3)
+    with pytest.raises(bridge.BridgeLaunchError, match="needs backend.tensor_parallel >= 2"):
+        bridge.provider_kwargs(load_model_config("llama3_tiny"), seq_length=256, sequence_parallel=True)
+    with pytest.raises(bridge.BridgeLaunchError, match="only dense Llama"):
+        bridge.provider_kwargs(load_model_config("moe_tiny"), seq_length=256)
+
+
+def test_bridge_trainer_mapping_and_local_inputs(tmp_path, capsys):
+    from pathlib import Path
+
+    from nemo_fp8_recipes.train_config import trainer_config
+
+    cfg = compose_config(["backend=megatron_bridge", "model=llama3_150m", "trainer.max_steps=50",
+                          "trainer.ckpt_interval=0", "trainer.val_interval=0", "trainer.lr=1e-3"])
+    got = dict(bridge.trainer_settings(trainer_config(cfg), Path("/runs/x")))
+    assert got["train.train_iters"] == 50 and got["optimizer.lr"] == 1e-3 and got["scheduler.lr_decay_iters"] == 50
+    assert got["checkpoint.save_interval"] == 50 and got["validation.eval_interval"] == 50
+    assert got["logger.tensorboard_dir"] == "/runs/x" and got["checkpoint.save"] == "/runs/x/checkpoints"
+    # a pass-through override wins over our mapping
+    plan = bridge.launch_plan(cfg, ["train.train_iters=7"])
+    assert "train.train_iters" not in dict(plan["settings"]) and plan["pass_through"] == ["train.train_iters=7"]
+    # local data and tokenizer: refused with the fix when they are not there
+    with pytest.raises(bridge.BridgeLaunchError, match="no Megatron indexed dataset there"):
+        bridge.launch_plan(compose_config(["backend=megatron_bridge", f"+backend.data_path={tmp_path}/text"]))
+    (tmp_path / "text.bin").write_bytes(b"")
+    (tmp_path / "text.idx").write_bytes(b"")
+    plan = bridge.launch_plan(compose_config(["backend=megatron_bridge", f"backend.data_path=[{tmp_path}/text]"]))
+    assert plan["dataset"] == {"blend": [f"{tmp_path}/text"], "kind": "Megatron indexed dataset"}
+    with pytest.raises(bridge.BridgeLaunchError, match="local Hugging Face tokenizer directory"):
+        bridge.launch_plan(compose_config(["backend=megatron_bridge", f"backend.tokenizer={tmp_path}/nothing"]))
 
 
 @pytest.mark.skipif(BRIDGE_SRC is None, reason="Megatron-Bridge source not found (needs Python >= 3.12 to install; "

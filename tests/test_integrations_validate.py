@@ -178,8 +178,10 @@ def test_helpers():
                                     "policy.first_layers_bf16=1", "train.train_iters=5"], backend="te")
     assert ours == ["recipe=delayed", "model=llama3_8b", "model.num_layers=2", "policy.first_layers_bf16=1"]
     assert theirs == ["model.fp8_wgrad=false", "train.train_iters=5"]
-    _, theirs = split_overrides(["backend=megatron_bridge", "model.num_layers=2"])
-    assert theirs == ["model.num_layers=2"]  # with Bridge, model.* belongs to Bridge's model provider
+    _, theirs = split_overrides(["backend=megatron_bridge", "model=llama3_8b", "model.num_layers=2"])
+    assert theirs == ["model.num_layers=2"]  # Bridge's published recipe builds the model: its provider's field
+    ours, _ = split_overrides(["backend=megatron_bridge", "model.num_layers=2"])
+    assert "model.num_layers=2" in ours  # llama3_tiny is built from our config (backend.provider=auto -> ours)
 
 
 def test_cli(capsys, tmp_path):

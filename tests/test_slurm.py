@@ -139,7 +139,7 @@ def test_megatron_bridge_launch_line(tmp_path):
         "--nnodes=$SLURM_NNODES", "--nproc-per-node=8", "--rdzv-backend=c10d",
         "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--rdzv-id=$SLURM_JOB_ID",
         "-m", "nemo_fp8_recipes.integrations.bridge", "backend=megatron_bridge", "model=llama3_8b",
-        "recipe=blockwise", "policy.first_layers_bf16=1", "train.train_iters=500",
+        "recipe=blockwise", "policy.first_layers_bf16=1", f"run.dir={run_dir}", "train.train_iters=500",
         "dataset.blend=[[/data/my_text_document],null]",
         f"logger.tensorboard_dir={run_dir}", f"checkpoint.save={run_dir}/checkpoints",
     ]
@@ -149,9 +149,13 @@ def test_megatron_bridge_launch_line(tmp_path):
     bash_syntax_ok(job.script, tmp_path)
 
     # Bridge's own run_recipe.py with the recipe's preset
+    # the published 70B recipe needs TP4 x PP4 x CP2 = 32 GPUs: refused on one node of 8, before it queues
+    with pytest.raises(ConfigError, match="needs a multiple of 32 GPUs.*cluster.nodes=1 x cluster.gpus_per_node=8"):
+        plan_jobs(["backend=megatron_bridge", "model=llama3_70b", "recipe=mxfp8", "cluster.gpu_type=B200",
+                   f"run.root={tmp_path}"], cwd=tmp_path)
     [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_70b", "recipe=mxfp8", "cluster.gpu_type=B200",
-                       "submit.bridge.entry=run_recipe", "train.train_iters=500", f"run.root={tmp_path}"],
-                      cwd=tmp_path)
+                       "cluster.nodes=4", "submit.bridge.entry=run_recipe", "train.train_iters=500",
+                       f"run.root={tmp_path}"], cwd=tmp_path)
     argv = launch_argv(job.script)
     run_dir = f"{tmp_path}/llama3_70b/mxfp8"
     t = next(i for i, a in enumerate(argv) if a.endswith("torchrun"))  # the interpreter's own torchrun
@@ -166,13 +170,29 @@ def test_megatron_bridge_launch_line(tmp_path):
     bash_syntax_ok(job.script, tmp_path)
 
 
+def test_megatron_bridge_job_for_our_model_built_offline(tmp_path):
+    [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_tiny", "recipe=tensorwise", "cluster.gpus_per_node=1",
+                       "cluster.gpu_type=H200", "trainer.max_steps=20", "backend.strict_audit=true",
+                       f"run.root={tmp_path}"], cwd=tmp_path)
+    argv = launch_argv(job.script)
+    m = argv.index("nemo_fp8_recipes.integrations.bridge")
+    run_dir = f"{tmp_path}/llama3_tiny/tensorwise"
+    assert argv[m + 1:] == ["backend=megatron_bridge", "model=llama3_tiny", "recipe=tensorwise", "trainer.max_steps=20",
+                            "backend.strict_audit=true", f"run.dir={run_dir}", f"logger.tensorboard_dir={run_dir}",
+                            f"checkpoint.save={run_dir}/checkpoints"]
+    assert "built from our model config (offline), 1 GPU(s) per replica" in job.script
+    with pytest.raises(ConfigError, match="run_recipe runs a Bridge recipe function"):
+        plan_jobs(["backend=megatron_bridge", "model=llama3_tiny", "submit.bridge.entry=run_recipe",
+                   f"run.root={tmp_path}"], cwd=tmp_path)
+
+
 def test_megatron_bridge_jobs_are_checked_before_they_queue(tmp_path):
     # the pre-launch validator runs for the GPUs the job asks for, not for this machine
     with pytest.raises(ConfigError, match="mxfp8 needs SM100"):
         plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=mxfp8", "cluster.gpu_type=H100"],
                   cwd=tmp_path)
     with pytest.raises(ConfigError, match="model=llama3_tiny has no Megatron-Bridge pretraining recipe"):
-        plan_jobs(["backend=megatron_bridge", f"run.root={tmp_path}"], cwd=tmp_path)
+        plan_jobs(["backend=megatron_bridge", "backend.provider=recipe", f"run.root={tmp_path}"], cwd=tmp_path)
     with pytest.raises(ConfigError, match="needs GPUs"):
         plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "cluster.gpus_per_node=0"], cwd=tmp_path)
     with pytest.raises(SlurmSpecError, match="contradicts recipe blockwise"):

@@ -12,14 +12,45 @@ the built model config still carries every value.
 
 Launch (one process per GPU, e.g. under ``torchrun``)::
 
+    # Bridge's published Llama 3 8B recipe (context parallel 2: at least 2 GPUs), our FP8 recipe
     torchrun --nproc-per-node 8 -m nemo_fp8_recipes.integrations.bridge \\
         model=llama3_8b recipe=blockwise policy.first_layers_bf16=1 train.train_iters=100
+    # any model of ours built offline (no Hugging Face hub), mock data, one GPU
+    torchrun --nproc-per-node 1 -m nemo_fp8_recipes.integrations.bridge \\
+        model=llama3_tiny recipe=tensorwise trainer.max_steps=20 backend.strict_audit=true
 
-Our keys (``recipe=``, ``recipe.*``, ``policy.*``, ``model=<name>``, ``backend.*``) are composed
-with the trainer's Hydra tree (``backend=megatron_bridge``); everything else is passed through to
-Bridge's ``process_config_with_overrides`` (``train.*``, ``optimizer.*``, ``model.*`` fields of the
-model provider, ``dataset.*``, ``checkpoint.*``, ``ddp.*``, ``mixed_precision.*`` that the recipe
-does not own). ``nemo-fp8-check`` runs first and refuses the traps of DESIGN §5.
+Two ways to get the model (``backend.provider``):
+
+``recipe`` (``auto`` for ``llama3_8b``, ``llama3_70b``, ``llama31_405b``)
+    Bridge's published pretraining recipe function (:data:`PUBLISHED_RECIPES`; it reads the
+    model's config from the Hugging Face hub, and needs the parallel layout it was written for:
+    8B TP1·PP1·CP2 = 2 GPUs, 70B TP4·PP4·CP2 = 32, 405B TP8·PP8·CP4 = 256 — a world size that
+    cannot hold it is refused). ``backend.recipe_fn=<name>`` picks any other function.
+``ours`` (``auto`` for every other model)
+    A ``GPTModelProvider`` built from our model config (:func:`provider_kwargs`: the fields
+    Bridge's own Llama conversion sets, from ``model.*``), on Bridge's common pretraining
+    defaults, with our ``trainer.*`` keys mapped onto Bridge's (:func:`trainer_settings`), mock
+    data or a Megatron indexed dataset (``backend.data_path``), and Bridge's ``NullTokenizer`` or
+    a local Hugging Face tokenizer (``backend.tokenizer``). Nothing is downloaded. Parallelism
+    from ``backend.tensor_parallel`` / ``pipeline_parallel`` / ``context_parallel`` /
+    ``sequence_parallel``. Dense Llama models only (MoE: ``backend.recipe_fn``).
+
+Our keys (``recipe=``, ``recipe.*``, ``policy.*``, ``model=<name>``, ``backend.*``, ``trainer.*``,
+``run.*``; with ``provider=ours`` also our ``model.<field>``) are composed with the trainer's
+Hydra tree (``backend=megatron_bridge``); everything else is passed through to Bridge's
+``process_config_with_overrides`` (``train.*``, ``optimizer.*``, ``model.*`` fields of the model
+provider, ``dataset.*``, ``checkpoint.*``, ``ddp.*``, ``mixed_precision.*`` that the recipe does
+not own) and wins over what we set. ``nemo-fp8-check`` runs first and refuses the traps of the
+Megatron-Bridge section of ``docs/integration.md``. TensorBoard events and checkpoints go to the
+run directory (``runs/<model>/<recipe>[-<tag>]``), so ``nemo-fp8-compare runs/<model>`` compares
+Bridge runs as it compares the embedded trainer's.
+
+Traps handled (seen with Bridge 0.6.2 on an H200): Bridge runs ``make`` on megatron-core's dataset
+helpers at start and exits when that fails — a wheel install has them compiled but no Makefile,
+so the prebuilt module is used then (logged); ``gradient_accumulation_fusion`` needs APEX's fused
+wgrad kernel and is turned off (logged) when it is not installed. ``backend.dry_run=true`` prints
+everything resolved (FP8 settings, provider or recipe function, parallel layout, GPUs needed,
+trainer mapping) without importing Bridge.
 
 Checked against Megatron-Bridge 0.6.2 (the PyPI wheel): ``training/mixed_precision.py``
 (fields, ``setup``, ``bf16_mixed``), ``training/config.py`` (``runtime_config_update``,
@@ -36,7 +67,9 @@ import inspect
 import logging
 import os
 import sys
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 from ..policy import PrecisionPolicy
 from ..recipes import Recipe, get_recipe
@@ -45,6 +78,13 @@ from .te import prepare_te_env
 
 __all__ = [
     "BRIDGE_RECIPES",
+    "PUBLISHED_RECIPES",
+    "PublishedRecipe",
+    "BridgeLaunchError",
+    "provider_mode",
+    "provider_kwargs",
+    "trainer_settings",
+    "launch_plan",
     "bridge_recipe_name",
     "bridge_mixed_precision_kwargs",
     "bridge_mixed_precision_config",
@@ -55,6 +95,36 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+class BridgeLaunchError(ValueError):
+    """A Bridge launch that cannot run as configured; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class PublishedRecipe:
+    """A Megatron-Bridge pretraining recipe function and the parallel layout it is written for
+    (Megatron-Bridge 0.6.2, ``recipes/llama/h100/llama3.py``)."""
+
+    fn: str
+    tensor_parallel: int
+    pipeline_parallel: int
+    context_parallel: int
+    virtual_pipeline: Optional[int]
+    seq_length: int
+
+    @property
+    def gpus(self) -> int:
+        """GPUs one model replica needs (TP x PP x CP)."""
+        return self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+
+
+#: Bridge's published Llama 3 pretraining recipes (what ``backend.provider=auto`` uses for them).
+PUBLISHED_RECIPES = {
+    "llama3_8b": PublishedRecipe("llama3_8b_pretrain_config", 1, 1, 2, None, 8192),
+    "llama3_70b": PublishedRecipe("llama3_70b_pretrain_config", 4, 4, 2, 5, 8192),
+    "llama31_405b": PublishedRecipe("llama31_405b_pretrain_config", 8, 8, 4, 2, 131072),
+}
+PROVIDER_MODES = ("auto", "recipe", "ours")
 
 #: Our model name -> Megatron-Bridge pretrain recipe function (``megatron.bridge.recipes``).
 BRIDGE_RECIPES = {
@@ -154,45 +224,224 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def build_bridge_config(cfg, bridge_overrides: Sequence[str] = ()) -> Tuple[Any, Dict[str, Any]]:
-    """Build Megatron-Bridge's ``ConfigContainer`` for a composed config (``backend=megatron_bridge``)
-    and pass-through overrides; returns ``(config_container, expected_model_fields)``.
+# ---- which model, how it is built -------------------------------------------------------------------
+def provider_mode(model: str, provider: str = "auto", recipe_fn: Optional[str] = None) -> str:
+    """``"recipe"`` (a Bridge recipe function builds the model) or ``"ours"`` (built from our model
+    config): ``backend.recipe_fn`` forces ``recipe``; ``auto`` is ``recipe`` for the sizes Bridge
+    publishes a recipe for (:data:`PUBLISHED_RECIPES`) and ``ours`` for the rest."""
+    provider = str(provider or "auto")
+    if provider not in PROVIDER_MODES:
+        raise BridgeLaunchError(f"backend.provider={provider!r} is not valid; choose one of: {', '.join(PROVIDER_MODES)}")
+    if recipe_fn:
+        if provider == "ours":
+            raise BridgeLaunchError("backend.recipe_fn names a Bridge recipe function, which builds its own model; "
+                                    "with backend.provider=ours leave it unset")
+        return "recipe"
+    if provider == "auto":
+        return "recipe" if model in PUBLISHED_RECIPES else "ours"
+    if provider == "recipe" and model not in BRIDGE_RECIPES:
+        try:
+            bridge_recipe_name(model)
+        except ValueError as e:  # lists what exists
+            raise BridgeLaunchError(str(e)) from None
+    return provider
 
-    Order: Bridge recipe function -> our ``MixedPrecisionConfig`` -> pass-through overrides (on top,
-    so allowed ``mixed_precision.*`` tweaks such as ``fp8_param_gather`` apply) -> our model-only
-    fields -> a check that the recipe-owned fields are unchanged.
-    """
+
+def _apex_wgrad_fusion() -> bool:
+    try:
+        import fused_weight_gradient_mlp_cuda  # type: ignore  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def provider_kwargs(mcfg, *, seq_length: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
+                    context_parallel: int = 1, sequence_parallel: bool = False,
+                    gradient_accumulation_fusion: Optional[bool] = None) -> Dict[str, Any]:
+    """``GPTModelProvider(**kwargs)`` for one of our (dense Llama) model configs: the fields
+    Megatron-Bridge's Hugging Face Llama conversion sets (``models/conversion/model_bridge.py``'s
+    field map plus ``models/llama/llama_bridge.py``), computed from our config instead of a hub
+    download; Llama 3.1 RoPE scaling when the config has it. Pure data (imports torch only)."""
+    import torch
+    import torch.nn.functional as F
+
+    if mcfg.arch != "llama":
+        raise BridgeLaunchError(
+            f"model={mcfg.name} (arch {mcfg.arch}) cannot be built offline for Megatron-Bridge: only dense Llama "
+            "configs are mapped; give a Bridge recipe function with backend.recipe_fn=<name> (e.g. "
+            "deepseek_v3_pretrain_config)")
+    for name, v in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
+                    ("context_parallel", context_parallel)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise BridgeLaunchError(f"backend.{name} must be an integer >= 1, got {v!r}")
+    if sequence_parallel and tensor_parallel < 2:
+        raise BridgeLaunchError("backend.sequence_parallel=true needs backend.tensor_parallel >= 2")
+    if mcfg.num_heads % tensor_parallel or mcfg.num_kv_heads % tensor_parallel:
+        raise BridgeLaunchError(f"backend.tensor_parallel={tensor_parallel} must divide model.num_heads "
+                                f"({mcfg.num_heads}) and model.num_kv_heads ({mcfg.num_kv_heads})")
+    if mcfg.num_layers % pipeline_parallel:
+        raise BridgeLaunchError(f"backend.pipeline_parallel={pipeline_parallel} must divide model.num_layers "
+                                f"({mcfg.num_layers})")
+    if gradient_accumulation_fusion is None:
+        gradient_accumulation_fusion = _apex_wgrad_fusion()
+    scaled = float(getattr(mcfg, "rope_scaling_factor", 1.0) or 1.0)
+    return {
+        "num_layers": mcfg.num_layers, "hidden_size": mcfg.dim, "ffn_hidden_size": mcfg.ffn_dim,
+        "num_attention_heads": mcfg.num_heads, "num_query_groups": mcfg.num_kv_heads, "kv_channels": mcfg.head_dim,
+        "vocab_size": mcfg.vocab_size, "make_vocab_size_divisible_by": 128, "seq_length": int(seq_length),
+        "layernorm_epsilon": mcfg.norm_eps, "init_method_std": mcfg.init_std,
+        "normalization": "RMSNorm", "gated_linear_unit": True, "activation_func": F.silu,
+        "add_bias_linear": False, "add_qkv_bias": False, "share_embeddings_and_output_weights": False,
+        "position_embedding_type": "rope", "rotary_base": mcfg.rope_theta, "rotary_percent": 1.0,
+        "rope_scaling": scaled > 1.0, "rope_scaling_factor": scaled if scaled > 1.0 else 1.0,
+        "attention_dropout": 0.0, "hidden_dropout": 0.0,
+        "bias_activation_fusion": True, "masked_softmax_fusion": True, "persist_layer_norm": True,
+        "bias_dropout_fusion": True, "apply_rope_fusion": True,
+        "bf16": True, "fp16": False, "params_dtype": torch.bfloat16,
+        "tensor_model_parallel_size": tensor_parallel, "pipeline_model_parallel_size": pipeline_parallel,
+        "context_parallel_size": context_parallel, "sequence_parallel": bool(sequence_parallel),
+        "pipeline_dtype": torch.bfloat16 if pipeline_parallel > 1 else None,
+        "gradient_accumulation_fusion": bool(gradient_accumulation_fusion),
+    }
+
+
+def trainer_settings(tcfg, run_dir: Path) -> List[Tuple[str, Any]]:
+    """Our ``trainer.*`` (and the run directory) as Bridge ``ConfigContainer`` fields, in the order
+    they are set: ``(dotted field, value)``. Pass-through Bridge overrides are applied after them."""
+    ckpt_every = min(tcfg.ckpt_interval or tcfg.max_steps, tcfg.max_steps)
+    return [
+        ("train.train_iters", tcfg.max_steps), ("train.micro_batch_size", tcfg.micro_batch_size),
+        ("train.global_batch_size", tcfg.global_batch_size),
+        ("dataset.seq_length", tcfg.seq_len), ("model.seq_length", tcfg.seq_len),
+        ("optimizer.lr", tcfg.lr), ("optimizer.min_lr", tcfg.min_lr), ("optimizer.weight_decay", tcfg.weight_decay),
+        ("optimizer.adam_beta1", tcfg.beta1), ("optimizer.adam_beta2", tcfg.beta2), ("optimizer.adam_eps", tcfg.eps),
+        ("optimizer.clip_grad", tcfg.grad_clip), ("scheduler.lr_warmup_iters", tcfg.warmup_steps),
+        ("scheduler.lr_decay_iters", tcfg.max_steps), ("rng.seed", tcfg.seed), ("dataset.random_seed", tcfg.seed),
+        ("logger.log_interval", max(1, tcfg.log_interval)), ("logger.tensorboard_dir", str(run_dir)),
+        ("validation.eval_interval", min(tcfg.val_interval or tcfg.max_steps, tcfg.max_steps)),
+        ("validation.eval_iters", max(1, tcfg.val_steps)),
+        ("checkpoint.save", str(run_dir / "checkpoints")), ("checkpoint.load", str(run_dir / "checkpoints")),
+        ("checkpoint.save_interval", ckpt_every),
+    ]
+
+
+def _world_size() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+def check_world_size(tp: int, pp: int, cp: int, what: str, world: Optional[int] = None) -> None:
+    """A run whose world size cannot hold one model replica (TP x PP x CP GPUs) is refused."""
+    world = _world_size() if world is None else world
+    need = tp * pp * cp
+    if world < need or world % need:
+        raise BridgeLaunchError(
+            f"{what} needs a multiple of {need} GPUs (tensor parallel {tp} x pipeline parallel {pp} x context parallel "
+            f"{cp}); this run has {world} process(es). Launch it with torchrun --nproc-per-node / SLURM "
+            f"cluster.nodes x cluster.gpus_per_node = {need} (or a multiple), or build the model offline with fewer "
+            "layers on the GPUs you have: backend.provider=ours model.num_layers=<n> (backend.tensor_parallel etc.)")
+
+
+def _given(overrides: Sequence[str]) -> set:
+    return {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+
+
+def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequence[str] = ()) -> Dict[str, Any]:
+    """Everything the launch resolves, without importing Megatron-Bridge: the provider mode, the
+    recipe function or the provider fields, the parallel layout and GPUs one replica needs, the
+    FP8 ``mixed_precision`` and model fields, the trainer mapping, the run directory and the
+    pass-through overrides. ``backend.dry_run=true`` prints it; :func:`build_bridge_config`
+    builds from it."""
+    from omegaconf import OmegaConf
+
+    from ..models import ModelConfig
     from ..train import build_policy, build_recipe
+    from ..train_config import run_config, trainer_config
 
     r = build_recipe(cfg.recipe)
     p = build_policy(cfg.get("policy"))
     b = cfg.backend
-    fpg = bool(b.get("fp8_param_gather", False))
-    fn_name = bridge_recipe_name(str(cfg.model.name), b.get("recipe_fn"))
+    model_name = str(cfg.model.name)
+    mode = provider_mode(model_name, b.get("provider", "auto"), b.get("recipe_fn"))
+    run_dir = Path(run_config(cfg).dir).expanduser().resolve()
+    plan: Dict[str, Any] = {
+        "model": model_name, "recipe": r.name, "provider": mode, "run_dir": str(run_dir),
+        "mixed_precision": bridge_mixed_precision_kwargs(r, p, fp8_param_gather=bool(b.get("fp8_param_gather", False))),
+        "model_fields": {k: (v if k != "quant_recipe" else "per-module BF16 overrides (set)")
+                         for k, v in bridge_model_fields(r, p).items()} if r.is_fp8 else {"moe_router_dtype": "fp32"},
+        "te_env": {}, "pass_through": list(bridge_overrides),
+    }
     if r.is_fp8:
-        prepare_te_env(r)  # before anything imports Transformer Engine
-    try:
-        import megatron.bridge.recipes as bridge_recipes  # type: ignore
-        from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides  # type: ignore
-    except ImportError as e:
-        raise ImportError(
-            f"backend=megatron_bridge needs Megatron-Bridge (pip install megatron-bridge; Python >= 3.12, CUDA, "
-            f"Transformer Engine): {e}. nemo-fp8-check validates the same command line without it"
-        ) from e
-    fn = getattr(bridge_recipes, fn_name, None)
-    if fn is None:
-        raise ValueError(f"megatron.bridge.recipes has no {fn_name}; check backend.recipe_fn and the Bridge version")
-    container = fn()
-    container.mixed_precision = bridge_mixed_precision_config(r, p, fp8_param_gather=fpg)
-    env_vars = getattr(container, "env_vars", None)
-    if isinstance(env_vars, dict):
         from .te import te_env
 
-        env_vars.update(te_env(r))
-    if bridge_overrides:
-        container = process_config_with_overrides(container, cli_overrides=list(bridge_overrides))
-    for k, v in bridge_model_fields(r, p).items():
-        setattr(container.model, k, v)
+        plan["te_env"] = te_env(r)
+    if mode == "recipe":
+        fn = bridge_recipe_name(model_name, b.get("recipe_fn"))
+        pub = next((v for v in PUBLISHED_RECIPES.values() if v.fn == fn), None)
+        plan["recipe_fn"] = fn
+        if pub is not None:
+            plan["parallel"] = {"tensor_parallel": pub.tensor_parallel, "pipeline_parallel": pub.pipeline_parallel,
+                                "context_parallel": pub.context_parallel, "virtual_pipeline": pub.virtual_pipeline,
+                                "seq_length": pub.seq_length, "gpus_per_replica": pub.gpus}
+        ours = [o for o in our_overrides if o.split("=", 1)[0].lstrip("+~").split(".", 1)[0] == "trainer"]
+        if ours:
+            raise BridgeLaunchError(
+                f"{', '.join(ours)}: trainer.* keys apply to backend.provider=ours; Bridge's recipe {fn} keeps its own "
+                "schedule: override it with train.*, optimizer.*, scheduler.* (e.g. train.train_iters=100)")
+        plan["settings"] = [(k, v) for k, v in (("logger.tensorboard_dir", str(run_dir)),
+                                                ("checkpoint.save", str(run_dir / "checkpoints")))]
+    else:
+        mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        tcfg = trainer_config(cfg)
+        par = dict(tensor_parallel=int(b.get("tensor_parallel", 1)), pipeline_parallel=int(b.get("pipeline_parallel", 1)),
+                   context_parallel=int(b.get("context_parallel", 1)),
+                   sequence_parallel=bool(b.get("sequence_parallel", False)))
+        kw = provider_kwargs(mcfg, seq_length=tcfg.seq_len, **par)
+        plan["provider_kwargs"] = kw
+        plan["parallel"] = {**par, "gpus_per_replica": par["tensor_parallel"] * par["pipeline_parallel"]
+                            * par["context_parallel"]}
+        plan["settings"] = trainer_settings(tcfg, run_dir)
+        data = b.get("data_path")
+        data = [str(d) for d in (data if isinstance(data, (list, tuple)) or OmegaConf.is_list(data) else [data])] \
+            if data else []
+        for prefix in data:
+            if not (Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()):
+                raise BridgeLaunchError(
+                    f"backend.data_path {prefix!r}: no Megatron indexed dataset there (want {prefix}.bin and {prefix}.idx, "
+                    "as Megatron-LM's tools/preprocess_data.py writes them); leave backend.data_path unset for mock data")
+        plan["dataset"] = {"blend": data or None, "kind": "Megatron indexed dataset" if data else "mock data"}
+        tok = b.get("tokenizer")
+        if tok:
+            if not Path(str(tok)).is_dir():
+                raise BridgeLaunchError(f"backend.tokenizer={tok}: not a directory; give a local Hugging Face tokenizer "
+                                        "directory (tokenizer.json / tokenizer_config.json), or leave it unset for "
+                                        "Bridge's NullTokenizer")
+            plan["tokenizer"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tok)}
+        else:
+            plan["tokenizer"] = {"tokenizer_type": "NullTokenizer", "vocab_size": mcfg.vocab_size}
+        if not kw["gradient_accumulation_fusion"]:
+            plan["notes"] = ["gradient_accumulation_fusion off: APEX's fused wgrad kernel is not installed"]
+    given = _given(bridge_overrides)
+    plan["settings"] = [(k, v) for k, v in plan["settings"] if k not in given]
+    need = plan.get("parallel", {}).get("gpus_per_replica")
+    world = _world_size()
+    if need and (world < need or world % need):
+        plan.setdefault("notes", []).append(
+            f"one model replica needs {need} GPUs; this process group has {world}: the launch itself would be refused "
+            f"(run it under torchrun with a multiple of {need} processes)")
+    return plan
+
+
+def _setattr_path(obj: Any, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for name in parents:
+        obj = getattr(obj, name)
+    setattr(obj, leaf, value)
+
+
+def _check_recipe_owned(container, r: Recipe, p: Optional[PrecisionPolicy], fpg: bool) -> None:
     want = bridge_mixed_precision_kwargs(r, p, fp8_param_gather=fpg)
     mp = container.mixed_precision
     changed = {k: (getattr(mp, k, None), v) for k, v in want.items()
@@ -203,19 +452,140 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = ()) -> Tuple[Any,
             + ", ".join(f"{k}={have!r} (recipe: {v!r})" for k, (have, v) in changed.items())
             + "; choose them with recipe=/recipe.*/policy.* instead"
         )
+
+
+def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequence[str] = ()
+                        ) -> Tuple[Any, Dict[str, Any]]:
+    """Build Megatron-Bridge's ``ConfigContainer`` for a composed config (``backend=megatron_bridge``)
+    and pass-through overrides; returns ``(config_container, expected_model_fields)``.
+
+    Order: the model (Bridge recipe function, or our provider on Bridge's common pretraining
+    defaults with tokenizer, data and our trainer mapping) -> our ``MixedPrecisionConfig`` ->
+    pass-through overrides (on top, so allowed ``mixed_precision.*`` tweaks such as
+    ``fp8_param_gather`` apply) -> our model-only fields -> a check that the recipe-owned fields
+    are unchanged and that the world size holds one model replica.
+    """
+    from ..train import build_policy, build_recipe
+
+    plan = launch_plan(cfg, bridge_overrides, our_overrides)
+    r = build_recipe(cfg.recipe)
+    p = build_policy(cfg.get("policy"))
+    fpg = bool(cfg.backend.get("fp8_param_gather", False))
+    if r.is_fp8:
+        prepare_te_env(r)  # before anything imports Transformer Engine
+    try:
+        import megatron.bridge.recipes as bridge_recipes  # type: ignore
+        from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides  # type: ignore
+    except ImportError as e:
+        raise ImportError(
+            f"backend=megatron_bridge needs Megatron-Bridge (pip install megatron-bridge; Python >= 3.12, CUDA, "
+            f"Transformer Engine): {e}. backend.dry_run=true prints the resolved settings without it, and "
+            "nemo-fp8-check validates the same command line"
+        ) from e
+    if plan["provider"] == "recipe":
+        fn = getattr(bridge_recipes, plan["recipe_fn"], None)
+        if fn is None:
+            raise ValueError(f"megatron.bridge.recipes has no {plan['recipe_fn']}; check backend.recipe_fn and the "
+                             "Bridge version")
+        container = fn()
+    else:
+        from megatron.bridge.models.gpt_provider import GPTModelProvider  # type: ignore
+        from megatron.bridge.recipes.common import _pretrain_common  # type: ignore
+        from megatron.bridge.training.tokenizers.config import TokenizerConfig  # type: ignore
+
+        container = _pretrain_common()
+        container.model = GPTModelProvider(**plan["provider_kwargs"])
+        container.tokenizer = TokenizerConfig(**plan["tokenizer"])
+        container.dataset.blend = (plan["dataset"]["blend"], None) if plan["dataset"]["blend"] else None
+    for key, value in plan["settings"]:
+        _setattr_path(container, key, value)
+    container.mixed_precision = bridge_mixed_precision_config(r, p, fp8_param_gather=fpg)
+    env_vars = getattr(container, "env_vars", None)
+    if isinstance(env_vars, dict):
+        env_vars.update(plan["te_env"])
+    if bridge_overrides:
+        container = process_config_with_overrides(container, cli_overrides=list(bridge_overrides))
+    for k, v in bridge_model_fields(r, p).items():
+        setattr(container.model, k, v)
+    if getattr(container.model, "gradient_accumulation_fusion", False) and not _apex_wgrad_fusion():
+        log.warning("gradient_accumulation_fusion turned off: it needs APEX's fused wgrad kernel "
+                    "(fused_weight_gradient_mlp_cuda), which is not installed")
+        container.model.gradient_accumulation_fusion = False
+    _check_recipe_owned(container, r, p, fpg)
+    m = container.model
+    check_world_size(int(getattr(m, "tensor_model_parallel_size", 1) or 1),
+                     int(getattr(m, "pipeline_model_parallel_size", 1) or 1),
+                     int(getattr(m, "context_parallel_size", 1) or 1),
+                     plan.get("recipe_fn") or f"model={plan['model']} (backend.provider=ours)")
     return container, expected_model_fields(r, p)
+
+
+def _use_prebuilt_dataset_helpers() -> None:
+    """Bridge compiles megatron-core's dataset helpers with ``make`` at start and exits if that
+    fails; a wheel install ships them compiled but without the Makefile. Then use the compiled
+    module (logged); with neither, stop with the fix."""
+    import megatron.core.datasets as mds  # type: ignore
+
+    here = Path(mds.__file__).parent
+    if (here / "Makefile").is_file():
+        return  # Bridge can build them itself
+    try:
+        from megatron.core.datasets import helpers_cpp  # type: ignore  # noqa: F401
+    except ImportError as e:
+        raise BridgeLaunchError(
+            f"megatron-core's dataset helpers are neither compiled nor buildable here ({here} has no Makefile and "
+            f"helpers_cpp does not import: {e}); reinstall megatron-core from a wheel built for this Python") from e
+    import megatron.bridge.training.initialize as binit  # type: ignore
+
+    def prebuilt() -> None:
+        log.info("megatron-core's dataset helpers are prebuilt (%s); not compiling them", here)
+
+    binit.compile_helpers = prebuilt
+
+
+def _print_plan(plan: Dict[str, Any]) -> None:
+    print(f"Megatron-Bridge launch: model={plan['model']} recipe={plan['recipe']} provider={plan['provider']}"
+          + (f" ({plan['recipe_fn']})" if plan.get("recipe_fn") else " (built from our model config, offline)"),
+          flush=True)
+    print("  FP8 settings (mixed_precision):", flush=True)
+    for k, v in plan["mixed_precision"].items():
+        print(f"    {k} = {v}", flush=True)
+    print("  model fields set beside it:", flush=True)
+    for k, v in plan["model_fields"].items():
+        print(f"    {k} = {v}", flush=True)
+    if plan["te_env"]:
+        print("  Transformer Engine environment: " + ", ".join(f"{k}={v}" for k, v in plan["te_env"].items()),
+              flush=True)
+    par = plan.get("parallel")
+    if par:
+        print("  parallel layout: " + ", ".join(f"{k}={v}" for k, v in par.items()), flush=True)
+    if plan.get("provider_kwargs"):
+        kw = plan["provider_kwargs"]
+        print("  GPTModelProvider: " + ", ".join(
+            f"{k}={getattr(v, '__name__', v)}" for k, v in kw.items() if not k.endswith("_parallel_size")), flush=True)
+        print(f"  tokenizer: {plan['tokenizer']}; data: {plan['dataset']['kind']}"
+              + (f" {plan['dataset']['blend']}" if plan["dataset"]["blend"] else ""), flush=True)
+    if plan["settings"]:
+        print("  set on the ConfigContainer: " + ", ".join(f"{k}={v}" for k, v in plan["settings"]), flush=True)
+    for note in plan.get("notes", ()):
+        print(f"  note: {note}", flush=True)
+    print(f"  pass-through overrides: {plan['pass_through']}", flush=True)
+    print(f"  run directory: {plan['run_dir']} (TensorBoard events, checkpoints, audit.txt)", flush=True)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m nemo_fp8_recipes.integrations.bridge [--gpu h100] <overrides>``: validate,
-    build and run Megatron-Bridge pretraining with our recipe (``backend.dry_run=true``: build,
-    log and stop)."""
+    build and run Megatron-Bridge pretraining with our recipe (``backend.dry_run=true``: resolve,
+    print and stop, without importing Bridge)."""
     from ..train import build_policy, build_recipe
-    from ..train_config import compose_config, validate_overrides
+    from ..train_config import ConfigError, compose_config, validate_overrides
     from .callbacks import bridge_callback
     from .validate import parse_gpu, split_overrides, validate_config
 
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     gpu = None
     if "--gpu" in args:
         i = args.index("--gpu")
@@ -235,7 +605,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         report = validate_config(cfg, theirs, device=parse_gpu(gpu))
-    except ValueError as e:
+    except (ValueError, ConfigError) as e:
         print(f"nemo-fp8 bridge: {e}", file=sys.stderr)
         return 2
     if _is_rank0():
@@ -243,32 +613,35 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if report.errors:
         return 2
     try:
-        container, expected = build_bridge_config(cfg, theirs)
+        plan = launch_plan(cfg, theirs, ours)
+    except (ValueError, ConfigError) as e:
+        print(f"nemo-fp8 bridge: {e}", file=sys.stderr)
+        return 2
+    if _is_rank0():
+        _print_plan(plan)
+    if cfg.backend.get("dry_run", False):
+        return 0
+    try:
+        container, expected = build_bridge_config(cfg, theirs, ours)
+        _use_prebuilt_dataset_helpers()
     except (ValueError, ImportError) as e:
         print(f"nemo-fp8 bridge: {e}", file=sys.stderr)
         return 2
-    mp = container.mixed_precision
-    if _is_rank0():
-        resolved = {k: getattr(mp, k, None) for k in bridge_mixed_precision_kwargs(build_recipe(cfg.recipe))}
-        resolved.update({k: getattr(container.model, k, None) for k in ("moe_router_dtype",)})
-        resolved["quant_recipe"] = "set" if getattr(container.model, "quant_recipe", None) is not None else None
-        print("Megatron-Bridge resolved FP8 settings (mixed_precision + model):", flush=True)
-        for k, v in resolved.items():
-            print(f"  {k} = {v}", flush=True)
-        print(f"  pass-through overrides: {theirs}", flush=True)
-    if cfg.backend.get("dry_run", False):
-        return 0
     from megatron.bridge.training.gpt_step import forward_step  # type: ignore
     from megatron.bridge.training.pretrain import pretrain  # type: ignore
 
+    run_dir = Path(plan["run_dir"])
+    if _is_rank0():
+        run_dir.mkdir(parents=True, exist_ok=True)
     cb = bridge_callback(build_recipe(cfg.recipe), build_policy(cfg.get("policy")), expected_model_fields=expected,
                          strict=bool(cfg.backend.get("strict_audit", False)),
-                         telemetry_interval=int(cfg.backend.get("telemetry_interval", 0)))
+                         telemetry_interval=int(cfg.backend.get("telemetry_interval", 0)),
+                         audit_dir=run_dir if _is_rank0() else None)
     if "callbacks" in inspect.signature(pretrain).parameters:
         pretrain(config=container, forward_step_func=forward_step, callbacks=[cb])
     else:
-        log.warning("this Megatron-Bridge's pretrain() takes no callbacks: the run-time audit is skipped")
-        pretrain(config=container, forward_step_func=forward_step)
+        raise SystemExit("nemo-fp8 bridge: this Megatron-Bridge's pretrain() takes no callbacks, so the run-time "
+                         "audit cannot run; use Megatron-Bridge >= 0.2 (0.6.2 is what this launcher is checked with)")
     return 0
 
 

@@ -42,6 +42,7 @@ __all__ = [
     "te_fp8_state",
     "lightning_callback",
     "bridge_callback",
+    "write_audit",
 ]
 
 log = logging.getLogger(__name__)
@@ -353,16 +354,29 @@ def lightning_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPol
     return NemoFP8TECallback()
 
 
+def write_audit(report: "TEAuditReport", directory) -> None:
+    """``audit.txt`` (the table) and ``audit.json`` into ``directory``, as the embedded trainer
+    writes them into its run directory."""
+    import json
+    from pathlib import Path
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "audit.txt").write_text(report.table() + "\n", encoding="utf-8")
+    (d / "audit.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
 def bridge_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *,
                     expected_model_fields: Optional[Dict[str, Any]] = None, strict: bool = False,
-                    telemetry_interval: int = 0, audit_at_step: int = 1, **hook_kwargs):
+                    telemetry_interval: int = 0, audit_at_step: int = 1, audit_dir=None, **hook_kwargs):
     """A Megatron-Bridge callback (``pretrain(cfg, forward_step, callbacks=[...])``):
 
     * ``on_train_start``: checks that the model config Bridge finally built carries
       ``expected_model_fields`` (what we set through ``mixed_precision``; proves
       ``MixedPrecisionConfig.setup()`` did not clobber the recipe) and attaches
       :class:`TEPrecisionHooks` to the model chunks;
-    * ``on_train_step_end``: audit after ``audit_at_step`` steps (strict: raise), telemetry every
+    * ``on_train_step_end``: audit after ``audit_at_step`` steps (strict: raise; ``audit_dir``:
+      also written there as ``audit.txt`` / ``audit.json``), telemetry every
       ``telemetry_interval`` steps to Bridge's TensorBoard writer.
 
     Needs Megatron-Bridge (Python >= 3.12)."""
@@ -395,8 +409,15 @@ def bridge_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy
         def on_train_step_end(self, context) -> None:
             self.steps += 1
             if self.audit is None and self.steps >= audit_at_step:
-                self.audit = self.hooks.check()
+                try:
+                    self.audit = self.hooks.check()
+                except PolicyViolation:
+                    if audit_dir is not None:
+                        write_audit(self.hooks.report(), audit_dir)
+                    raise
                 log.info("FP8 precision audit (TE):\n%s", self.audit.table())
+                if audit_dir is not None:
+                    write_audit(self.audit, audit_dir)
             if telemetry_interval and self.steps % telemetry_interval == 0:
                 _write_scalars(getattr(context.state, "tensorboard_logger", None),
                                self.hooks.collect_telemetry(), self.steps)

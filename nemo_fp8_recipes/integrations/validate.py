@@ -249,26 +249,50 @@ def split_overrides(args: Sequence[str], backend: Optional[str] = None) -> Tuple
 
     Ours: the groups (``recipe=``, ``model=``, ``backend=``, ``cluster=``, ``data=``), and keys
     under ``recipe. policy. backend. trainer. run. data. cluster. hydra. submit.``; ``model.<field>``
-    too when ``<field>`` is one of our model-config fields and the backend is not
-    ``megatron_bridge``. Everything else (``train.*``, ``optimizer.*``, ``mixed_precision.*``,
+    too when ``<field>`` is one of our model-config fields and the model is ours to build (any
+    backend but ``megatron_bridge``, and ``megatron_bridge`` with ``backend.provider`` resolving to
+    ``ours``). Everything else (``train.*``, ``optimizer.*``, ``mixed_precision.*``,
     ``ddp.*``, Megatron ``model.*`` fields, ...) belongs to the framework.
     """
     from ..models import ModelConfig
 
     if backend is None:
         backend = next((a.split("=", 1)[1] for a in args if a.split("=", 1)[0].lstrip("+") == "backend"), "native")
-    model_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    model_fields = {f.name for f in dataclasses.fields(ModelConfig)} | {"optim"}
+    our_model_fields = backend != "megatron_bridge" or _bridge_builds_our_model(args)
     ours, theirs = [], []
     for a in args:
         key = a.split("=", 1)[0].lstrip("+~")
         head, _, rest = key.partition(".")
         if head in _OUR_PREFIXES or (head == "model" and not rest):
             ours.append(a)
-        elif head == "model" and backend != "megatron_bridge" and rest.split(".")[0] in model_fields:
+        elif head == "model" and our_model_fields and rest.split(".")[0] in model_fields:
             ours.append(a)
         else:
             theirs.append(a)
     return ours, theirs
+
+
+def _default_model() -> str:
+    from ..train_config import compose_config
+
+    return str(compose_config([]).model.name)
+
+
+def _bridge_builds_our_model(args: Sequence[str]) -> bool:
+    """Whether a Megatron-Bridge launch builds the model from our config (``backend.provider``),
+    so that ``model.<our field>`` overrides are ours; else they are the Bridge provider's."""
+    from .bridge import BridgeLaunchError, provider_mode
+
+    def value(key: str, default=None):
+        return next((a.split("=", 1)[1] for a in args if a.split("=", 1)[0].lstrip("+") == key), default)
+
+    try:
+        return provider_mode(value("model") or _default_model(), value("backend.provider", "auto"),
+                             value("backend.recipe_fn") if value("backend.recipe_fn") not in (None, "null") else None
+                             ) == "ours"
+    except BridgeLaunchError:
+        return False  # the launcher reports the bad value
 
 
 def _model_dims(model: Any) -> Dict[str, Optional[int]]:

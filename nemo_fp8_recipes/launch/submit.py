@@ -366,11 +366,19 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
         raise ConfigError("backend=megatron_bridge needs GPUs: set cluster.gpus_per_node >= 1")
     if br.entry not in BRIDGE_ENTRIES:
         raise ConfigError(f"submit.bridge.entry={br.entry!r} is not valid; choose one of: {', '.join(BRIDGE_ENTRIES)}")
+    from ..integrations.bridge import provider_mode
+
     try:
-        fn = bridge_recipe_name(str(cfg.model.name), cfg.backend.get("recipe_fn"))
+        mode = provider_mode(str(cfg.model.name), cfg.backend.get("provider", "auto"), cfg.backend.get("recipe_fn"))
+        fn = bridge_recipe_name(str(cfg.model.name), cfg.backend.get("recipe_fn")) if mode == "recipe" else None
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    _check_word(fn, "backend.recipe_fn", "a recipe function name of megatron.bridge.recipes")
+    if fn is not None:
+        _check_word(fn, "backend.recipe_fn", "a recipe function name of megatron.bridge.recipes")
+    elif br.entry == "run_recipe":
+        raise ConfigError(f"submit.bridge.entry=run_recipe runs a Bridge recipe function, and model={cfg.model.name} "
+                          "is built from our model config (backend.provider=ours); use submit.bridge.entry=nemo_fp8, "
+                          "or name a function with backend.recipe_fn=<name>")
     for o in theirs:
         _check_arg(o, "Megatron-Bridge override")
 
@@ -389,6 +397,19 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
         warnings.append(f"cluster.gpu_type={cl.gpu_type} is not a GPU the pre-launch check knows; set it to e.g. "
                         "H100, H200 or B200 so the recipe is checked against the nodes' GPUs")
 
+    from ..integrations.bridge import BridgeLaunchError, check_world_size, launch_plan
+
+    try:
+        plan = launch_plan(cfg, list(theirs), [o for o in overrides if not _override_key(o).startswith("cluster")])
+        par = plan.get("parallel")
+        if par:
+            check_world_size(par["tensor_parallel"], par["pipeline_parallel"], par["context_parallel"],
+                             plan.get("recipe_fn") or f"model={plan['model']}", world=cl.nodes * cl.gpus_per_node)
+    except BridgeLaunchError as e:
+        raise ConfigError(f"{e} (the job asks for cluster.nodes={cl.nodes} x cluster.gpus_per_node="
+                          f"{cl.gpus_per_node})") from None
+    comment.append(f"Megatron-Bridge model: {'recipe ' + plan['recipe_fn'] if plan.get('recipe_fn') else 'built from our model config (offline)'}"
+                   + (f", {par['gpus_per_replica']} GPU(s) per replica" if par else ""))
     given = {o.split("=", 1)[0].lstrip("+~") for o in theirs}
     dirs = [a for k, a in (("logger.tensorboard_dir", f"logger.tensorboard_dir={run_dir}"),
                            ("checkpoint.save", f"checkpoint.save={run_dir}/checkpoints")) if k not in given]
@@ -397,8 +418,9 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
                 not in ("cluster", "submit", "hydra", "run")]
         if not any(_override_key(o) == "backend" for o in ours):
             ours.append("backend=megatron_bridge")
-        comment.append(f"Megatron-Bridge recipe {fn} with recipe {recipe.name} applied through mixed_precision "
-                       "(nemo_fp8_recipes.integrations.bridge)")
+        ours.append(f"run.dir={run_dir}")  # audit.txt where this command says the run directory is
+        comment.append(f"Megatron-Bridge {'recipe ' + fn if fn else 'with our model config'}, FP8 recipe {recipe.name} "
+                       "applied through mixed_precision (nemo_fp8_recipes.integrations.bridge)")
         return ["-m", "nemo_fp8_recipes.integrations.bridge", *ours, *theirs, *dirs], warnings
 
     preset = br.mixed_precision or BRIDGE_PRESETS[recipe.name]
