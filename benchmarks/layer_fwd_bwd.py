@@ -35,6 +35,14 @@ input quantisation, ``nemo_fp8_recipes.nn.norm``); ``tensorwise-triton-launch`` 
 ``kernel[grid](...)`` (``NEMO_FP8_FAST_LAUNCH=0``) instead of the direct launch of their compiled
 kernels (``nemo_fp8_recipes.quant.launch``; same kernels, less host time per launch).
 
+``te-bf16``, ``te-tensorwise``, ``te-delayed``, ``te-blockwise``: Transformer Engine's own layer
+(``te.TransformerLayer``: RMSNorm fused into the QKV and FC1 projections, SwiGLU, GQA, RoPE,
+cuDNN fused attention; ``te.LayerNormMLP`` for ``--block mlp``) with FP32 parameters under
+``te.autocast`` with the TE recipe of each key (``nemo_fp8_recipes.to_te_recipe``; ``te-bf16``
+with FP8 off), eager only (torch.compile does not trace TE's modules); TE re-quantises its weights
+in every forward, so compare them with ``--requant-weights`` rows of ours. Without TE (or a GPU)
+the rows say why they were skipped.
+
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
 unless ``--input-dtype bf16``; gradients are set to None before every step (``zero_grad``). In
@@ -146,6 +154,11 @@ VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its 
 #: turn a base variant into its A/B partner)
 ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1", "NEMO_FP8_SHARED_INPUT": "1",
                 "NEMO_FP8_FUSED_NORM": "1", "NEMO_FP8_FAST_LAUNCH": "1"}
+#: Transformer Engine's own layer (``te.TransformerLayer``: RMSNorm fused into its QKV and FC1
+#: projections, SwiGLU, GQA, RoPE, cuDNN fused attention) in BF16 and under each Hopper recipe
+TE_LAYER = {"te-bf16": "bf16", "te-delayed": "delayed", "te-tensorwise": "tensorwise", "te-blockwise": "blockwise"}
+_TE_EAGER = ("te.TransformerLayer runs eager: torch.compile does not trace Transformer Engine's modules (and refuses "
+             "DelayedScaling); its fused kernels are TE's own")
 #: variants that only differ from their recipe in eager mode, with the reason their compiled row
 #: is skipped
 _SWIGLU_EAGER = ("the SwiGLU fusion is eager-only, so compiled this is the recipe's own row (Inductor fuses "
@@ -154,13 +167,14 @@ _SHARE_EAGER = ("the shared input quantisation is eager-only, so compiled this i
                 "compiler de-duplicates the quantisations itself)")
 _NORM_EAGER = ("the fused RMSNorm is eager-only, so compiled this is the recipe's own row (Inductor fuses the "
                "norm itself)")
-EAGER_ONLY = {"tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swiglu": _SWIGLU_EAGER,
+EAGER_ONLY = {**{v: _TE_EAGER for v in TE_LAYER},
+              "tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swiglu": _SWIGLU_EAGER,
               "tensorwise-unshared-input": _SHARE_EAGER, "bf16-unfused-norm": _NORM_EAGER,
               "tensorwise-unfused-norm": _NORM_EAGER, "blockwise-unfused-norm": _NORM_EAGER}
 VARIANTS = ["bf16", "bf16-unfused-norm", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu",
             "tensorwise-unshared-input", "tensorwise-unfused-norm", "delayed", "delayed-unfused-swiglu", "blockwise",
             "blockwise-inductor", "blockwise-unfused-norm", "tensorwise-triton-launch", "blockwise-triton-launch",
-            "mxfp8", *TORCHAO]
+            "mxfp8", *TORCHAO, *TE_LAYER]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -215,8 +229,56 @@ def policy_filter(policy: PrecisionPolicy, num_layers: int = 1):
     return fn
 
 
-def build(cfg, block: str, variant: str, dev: str, smoke: bool) -> nn.Module:
+class TELayer(nn.Module):
+    """``te.TransformerLayer`` for one Llama 3 layer (or ``te.LayerNormMLP`` for ``--block mlp``)
+    with FP32 parameters, run under ``te.autocast`` with the TE recipe of ``key`` (``bf16``: TE's
+    BF16 path, FP8 off). TE re-quantises its weights in every forward (no ``is_first_microbatch``),
+    so each step pays the weight casts, as ``--requant-weights`` makes ours do. Input ``[B, T,
+    dim]`` (``attn_input_format="bshd"``); RoPE from TE's own ``RotaryPositionEmbedding``."""
+
+    def __init__(self, cfg, block: str, key: str, seq: int) -> None:
+        super().__init__()
+        import transformer_engine.pytorch as te
+
+        from nemo_fp8_recipes.integrations.te import prepare_te_env
+
+        self.key, self.block = key, block
+        if key != "bf16":
+            prepare_te_env(key)
+        common = dict(params_dtype=torch.float32, bias=False, init_method=self._init(cfg.init_std),
+                      output_layer_init_method=self._init(cfg.init_std))
+        if block == "layer":
+            self.layer = te.TransformerLayer(
+                hidden_size=cfg.dim, ffn_hidden_size=cfg.ffn_dim, num_attention_heads=cfg.num_heads,
+                num_gqa_groups=cfg.num_kv_heads, layernorm_epsilon=cfg.norm_eps, hidden_dropout=0.0,
+                attention_dropout=0.0, self_attn_mask_type="causal", normalization="RMSNorm", activation="swiglu",
+                attn_input_format="bshd", fuse_qkv_params=True, layer_number=1, **common)
+            rope = te.attention.RotaryPositionEmbedding(cfg.head_dim, rotary_base=cfg.rope_theta)
+            self.register_buffer("freqs", rope(seq), persistent=False)
+        else:
+            self.layer = te.LayerNormMLP(cfg.dim, cfg.ffn_dim, eps=cfg.norm_eps, normalization="RMSNorm",
+                                         activation="swiglu", params_dtype=torch.float32, bias=False,
+                                         init_method=self._init(cfg.init_std),
+                                         output_layer_init_method=self._init(cfg.init_std))
+
+    @staticmethod
+    def _init(std: float):
+        return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from nemo_fp8_recipes.integrations.te import te_autocast
+
+        with te_autocast(self.key if self.key != "bf16" else None, enabled=self.key != "bf16"):
+            if self.block == "layer":
+                return self.layer(x, rotary_pos_emb=self.freqs[: x.shape[1]])
+            return self.layer(x)
+
+
+def build(cfg, block: str, variant: str, dev: str, smoke: bool, seq: int = 8192) -> nn.Module:
     """The block for ``variant`` on ``dev``, FP32 parameters, converted per variant."""
+    if variant in TE_LAYER:
+        with torch.device(dev):
+            return TELayer(cfg, block, TE_LAYER[variant], seq)
     with torch.device(dev):
         model = OneLayer(cfg, block)
     policy = PrecisionPolicy()
@@ -637,6 +699,17 @@ def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reas
     skip = None
     if variant in TORCHAO:
         skip = ao_reason or None
+    elif variant in TE_LAYER:
+        from nemo_fp8_recipes.integrations.te import te_available
+
+        ok, why = te_available()
+        if not ok:
+            skip = f"skipped: Transformer Engine not importable ({why})"
+        elif dev != "cuda" or a.smoke:
+            skip = "skipped: te.TransformerLayer needs a CUDA GPU"
+        elif TE_LAYER[variant] != "bf16":
+            how, reason = recipe_mode(TE_LAYER[variant], dev)
+            skip = f"skipped: {reason}" if how == "skipped" else None
     elif VARIANT_RECIPE.get(variant, variant) != "bf16":
         how, reason = recipe_mode(VARIANT_RECIPE.get(variant, variant), dev)
         skip = f"skipped: {reason}" if how == "skipped" else None
@@ -644,7 +717,7 @@ def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reas
     if skip is None:
         try:
             free_memory(dynamo=reset_dynamo)
-            model = build(cfg, a.block, variant, dev, a.smoke)
+            model = build(cfg, a.block, variant, dev, a.smoke, seq=a.seq)
             row0["fp8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
         except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
             traceback.print_exc()

@@ -1,4 +1,18 @@
-"""Train a real Megatron-Core GPTModel (local spec) with the native FP8 backend, per recipe.
+"""Train a real Megatron-Core GPTModel per recipe: with the native FP8 backend (local spec, our FP8
+linears swapped in; ``--impl native``, the default) or with Transformer Engine (the TE layer spec,
+FP8 from ``megatron_config(recipe, policy, backend="te")``; ``--impl te``, what Megatron-Core users
+run), for tokens/s beside the embedded trainer.
+
+``--impl te`` keeps FP32 parameters under BF16 autocast, as the embedded trainer does (TE casts and
+quantises the weights in every forward, as it does without ``is_first_microbatch``), runs
+``--micro-batches`` per optimizer step, and attaches ``TEPrecisionHooks(strict=True)``: the run fails
+if a module the policy keeps out of FP8 ran with FP8 on. 8B width, 16 layers, sequence 4096, four
+micro-batches (the end-to-end comparison of docs/performance.md)::
+
+    PYTHONPATH=$PWD python benchmarks/megatron_native_train.py --impl te --recipes bf16,delayed,tensorwise,blockwise \
+        --layers 16 --hidden 4096 --ffn 14336 --heads 32 --kv-heads 8 --seq 4096 --micro-batch 1 \
+        --micro-batches 4 --vocab 128256 --data random --steps 30 --first-layers-bf16 0 --last-layers-bf16 0 \
+        --out megatron_te_8b16.json
 
 The Megatron path without Transformer Engine, exercised for real: the model is built with
 ``get_gpt_layer_local_spec`` from ``megatron_config(recipe, policy, backend="native")`` fields,
@@ -44,6 +58,9 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default="bf16,tensorwise,blockwise", help="comma-separated registry keys")
+    p.add_argument("--impl", choices=("native", "te"), default="native",
+                   help="native: local spec + our FP8 linears; te: Transformer Engine layer spec and TE's FP8")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per recipe (0 = build/convert/audit only)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
@@ -87,6 +104,31 @@ def init_megatron(device: torch.device, seed: int) -> None:
     torch.manual_seed(seed)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def build_te_model(args, recipe, policy, device: torch.device):
+    """A GPTModel with Transformer Engine's layer spec and our fields for backend ``te`` (FP8 and the
+    first/last BF16 layers through TransformerConfig; per-module overrides through quant_recipe)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from nemo_fp8_recipes.integrations.megatron import megatron_config
+
+    if args.arch != "llama":
+        raise SystemExit("--impl te builds the Llama layer (RMSNorm, SwiGLU, RoPE); use --arch llama")
+    mc = megatron_config(recipe, policy, backend="te")
+    cfg = TransformerConfig(
+        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads, num_query_groups=args.kv_heads, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
+        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        params_dtype=torch.float32, **mc.transformer_config_kwargs(),
+    )
+    torch.manual_seed(args.seed)
+    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+                     vocab_size=args.vocab, max_sequence_length=args.seq, position_embedding_type="rope")
+    return model.to(device)
 
 
 def build_model(args, recipe, policy, device: torch.device):
@@ -155,13 +197,27 @@ def train_one(args, recipe_name: str, device: torch.device) -> dict:
     policy = PrecisionPolicy(first_layers_bf16=args.first_layers_bf16, last_layers_bf16=args.last_layers_bf16,
                              num_layers=args.layers)
     t0 = time.perf_counter()
-    model = build_model(args, recipe, policy, device)
+    hooks = None
+    if args.impl == "te":
+        from nemo_fp8_recipes.integrations.callbacks import TEPrecisionHooks
+        from nemo_fp8_recipes.integrations.te import prepare_te_env
+
+        if recipe.is_fp8:
+            prepare_te_env(recipe)  # the NVTE_* switches TE reads at import
+        model = build_te_model(args, recipe, policy, device)
+        hooks = TEPrecisionHooks(recipe, policy, strict=True)
+        hooks.attach(model)
+        mode = "no FP8" if not recipe.is_fp8 else "Transformer Engine FP8"
+    else:
+        model = build_model(args, recipe, policy, device)
+        mode = "no FP8" if not recipe.is_fp8 else ("real FP8 GEMMs" if uses_real_fp8_gemm(recipe, device) else "emulated")
     n_params = sum(p.numel() for p in model.parameters())
-    mode = "no FP8" if not recipe.is_fp8 else ("real FP8 GEMMs" if uses_real_fp8_gemm(recipe, device) else "emulated")
     print(f"\n=== {recipe_name} | {mode} on {describe_device(device)} | {n_params / 1e6:.1f}M params | "
           f"{args.layers}x{args.hidden} ffn {args.ffn} heads {args.heads}/{args.kv_heads} seq {args.seq} "
           f"mbs {args.micro_batch} | built+converted in {time.perf_counter() - t0:.1f}s", flush=True)
-    result = {"recipe": recipe_name, "mode": mode, "params": n_params, "losses": []}
+    result = {"recipe": recipe_name, "impl": args.impl, "mode": mode, "params": n_params, "losses": []}
+    if args.steps <= 0 and hooks is not None:
+        raise SystemExit("--impl te needs --steps >= 1 (the TE audit records what ran)")
     if args.steps <= 0:
         rep = audit(model)
         result["audit"] = _audit_summary(rep)
@@ -177,18 +233,23 @@ def train_one(args, recipe_name: str, device: torch.device) -> dict:
     model.train()
     times = []
     audit_rep = None
+    k_micro = max(1, args.micro_batches)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     for step in range(args.steps):
         ts = time.perf_counter()
-        tokens, labels = get(step)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            per_token = model(tokens, pos, None, labels=labels)
-        loss = per_token.float().mean()
-        loss.backward()
+        lv = 0.0
+        for micro in range(k_micro):
+            tokens, labels = get(step * k_micro + micro)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                per_token = model(tokens, pos, None, labels=labels)
+            loss = per_token.float().mean() / k_micro
+            loss.backward()
+            lv += float(loss.detach())
         gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        lv = float(loss)
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - ts)
@@ -196,22 +257,34 @@ def train_one(args, recipe_name: str, device: torch.device) -> dict:
         if not math.isfinite(lv):
             raise RuntimeError(f"{recipe_name}: non-finite loss {lv} at step {step + 1}")
         if step == 0:
-            audit_rep = audit(model, strict=True)  # PolicyViolation if a high-precision role ran FP8
+            # PolicyViolation if a high-precision role ran FP8
+            audit_rep = hooks.check() if hooks is not None else audit(model, strict=True)
             print(audit_rep.table(), flush=True)
         if (step + 1) % args.log_interval == 0 or step == 0 or step + 1 == args.steps:
             print(f"{recipe_name} step {step + 1:4d} | loss {lv:.4f} | grad_norm {gn:.3f} | "
                   f"{times[-1] * 1e3:.0f} ms", flush=True)
     steady = times[1:] or times
-    tok_s = args.micro_batch * args.seq * len(steady) / sum(steady)
+    tok_s = args.micro_batch * k_micro * args.seq * len(steady) / sum(steady)
+    result["step_ms_median"] = 1e3 * sorted(steady)[len(steady) // 2]
+    if device.type == "cuda":
+        result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     k = min(5, len(result["losses"]) // 2 or 1)
     first = sum(l for _, l in result["losses"][:k]) / k
     last = sum(l for _, l in result["losses"][-k:]) / k
     result.update(first_loss_mean=first, last_loss_mean=last, loss_fell=last < first, tokens_per_s=tok_s,
-                  audit=_audit_summary(audit_rep))
+                  audit=_audit_summary(audit_rep) if hooks is None else _te_audit_summary(audit_rep))
+    if hooks is not None:
+        hooks.detach()
     print(f"{recipe_name}: loss {first:.4f} (first {k}) -> {last:.4f} (last {k}), "
           f"{'falls' if last < first else 'DOES NOT FALL'}; {tok_s / 1e3:.1f}k tok/s; "
           f"policy {'held' if not audit_rep.violations else 'VIOLATED'}", flush=True)
     return result
+
+
+def _te_audit_summary(rep) -> dict:
+    return {"violations": rep.violations, "fp8_off": rep.fp8_off,
+            "fp8_modules": sum(1 for r in rep.rows if r.decision == "fp8"),
+            "fp8_calls": sum(r.fp8_calls for r in rep.rows), "calls": sum(r.calls for r in rep.rows)}
 
 
 def _audit_summary(rep) -> dict:
@@ -233,6 +306,14 @@ def main(argv=None) -> int:
         device = torch.device(args.device)
     if device.type == "cuda":
         torch.cuda.set_device(0)
+    if args.impl == "te":
+        from nemo_fp8_recipes.integrations.te import te_available
+
+        ok, why = te_available()
+        if not ok or device.type != "cuda":
+            print(f"megatron_native_train: --impl te needs Transformer Engine on a CUDA GPU "
+                  f"({why if not ok else 'no GPU here'}); pip install '.[te]' there", file=sys.stderr)
+            return 2
     if device.type != "cuda" and args.steps > 0:
         print("megatron_native_train: the local spec's forward needs CUDA (Megatron's DotProductAttention); "
               "on CPU use --steps 0 (build, convert, audit decisions)", file=sys.stderr)

@@ -18,6 +18,17 @@ the scaling efficiency (tokens/s over ``nproc`` x the 1-process tokens/s) and th
 deviation of the per-step training loss from the 1-process run::
 
     python benchmarks/train_throughput.py --model llama3_150m --steps 60 --micro-batch 8 --nproc 1,2
+
+Megatron-Core + Transformer Engine beside it (``--megatron-te``): after the embedded trainer's runs,
+the same model shape, sequence, micro-batch and micro-batches per step train as a Megatron-Core
+``GPTModel`` with the TE layer spec (``benchmarks/megatron_native_train.py --impl te``: FP32
+parameters under BF16 autocast, TE re-quantising its weights in every forward, strict audit), one
+run per recipe; the table adds its tokens/s, step time and peak memory, and ours / TE. The
+end-to-end comparison of the docs (8B width, 16 layers, sequence 4096, four micro-batches)::
+
+    python benchmarks/train_throughput.py --model llama3_8b --steps 30 --seq-len 4096 --micro-batch 1 \
+        --global-batch 4 --compile compiled --recipes bf16,delayed,tensorwise,blockwise --megatron-te \
+        --out results/e2e_8b16.json model.num_layers=16
 """
 
 from __future__ import annotations
@@ -109,6 +120,8 @@ def main(argv=None) -> int:
                    help="comma-separated process counts (one GPU each under torchrun), e.g. 1,2")
     p.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (default: micro-batch x the largest --nproc)")
+    p.add_argument("--megatron-te", action="store_true",
+                   help="also train the same shapes as Megatron-Core + Transformer Engine (one run per recipe)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run for CI: 3 steps, tiny model")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args(argv)
@@ -158,11 +171,85 @@ def main(argv=None) -> int:
               f"{'compiled' if r['compile'] else 'eager'} | {r['nproc']} | {t or 0:.0f} | {ratio} | {mfu} | "
               f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
               f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |")
+    te_rows = run_megatron_te(args, root) if args.megatron_te else []
+    if te_rows:
+        print_te_table(results, te_rows)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
-    return 0 if all(r["returncode"] == 0 for r in results) else 1
+            json.dump({"args": vars(args), "results": results, "megatron_te": te_rows}, f, indent=2)
+    return 0 if all(r["returncode"] == 0 for r in results) and all(r.get("ok", True) for r in te_rows) else 1
+
+
+def _model_shape(args) -> dict:
+    """Layers, width, heads and vocabulary of ``--model`` with the ``model.*`` overrides of ``extra``."""
+    from nemo_fp8_recipes.train_config import compose_config
+
+    keep = [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
+    m = compose_config([f"model={args.model}", *keep]).model
+    return {"layers": m.num_layers, "hidden": m.dim, "ffn": m.ffn_dim, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
+            "vocab": m.vocab_size}
+
+
+def run_megatron_te(args, root: Path) -> list:
+    """One ``megatron_native_train.py --impl te`` run per recipe (mxfp8 left out: Hopper has no
+    MXFP8 GEMMs in TE); rows say why they were skipped where TE does not run."""
+    from nemo_fp8_recipes.integrations.te import te_available
+
+    ok, why = te_available()
+    recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
+    if not ok:
+        return [{"recipe": r, "ok": True, "status": f"skipped: Transformer Engine not importable ({why})"}
+                for r in recipes]
+    shape = _model_shape(args)
+    micro = max(1, (args.global_batch or args.micro_batch) // args.micro_batch)
+    rows = []
+    for recipe in recipes:
+        out = root / f"megatron_te_{recipe}.json"
+        cmd = [sys.executable, str(Path(__file__).with_name("megatron_native_train.py")), "--impl", "te",
+               "--recipes", recipe, "--steps", str(args.steps), "--seq", str(args.seq_len),
+               "--micro-batch", str(args.micro_batch), "--micro-batches", str(micro), "--data", "random",
+               "--first-layers-bf16", "0", "--last-layers-bf16", "0", "--log-interval", str(max(1, args.steps // 10)),
+               "--layers", str(shape["layers"]), "--hidden", str(shape["hidden"]), "--ffn", str(shape["ffn"]),
+               "--heads", str(shape["heads"]), "--kv-heads", str(shape["kv_heads"]), "--vocab", str(shape["vocab"]),
+               "--out", str(out)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        row = {"recipe": recipe, "cmd": " ".join(cmd), "ok": proc.returncode == 0}
+        if proc.returncode == 0:
+            r = json.loads(out.read_text())["runs"][recipe]
+            row.update({k: r.get(k) for k in ("tokens_per_s", "step_ms_median", "peak_gib", "first_loss_mean",
+                                              "last_loss_mean", "audit")})
+            row["status"] = "ok"
+        else:
+            row["status"] = "failed"
+            row["error"] = (proc.stderr or proc.stdout)[-3000:]
+            print(row["error"], file=sys.stderr)
+        rows.append(row)
+        print(f"[{row['status']}] Megatron-Core + TE {recipe:<11} tok/s {row.get('tokens_per_s') or 0:>10.0f}",
+              flush=True)
+    return rows
+
+
+def print_te_table(results: list, te_rows: list) -> None:
+    """Ours (the last mode run, one process) beside Megatron-Core + TE, with the ratios."""
+    ours = {}
+    for r in results:
+        if r["nproc"] == 1 and r.get("tokens_per_s"):
+            ours[r["recipe"]] = r
+    te = {r["recipe"]: r for r in te_rows if r.get("tokens_per_s")}
+    print("\n| recipe | embedded trainer tok/s | vs its bf16 | Megatron-Core + TE tok/s | vs its bf16 | "
+          "TE step ms | TE peak GiB | ours / TE |")
+    print("|---|---|---|---|---|---|---|---|")
+    ob, tb = ours.get("bf16", {}).get("tokens_per_s"), te.get("bf16", {}).get("tokens_per_s")
+    for row in te_rows:
+        k = row["recipe"]
+        o, t = ours.get(k, {}).get("tokens_per_s"), te.get(k, {}).get("tokens_per_s")
+        if t is None:
+            print(f"| {k} | {o or 0:.0f} | {o / ob if o and ob else 0:.2f}x | {row['status']} | - | - | - | - |")
+            continue
+        print(f"| {k} | {o or 0:.0f} | {o / ob if o and ob else 0:.2f}x | {t:.0f} | {t / tb if tb else 0:.2f}x | "
+              f"{row.get('step_ms_median') or 0:.0f} | {row.get('peak_gib') or 0:.1f} | "
+              f"{o / t if o else 0:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -786,6 +786,8 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                     }
                     if mcfg.arch == "moe":
                         scalars["train/aux_loss"] = float(aux_acc) / tcfg.grad_accum
+                    if device.type == "cuda":
+                        scalars["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                     writer.scalars(scalars, step)
                     log.info(
                         "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2f TFLOP/s | mfu %s",
@@ -839,6 +841,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
             "tokens_per_s": result.tokens_per_s, "skipped_steps": skipped,
             "world_size": ctx.world_size, "data_parallel": tcfg.data_parallel if ctx.distributed else None,
             "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         }, indent=2) + "\n", encoding="utf-8")
     log.info(
         "done: %d steps in %s | train loss %.4f%s | %s tok/s | run dir %s",

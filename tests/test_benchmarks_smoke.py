@@ -830,3 +830,39 @@ def test_host_profile_smoke(tmp_path):
     bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_profile.py"), "--smoke", "--recipes", "bf16"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "valid: delayed, tensorwise, blockwise, mxfp8" in bad.stderr
+
+
+def test_layer_benchmark_te_variants_say_why_they_did_not_run(tmp_path):
+    """The te.TransformerLayer rows are in the table on every machine: timed where Transformer
+    Engine runs, skipped with the reason elsewhere (here: not importable, or no GPU)."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", "mlp",
+                           "--variants", "bf16,te-bf16,te-tensorwise,te-blockwise,te-delayed", "--modes", "eager,compiled",
+                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
+    for v in ("te-bf16", "te-tensorwise", "te-blockwise", "te-delayed"):
+        for m in ("eager", "compiled"):
+            st = rows[(v, m)]["status"]
+            assert st.startswith("skipped: ") and ("Transformer Engine" in st or "te.TransformerLayer" in st), st
+    assert rows[("bf16", "eager")]["status"] == "ok"
+
+
+def test_train_throughput_with_the_megatron_te_column(tmp_path):
+    """``train_throughput.py --megatron-te``: the embedded trainer's rows and, beside them, one
+    Megatron-Core + TE row per recipe — trained where TE runs, skipped with the reason here."""
+    out = tmp_path / "e2e.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--recipes",
+                           "bf16,tensorwise", "--megatron-te", "--root", str(tmp_path / "runs"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [r["recipe"] for r in data["results"]] == ["bf16", "tensorwise"]
+    assert all(r["returncode"] == 0 and r["tokens_per_s"] for r in data["results"])
+    te = {r["recipe"]: r for r in data["megatron_te"]}
+    assert set(te) == {"bf16", "tensorwise"}
+    from nemo_fp8_recipes.integrations.te import te_available
+
+    if not te_available()[0]:
+        assert all(r["status"].startswith("skipped: Transformer Engine not importable") for r in te.values())
+    assert "Megatron-Core + TE tok/s" in proc.stdout
