@@ -235,6 +235,83 @@ def test_against_megatron_bridge_source():
     assert "def process_config_with_overrides(" in omc and "cli_overrides" in omc
 
 
+MCORE_SRC = (Path(os.environ["NEMO_FP8_MCORE_SRC"]) if os.environ.get("NEMO_FP8_MCORE_SRC") else None)
+
+
+def _class_fields(path: Path, name: str) -> set:
+    """Annotated fields of dataclass ``name`` in ``path`` (its own body, not its bases)."""
+    tree = ast.parse(path.read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == name)
+    return {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+
+
+@pytest.mark.skipif(BRIDGE_SRC is None or MCORE_SRC is None or not (MCORE_SRC / "megatron" / "training").is_dir(),
+                    reason="Megatron-Bridge and megatron-core 0.19 sources not found (set NEMO_FP8_BRIDGE_SRC and "
+                           "NEMO_FP8_MCORE_SRC to the unpacked megatron_bridge 0.6.2 / megatron_core 0.19.2 wheels)")
+def test_the_offline_launcher_against_bridge_and_megatron_core_source():
+    """Every field the launcher sets exists where it sets it: the provider's fields in
+    GPTModelProvider / TransformerConfig / ModelParallelConfig, the trainer mapping's in Bridge's
+    config classes; the published recipes' parallel layouts are the ones Bridge's recipe files
+    set; the names the launcher imports exist."""
+    from nemo_fp8_recipes.models.config import load_model_config
+    from nemo_fp8_recipes.train_config import trainer_config
+
+    broot = BRIDGE_SRC.parents[1]  # .../megatron/bridge
+    mc = MCORE_SRC / "megatron"
+    provider_fields = (_class_fields(broot / "models" / "gpt_provider.py", "GPTModelProvider")
+                       | _class_fields(mc / "core" / "transformer" / "transformer_config.py", "TransformerConfig")
+                       | _class_fields(mc / "core" / "model_parallel_config.py", "ModelParallelConfig"))
+    for name in ("llama3_tiny", "llama3_150m", "llama31_405b"):
+        kw = bridge.provider_kwargs(load_model_config(name), seq_length=256, gradient_accumulation_fusion=False)
+        assert set(kw) <= provider_fields, sorted(set(kw) - provider_fields)
+    tc = mc / "training" / "config" / "training_config.py"
+    classes = {"train": "TrainingConfig", "optimizer": None, "scheduler": "SchedulerConfig", "rng": "RNGConfig",
+               "logger": "LoggerConfig", "validation": "ValidationConfig", "checkpoint": "CheckpointConfig",
+               "dataset": None, "model": None}
+    src_all = "".join(p.read_text() for p in (mc / "training" / "config").glob("*.py"))
+    opt_fields = _class_fields(mc / "core" / "optimizer" / "optimizer_config.py", "OptimizerConfig")
+    ds_fields = (_class_fields(mc / "core" / "datasets" / "gpt_dataset.py", "GPTDatasetConfig")
+                 | _class_fields(mc / "core" / "datasets" / "blended_megatron_dataset_config.py",
+                                 "BlendedMegatronDatasetConfig")
+                 | _class_fields(broot / "training" / "config.py", "GPTDatasetConfig"))
+    cfg = compose_config(["backend=megatron_bridge", "model=llama3_tiny"])
+    for key, _ in bridge.trainer_settings(trainer_config(cfg), Path("/r")):
+        head, leaf = key.split(".", 1)
+        if head == "optimizer":
+            assert leaf in opt_fields, key
+        elif head == "dataset":
+            assert leaf in ds_fields, key
+        elif head == "model":
+            assert leaf in provider_fields, key
+        else:
+            cls = classes[head]
+            assert f"class {cls}" in src_all and leaf in {f for p in (mc / "training" / "config").glob("*.py")
+                                                         for f in _class_fields_any(p, cls)}, key
+    tok = _class_fields_any(mc / "training" / "config" / "training_config.py", "TokenizerConfig") | \
+        _class_fields_any(broot / "training" / "tokenizers" / "config.py", "TokenizerConfig")
+    for plan_tok in ({"tokenizer_type": "NullTokenizer", "vocab_size": 512},
+                     {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "/t"}):
+        assert set(plan_tok) <= tok
+    assert "def _pretrain_common(" in (broot / "recipes" / "common.py").read_text()
+    assert "from megatron.core.datasets.utils import compile_helpers" in (broot / "training" / "initialize.py").read_text()
+    h100 = (broot / "recipes" / "llama" / "h100" / "llama3.py").read_text()
+    alias = (broot / "recipes" / "llama" / "llama3.py").read_text()
+    for model, pub in bridge.PUBLISHED_RECIPES.items():
+        impl = alias.split(f" as {pub.fn},")[0].rsplit("\n", 1)[-1].strip()
+        body = h100.split(f"def {impl}(", 1)[1].split("\ndef ", 1)[0]
+        for field, want in (("tensor_model_parallel_size", pub.tensor_parallel),
+                            ("pipeline_model_parallel_size", pub.pipeline_parallel),
+                            ("context_parallel_size", pub.context_parallel)):
+            assert f"cfg.model.{field} = {want}\n" in body, (model, field)
+
+
+def _class_fields_any(path: Path, name: str) -> set:
+    try:
+        return _class_fields(path, name)
+    except StopIteration:
+        return set()
+
+
 def _nemo_init_args(path: Path):
     tree = ast.parse(path.read_text())
     cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "MegatronMixedPrecision")
@@ -284,3 +361,38 @@ def test_lightning_callback():
     cb.on_train_batch_end(types.SimpleNamespace(global_step=1, logger=None), model, None, None, 0)
     assert cb.audit is not None and not cb.audit.violations
     cb.teardown(None, model)
+
+
+def _nemo_plugin_importable():
+    try:
+        from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - any import failure: skip with it
+        return f"NeMo 2.x is not installed here ({type(e).__name__}: {e}); pip install nemo_toolkit==2.7.3 " \
+               "'megatron-core==0.16.1' 'lightning<=2.4' to run this"
+    return None
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8", "bf16"])
+def test_nemo2_plugin_is_the_real_megatron_mixed_precision(recipe):
+    """With a real NeMo 2 install: our arguments build NeMo's own MegatronMixedPrecision, and NeMo's
+    own update_config_with_dtype_overrides puts every recipe-owned field on a real megatron-core
+    TransformerConfig."""
+    why = _nemo_plugin_importable()
+    if why:
+        pytest.skip(why)
+    from megatron.core.transformer import TransformerConfig
+    from nemo.lightning.pytorch.plugins.mixed_precision import update_config_with_dtype_overrides
+
+    pol = PrecisionPolicy() if recipe in ("delayed", "bf16") else PrecisionPolicy(first_layers_bf16=1,
+                                                                                 last_layers_bf16=1)
+    plugin = nemo2.megatron_mixed_precision(recipe, pol)
+    assert type(plugin).__name__ == "MegatronMixedPrecision"
+    cfg = update_config_with_dtype_overrides(
+        plugin.dtype_config, TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
+                                               use_cpu_initialization=True))
+    want = bridge.expected_model_fields(recipe, pol)
+    for k, v in want.items():
+        if k == "moe_router_dtype":
+            continue  # not a plugin field: nemo2_model_overrides sets it on the model config
+        assert getattr(cfg, k) == v, (k, getattr(cfg, k), v)
+    assert cfg.bf16 is True and cfg.params_dtype is torch.bfloat16

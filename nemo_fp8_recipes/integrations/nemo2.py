@@ -1,5 +1,8 @@
 """NeMo 2.x (``nemo_toolkit<2.8``, ``nemo.collections.llm``): the ``MegatronMixedPrecision`` plugin
-arguments for each recipe, and a Lightning callback.
+arguments for each recipe, and a Lightning callback. Legacy: NeMo's LLM training moved to
+Megatron-Bridge (:mod:`.bridge`); this adapter is kept for containers that still run NeMo 2, and
+is tested against a real nemo_toolkit 2.7.3 install (plugin built, its dtype overrides applied to a
+megatron-core ``TransformerConfig``), not in a NeMo 2 training run.
 
 NeMo 2's precision plugin (``nemo/lightning/pytorch/plugins/mixed_precision.py``) takes the FP8
 settings as constructor arguments and, like Megatron-Bridge, copies them onto the model config
