@@ -304,6 +304,74 @@ def _resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Pat
     return p
 
 
+class _TERun:
+    """What ``backend=te`` adds to a run: the conversion, the micro-batch state TE's weight caching
+    reads, the run-time hooks (audit, telemetry) and the te.autocast factory."""
+
+    def __init__(self, raw_model, recipe, policy, backend_cfg, ctx: DistContext, telemetry: bool) -> None:
+        from .integrations.callbacks import TEPrecisionHooks
+        from .integrations.te_model import (MicroBatchState, convert_to_te, restore_te_state, snapshot_te_state,
+                                            te_autocast_for)
+
+        self.micro = MicroBatchState()
+        self.conversion = convert_to_te(raw_model, recipe, policy, self.micro)
+        group = None
+        if ctx.distributed:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD  # delayed scaling: amaxes max-reduced over the data-parallel ranks
+        self.autocast = te_autocast_for(recipe, amax_reduction_group=group)
+        self.hooks = TEPrecisionHooks(recipe, policy, strict=bool(backend_cfg.get("strict_audit", False)),
+                                      telemetry=telemetry)
+        self.hooks.attach(raw_model)
+        self.snapshot, self.restore = snapshot_te_state, restore_te_state
+        log.info("backend te: %d linears are te.Linear (FP8 under te.autocast), %d kept in high precision",
+                 self.conversion.swapped, len(self.conversion.decisions) - self.conversion.swapped)
+
+    def audit(self):
+        """TE's audit of what ran (strict: raises on a violation), with the linears the policy kept
+        out of FP8 (plain PyTorch modules here) listed beside the TE modules."""
+        from .integrations.callbacks import TEAuditRow
+
+        rep = self.hooks.check()
+        have = {r.name for r in rep.rows}
+        for name, d in self.conversion.decisions.items():
+            if name not in have and not d.fp8:
+                rep.rows.append(TEAuditRow(name, d.role, d.precision, d.reason + " (a PyTorch module)"))
+        rep.rows.sort(key=lambda r: r.name)
+        return rep
+
+
+def _setup_te_backend(raw_model, recipe, policy, cfg, ctx: DistContext, telemetry: bool) -> _TERun:
+    return _TERun(raw_model, recipe, policy, cfg.backend, ctx, telemetry)
+
+
+def _check_te_backend(recipe, device: torch.device, tcfg: TrainerConfig) -> None:
+    """``backend=te`` stops at once, naming the fix, where it cannot run as configured."""
+    from .integrations.te_model import te_backend_problem
+    from .recipes import describe_device
+
+    problem = te_backend_problem(device)
+    if problem:
+        raise ConfigError(problem)
+    if recipe.emulate:
+        raise ConfigError("recipe.emulate=true is the native backend's exact emulation; Transformer Engine runs "
+                          "real FP8 GEMMs only: use backend=native recipe.emulate=true, or drop recipe.emulate")
+    info = describe_device(device)
+    if recipe.name == "mxfp8" and (info.capability or (0, 0)) < (10, 0):
+        raise ConfigError(
+            f"recipe mxfp8 with backend=te needs SM100 (Blackwell): Transformer Engine refuses MXFP8 on "
+            f"{info}. Use recipe=blockwise (fine-grained scales that Hopper runs), or backend=native "
+            "recipe.emulate=true for mxfp8's numerics")
+    if tcfg.compile:
+        raise ConfigError("trainer.compile=true with backend=te: Transformer Engine's modules run eager (and "
+                          "DelayedScaling is refused under torch.compile); use trainer.compile=false, or "
+                          "backend=native, which compiles")
+    if tcfg.fuse_wgrad_accumulation:
+        raise ConfigError("trainer.fuse_wgrad_accumulation=true is the native FP8 linear's; with backend=te use "
+                          "trainer.fuse_wgrad_accumulation=false")
+
+
 def _load_for_resume(path: Path, tcfg: TrainerConfig) -> Dict[str, Any]:
     """Load and verify the checkpoint to resume from; a bad one is refused, naming the newest
     older checkpoint of its directory that loads and verifies (never a silent fall-back)."""
@@ -327,7 +395,7 @@ _HYPERPARAMETERS = ("seed", "seq_len", "micro_batch_size", "global_batch_size", 
 
 
 def _check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig, tcfg: TrainerConfig,
-                      fingerprint: str, auto: bool = False) -> bool:
+                      fingerprint: str, auto: bool = False, backend: str = "native") -> bool:
     """Refuse a checkpoint from another recipe (unless forced) or model shape; refuse an
     *automatic* resume whose trainer hyperparameters changed (e.g. two jobs of a
     ``-m trainer.lr=...`` sweep sharing a run directory) unless forced; warn on data changes.
@@ -341,6 +409,17 @@ def _check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfi
         raise CheckpointError(f"{path} was written for another model shape ({'; '.join(diffs)})")
     old_recipe = ckpt.get("recipe", {})
     forced = False
+    old_backend, new_backend = str(ckpt.get("backend", "native")), str(backend)
+    if old_backend != new_backend:
+        if not tcfg.force_resume:
+            raise CheckpointError(
+                f"{path} was written by backend={old_backend}, this run uses backend={new_backend}. The weights "
+                "map one to one between the backends, their FP8 scaling state does not (our amax histories vs "
+                "Transformer Engine's extra state): pass trainer.force_resume=true to load the weights and "
+                "optimizer and start the FP8 state fresh, or resume with the same backend")
+        forced = True
+        log.warning("forced resume across backends (%s -> %s): FP8 scaling state starts fresh", old_backend,
+                    new_backend)
     if old_recipe.get("name") != recipe.name:
         if not tcfg.force_resume:
             raise CheckpointError(
@@ -415,9 +494,10 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         raise ConfigError(f"missing mandatory value(s): {', '.join(missing)}")
     tcfg = trainer_config(cfg)
     rcfg: RunConfig = run_config(cfg)
-    if cfg.backend.name != "native":
+    backend = str(cfg.backend.name)
+    if backend not in ("native", "te"):
         raise ConfigError(
-            f"the embedded trainer runs backend=native, got backend={cfg.backend.name}; launch "
+            f"the embedded trainer runs backend=native or backend=te, got backend={backend}; launch "
             "Megatron-Bridge with `torchrun ... -m nemo_fp8_recipes.integrations.bridge <overrides>` "
             "or submit it with `nemo-fp8-submit backend=megatron_bridge ...`"
         )
@@ -431,7 +511,10 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     device = resolve_device(tcfg.device)
     recipe = build_recipe(cfg.recipe)
     policy = build_policy(cfg.get("policy"))
-    require_supported(recipe, device)
+    if backend == "te":
+        _check_te_backend(recipe, device, tcfg)
+    else:
+        require_supported(recipe, device)
     world = dist_world_size()
     if tcfg.global_batch_size % (tcfg.micro_batch_size * world):
         raise ConfigError(
@@ -505,7 +588,11 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     _seed_everything(tcfg.seed)
     with torch.device(device):
         raw_model = Transformer(mcfg)
-    convert_model(raw_model, recipe, policy)
+    te_run = None  # backend=te: conversion, micro-batch state, hooks, autocast factory
+    if backend == "te":
+        te_run = _setup_te_backend(raw_model, recipe, policy, cfg, ctx, telemetry=tcfg.telemetry_interval > 0)
+    else:
+        convert_model(raw_model, recipe, policy)
     # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
     set_delayed_scaling_update(raw_model, "step")
     if tcfg.fuse_wgrad_accumulation:
@@ -533,6 +620,14 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                           find_unused_parameters=mcfg.arch == "moe")  # unrouted experts get no grad
     optimizer, scheduler = _build_optimizer(dp_model, tcfg, device)
     autocast_ctx, bf16 = _autocast(device, tcfg.autocast)
+
+    def fp8_ctx(first_micro_batch: Optional[bool]):
+        """backend=te: te.autocast with the recipe, and TE's weight caching told which micro-batch
+        this is (None: not a training step); native: nothing (the FP8 linears carry the recipe)."""
+        if te_run is None:
+            return contextlib.nullcontext()
+        te_run.micro.first = first_micro_batch
+        return te_run.autocast()
     real_fp8 = recipe.is_fp8 and uses_real_fp8_gemm(recipe, device)
     mode = "no FP8" if not recipe.is_fp8 else ("real FP8 GEMMs" if real_fp8 else "emulated FP8")
     n_params = raw_model.num_params()
@@ -545,7 +640,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     if resume_path is not None:
         ckpt = _load_for_resume(resume_path, tcfg)
         forced = _check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint,
-                                   auto=tcfg.resume == "auto")
+                                   auto=tcfg.resume == "auto", backend=backend)
         _load_model_state(dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
         scheduler.load_state_dict(ckpt["scheduler"])
         # The checkpoint restores the *old* hyperparameters (LambdaLR's base_lrs, AdamW's
@@ -620,6 +715,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
             # the train/loss logging window open at this step, so a resumed run logs the same mean
             "log_window": {"loss_sum": window_loss, "steps": window_n},
             "recipe": recipe.describe(),
+            "backend": backend,
             "model_config": mcfg.to_dict(),
             "trainer": dataclasses.asdict(tcfg),
             "config_yaml": OmegaConf.to_yaml(cfg, resolve=True),
@@ -643,17 +739,20 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         # run with validation follows the same trajectory as one without, and a checkpoint
         # written right after validation resumes exactly.
         snapshot = _fp8_state_snapshot(raw_model)
+        te_snapshot = te_run.snapshot(raw_model) if te_run else None
         model.eval()
         total, n = 0.0, 0
         try:
             for x, y in val_batches.iter(device):
-                with autocast_ctx():
+                with autocast_ctx(), fp8_ctx(None):
                     out = model(x, y)
                 total += float(out.ce_loss)
                 n += 1
         finally:
             model.train()
             _fp8_state_restore(raw_model, snapshot)
+            if te_run:
+                te_run.restore(raw_model, te_snapshot)
         return total / max(1, n)
 
     from tqdm.auto import tqdm
@@ -676,7 +775,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                 mid_step = True  # weights, counters and FP8 state may disagree until the step ends
                 t0 = time.perf_counter()
                 tele_now = telemetry_on and (step + 1) % tcfg.telemetry_interval == 0
-                if tele_now:
+                if tele_now and not te_run:
                     set_telemetry(raw_model, True)
                 loss_acc = torch.zeros((), device=device)
                 aux_acc = torch.zeros((), device=device)
@@ -685,7 +784,8 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                     # back-propagates loss / (all micro-batches): gradients are summed over ranks
                     x, y = train_batches.get(step, ctx.rank * accum + micro, device)
                     try:
-                        with grad_sync(dp_model, tcfg.data_parallel, ctx, micro == accum - 1), autocast_ctx():
+                        with grad_sync(dp_model, tcfg.data_parallel, ctx, micro == accum - 1), autocast_ctx(), \
+                                fp8_ctx(micro == 0):
                             out = model(x, y)
                             (out.loss / tcfg.grad_accum).backward()
                     except Exception as e:
@@ -744,7 +844,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                     steps_timed += 1
 
                 if step == start_step + 1 and start_step == 0:
-                    report = audit(raw_model)
+                    report = te_run.audit() if te_run else audit(raw_model)
                     rank_problems = merge_audits(report, ctx)
                     result.audit_table = report.table()
                     if ctx.distributed:
@@ -763,8 +863,10 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                         log.warning("policy violations: %s", ", ".join(list(report.violations) + rank_problems))
 
                 if tele_now:
-                    writer.scalars(reduce_telemetry(collect_telemetry(raw_model, reset=True), ctx), step)
-                    set_telemetry(raw_model, False)
+                    tel = te_run.hooks.collect_telemetry() if te_run else collect_telemetry(raw_model, reset=True)
+                    writer.scalars(reduce_telemetry(tel, ctx), step)
+                    if not te_run:
+                        set_telemetry(raw_model, False)
 
                 tps = window_tokens / window_time if window_time > 0 else 0.0
                 bar.update(1)

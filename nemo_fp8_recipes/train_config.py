@@ -254,12 +254,13 @@ def _dict_override_keys(key: str, overrides: Sequence[str]) -> List[str]:
     return []
 
 
-def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
+def validate_overrides(overrides: Sequence[str], *, this_machine: bool = True) -> Optional[str]:
     """Compose with ``overrides``; return None if fine, else a clean, actionable message.
 
     Bad group options list the group's options (Hydra's message); unknown keys list the valid
     keys of their parent node with a close-match hint; the typed ``trainer``/``run`` blocks are
-    checked too.
+    checked too. ``this_machine=False`` (a job rendered for other nodes) leaves out what depends on
+    the machine it runs on (Transformer Engine installed, a GPU).
     """
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -286,13 +287,13 @@ def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
     try:
         trainer_config(cfg)
         run_config(cfg)
-        _check_blocks(cfg)
+        _check_blocks(cfg, this_machine)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def _check_blocks(cfg) -> None:
+def _check_blocks(cfg, this_machine: bool = True) -> None:
     """The recipe, policy, model and data blocks as their owners validate them, so a bad value
     fails here, before Hydra starts a run (and writes a run directory)."""
     from omegaconf import OmegaConf
@@ -301,8 +302,15 @@ def _check_blocks(cfg) -> None:
 
     build_recipe(cfg.recipe)
     build_policy(cfg.get("policy"))
-    if cfg.backend.get("name") != "native":
+    if cfg.backend.get("name") not in ("native", "te"):
         return  # Bridge's recipe function may define the model; its own validator checks it
+    if cfg.backend.get("name") == "te" and this_machine:
+        from .integrations.te_model import te_backend_problem
+        from .train import resolve_device
+
+        problem = te_backend_problem(resolve_device(str(cfg.trainer.device)))
+        if problem:
+            raise ConfigError(problem)
     from .data import DataConfig, DataError
     from .models import ModelConfig
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import resource
 import subprocess
 import sys
@@ -233,3 +234,37 @@ def test_the_train_loss_window_that_spans_a_resume_matches_the_uninterrupted_run
     a, b = _logged(full.run_dir, "train/loss"), _logged(resumed.run_dir, "train/loss")
     assert sorted(b) == [8, 12]
     assert b[8] == a[8] and b[12] == a[12]  # the window 5..8 spans the resume at step 6
+
+
+def test_backend_te_without_transformer_engine_stops_at_once(tmp_path, token_cache, capsys):
+    from nemo_fp8_recipes.integrations.te import te_available
+
+    if te_available()[0] and torch.cuda.is_available():
+        pytest.skip("Transformer Engine runs here: backend=te trains (tests/test_te_gpu.py)")
+    t0 = time.monotonic()
+    err = _cli(tmp_path, token_cache, capsys, "backend=te")
+    assert time.monotonic() - t0 < 30
+    assert "backend=te" in err and 'pip install ".[te]"' in err and "backend=native" in err
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["recipe=mxfp8"], "needs SM100 (Blackwell)"),
+    (["recipe=tensorwise", "trainer.compile=true"], "Transformer Engine's modules run eager"),
+    (["recipe=blockwise", "recipe.emulate=true"], "backend=native recipe.emulate=true"),
+])
+def test_backend_te_refuses_what_te_cannot_run(extra, words, monkeypatch, tmp_path):
+    """The checks after Transformer Engine is found, with the TE/GPU probe and the device answer
+    replaced by a Hopper machine's (no TE is needed to see the refusals)."""
+    from nemo_fp8_recipes import recipes as recipes_mod
+    from nemo_fp8_recipes import train as train_mod
+    from nemo_fp8_recipes.integrations import te_model
+    from nemo_fp8_recipes.recipes import DeviceInfo
+    from nemo_fp8_recipes.train_config import ConfigError, trainer_config
+
+    hopper = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), cuda_version=(12, 9))
+    monkeypatch.setattr(te_model, "te_backend_problem", lambda device: None)
+    monkeypatch.setattr(recipes_mod, "describe_device", lambda device=None: hopper)
+    cfg = compose_config(["backend=te", *extra])
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        train_mod._check_te_backend(train_mod.build_recipe(cfg.recipe), torch.device("cuda"), trainer_config(cfg))

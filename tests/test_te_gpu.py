@@ -372,3 +372,74 @@ def test_compare_reads_the_bridge_runs(bridge_runs, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "tag `lm loss`" in out and "| bf16 (baseline) |" in out
     assert (tmp_path / "compare.png").is_file()
+
+
+# ---- the embedded trainer with backend=te -------------------------------------------------------
+_TRAIN = ["model=llama3_tiny", "trainer.device=cuda", "trainer.max_steps=12", "trainer.log_interval=2",
+          "trainer.val_interval=6", "trainer.val_steps=2", "trainer.telemetry_interval=4", "trainer.ckpt_interval=6",
+          "trainer.ckpt_keep=5", "trainer.progress=false", "data.max_files=40", "backend=te", "backend.strict_audit=true"]
+
+
+def _train_te(tmp_path, *extra):
+    from nemo_fp8_recipes.train import train
+    from nemo_fp8_recipes.train_config import compose_config
+
+    return train(compose_config(_TRAIN + [f"run.root={tmp_path}", *extra]))
+
+
+def _tags(run_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return set(acc.Tags()["scalars"])
+
+
+@pytest.mark.parametrize("key", ["bf16", "delayed", "tensorwise", "blockwise"])
+def test_trainer_backend_te_trains_with_the_strict_audit(key, tmp_path):
+    te = _te()
+    res = _train_te(tmp_path, f"recipe={key}", "trainer.global_batch_size=8")  # two micro-batches per step
+    assert res.final_step == 12 and res.history[-1]["loss"] < res.history[0]["loss"]
+    n_te = sum(isinstance(m, te.Linear) for m in res.model.modules())
+    assert n_te == (0 if key == "bf16" else 4 * 7)  # wq wk wv wo w1 w2 w3 of 4 layers
+    audit = (res.run_dir / "audit.txt").read_text()
+    assert "POLICY VIOLATIONS" not in audit and "output" in audit and "tok_embeddings" not in audit.split("\n")[0]
+    if key != "bf16":
+        tags = _tags(res.run_dir)
+        assert {"fp8/attention/input/amax", "fp8/mlp/input/amax"} <= tags  # the native backend's tags
+        if key == "delayed":
+            assert {"fp8/mlp/weight/scale", "fp8/mlp/grad_output/scale"} <= tags
+
+
+def test_trainer_backend_te_resume_reproduces_the_loss_curve(tmp_path):
+    full = _train_te(tmp_path / "a", "recipe=delayed")
+    ckpt6 = full.run_dir / "checkpoints" / "step_00000006.pt"
+    resumed = _train_te(tmp_path / "b", "recipe=delayed", f"trainer.resume={ckpt6}")
+    assert resumed.start_step == 6
+    for s, loss in resumed.losses.items():
+        assert loss == pytest.approx(full.losses[s], rel=1e-6, abs=1e-6), s  # TE's kernels are deterministic here
+    from nemo_fp8_recipes.checkpoint import load_checkpoint
+
+    state = load_checkpoint(ckpt6)
+    assert state["backend"] == "te" and any(k.endswith("_extra_state") for k in state["model"])
+
+
+def test_trainer_checkpoints_cross_backends_only_when_forced(tmp_path):
+    from nemo_fp8_recipes.checkpoint import CheckpointError
+
+    native = _train_te(tmp_path / "n", "recipe=tensorwise", "backend=native", "backend.strict_audit=false")
+    ckpt = native.run_dir / "checkpoints" / "step_00000006.pt"
+    with pytest.raises(CheckpointError, match="written by backend=native.*trainer.force_resume=true"):
+        _train_te(tmp_path / "t", "recipe=tensorwise", f"trainer.resume={ckpt}")
+    forced = _train_te(tmp_path / "t", "recipe=tensorwise", f"trainer.resume={ckpt}", "trainer.force_resume=true")
+    assert forced.start_step == 6 and forced.final_step == 12
+
+
+def test_trainer_backend_te_mxfp8_on_hopper_names_the_alternatives(tmp_path, capsys):
+    from nemo_fp8_recipes.train import main
+
+    if torch.cuda.get_device_capability() >= (10, 0):
+        pytest.skip("this GPU runs MXFP8")
+    assert main(_TRAIN + ["recipe=mxfp8", f"run.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "needs SM100" in err and "recipe=blockwise" in err and "backend=native recipe.emulate=true" in err

@@ -254,39 +254,37 @@ class TEPrecisionHooks:
         return rep
 
     def collect_telemetry(self, reset: bool = True) -> Dict[str, float]:
-        """``{"fp8_te/<group>/input/amax": v, "fp8_te/<group>/<i>/scale": v, ...}``: input amax per
-        layer group (max over modules) and, for delayed scaling, TE's current scales and amaxes
-        from ``fp8_meta`` (mean / max over modules)."""
+        """``{"fp8/<group>/<operand>/<stat>": v}`` under the native backend's tags and groups
+        (:func:`~nemo_fp8_recipes.nn.convert.telemetry_group`): ``input/amax`` observed at the
+        modules' inputs (max over modules), and for delayed scaling TE's current scales and the
+        latest amaxes from ``fp8_meta`` (``input`` / ``weight`` forward, ``grad_output``
+        backward; scales the mean, amaxes the max over modules)."""
         acc: Dict[str, List[float]] = {}
         for name, a in self._amax.items():
-            acc.setdefault(f"fp8_te/{_group(self.rows[name])}/input/amax", []).append(a)
+            acc.setdefault(f"fp8/{_group(self.rows[name])}/input/amax", []).append(a)
         for name, m in self._modules.items():
             meta = getattr(m, "fp8_meta", None)
             if not isinstance(meta, dict):
                 continue
-            for key, label in (("scaling_fwd", "fwd"), ("scaling_bwd", "bwd")):
+            g = _group(self.rows[name])
+            for key, operands in (("scaling_fwd", ("input", "weight")), ("scaling_bwd", ("grad_output",))):
                 st = meta.get(key)
                 scale = getattr(st, "scale", None)
                 hist = getattr(st, "amax_history", None)
-                g = _group(self.rows[name])
-                if torch.is_tensor(scale) and scale.numel():
-                    acc.setdefault(f"fp8_te/{g}/{label}/scale", []).append(float(scale.float().mean()))
-                if torch.is_tensor(hist) and hist.numel():
-                    acc.setdefault(f"fp8_te/{g}/{label}/amax", []).append(float(hist[0].float().max()))
+                for i, op in enumerate(operands):
+                    if torch.is_tensor(scale) and scale.numel() > i:
+                        acc.setdefault(f"fp8/{g}/{op}/scale", []).append(float(scale.reshape(-1)[i].float()))
+                    if op != "input" and torch.is_tensor(hist) and hist.dim() == 2 and hist.shape[1] > i:
+                        acc.setdefault(f"fp8/{g}/{op}/amax", []).append(float(hist[0, i].float()))
         if reset:
             self._amax.clear()
         return {k: (max(v) if k.endswith("amax") else sum(v) / len(v)) for k, v in acc.items()}
 
 
 def _group(row: TEAuditRow) -> str:
-    parts = row.name.split(".")
-    if "experts" in parts or "local_experts" in parts:
-        return "experts"
-    if row.role == Role.ATTENTION_PROJECTION:
-        return "attention"
-    if row.role == Role.MLP:
-        return "mlp"
-    return row.role
+    from ..nn.convert import telemetry_group
+
+    return telemetry_group(row.name, row.role)
 
 
 def _write_scalars(writer, scalars: Dict[str, float], step: int) -> None:

@@ -79,7 +79,7 @@ __all__ = [
 ]
 
 PROG = "nemo-fp8-submit"
-BACKENDS = ("native", "megatron_bridge")
+BACKENDS = ("native", "te", "megatron_bridge")
 
 BRIDGE_ENTRIES = ("nemo_fp8", "run_recipe")
 #: Megatron-Bridge mixed-precision preset per recipe key (DESIGN §5), for ``entry=run_recipe``.
@@ -264,7 +264,7 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
     recipe = build_recipe(cfg.recipe)  # validates the recipe; the hardware check runs on the nodes
     backend = str(cfg.backend.name)
     if backend not in BACKENDS:
-        raise ConfigError(f"{PROG} launches backend=native or backend=megatron_bridge, got backend={backend}")
+        raise ConfigError(f"{PROG} launches backend=native, te or megatron_bridge, got backend={backend}")
     if framework_overrides and backend != "megatron_bridge":
         raise ConfigError(f"overrides {list(framework_overrides)} are not nemo-fp8-train keys (they pass "
                           "through to Megatron-Bridge only with backend=megatron_bridge)")
@@ -288,10 +288,10 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
     torchrun = check_program(cl.torchrun or ("torchrun" if image else _default_torchrun(python)), "cluster.torchrun")
 
     env = {str(k): v for k, v in (cl.env or {}).items()}
-    if backend == "megatron_bridge":
+    if backend in ("te", "megatron_bridge"):
         from ..integrations.te import te_env
 
-        # Transformer Engine reads these once, at import (DESIGN §5); the native backend has no TE.
+        # Transformer Engine reads these once, at import; the native backend has no TE.
         for k, v in te_env(recipe).items():
             if env.get(k) is not None and str(env[k]) != v:
                 raise SlurmSpecError(
@@ -313,7 +313,7 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
         f"model {model}, recipe {recipe.name}, backend {backend}, "
         f"{cl.nodes} node(s) x {cl.gpus_per_node} GPU(s)",
     ]
-    if backend == "native":
+    if backend in ("native", "te"):  # the embedded trainer (te: with Transformer Engine's linears)
         args = trainer_overrides(overrides, run_root, run_dir_overridden)
         if cl.gpus_per_node == 0 and cl.nodes == 1:
             command = [python, "-m", "nemo_fp8_recipes.train", *args]
@@ -469,7 +469,7 @@ def plan_jobs(overrides: Sequence[str], *, multirun: bool = False, cwd: Optional
             from ..integrations.validate import split_overrides
 
             ours, theirs = split_overrides(combo, backend="megatron_bridge")
-        problem = validate_overrides(ours)
+        problem = validate_overrides(ours, this_machine=False)  # the job runs on the cluster's nodes
         if problem:
             raise ConfigError(problem)
         jobs.append(plan_job(compose_config(ours), ours, framework_overrides=theirs, cwd=cwd))

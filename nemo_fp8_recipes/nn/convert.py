@@ -401,7 +401,10 @@ def set_wgrad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> int
     return len(mods)
 
 
-def _group_of(fqn: str, role: str) -> str:
+def telemetry_group(fqn: str, role: str) -> str:
+    """The layer group a module's FP8 telemetry is logged under (``fp8/<group>/...``): experts,
+    shared_expert, attention, mlp, or the role itself. Both backends group with it, so a native and
+    a Transformer Engine run log the same tags."""
     parts = fqn.split(".")
     if "experts" in parts or "local_experts" in parts:
         return "experts"
@@ -426,7 +429,7 @@ def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
     pinned = pinned_scales(model)
     for name, m in fp8_modules(model).items():
         tel = m.pop_telemetry() if reset else {}
-        group = _group_of(m.fqn, m.role)
+        group = telemetry_group(m.fqn, m.role)
         for operand, stats in tel.items():
             for stat, v in stats.items():
                 acc.setdefault(f"fp8/{group}/{operand}/{stat}", []).append(v)

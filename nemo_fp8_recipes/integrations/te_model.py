@@ -1,0 +1,178 @@
+"""The embedded trainer's Transformer Engine backend (``backend=te``): our Llama 3 / MoE model with
+``te.Linear`` wherever the precision policy puts a linear in FP8, the forward under
+``te.autocast(recipe=to_te_recipe(key))``.
+
+Everything else is the native model, unchanged: the embedding, the RMSNorms (FP32), the attention
+core (PyTorch SDPA, BF16), the router (FP32) and the output head stay the same PyTorch modules.
+
+Why ``te.Linear`` per projection rather than ``te.LayerNormLinear`` / ``te.LayerNormMLP`` (which
+fuse the norm, and the whole MLP, into one TE module):
+
+- the module tree, parameter names and shapes stay those of the native model (``wq``, ``wk``,
+  ``wv``, ``wo``, ``w1``, ``w2``, ``w3``), so the policy decides per projection exactly as for the
+  native backend (``attention_projections=bf16``, ``exclude`` patterns, first/last layers), the
+  audit's rows line up one to one, and a checkpoint's weights map one to one between backends;
+- the norms stay the native FP32 RMSNorm, as the policy's norm role says, so the two backends
+  differ only where the FP8 GEMMs are computed — which is what a comparison of them is for.
+
+The cost is TE's norm fusion (one read of the norm output fewer per block); Megatron-Core's TE
+layer spec, which fuses them, is the other column of the end-to-end benchmark.
+
+Gradient accumulation uses TE's weight caching: the first micro-batch of an optimizer step passes
+``is_first_microbatch=True`` (TE quantises the weights and keeps the FP8 copies), the others
+``False`` (TE reuses them). Delayed scaling's amaxes are max-reduced over the data-parallel group
+passed to ``te.autocast`` as ``amax_reduction_group``. TE keeps its FP8 state (amax histories,
+scales) in each module's ``_extra_state``, which the trainer's checkpoints carry.
+
+Importing this module needs neither Transformer Engine nor a GPU; the functions that build the
+model import TE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+import torch.nn as nn
+
+from ..policy import Decision, PrecisionPolicy
+from ..recipes import Recipe
+
+__all__ = ["MicroBatchState", "te_backend_problem", "convert_to_te", "te_modules", "te_autocast_for",
+           "snapshot_te_state", "restore_te_state"]
+
+
+@dataclass
+class MicroBatchState:
+    """Which micro-batch of the optimizer step the forward belongs to: ``first=True`` for the
+    first (TE quantises and caches the FP8 weights), ``False`` for the others (TE reuses them),
+    ``None`` outside training steps (TE quantises every call, e.g. validation)."""
+
+    first: Optional[bool] = None
+
+
+@dataclass
+class TEConversion:
+    """What :func:`convert_to_te` did: the policy decision of every linear, the number swapped."""
+
+    decisions: Dict[str, Decision] = field(default_factory=dict)
+    swapped: int = 0
+
+
+def te_backend_problem(device: torch.device) -> Optional[str]:
+    """Why ``backend=te`` cannot run here (None when it can): Transformer Engine not importable, or
+    no CUDA GPU. The message names the fix."""
+    from .te import te_available
+
+    ok, why = te_available()
+    if not ok:
+        return (f"backend=te needs Transformer Engine, which is not importable here ({why}): on a GPU machine "
+                "pip install \".[te]\" (Transformer Engine >= 2.9), or use backend=native (our FP8 path, which "
+                "also emulates FP8 on CPU)")
+    if device.type != "cuda":
+        return (f"backend=te runs Transformer Engine's FP8 GEMMs on a CUDA GPU; trainer.device resolves to "
+                f"{device}. Use a GPU (trainer.device=cuda), or backend=native (our FP8 path, emulated on CPU)")
+    return None
+
+
+_TE_LINEAR_CLASS = None
+
+
+def _te_linear_class():
+    """``te.Linear`` that takes ``is_first_microbatch`` from the trainer's :class:`MicroBatchState`
+    when the caller does not pass it (our model calls its projections as ``self.wq(x)``)."""
+    global _TE_LINEAR_CLASS
+    if _TE_LINEAR_CLASS is None:
+        import transformer_engine.pytorch as te
+
+        class NemoTELinear(te.Linear):
+            """``te.Linear`` with the micro-batch position read from the trainer's state."""
+
+            def forward(self, inp, is_first_microbatch=None, **kwargs):  # noqa: D401 - TE's signature
+                if is_first_microbatch is None:
+                    state = getattr(self, "_nemo_fp8_micro", None)
+                    is_first_microbatch = state.first if state is not None else None
+                return super().forward(inp, is_first_microbatch=is_first_microbatch, **kwargs)
+
+        _TE_LINEAR_CLASS = NemoTELinear
+    return _TE_LINEAR_CLASS
+
+
+def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
+    parent, _, leaf = fqn.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPolicy] = None,
+                  micro: Optional[MicroBatchState] = None) -> TEConversion:
+    """Swap every ``nn.Linear`` of ``model`` that the policy puts in FP8 for a ``te.Linear`` with the
+    same weights (FP32 parameters, the master weights; TE casts them under autocast), in place.
+    Linears the policy keeps in high precision, and everything that is not a linear, stay as they
+    are. ``micro``: the trainer's micro-batch position (TE's weight caching)."""
+    from ..nn.convert import _infer_num_layers
+
+    cls = _te_linear_class()
+    policy = (policy or PrecisionPolicy()).with_num_layers(_infer_num_layers(model))
+    out = TEConversion()
+    for fqn, module in list(model.named_modules()):
+        if not fqn or type(module) is not nn.Linear:
+            continue
+        d = policy.decide(fqn, module, recipe=recipe)
+        out.decisions[fqn] = d
+        if not d.fp8:
+            continue
+        w = module.weight
+        new = cls(module.in_features, module.out_features, bias=module.bias is not None, params_dtype=w.dtype,
+                  device=w.device)
+        with torch.no_grad():
+            new.weight.copy_(w)
+            if module.bias is not None:
+                new.bias.copy_(module.bias)
+        new._nemo_fp8_micro = micro
+        _set_submodule(model, fqn, new)
+        out.swapped += 1
+    return out
+
+
+def te_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """``{name: module}`` of the Transformer Engine modules of ``model``."""
+    from .te import is_te_module
+
+    return {n: m for n, m in model.named_modules() if n and is_te_module(m)}
+
+
+def te_autocast_for(recipe: Recipe, amax_reduction_group=None):
+    """A factory of fresh ``te.autocast`` contexts for ``recipe`` (BF16: FP8 off), reducing
+    delayed-scaling amaxes over ``amax_reduction_group``."""
+    from .te import te_autocast, to_te_recipe
+
+    if not recipe.is_fp8:
+        return lambda: te_autocast(None, enabled=False)
+    te_recipe = to_te_recipe(recipe)
+    return lambda: te_autocast(te_recipe, amax_reduction_group=amax_reduction_group)
+
+
+def snapshot_te_state(model: nn.Module) -> Dict[str, Any]:
+    """Every TE module's FP8 state (``get_extra_state``: amax histories, scales), for
+    :func:`restore_te_state` — so an evaluation under ``te.autocast`` does not steer training."""
+    return {n: m.get_extra_state() for n, m in te_modules(model).items() if hasattr(m, "get_extra_state")}
+
+
+def restore_te_state(model: nn.Module, snap: Dict[str, Any]) -> None:
+    """Put back a :func:`snapshot_te_state`."""
+    mods = te_modules(model)
+    for n, state in snap.items():
+        if n in mods and state is not None:
+            mods[n].set_extra_state(state)
+
+
+@contextlib.contextmanager
+def no_te_state_change(model: nn.Module):
+    """Run a block (validation) without leaving a trace in TE's FP8 state."""
+    snap = snapshot_te_state(model)
+    try:
+        yield
+    finally:
+        restore_te_state(model, snap)
