@@ -3,7 +3,7 @@
     python benchmarks/gemm_tflops.py --sizes 8b,70b,405b --out results/gemm_tflops.json
 
 For each model size (``dim``, ``ffn_dim`` read from ``configs/model/``) and M = 8192 tokens, the
-two MLP projections and their three GEMMs (DESIGN §2, ``Y = X·Wᵀ``):
+two MLP projections and their three GEMMs (docs/recipes.md, ``Y = X·Wᵀ``):
 
 ==========  ================  ============================  ===========================
 projection  weight ``[N,K]``  GEMM                          shape ``out = A·Bᵀ``

@@ -1,7 +1,7 @@
 """The precision policy: which module runs in FP8 and which stays in BF16/FP32, and why.
 
 This is the only place in the project that knows module names. It classifies a
-``(fully qualified name, module)`` pair into a *role* (DESIGN §4) and decides a precision with
+``(fully qualified name, module)`` pair into a *role* (docs/recipes.md) and decides a precision with
 a recorded reason. Backends apply the decision (native ``convert_model``, TE autocast
 callbacks, Megatron configs); the audit proves at run time that it held.
 

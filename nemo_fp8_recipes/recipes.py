@@ -188,7 +188,7 @@ class Recipe:
 
     @property
     def gemm_alignment(self) -> int:
-        """Divisibility every GEMM dim needs for real FP8 GEMMs (DESIGN §2 'Shapes')."""
+        """Divisibility every GEMM dim needs for real FP8 GEMMs (docs/recipes.md, 'Shapes')."""
         return 16
 
     def replace(self, **overrides: Any) -> "Recipe":
@@ -476,7 +476,7 @@ def get_recipe(name: Union[str, RecipeName, Recipe], **overrides: Any) -> Recipe
 
 
 # ------------------------------------------------------------------------------------------------
-# Hardware check (DESIGN §3)
+# Hardware check (docs/recipes.md, "Hardware support")
 # ------------------------------------------------------------------------------------------------
 
 
@@ -596,7 +596,7 @@ def check_supported(recipe: Union[str, Recipe], device=None) -> Tuple[bool, str]
     """Can ``recipe`` run on ``device`` as configured? Returns ``(ok, reason)``.
 
     CPU: every recipe runs, emulated (``emulate`` may be None or True; ``emulate=False`` is an
-    error there). GPU: per DESIGN §3. Where the hardware lacks the format, ``emulate=True`` makes
+    error there). GPU: per the hardware table of docs/recipes.md. Where the hardware lacks the format, ``emulate=True`` makes
     it supported (numerics only, slow); otherwise the reason names the recipe, the GPU it needs,
     the device found and an alternative.
     """

@@ -65,6 +65,9 @@ from .train_config import (
     ConfigError,
     RunConfig,
     TrainerConfig,
+    build_policy,
+    build_recipe,
+    resolve_device,
     recipe_overrides,
     run_config,
     trainer_config,
@@ -140,57 +143,6 @@ class TrainResult:
 
 
 # ---- building blocks -----------------------------------------------------------------------
-def resolve_device(spec: str) -> torch.device:
-    """``auto`` -> ``cuda`` if available else ``cpu``; ``cuda`` without a GPU is an error."""
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(spec)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(f"trainer.device={spec} but no CUDA GPU is available; use trainer.device=cpu or auto")
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ConfigError(f"trainer.device={spec} but only {torch.cuda.device_count()} GPU(s) are visible")
-    return dev
-
-
-def build_recipe(recipe_node):
-    """The registry recipe for a ``recipe`` config node (``null`` fields = registry defaults)."""
-    from .recipes import get_recipe
-
-    name = recipe_node.get("name")
-    if not name:
-        raise ConfigError("the recipe config has no 'name'")
-    try:
-        return get_recipe(name, **recipe_overrides(recipe_node))
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"recipe: {e}") from None
-
-
-def build_policy(policy_node):
-    """A :class:`~nemo_fp8_recipes.policy.PrecisionPolicy` from the ``policy`` config node."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from .policy import PrecisionPolicy
-
-    if policy_node is not None and not isinstance(policy_node, (DictConfig, dict)):
-        valid = ", ".join(f.name for f in dataclasses.fields(PrecisionPolicy))
-        raise ConfigError(f"policy must be a block of options, got {policy_node!r}; set them one by one, e.g. "
-                          f"policy.first_layers_bf16=1 (options: {valid})")
-    values = (OmegaConf.to_container(policy_node, resolve=True) if isinstance(policy_node, DictConfig)
-              else dict(policy_node or {}))
-    valid = [f.name for f in dataclasses.fields(PrecisionPolicy)]
-    unknown = sorted(set(values) - set(valid))
-    if unknown:
-        raise ConfigError(f"unknown policy option(s) {unknown}; valid options: {', '.join(valid)}")
-    for k in ("include", "exclude"):
-        if k in values and isinstance(values[k], (list, tuple)):
-            values[k] = tuple(values[k])
-    try:
-        return PrecisionPolicy(**values)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"policy: {e}") from None
-
-
 def lr_at(step: int, tcfg: TrainerConfig) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``
     then cosine decay from ``lr`` to ``min_lr`` at ``max_steps``."""
@@ -370,6 +322,12 @@ def _check_te_backend(recipe, device: torch.device, tcfg: TrainerConfig) -> None
     if tcfg.fuse_wgrad_accumulation:
         raise ConfigError("trainer.fuse_wgrad_accumulation=true is the native FP8 linear's; with backend=te use "
                           "trainer.fuse_wgrad_accumulation=false")
+    from .integrations.te import te_check_supported
+
+    ok, why = te_check_supported(recipe)  # TE's own check on this GPU, after ours
+    if not ok:
+        raise ConfigError(f"Transformer Engine refuses recipe {recipe.name} on {info}: {why}. Use backend=native "
+                          "(which says what this GPU runs), or another recipe")
 
 
 def _load_for_resume(path: Path, tcfg: TrainerConfig) -> Dict[str, Any]:

@@ -36,6 +36,9 @@ __all__ = [
     "run_config",
     "recipe_overrides",
     "run_name",
+    "build_recipe",
+    "build_policy",
+    "resolve_device",
 ]
 
 #: Absolute path of the packaged Hydra config directory.
@@ -298,15 +301,12 @@ def _check_blocks(cfg, this_machine: bool = True) -> None:
     fails here, before Hydra starts a run (and writes a run directory)."""
     from omegaconf import OmegaConf
 
-    from .train import build_policy, build_recipe
-
     build_recipe(cfg.recipe)
     build_policy(cfg.get("policy"))
     if cfg.backend.get("name") not in ("native", "te"):
         return  # Bridge's recipe function may define the model; its own validator checks it
     if cfg.backend.get("name") == "te" and this_machine:
         from .integrations.te_model import te_backend_problem
-        from .train import resolve_device
 
         problem = te_backend_problem(resolve_device(str(cfg.trainer.device)))
         if problem:
@@ -359,6 +359,59 @@ def trainer_config(cfg) -> TrainerConfig:
 def run_config(cfg) -> RunConfig:
     """The validated, typed ``run`` block of a composed config (``dir`` resolved)."""
     return _typed(cfg.get("run"), RunConfig, "run")
+
+
+def resolve_device(spec: str) -> "torch.device":
+    """``auto`` -> ``cuda`` if available else ``cpu``; ``cuda`` without a GPU is an error."""
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(spec)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"trainer.device={spec} but no CUDA GPU is available; use trainer.device=cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ConfigError(f"trainer.device={spec} but only {torch.cuda.device_count()} GPU(s) are visible")
+    return dev
+
+
+def build_recipe(recipe_node):
+    """The registry recipe for a ``recipe`` config node (``null`` fields = registry defaults)."""
+    from .recipes import get_recipe
+
+    name = recipe_node.get("name")
+    if not name:
+        raise ConfigError("the recipe config has no 'name'")
+    try:
+        return get_recipe(name, **recipe_overrides(recipe_node))
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"recipe: {e}") from None
+
+
+def build_policy(policy_node):
+    """A :class:`~nemo_fp8_recipes.policy.PrecisionPolicy` from the ``policy`` config node."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from .policy import PrecisionPolicy
+
+    if policy_node is not None and not isinstance(policy_node, (DictConfig, dict)):
+        valid = ", ".join(f.name for f in dataclasses.fields(PrecisionPolicy))
+        raise ConfigError(f"policy must be a block of options, got {policy_node!r}; set them one by one, e.g. "
+                          f"policy.first_layers_bf16=1 (options: {valid})")
+    values = (OmegaConf.to_container(policy_node, resolve=True) if isinstance(policy_node, DictConfig)
+              else dict(policy_node or {}))
+    valid = [f.name for f in dataclasses.fields(PrecisionPolicy)]
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise ConfigError(f"unknown policy option(s) {unknown}; valid options: {', '.join(valid)}")
+    for k in ("include", "exclude"):
+        if k in values and isinstance(values[k], (list, tuple)):
+            values[k] = tuple(values[k])
+    try:
+        return PrecisionPolicy(**values)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"policy: {e}") from None
 
 
 def _prune_none(d: Dict[str, Any]) -> Dict[str, Any]:

@@ -118,7 +118,7 @@ def test_unknown_key_lists_the_valid_keys():
 
 
 @pytest.mark.parametrize("group, bad", [("recipe", "fp4"), ("model", "llama3_9b"), ("data", "parquet"),
-                                        ("backend", "te"), ("cluster", "k8s")])
+                                        ("backend", "deepspeed"), ("cluster", "k8s")])
 def test_unknown_option_lists_the_options(group, bad):
     msg = validate_overrides([f"{group}={bad}"])
     assert f"Could not find '{group}/{bad}'" in msg

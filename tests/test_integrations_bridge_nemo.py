@@ -87,7 +87,7 @@ def test_bridge_recipe_functions():
 
 
 def test_backend_group_and_bridge_config_validation():
-    assert list_group_options("backend") == ["megatron_bridge", "native"]
+    assert list_group_options("backend") == ["megatron_bridge", "native", "te"]
     assert compose_config().backend.name == "native"  # the default stays the embedded trainer
     cfg = compose_config(["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise", "backend.fp8_param_gather=true"])
     assert cfg.backend.recipe_fn is None and cfg.backend.fp8_param_gather is True

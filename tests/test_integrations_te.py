@@ -179,7 +179,7 @@ def test_te_imported_with_the_other_setting_is_refused():
     fp32_te = load_te_recipe_module({ENV_BLOCK_FP32_SCALES: "1"}, "_te_recipe_fp32")
     obj = to_te_recipe(fp32, te_recipe_module=fp32_te)
     assert obj.fp8_quant_fwd_inp.power_2_scale is False
-    # the constructor flag alone does not change the numbers (the DESIGN §5 trap itself)
+    # the constructor flag alone does not change the numbers (the import-order trap itself)
     flag_only = pow2_te.Float8BlockScaling(use_f32_scales=True)
     assert flag_only.fp8_quant_fwd_inp.power_2_scale is True
     pow2_cur = load_te_recipe_module({}, "_te_recipe_cur")

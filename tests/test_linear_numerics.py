@@ -1,5 +1,5 @@
 """FP8 linear (emulated) vs a test-written "quantise per contract, then float64 matmul"
-reference, for every recipe and every GEMM (DESIGN §2), on inputs with structured outliers."""
+reference, for every recipe and every GEMM (docs/recipes.md), on inputs with structured outliers."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Recipe registry and hardware check (DESIGN §2, §3)."""
+"""Recipe registry and hardware check (docs/recipes.md)."""
 
 import dataclasses
 import subprocess
@@ -92,7 +92,7 @@ def test_bad_values_list_the_valid_ones(args, kwargs, needle):
     assert needle in str(e.value)
 
 
-# (recipe, device, expected ok) — DESIGN §3
+# (recipe, device, expected ok) — the hardware table of docs/recipes.md
 MATRIX = [
     ("bf16", CPU, True), ("delayed", CPU, True), ("tensorwise", CPU, True),
     ("blockwise", CPU, True), ("mxfp8", CPU, True),

@@ -357,7 +357,7 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
     from omegaconf import OmegaConf
 
     from ..models import ModelConfig
-    from ..train import build_policy, build_recipe
+    from ..train_config import build_policy, build_recipe
     from ..train_config import run_config, trainer_config
 
     r = build_recipe(cfg.recipe)
@@ -465,7 +465,7 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
     ``fp8_param_gather`` apply) -> our model-only fields -> a check that the recipe-owned fields
     are unchanged and that the world size holds one model replica.
     """
-    from ..train import build_policy, build_recipe
+    from ..train_config import build_policy, build_recipe
 
     plan = launch_plan(cfg, bridge_overrides, our_overrides)
     r = build_recipe(cfg.recipe)
@@ -577,7 +577,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m nemo_fp8_recipes.integrations.bridge [--gpu h100] <overrides>``: validate,
     build and run Megatron-Bridge pretraining with our recipe (``backend.dry_run=true``: resolve,
     print and stop, without importing Bridge)."""
-    from ..train import build_policy, build_recipe
+    from ..train_config import build_policy, build_recipe
     from ..train_config import ConfigError, compose_config, validate_overrides
     from .callbacks import bridge_callback
     from .validate import parse_gpu, split_overrides, validate_config

@@ -442,8 +442,3 @@ def transformer_config_field_names() -> set:
     from megatron.core.transformer import TransformerConfig
 
     return {f.name for f in dataclasses.fields(TransformerConfig)}
-
-
-def audit_megatron(model: nn.Module, strict: bool = False):
-    """:func:`nemo_fp8_recipes.audit` for a model converted with :func:`convert_megatron_model`."""
-    return audit(model, strict=strict)

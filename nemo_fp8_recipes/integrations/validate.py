@@ -1,7 +1,8 @@
 """Pre-launch validation: ``nemo-fp8-check`` (CLI) and :func:`validate` (API).
 
 Catches, before a job is queued, the FP8 set-ups that Megatron-Core, Megatron-Bridge or
-Transformer Engine would reject late, or — worse — accept and silently change (DESIGN §5):
+Transformer Engine would reject late, or — worse — accept and silently change (docs/integration.md,
+"Facts about the stack"):
 
 ======================  =====================================================================
 code                    trap
@@ -437,7 +438,7 @@ def validate(
         except TEUnsupportedError as e:
             add("error", "te-unexpressible", str(e))
 
-    # -- hardware (DESIGN §3)
+    # -- hardware (docs/recipes.md, "Hardware support")
     if r.is_fp8:
         if target.type != "cuda":
             if te_backend:
@@ -714,7 +715,7 @@ def validate_config(cfg, framework_overrides: Sequence[str] = (), *, device=None
     overrides (the arguments :func:`split_overrides` did not claim)."""
     from omegaconf import OmegaConf
 
-    from ..train import build_policy, build_recipe
+    from ..train_config import build_policy, build_recipe
 
     r = build_recipe(cfg.recipe)
     p = build_policy(cfg.get("policy"))
@@ -734,12 +735,6 @@ def validate_config(cfg, framework_overrides: Sequence[str] = (), *, device=None
     return validate(r, p, backend=backend, model=model, device=device, te_version=te_version,
                     overrides=list(framework_overrides), micro_batch_size=mbs, seq_len=seq,
                     fp8_param_gather=fpg, environ=environ)
-
-
-def _backend_options() -> List[str]:
-    from ..train_config import list_group_options
-
-    return list_group_options("backend")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -82,7 +82,7 @@ PROG = "nemo-fp8-submit"
 BACKENDS = ("native", "te", "megatron_bridge")
 
 BRIDGE_ENTRIES = ("nemo_fp8", "run_recipe")
-#: Megatron-Bridge mixed-precision preset per recipe key (DESIGN §5), for ``entry=run_recipe``.
+#: Megatron-Bridge mixed-precision preset per recipe key (docs/integration.md), for ``entry=run_recipe``.
 BRIDGE_PRESETS = {
     "bf16": "bf16_mixed",
     "delayed": "bf16_with_fp8_delayed_scaling_mixed",
@@ -248,7 +248,7 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
     :class:`~nemo_fp8_recipes.train_config.ConfigError` (incl. :class:`SlurmSpecError`) with the
     key and what is allowed.
     """
-    from ..train import build_recipe
+    from ..train_config import build_recipe
     from ..train_config import run_config, trainer_config
 
     cwd = Path(cwd or os.getcwd())

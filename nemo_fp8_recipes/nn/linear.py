@@ -1,7 +1,7 @@
 """The native FP8 linear: fprop, dgrad and wgrad each in FP8, per recipe.
 
 For ``Y = X · Wᵀ`` the three GEMMs of a linear layer contract over different dims, so each
-quantises its operands along its own contraction dim (DESIGN §2):
+quantises its operands along its own contraction dim (the numerics contract, docs/recipes.md):
 
 =========  ==============  =========================  ===============================
 GEMM       formula         contraction dim            operands quantised along it

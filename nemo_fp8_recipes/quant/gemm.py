@@ -8,7 +8,7 @@ function serves fprop (``X · Wᵀ``), dgrad (``dY · W`` = ``dY · (Wᵀ)ᵀ``)
 * Emulation: dequantise both operands exactly to FP32 and multiply in FP32 (or FP64 for tests).
   This is the same function the hardware computes, up to accumulation order.
 * Real: ``torch.nn.functional.scaled_mm`` (``torch._scaled_mm`` on older PyTorch) with the scale
-  layout cuBLAS expects for each scaling mode (DESIGN §3): per-tensor scalars; 1x128 x 128x128
+  layout cuBLAS expects for each scaling mode (docs/recipes.md, "Hardware support"): per-tensor scalars; 1x128 x 128x128
   (fprop, dgrad) and 1x128 x 1x128 (wgrad) with "outer-dim-major" FP32 scale tensors on SM90;
   1x32 E8M0 scales in cuBLAS' swizzled block layout on SM100. Rows that are not a multiple of
   the alignment are padded with zeros (exact: zero rows add nothing and get scale 1).

@@ -1,4 +1,4 @@
-"""Reference quantisers: the numerics contract (DESIGN §2) in plain PyTorch.
+"""Reference quantisers: the numerics contract (docs/recipes.md) in plain PyTorch.
 
 This module is the single source of truth for how a tensor becomes FP8 codes plus scales. It runs
 on CPU and GPU, accepts any shape (short trailing groups are scaled by their own amax), and is
