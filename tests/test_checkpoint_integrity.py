@@ -198,61 +198,102 @@ def _verify_all(mgr: CheckpointManager):
     return steps
 
 
+# A process that imports torch and the trainer once and then forks one training run per request, so
+# each kill point costs a training start, not a Python + torch start. It computes nothing itself
+# before forking (fork-safe: no thread pool exists yet). Protocol on stdin/stdout: "go" -> the child's
+# pid; when the child is gone, its exit code (-9 after a kill -9).
+_ZYGOTE = r"""
+import os, sys
+import torch  # noqa: F401
+from nemo_fp8_recipes.train import train
+from nemo_fp8_recipes.train_config import compose_config
+args = sys.argv[1:]
+for line in sys.stdin:
+    if line.strip() != "go":
+        break
+    pid = os.fork()
+    if pid == 0:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)  # the protocol owns stdout
+        code = 0
+        try:
+            train(compose_config(args))
+        except BaseException:
+            code = 1
+        os._exit(code)
+    print(pid, flush=True)
+    _, status = os.waitpid(pid, 0)
+    print(os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
 @pytest.mark.slow
 def test_kill_9_at_random_points_of_checkpoint_writes_loses_nothing(tmp_path, token_cache):
+    import select
+
     rng = random.Random(20261201)
     root = tmp_path / "killed"
     args = KILL_RUN + [f"run.root={root}", f"data.cache_dir={token_cache}"]
     ckpt_dir = root / "llama3_tiny" / "delayed" / "checkpoints"
     mgr = CheckpointManager(ckpt_dir)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    kills, mid_write, latest = 0, 0, 0
+    zygote = subprocess.Popen([sys.executable, "-c", _ZYGOTE, *args], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
     def writing(pid: int) -> bool:  # this process has a checkpoint's temporary file open
         return ckpt_dir.is_dir() and any(e.name.startswith(".tmp-") and f".{pid}." in e.name
                                          for e in os.scandir(ckpt_dir))
 
-    for _ in range(60):
-        if kills >= 20:
-            break
-        proc = subprocess.Popen([sys.executable, "-m", "nemo_fp8_recipes.train", *args], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        # let it write one to three checkpoints, then kill it at a random moment after a write began
-        target, seen, killed = rng.randint(1, 3), 0, False
-        deadline = time.monotonic() + 180
-        while proc.poll() is None and time.monotonic() < deadline:
-            if writing(proc.pid):
-                seen += 1
-                if seen >= target:
-                    time.sleep(rng.uniform(0.0, 0.03))
-                    mid_write += writing(proc.pid)
-                    proc.kill()
-                    proc.wait()
-                    killed = True
-                    break
-                while writing(proc.pid) and proc.poll() is None:
-                    time.sleep(0.0005)
-            time.sleep(0.0005)
-        if not killed:
-            proc.wait(timeout=180)
-            err = proc.stderr.read().decode(errors="replace")
-            assert proc.returncode == 0, err[-3000:]
-            break
-        kills += 1
-        steps = _verify_all(mgr)  # 0 silently corrupt
-        assert steps or not latest, f"checkpoint of step {latest} lost"  # 0 lost
-        assert not steps or steps[-1] >= latest, f"checkpoint of step {latest} lost"
-        latest = steps[-1] if steps else latest
-    assert kills >= 20, f"only {kills} kill points"
-    assert mid_write >= 5, f"only {mid_write} of {kills} kills landed inside a write"
-    # finish the run (resume=auto) and compare with a run that was never interrupted
-    final = subprocess.run([sys.executable, "-m", "nemo_fp8_recipes.train", *args], env=env,
-                           capture_output=True, text=True, timeout=600)
-    assert final.returncode == 0, final.stderr[-3000:]
+    def exited() -> bool:  # the zygote reported the child's exit code
+        return bool(select.select([zygote.stdout], [], [], 0)[0])
+
+    kills, mid_write, latest, finished = 0, 0, 0, False
+    try:
+        for _ in range(60):
+            if kills >= 20:
+                break
+            zygote.stdin.write("go\n")
+            zygote.stdin.flush()
+            pid = int(zygote.stdout.readline())
+            # let it write one to three checkpoints, then kill it at a random moment after a write began
+            target, seen, killed = rng.randint(1, 3), 0, False
+            deadline = time.monotonic() + 180
+            while not exited() and time.monotonic() < deadline:
+                if writing(pid):
+                    seen += 1
+                    if seen >= target:
+                        time.sleep(rng.uniform(0.0, 0.03))
+                        mid_write += writing(pid)
+                        os.kill(pid, signal.SIGKILL)
+                        killed = True
+                        break
+                    while writing(pid) and not exited():
+                        time.sleep(0.0005)
+                time.sleep(0.0005)
+            code = int(zygote.stdout.readline())
+            if not killed:
+                assert code == 0, f"the training run failed (exit {code})"
+                finished = True
+                break
+            assert code == -signal.SIGKILL
+            kills += 1
+            steps = _verify_all(mgr)  # 0 silently corrupt
+            assert steps or not latest, f"checkpoint of step {latest} lost"  # 0 lost
+            assert not steps or steps[-1] >= latest, f"checkpoint of step {latest} lost"
+            latest = steps[-1] if steps else latest
+        assert kills >= 20, f"only {kills} kill points"
+        assert mid_write >= 5, f"only {mid_write} of {kills} kills landed inside a write"
+        if not finished:  # finish the run (resume=auto)
+            zygote.stdin.write("go\n")
+            zygote.stdin.flush()
+            zygote.stdout.readline()
+            assert int(zygote.stdout.readline()) == 0
+    finally:
+        zygote.stdin.close()
+        zygote.wait(timeout=60)
+    # the run that was never interrupted, in this process
     clean_root = tmp_path / "clean"
     uninterrupted = [a for a in KILL_RUN if not a.startswith("trainer.ckpt_interval=")] + ["trainer.ckpt_interval=0"]
-    clean = subprocess.run([sys.executable, "-m", "nemo_fp8_recipes.train", *uninterrupted, f"run.root={clean_root}",
-                            f"data.cache_dir={token_cache}"], env=env, capture_output=True, text=True, timeout=600)
-    assert clean.returncode == 0, clean.stderr[-3000:]
+    train(compose_config(uninterrupted + [f"run.root={clean_root}", f"data.cache_dir={token_cache}"]))
     a = load_checkpoint(mgr.path_for(30))
     b = load_checkpoint(CheckpointManager(clean_root / "llama3_tiny" / "delayed" / "checkpoints").path_for(30))
     for k, t in b["model"].items():
