@@ -986,13 +986,50 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prog = sys.argv[0] if sys.argv else "nemo-fp8-train"
     old_argv = sys.argv
     sys.argv = [prog] + args
-    try:
-        _hydra_entry()
-    except SystemExit as e:
-        return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 1)
-    finally:
-        sys.argv = old_argv
+    with _logging_as_it_was():
+        try:
+            _hydra_entry()
+        except SystemExit as e:
+            return int(e.code) if isinstance(e.code, int) else (0 if e.code is None else 1)
+        finally:
+            sys.argv = old_argv
     return 0
+
+
+@contextlib.contextmanager
+def _logging_as_it_was():
+    """Hydra configures Python's logging for the job (a console handler bound to the stderr of
+    the moment, the job's log file) and leaves it so. Called from Python (a notebook, a test, a
+    sweep driver), ``main`` puts the caller's logging back afterwards: the root logger's handlers
+    and level, and the state of every logger that existed before (Hydra's configuration may
+    disable them); the handlers the job added to them are closed."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    loggers = {n: (lg.disabled, lg.level, list(lg.handlers), lg.propagate)
+               for n, lg in logging.Logger.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    try:
+        yield
+    finally:
+        for h in list(root.handlers):
+            if h not in handlers:
+                root.removeHandler(h)
+                h.close()
+        for h in handlers:
+            if h not in root.handlers:
+                root.addHandler(h)
+        root.setLevel(level)
+        for name, lg in logging.Logger.manager.loggerDict.items():
+            if not isinstance(lg, logging.Logger):
+                continue
+            if name not in loggers:  # created during the run (a library's import): its own
+                continue
+            disabled, lvl, hs, propagate = loggers[name]
+            for h in list(lg.handlers):
+                if h not in hs:
+                    lg.removeHandler(h)
+                    h.close()
+            lg.disabled, lg.propagate = disabled, propagate
+            lg.setLevel(lvl)
 
 
 if __name__ == "__main__":

@@ -372,15 +372,17 @@ def test_gpu_run_uses_real_fp8_gemms(recipe, tmp_path, token_cache):
 
 
 @pytest.mark.gpu
-def test_gpu_mxfp8_on_hopper_needs_emulate(tmp_path, token_cache, capsys):
+def test_gpu_mxfp8_on_hopper_needs_emulate(tmp_path, token_cache):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs a Hopper GPU (SM90)")
     base = GPU_MODEL + [f"run.root={tmp_path}", f"data.cache_dir={token_cache}", "recipe=mxfp8",
                         "trainer.max_steps=20", "trainer.val_interval=0", "trainer.log_interval=5"]
-    assert main(base) == 2
-    err = capsys.readouterr().err
+    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_recipes.train", *base], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = proc.stderr
     assert "mxfp8 needs SM100" in err and "emulate=true" in err and "Traceback" not in err
     result = train(compose_config(base + ["recipe.emulate=true"]))
     assert "(emulated)" in result.audit_table
@@ -432,3 +434,20 @@ def test_gpu_fused_wgrad_accumulation_trains_like_unfused(recipe, tmp_path, toke
     assert len(calls) == 10 * 3 * len(fp8_modules(fused.model))  # 10 steps x micro-batches 2..4 x every FP8 linear
     for step, loss in plain.losses.items():
         assert abs(fused.losses[step] - loss) < 1e-3 * abs(loss), (step, loss, fused.losses[step])
+
+
+def test_main_called_from_python_gives_the_callers_logging_back(tmp_path, capsys, caplog):
+    """Hydra configures logging for its job (a console handler on the stderr of the moment, the
+    job's log file); called from Python, ``main`` puts the caller's handlers back, so later log
+    records neither go to a closed stream nor into the finished job's log file."""
+    import logging
+
+    root = logging.getLogger()
+    before = list(root.handlers)
+    code = main(["model=llama3_tiny", "trainer.device=cpu", "trainer.progress=false", f"run.root={tmp_path}",
+                 "trainer.resume=/nonexistent/step.pt"])
+    assert code == 4  # a checkpoint error, raised inside the Hydra job
+    assert "no such checkpoint file" in capsys.readouterr().err
+    assert root.handlers == before
+    logging.getLogger("nemo_fp8_recipes.after").warning("still logging")
+    assert "still logging" in caplog.text
