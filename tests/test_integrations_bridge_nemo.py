@@ -292,7 +292,7 @@ def test_the_offline_launcher_against_bridge_and_megatron_core_source():
     for plan_tok in ({"tokenizer_type": "NullTokenizer", "vocab_size": 512},
                      {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "/t"}):
         assert set(plan_tok) <= tok
-    assert "def _pretrain_common(" in (broot / "recipes" / "common.py").read_text()
+    _check_offline_container_fields(broot, mc)
     assert "from megatron.core.datasets.utils import compile_helpers" in (broot / "training" / "initialize.py").read_text()
     h100 = (broot / "recipes" / "llama" / "h100" / "llama3.py").read_text()
     alias = (broot / "recipes" / "llama" / "llama3.py").read_text()
@@ -303,6 +303,36 @@ def test_the_offline_launcher_against_bridge_and_megatron_core_source():
                             ("pipeline_model_parallel_size", pub.pipeline_parallel),
                             ("context_parallel_size", pub.context_parallel)):
             assert f"cfg.model.{field} = {want}\n" in body, (model, field)
+
+
+def _check_offline_container_fields(broot: Path, mc: Path) -> None:
+    """Every keyword ``_offline_container`` passes to a Bridge / megatron-core config class is a
+    field of that class (or of the megatron-core class it extends)."""
+    import inspect
+    import textwrap
+
+    fields: dict = {}
+    files = [*broot.joinpath("training").rglob("*.py"), broot / "data" / "base.py", *(mc / "training").rglob("*.py"),
+             *(mc / "core").rglob("*config*.py"), mc / "core" / "datasets" / "gpt_dataset.py"]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ClassDef):
+                have = fields.setdefault(node.name, set())
+                have.update(s.target.id for s in node.body
+                            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name))
+                for fn in node.body:  # a dataclass with its own __init__ (Bridge's GPTDatasetConfig)
+                    if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
+                        have.update(a.arg for a in fn.args.args + fn.args.kwonlyargs)
+    bases = {"GPTDatasetConfig": ("BlendedMegatronDatasetConfig", "DataloaderConfig")}
+    tree = ast.parse(textwrap.dedent(inspect.getsource(bridge._offline_container)))
+    calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.keywords]
+    assert len(calls) >= 10
+    for call in calls:
+        have = set(fields.get(call.func.id, set()))
+        for b in bases.get(call.func.id, ()):
+            have |= fields.get(b, set())
+        used = {k.arg for k in call.keywords}
+        assert have and used <= have, (call.func.id, sorted(used - have))
 
 
 def _class_fields_any(path: Path, name: str) -> set:

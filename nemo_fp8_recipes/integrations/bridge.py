@@ -474,8 +474,9 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
     if r.is_fp8:
         prepare_te_env(r)  # before anything imports Transformer Engine
     try:
-        import megatron.bridge.recipes as bridge_recipes  # type: ignore
         from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides  # type: ignore
+        if plan["provider"] == "recipe":  # every model family's recipes (diffusion ones need diffusers)
+            import megatron.bridge.recipes as bridge_recipes  # type: ignore
     except ImportError as e:
         raise ImportError(
             f"backend=megatron_bridge needs Megatron-Bridge (pip install megatron-bridge; Python >= 3.12, CUDA, "
@@ -490,10 +491,9 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
         container = fn()
     else:
         from megatron.bridge.models.gpt_provider import GPTModelProvider  # type: ignore
-        from megatron.bridge.recipes.common import _pretrain_common  # type: ignore
         from megatron.bridge.training.tokenizers.config import TokenizerConfig  # type: ignore
 
-        container = _pretrain_common()
+        container = _offline_container()
         container.model = GPTModelProvider(**plan["provider_kwargs"])
         container.tokenizer = TokenizerConfig(**plan["tokenizer"])
         container.dataset.blend = (plan["dataset"]["blend"], None) if plan["dataset"]["blend"] else None
@@ -518,6 +518,44 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
                      int(getattr(m, "context_parallel_size", 1) or 1),
                      plan.get("recipe_fn") or f"model={plan['model']} (backend.provider=ours)")
     return container, expected_model_fields(r, p)
+
+
+def _offline_container():
+    """Bridge's ``ConfigContainer`` for a model built from our config, assembled from
+    ``megatron.bridge.training.config`` alone: the package ``megatron.bridge.recipes`` imports
+    every model family's recipes at once (diffusion models need ``diffusers``), which an offline
+    LLM run does not. Defaults follow Bridge's pretraining recipes (distributed Adam, cosine
+    decay, mock data until ``backend.data_path`` is set); the launch plan's settings (batch sizes,
+    steps, learning rate, logging) are applied on top."""
+    from megatron.bridge.training.config import (  # type: ignore
+        CheckpointConfig, ConfigContainer, DistributedInitConfig, GPTDatasetConfig, LoggerConfig, OptimizerConfig,
+        RNGConfig, SchedulerConfig, TokenizerConfig, TrainingConfig, ValidationConfig)
+    from megatron.core.distributed import DistributedDataParallelConfig  # type: ignore
+
+    return ConfigContainer(
+        model=None,
+        train=TrainingConfig(train_iters=1000, global_batch_size=32, micro_batch_size=2),
+        validation=ValidationConfig(eval_interval=500, eval_iters=32),
+        optimizer=OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, weight_decay=0.1, bf16=True, fp16=False,
+                                  adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True,
+                                  clip_grad=1.0),
+        scheduler=SchedulerConfig(start_weight_decay=0.1, end_weight_decay=0.1, weight_decay_incr_style="constant",
+                                  lr_decay_style="cosine", lr_warmup_iters=100, lr_warmup_init=0.0,
+                                  override_opt_param_scheduler=True),
+        ddp=DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True,
+                                          overlap_grad_reduce=True, overlap_param_gather=True,
+                                          average_in_collective=True, use_distributed_optimizer=True),
+        dataset=GPTDatasetConfig(random_seed=1234, reset_attention_mask=False, reset_position_ids=False,
+                                 eod_mask_loss=False, seq_length=4096, num_dataset_builder_threads=1, blend=None,
+                                 blend_per_split=None, split="9999,8,2", data_sharding=True,
+                                 dataloader_type="single", skip_getting_attention_mask_from_dataset=True),
+        logger=LoggerConfig(log_interval=10, tensorboard_dir=None),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=32000),
+        checkpoint=CheckpointConfig(save_interval=None, save=None, load=None, ckpt_format="torch_dist"),
+        rng=RNGConfig(seed=1234),
+        dist=DistributedInitConfig(),
+        mixed_precision="bf16_mixed",
+    )
 
 
 def _use_prebuilt_dataset_helpers() -> None:
@@ -574,7 +612,7 @@ def _print_plan(plan: Dict[str, Any]) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``python -m nemo_fp8_recipes.integrations.bridge [--gpu h100] <overrides>``: validate,
+    """``python -m nemo_fp8_recipes.integrations.bridge [--gpu h100] [--cuda 12.8] <overrides>``: validate,
     build and run Megatron-Bridge pretraining with our recipe (``backend.dry_run=true``: resolve,
     print and stop, without importing Bridge)."""
     from ..train_config import build_policy, build_recipe
@@ -586,11 +624,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args and args[0] in ("-h", "--help"):
         print(__doc__)
         return 0
-    gpu = None
-    if "--gpu" in args:
-        i = args.index("--gpu")
-        gpu = args[i + 1] if i + 1 < len(args) else None
-        del args[i:i + 2]
+    flags = {"--gpu": None, "--cuda": None}
+    for flag in flags:
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 >= len(args) or args[i + 1].startswith("-"):
+                print(f"nemo-fp8 bridge: {flag} needs a value (--gpu h100|h200|b200|..., --cuda 12.8)",
+                      file=sys.stderr)
+                return 2
+            flags[flag] = args[i + 1]
+            del args[i:i + 2]
+    unknown = [a for a in args if a.startswith("-")]
+    if unknown:
+        print(f"nemo-fp8 bridge: unknown option {unknown[0]}; the options are --gpu NAME (the GPU to check "
+              "against; default: this machine's), --cuda VERSION and --help, the rest are overrides (key=value)",
+              file=sys.stderr)
+        return 2
+    gpu = flags["--gpu"]
     if not any(a.split("=", 1)[0].lstrip("+") == "backend" for a in args):
         args.append("backend=megatron_bridge")
     ours, theirs = split_overrides(args, backend="megatron_bridge")
@@ -604,7 +654,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 2
     try:
-        report = validate_config(cfg, theirs, device=parse_gpu(gpu))
+        report = validate_config(cfg, theirs, device=parse_gpu(gpu, cuda=flags["--cuda"]))
     except (ValueError, ConfigError) as e:
         print(f"nemo-fp8 bridge: {e}", file=sys.stderr)
         return 2
