@@ -21,8 +21,11 @@ layer spec, which fuses them, is the other column of the end-to-end benchmark.
 Gradient accumulation uses TE's weight caching: the first micro-batch of an optimizer step passes
 ``is_first_microbatch=True`` (TE quantises the weights and keeps the FP8 copies), the others
 ``False`` (TE reuses them). Delayed scaling's amaxes are max-reduced over the data-parallel group
-passed to ``te.autocast`` as ``amax_reduction_group``. TE keeps its FP8 state (amax histories,
-scales) in each module's ``_extra_state``, which the trainer's checkpoints carry.
+passed to ``te.autocast`` as ``amax_reduction_group``. TE keeps its FP8 state (delayed scaling's
+amax histories and scales) in each module's ``_extra_state``, which the trainer's checkpoints
+carry. TE serialises that state as a Python pickle, and TE 2.20 refuses to unpickle it on load
+unless ``NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1``; our ``te.Linear`` writes it as plain tensors
+and numbers instead (``weights_only``-loadable, no code runs on load) and reads either form.
 
 Importing this module needs neither Transformer Engine nor a GPU; the functions that build the
 model import TE.
@@ -78,6 +81,15 @@ def te_backend_problem(device: torch.device) -> Optional[str]:
 
 
 _TE_LINEAR_CLASS = None
+_TE_STATE_FORMAT = "nemo_fp8_recipes.te_delayed_scaling/1"
+
+
+def _has_delayed_state(module: nn.Module) -> bool:
+    """Whether a TE module holds delayed-scaling state (it ran under ``DelayedScaling``)."""
+    meta = getattr(module, "fp8_meta", None) or {}
+    recipe = meta.get("recipe")
+    return ("scaling_fwd" in meta and "scaling_bwd" in meta and recipe is not None
+            and recipe.delayed() and hasattr(meta["scaling_fwd"], "amax_history"))
 
 
 def _te_linear_class():
@@ -88,13 +100,54 @@ def _te_linear_class():
         import transformer_engine.pytorch as te
 
         class NemoTELinear(te.Linear):
-            """``te.Linear`` with the micro-batch position read from the trainer's state."""
+            """``te.Linear`` with the micro-batch position read from the trainer's state, and its
+            delayed-scaling state checkpointed as tensors (no pickle)."""
 
             def forward(self, inp, is_first_microbatch=None, **kwargs):  # noqa: D401 - TE's signature
                 if is_first_microbatch is None:
                     state = getattr(self, "_nemo_fp8_micro", None)
                     is_first_microbatch = state.first if state is not None else None
                 return super().forward(inp, is_first_microbatch=is_first_microbatch, **kwargs)
+
+            def get_extra_state(self):
+                if not _has_delayed_state(self):
+                    return super().get_extra_state()  # stateless recipes: TE's empty tensor
+                meta = self.fp8_meta
+                out = {"format": _TE_STATE_FORMAT,
+                       "extra": {k: v for k, v in meta.items() if k != "buffer_index_and_autocast_key"
+                                 and isinstance(v, (bool, int, float, str))}}
+                for d in ("fwd", "bwd"):
+                    st = meta[f"scaling_{d}"]
+                    out[f"scale_{d}"] = st.scale.detach().to("cpu", copy=True)
+                    out[f"amax_history_{d}"] = st.amax_history.detach().to("cpu", copy=True)
+                return out
+
+            def set_extra_state(self, state):
+                if type(state).__name__ == "_EXTRA_STATE":
+                    # torch.distributed.checkpoint's placeholder for a module whose extra state
+                    # the checkpoint lacks (a forced resume from the native backend): no state.
+                    return None
+                if not (isinstance(state, dict) and state.get("format") == _TE_STATE_FORMAT):
+                    return super().set_extra_state(state)  # TE's own form (and TE's rules for it)
+                recipe = getattr(self, "_nemo_te_recipe", None)
+                if recipe is None or not recipe.delayed():
+                    raise RuntimeError(
+                        "this checkpoint holds delayed-scaling FP8 state (amax histories, scales) for a "
+                        "te.Linear that is not under delayed scaling: resume with recipe=delayed")
+                self.fp8_meta.update(state["extra"])
+                self.fp8_meta["recipe"] = recipe
+                self.init_fp8_meta_tensors(recipe)  # keeps tensors that exist (TE's own rule)
+                with torch.no_grad():
+                    for d in ("fwd", "bwd"):
+                        st = self.fp8_meta[f"scaling_{d}"]
+                        for name, dst in (("scale", st.scale), ("amax_history", st.amax_history)):
+                            src = state[f"{name}_{d}"]
+                            if src.shape != dst.shape:
+                                raise RuntimeError(
+                                    f"delayed-scaling {name} ({d}) of shape {tuple(src.shape)} in the "
+                                    f"checkpoint, {tuple(dst.shape)} in this run: recipe.amax_history_len "
+                                    "differs from the checkpoint's")
+                            dst.copy_(src)  # in place: TE's quantizers and reduction buffers see it
 
         _TE_LINEAR_CLASS = NemoTELinear
     return _TE_LINEAR_CLASS
@@ -113,7 +166,10 @@ def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPo
     are. ``micro``: the trainer's micro-batch position (TE's weight caching)."""
     from ..nn.convert import _infer_num_layers
 
+    from .te import to_te_recipe
+
     cls = _te_linear_class()
+    te_recipe = to_te_recipe(recipe) if recipe.is_fp8 else None
     policy = (policy or PrecisionPolicy()).with_num_layers(_infer_num_layers(model))
     out = TEConversion()
     for fqn, module in list(model.named_modules()):
@@ -131,6 +187,7 @@ def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPo
             if module.bias is not None:
                 new.bias.copy_(module.bias)
         new._nemo_fp8_micro = micro
+        new._nemo_te_recipe = te_recipe
         _set_submodule(model, fqn, new)
         out.swapped += 1
     return out
@@ -155,17 +212,21 @@ def te_autocast_for(recipe: Recipe, amax_reduction_group=None):
 
 
 def snapshot_te_state(model: nn.Module) -> Dict[str, Any]:
-    """Every TE module's FP8 state (``get_extra_state``: amax histories, scales), for
-    :func:`restore_te_state` — so an evaluation under ``te.autocast`` does not steer training."""
-    return {n: m.get_extra_state() for n, m in te_modules(model).items() if hasattr(m, "get_extra_state")}
+    """Every TE module's FP8 scaling tensors (delayed scaling's scales and amax histories; TE's
+    ``get_fp8_meta_tensors``, copies on the device), for :func:`restore_te_state` — so an
+    evaluation under ``te.autocast`` does not steer training. ``None`` for a module whose FP8
+    state does not exist yet."""
+    return {n: (m.get_fp8_meta_tensors() if _has_delayed_state(m) else None) for n, m in te_modules(model).items()}
 
 
 def restore_te_state(model: nn.Module, snap: Dict[str, Any]) -> None:
-    """Put back a :func:`snapshot_te_state`."""
+    """Put back a :func:`snapshot_te_state`, in place (TE's quantizers and amax-reduction buffers
+    keep pointing at the same tensors). State created since the snapshot returns to TE's
+    initial values (scale 1, empty history)."""
     mods = te_modules(model)
-    for n, state in snap.items():
-        if n in mods and state is not None:
-            mods[n].set_extra_state(state)
+    for n, tensors in snap.items():
+        if n in mods and _has_delayed_state(mods[n]):  # current scaling keeps no state between steps
+            mods[n].reset_fp8_meta_tensors(tensors)
 
 
 @contextlib.contextmanager
