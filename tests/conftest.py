@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 def gpu_skip_reason():
     if not torch.cuda.is_available():
-        return "needs a CUDA GPU (none found: CPU-only machine); run on the H200 through the device tool"
+        return "needs a CUDA GPU (none found: CPU-only machine); run these tests on a CUDA GPU"
     return None
 
 

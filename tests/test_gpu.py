@@ -1,4 +1,4 @@
-"""On an FP8 GPU (the H200 through the device tool): the real FP8 GEMM path agrees with the
+"""On an FP8 GPU (Hopper or newer): the real FP8 GEMM path agrees with the
 exact emulation within FP8-accumulation tolerance, for fprop, dgrad and wgrad; MXFP8 on Hopper
 raises the clear error unless emulated. Skipped on CPU with the reason."""
 
