@@ -100,6 +100,12 @@ def test_backend_group_and_bridge_config_validation():
 
 
 def test_bridge_launcher_checks_before_importing_bridge(capsys):
+    assert bridge.main(["--gpus", "h100", "model=llama3_tiny"]) == 2  # never handed to Bridge as an override
+    assert "unknown option --gpus; the options are --gpu NAME" in capsys.readouterr().err
+    assert bridge.main(["model=llama3_tiny", "--cuda"]) == 2
+    assert "--cuda needs a value" in capsys.readouterr().err
+    assert bridge.main(["--gpu", "h100", "--cuda", "twelve", "model=llama3_tiny"]) == 2
+    assert "is not a CUDA version" in capsys.readouterr().err
     rc = bridge.main(["--gpu", "h100", "model=llama3_8b", "recipe=delayed", "policy.first_layers_bf16=1"])
     assert rc == 2 and "[delayed-first-last]" in capsys.readouterr().out
     rc = bridge.main(["--gpu", "h100", "model=llama3_tiny", "recipe=tensorwise", "backend.provider=recipe"])
