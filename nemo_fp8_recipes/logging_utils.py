@@ -15,22 +15,11 @@ from typing import Dict, Mapping, Optional, Union
 
 import torch
 
-__all__ = ["PEAK_TFLOPS", "peak_tflops", "MetricsWriter", "format_count", "format_duration"]
+from .hardware import gpu_by_device_name
+
+__all__ = ["peak_tflops", "MetricsWriter", "format_count", "format_duration"]
 
 log = logging.getLogger(__name__)
-
-#: Dense peak TFLOP/s per GPU (datasheet), by (name pattern, precision). First match wins.
-PEAK_TFLOPS = (
-    ("GB200", {"bf16": 2500.0, "fp8": 5000.0}),
-    ("B200", {"bf16": 2250.0, "fp8": 4500.0}),
-    ("H200", {"bf16": 989.4, "fp8": 1978.9}),
-    ("H100 NVL", {"bf16": 835.0, "fp8": 1670.0}),
-    ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}),
-    ("H100", {"bf16": 989.4, "fp8": 1978.9}),  # SXM5
-    ("H800", {"bf16": 989.4, "fp8": 1978.9}),
-    ("A100", {"bf16": 312.0}),
-)
-
 
 def peak_tflops(device: Union[str, torch.device], precision: str) -> Optional[float]:
     """Dense peak TFLOP/s of ``device`` for ``precision`` (``bf16`` or ``fp8``), or None if
@@ -38,11 +27,8 @@ def peak_tflops(device: Union[str, torch.device], precision: str) -> Optional[fl
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name(device)
-    for pattern, peaks in PEAK_TFLOPS:
-        if pattern in name:
-            return peaks.get(precision)
-    return None
+    gpu = gpu_by_device_name(torch.cuda.get_device_name(device))
+    return gpu.peak_tflops.get(precision) if gpu is not None else None
 
 
 def format_count(n: float) -> str:

@@ -23,6 +23,8 @@ from typing import Any, Optional, Tuple, Union
 
 import torch
 
+from .versions import version_tuple
+
 __all__ = [
     "RecipeName",
     "Format",
@@ -504,16 +506,6 @@ class DeviceInfo:
         return f"SM{self.sm} ({self.name})"
 
 
-def _parse_cuda_version(v: Optional[str]) -> Optional[Tuple[int, int]]:
-    if not v:
-        return None
-    parts = v.split(".")
-    try:
-        return int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
-    except ValueError:
-        return None
-
-
 def describe_device(device: Union[None, str, torch.device, DeviceInfo] = None) -> DeviceInfo:
     """Resolve ``device`` (None = current CUDA device if available, else CPU) into a
     :class:`DeviceInfo`. Does not initialise CUDA unless a CUDA device is asked for or CUDA
@@ -530,7 +522,7 @@ def describe_device(device: Union[None, str, torch.device, DeviceInfo] = None) -
         type="cuda",
         name=torch.cuda.get_device_name(idx),
         capability=tuple(torch.cuda.get_device_capability(idx)),
-        cuda_version=_parse_cuda_version(torch.version.cuda),
+        cuda_version=version_tuple(torch.version.cuda, width=2),
     )
 
 

@@ -146,3 +146,29 @@ def test_import_is_light():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("text, width, want", [
+    ("2.20.2", None, (2, 20, 2)), ("0.16.1.dev0", None, (0, 16, 1)), ("2.9.0+cu12", None, (2, 9, 0)),
+    ("2rc1.5", None, (2,)), ("12", 2, (12, 0)), ("12.8.1", 2, (12, 8)), ((2, 9), None, (2, 9)),
+    ("auto", None, None), (None, None, None), ("dev", None, None), ("", 2, None),
+])
+def test_one_version_parser_for_packages_cuda_and_user_input(text, width, want):
+    from nemo_fp8_recipes.versions import version_tuple
+
+    assert version_tuple(text, width=width) == want
+
+
+def test_one_gpu_table_for_names_capabilities_and_peaks():
+    from nemo_fp8_recipes.hardware import GPUS, gpu_by_device_name, gpu_by_key
+
+    assert len({g.key for g in GPUS}) == len(GPUS)
+    assert all(gpu_by_key(g.key) is g and gpu_by_device_name(g.name) is g for g in GPUS)  # order: specific first
+    assert gpu_by_key("NVIDIA H100-SXM5-80GB").key == "h100" and gpu_by_key("L40S").key == "l40s"
+    assert gpu_by_key("v100") is None and gpu_by_device_name("Tesla V100-SXM2-16GB") is None
+    for reported, key in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100pcie"),
+                          ("NVIDIA H100 NVL", "h100nvl"), ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "gh200"),
+                          ("NVIDIA B200", "b200"), ("NVIDIA GB200", "gb200")):
+        assert gpu_by_device_name(reported).key == key, reported
+    assert gpu_by_device_name("NVIDIA H200").peak_tflops == {"bf16": 989.4, "fp8": 1978.9}
+    assert "fp8" not in gpu_by_device_name("NVIDIA A100-SXM4-80GB").peak_tflops  # no FP8 on Ampere

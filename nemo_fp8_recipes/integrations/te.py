@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Optional, Tuple, Union
 
 from ..recipes import Format, Granularity, Recipe, ScaleRounding, get_recipe
+from ..versions import version_tuple
 
 __all__ = [
     "ENV_BLOCK_FP32_SCALES",
@@ -434,15 +435,7 @@ def te_version() -> Optional[Tuple[int, ...]]:
             raw = metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
-        parts = []
-        for p in raw.split("+")[0].split("."):
-            digits = "".join(ch for ch in p if ch.isdigit())
-            if not digits:
-                break
-            parts.append(int(digits))
-            if not p.isdigit():
-                break
-        return tuple(parts) if parts else None
+        return version_tuple(raw)
     return None
 
 

@@ -55,6 +55,8 @@ from .te import (
     te_available,
     te_recipe_spec,
 )
+from ..hardware import GPUS, gpu_by_key
+from ..versions import version_tuple
 from .te import te_version as _installed_te_version
 
 __all__ = [
@@ -94,15 +96,6 @@ RECIPE_OWNED_FIELDS = (
 
 #: Minimum TE version per recipe, as Megatron-Core's get_fp8_recipe() requires it.
 _TE_MIN_FOR_RECIPE = {"delayed": (1, 0), "tensorwise": (2, 2), "blockwise": (2, 3), "mxfp8": (2, 1)}
-
-_GPUS = {
-    "a100": ("NVIDIA A100", (8, 0)), "l4": ("NVIDIA L4", (8, 9)), "l40s": ("NVIDIA L40S", (8, 9)),
-    "h100": ("NVIDIA H100", (9, 0)), "h200": ("NVIDIA H200", (9, 0)), "gh200": ("NVIDIA GH200", (9, 0)),
-    "b200": ("NVIDIA B200", (10, 0)), "gb200": ("NVIDIA GB200", (10, 0)), "b300": ("NVIDIA B300", (10, 3)),
-    "gb300": ("NVIDIA GB300", (10, 3)), "rtx5090": ("NVIDIA RTX 5090", (12, 0)),
-    "rtxpro6000": ("NVIDIA RTX PRO 6000", (12, 0)),
-}
-
 
 class ValidationError(ValueError):
     """Raised by :meth:`ValidationReport.raise_for_errors`; the message lists every error."""
@@ -213,10 +206,10 @@ def parse_gpu(spec: Union[None, str, DeviceInfo], cuda: Optional[str] = None) ->
     if m:
         sm = int(m.group(1))
         return DeviceInfo(type="cuda", name=f"SM{sm} GPU", capability=(sm // 10, sm % 10), cuda_version=cv)
-    for key, (name, cap) in _GPUS.items():
-        if s.startswith(key):
-            return DeviceInfo(type="cuda", name=name, capability=cap, cuda_version=cv)
-    raise ValueError(f"unknown GPU {spec!r}; use one of: {', '.join(_GPUS)}, smNN (e.g. sm90) or cpu")
+    gpu = gpu_by_key(s)
+    if gpu is not None:
+        return DeviceInfo(type="cuda", name=gpu.name, capability=gpu.capability, cuda_version=cv)
+    raise ValueError(f"unknown GPU {spec!r}; use one of: {', '.join(g.key for g in GPUS)}, smNN (e.g. sm90) or cpu")
 
 
 def _parse_value(text: str) -> Any:
@@ -355,20 +348,6 @@ def _bridge_mp_fields() -> Tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(MixedPrecisionConfig))
     except Exception:  # noqa: BLE001 - Bridge absent (Python < 3.12 here): the 0.6.2 list
         return BRIDGE_MIXED_PRECISION_FIELDS
-
-
-def _version_tuple(v: Union[None, str, Sequence[int]]) -> Optional[Tuple[int, ...]]:
-    if v is None or v == "auto":
-        return None
-    if isinstance(v, (tuple, list)):
-        return tuple(int(x) for x in v)
-    parts = []
-    for p in str(v).split("."):
-        digits = "".join(ch for ch in p if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts) or None
 
 
 # ---- the checks ---------------------------------------------------------------------------------
@@ -584,7 +563,7 @@ def validate(
     # -- Transformer Engine presence, version, environment
     if te_backend and r.is_fp8:
         installed, why = te_available()
-        tev = _installed_te_version() if te_version == "auto" else _version_tuple(te_version)
+        tev = _installed_te_version() if te_version == "auto" else version_tuple(te_version)
         if not installed and te_version == "auto":
             add("warning", "no-te",
                 f"{why}. Without it Megatron's get_fp8_context() returns nullcontext and fp8 is silently a "

@@ -1,0 +1,58 @@
+"""The GPUs this package knows by name: compute capability (which recipes run for real) and dense
+datasheet peak TFLOP/s (MFU). One table for the validator (``--gpu h100``), the launchers and the
+trainer's MFU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Tuple
+
+__all__ = ["GPU", "GPUS", "gpu_by_key", "gpu_by_device_name"]
+
+
+@dataclass(frozen=True)
+class GPU:
+    """``key``: the name users type (``--gpu h100``); ``name``: the full product name;
+    ``match``: the part of ``torch.cuda.get_device_name()`` that identifies it; ``peak_tflops``:
+    dense datasheet peaks per precision (``bf16``, ``fp8``), empty where not listed."""
+
+    key: str
+    name: str
+    capability: Tuple[int, int]
+    match: str
+    peak_tflops: Mapping[str, float] = field(default_factory=dict)
+
+
+_HOPPER = {"bf16": 989.4, "fp8": 1978.9}
+
+#: Most specific first: keys and device names are matched in this order (``gb200`` before
+#: ``b200``, ``h100nvl`` before ``h100``, ``l40s`` before ``l4``).
+GPUS: Tuple[GPU, ...] = (
+    GPU("gb200", "NVIDIA GB200", (10, 0), "GB200", {"bf16": 2500.0, "fp8": 5000.0}),
+    GPU("b200", "NVIDIA B200", (10, 0), "B200", {"bf16": 2250.0, "fp8": 4500.0}),
+    GPU("gb300", "NVIDIA GB300", (10, 3), "GB300"),
+    GPU("b300", "NVIDIA B300", (10, 3), "B300"),
+    GPU("gh200", "NVIDIA GH200", (9, 0), "GH200", _HOPPER),
+    GPU("h200", "NVIDIA H200", (9, 0), "H200", _HOPPER),
+    GPU("h100nvl", "NVIDIA H100 NVL", (9, 0), "H100 NVL", {"bf16": 835.0, "fp8": 1670.0}),
+    GPU("h100pcie", "NVIDIA H100 PCIe", (9, 0), "H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}),
+    GPU("h100", "NVIDIA H100", (9, 0), "H100", _HOPPER),  # SXM5
+    GPU("h800", "NVIDIA H800", (9, 0), "H800", _HOPPER),
+    GPU("a100", "NVIDIA A100", (8, 0), "A100", {"bf16": 312.0}),
+    GPU("l40s", "NVIDIA L40S", (8, 9), "L40S"),
+    GPU("l4", "NVIDIA L4", (8, 9), "L4"),
+    GPU("rtx5090", "NVIDIA RTX 5090", (12, 0), "RTX 5090"),
+    GPU("rtxpro6000", "NVIDIA RTX PRO 6000", (12, 0), "RTX PRO 6000"),
+)
+
+
+def gpu_by_key(spec: str) -> Optional[GPU]:
+    """The GPU a user's name denotes: case, spaces, dashes, underscores and ``nvidia`` ignored,
+    a suffix allowed (``H100-SXM5-80GB`` -> h100)."""
+    s = spec.lower().replace("nvidia", "").replace("-", "").replace(" ", "").replace("_", "")
+    return next((g for g in GPUS if s.startswith(g.key)), None)
+
+
+def gpu_by_device_name(name: str) -> Optional[GPU]:
+    """The GPU that ``torch.cuda.get_device_name()`` reports (``NVIDIA H100 80GB HBM3``)."""
+    return next((g for g in GPUS if g.match in name), None)
