@@ -34,7 +34,6 @@ import torch
 import torch.nn as nn
 
 from ..nn import Float8Linear, audit
-from ..nn.linear import _Float8LinearFn, _out_dtype_for
 from ..policy import PrecisionPolicy, Role
 from ..recipes import Granularity, Recipe, get_recipe
 from .te import TEUnsupportedError, te_env, te_recipe_spec
@@ -358,7 +357,7 @@ class Float8MegatronLinear(Float8Linear):
                 "supported by the FP8 swap; keep that layer in BF16 (it is, by the output role)"
             )
         bias = None if self.skip_bias_add else self.bias
-        out = _Float8LinearFn.apply(input_, self.weight, bias, self, _out_dtype_for(input_), torch.is_grad_enabled())
+        out = self.forward_eager(input_, bias)
         return out, (self.bias if self.skip_bias_add else None)
 
 
@@ -403,7 +402,7 @@ def convert_megatron_model(
     audit` then reports per module what ran in FP8; ``collect_telemetry`` / ``set_telemetry``
     work as for plain PyTorch models. Needs tensor parallel size 1.
     """
-    from ..nn.convert import _STATE_ATTR, convert_model  # state written by convert_model
+    from ..nn.convert import conversion_state, convert_model
 
     col, row = megatron_linear_classes()
     r = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
@@ -411,7 +410,7 @@ def convert_megatron_model(
     for fqn, layer in targets:
         _check_swappable(fqn, layer)
     convert_model(model, r, policy=policy, emulate=emulate, device=device)
-    state = getattr(model, _STATE_ATTR)
+    state = conversion_state(model)
     pol = state.policy
     swapped = []
     for fqn, layer in targets:

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from ..policy import GEMM_ROLES, HIGH_PRECISION_ROLES, Decision, PrecisionPolicy, Role, layer_index
 from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
-from .linear import OPERANDS, Float8Linear, check_wgrad_fusion
+from .linear import OPERANDS, Float8Linear, check_wgrad_fusion, fp8_modules
 
 __all__ = [
     "convert_model",
@@ -228,9 +228,10 @@ def set_graph_weight_cache(model: nn.Module, enabled: bool = True) -> int:
     return n
 
 
-def fp8_modules(model: nn.Module) -> Dict[str, Float8Linear]:
-    """All Float8Linear modules of ``model`` by name."""
-    return {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+def conversion_state(model: nn.Module):
+    """What :func:`convert_model` recorded on ``model`` (recipe, resolved policy, emulate, the
+    decision per module, the high-precision modules it counts), or None if never converted."""
+    return getattr(model, _STATE_ATTR, None)
 
 
 def reset_gemm_counts(model: nn.Module) -> None:

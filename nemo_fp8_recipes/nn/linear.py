@@ -52,9 +52,9 @@ from ..quant.dispatch import quantize_auto as quantize
 from ..quant.dispatch import accumulate_amax, compiled_quantizer, quantize_pair_auto, triton_enabled
 from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
 from ..recipes import Format, Granularity, Recipe, ScaleRounding
-from .scaling import advance_delayed_scaling
+from ..quant.delayed import advance_delayed_scaling
 
-__all__ = ["Float8Linear", "OPERANDS", "input_prequantization", "share_input_quantization"]
+__all__ = ["Float8Linear", "OPERANDS", "fp8_modules", "input_prequantization", "share_input_quantization"]
 
 OPERANDS = ("input", "weight", "grad_output")
 _IN, _W, _GO = 0, 1, 2
@@ -393,10 +393,10 @@ def _accumulate_wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, grad: torch.Ten
     blocks = qdy.block == (1, 128) and qx.block == (1, 128)
     if not emulate and (per_tensor or blocks):
         from ..quant.cublaslt import fp8_matmul_accumulate
-        from ..quant.gemm import _scalar_scale, outer_major
+        from ..quant.scaled_mm import outer_major, scalar_scale
 
         def scale(q):  # each scale as the non-accumulating GEMM dispatch passes it
-            return _scalar_scale(q.scale_inv) if per_tensor else outer_major(q.scale_inv.float())
+            return scalar_scale(q.scale_inv) if per_tensor else outer_major(q.scale_inv.float())
 
         return fp8_matmul_accumulate(qdy.data, scale(qdy), qx.data, scale(qx), grad, block=blocks,
                                      fast_accum=fast_accum and per_tensor)
@@ -789,7 +789,7 @@ class Float8Linear(nn.Linear):
     @torch.no_grad()
     def _commit(self, i: int, quantising: bool = False) -> bool:
         """Lazy schedule: append operand i's pending amax to its history and recompute its scale
-        (:func:`~nemo_fp8_recipes.nn.scaling.advance_delayed_scaling`). ``quantising``: a
+        (:func:`~nemo_fp8_recipes.quant.delayed.advance_delayed_scaling`). ``quantising``: a
         quantisation that records a new amax follows at once, so the pending flag stays set.
         On CUDA with Triton (and no ``amax_reduce_fn``) the whole update is one kernel
         (:func:`~nemo_fp8_recipes.quant.triton_kernels.delayed_commit`, same numbers). Returns
@@ -963,6 +963,12 @@ class Float8Linear(nn.Linear):
 
         return gate_fusable(x, gate) and (x.numel() // max(x.shape[-1], 1)) % self._row_multiple == 0
 
+    def forward_eager(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x · Wᵀ (+ bias)`` through the eager FP8 path (the autograd function of
+        :meth:`forward` in eager mode), with ``bias`` given by the caller: wrappers that own the
+        bias handling (Megatron's ``skip_bias_add``) call this."""
+        return _Float8LinearFn.apply(x, self.weight, bias, self, _out_dtype_for(x), torch.is_grad_enabled())
+
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x · Wᵀ + b`` with the three GEMMs in FP8; with ``gate``, ``(F.silu(gate) * x) · Wᵀ + b``
         — a SwiGLU MLP's down projection called with the gate and up halves, so that the
@@ -1026,3 +1032,8 @@ class Float8Linear(nn.Linear):
     def _forward_swiglu(self, gate: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         _check_device(x, self.emulate, self.fqn)
         return _Float8SwiGLULinearFn.apply(x, self.weight, self.bias, gate, self, out_dtype, torch.is_grad_enabled())
+
+
+def fp8_modules(model: nn.Module) -> Dict[str, Float8Linear]:
+    """All Float8Linear modules of ``model`` by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}

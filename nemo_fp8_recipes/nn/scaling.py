@@ -2,7 +2,7 @@
 
 A delayed-scaling :class:`~nemo_fp8_recipes.nn.Float8Linear` keeps, per operand (input, weight,
 grad_output), an amax history, a scale, and the amax recorded since the last update ("pending").
-Two update schedules share :func:`advance_delayed_scaling`:
+Two update schedules share :func:`~nemo_fp8_recipes.quant.delayed.advance_delayed_scaling`:
 
 ``lazy`` (the module default, no trainer needed)
     each operand commits its pending amax right before its next quantisation, so every
@@ -26,12 +26,13 @@ or non-finite amax keeps the previous scale.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List
 
 import torch
 import torch.nn as nn
 
-from ..quant.reference import amax_to_scale
+from ..quant.delayed import advance_delayed_scaling
+from .linear import fp8_modules
 
 __all__ = [
     "UPDATE_MODES",
@@ -45,29 +46,7 @@ __all__ = [
 UPDATE_MODES = ("lazy", "step")
 
 
-@torch.no_grad()
-def advance_delayed_scaling(history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor,
-                            flag: torch.Tensor, fmts: Sequence, recipe):
-    """New ``(history, scale)`` after appending ``pending`` where ``flag`` is set.
-
-    Shapes: ``history [..., k, L]``, ``scale``/``pending``/``flag`` ``[..., k]`` with
-    ``k == len(fmts)`` (the FP8 format of each operand column). Entries whose flag is 0 keep
-    their history and scale. Vectorised: one call updates every module of a model.
-    """
-    f = flag > 0
-    rolled = torch.cat([pending.unsqueeze(-1).to(history.dtype), history[..., :-1]], dim=-1)
-    hist = torch.where(f.unsqueeze(-1), rolled, history)
-    amax = hist.amax(-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
-    new = torch.stack(
-        [amax_to_scale(amax[..., i], fmt, recipe.scale_rounding, margin=recipe.margin)
-         for i, fmt in enumerate(fmts)], dim=-1)
-    ok = torch.isfinite(amax) & (amax > 0) & f
-    return hist, torch.where(ok, new, scale)
-
-
 def _delayed_modules(model: nn.Module) -> List[nn.Module]:
-    from .convert import fp8_modules
-
     return [m for m in fp8_modules(model).values() if m.recipe.is_delayed]
 
 
@@ -157,8 +136,6 @@ def discard_delayed_scaling(model: nn.Module) -> int:
 def pinned_scales(model: nn.Module) -> Dict[str, List[str]]:
     """``{module name: [operands]}`` whose amax history holds a non-finite value: their scale
     cannot move until that entry leaves the history (``amax_history_len`` updates)."""
-    from .convert import fp8_modules
-
     out: Dict[str, List[str]] = {}
     for name, m in fp8_modules(model).items():
         if not m.recipe.is_delayed:

@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from ..recipes import Granularity, ScaleRounding
-from .reference import QuantizedTensor, quantize
+from .reference import QuantizedTensor, accumulate_amax, quantize
 
 __all__ = ["COMPILED_QUANTIZERS", "accumulate_amax", "compiled_quantizer", "quantize_auto", "quantize_pair_auto",
            "triton_enabled"]
@@ -106,12 +106,6 @@ def _check_amax_out(granularity, scale, amax_out) -> None:
 
 
 @torch.no_grad()
-def accumulate_amax(acc: torch.Tensor, amax: torch.Tensor) -> None:
-    """``acc = max(acc, amax)`` in place (NaN sticks, as the kernels' integer max of the IEEE
-    bits does): how a pending delayed-scaling amax collects the amaxes of its uses."""
-    torch.maximum(acc, amax.reshape(acc.shape).to(acc.dtype), out=acc)
-
-
 def _fold_amax(q: QuantizedTensor, amax_out: Optional[torch.Tensor]) -> QuantizedTensor:
     """The reference path's ``amax_out`` contract: max-accumulate ``q.amax`` into it and return
     ``q`` carrying it."""

@@ -17,7 +17,7 @@ must quantise with something the compiler can put in its graph. Two choices, pic
 
 Both give the same codes and scales bit for bit (the kernels are checked against the reference).
 
-:func:`blockwise_mm` is :func:`~.gemm.blockwise_matmul` (the SM90 block-scaled ``F.scaled_mm``
+:func:`blockwise_mm` is :func:`~.scaled_mm.blockwise_matmul` (the SM90 block-scaled ``F.scaled_mm``
 with its scale layouts and row padding) as one node: dynamo does not trace that dispatch, so
 without it every real blockwise GEMM would be a graph break.
 
@@ -146,9 +146,9 @@ def _blocks128_fake(x: Tensor, fmt: str, rounding: str):
            "ScalarType out_dtype) -> Tensor")
 def blockwise_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, weight_blocks: bool,
                  out_dtype: torch.dtype) -> Tensor:
-    """:func:`~.gemm.blockwise_matmul`: ``A · Bᵀ`` ``[M, N]`` from 1x128-scaled ``a`` ``[M, K]`` and
+    """:func:`~.scaled_mm.blockwise_matmul`: ``A · Bᵀ`` ``[M, N]`` from 1x128-scaled ``a`` ``[M, K]`` and
     ``b`` ``[N, K]`` with 128x128 blocks (``weight_blocks``) or 1x128 groups."""
-    from .gemm import blockwise_matmul
+    from .scaled_mm import blockwise_matmul
 
     return blockwise_matmul(a, a_scale_inv, b, b_scale_inv, weight_blocks, out_dtype)
 

@@ -27,6 +27,7 @@ from ..recipes import Format, Granularity, ScaleRounding
 
 __all__ = [
     "QuantizedTensor",
+    "accumulate_amax",
     "amax_to_scale",
     "e8m0_exponent",
     "cast_to_fp8",
@@ -113,6 +114,12 @@ def _div_rn(num: float, den: torch.Tensor) -> torch.Tensor:
     lowers FP32 ``/`` to Triton's approximate division on GPU by default); FP64 division is
     correctly rounded in every backend, so scales have the same bits eager and compiled."""
     return (float(num) / den.double()).float()
+
+
+def accumulate_amax(acc: torch.Tensor, amax: torch.Tensor) -> None:
+    """``acc = max(acc, amax)`` in place (NaN sticks, as the kernels' integer max of the IEEE
+    bits does): how a pending delayed-scaling amax collects the amaxes of its uses."""
+    torch.maximum(acc, amax.reshape(acc.shape).to(acc.dtype), out=acc)
 
 
 def amax_to_scale(

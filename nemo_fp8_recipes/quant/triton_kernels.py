@@ -51,9 +51,8 @@ except Exception:  # pragma: no cover - depends on the environment
     HAVE_TRITON = False
 
 from ..recipes import Format, ScaleRounding
-from .dispatch import accumulate_amax
 from .launch import launch as _launch
-from .reference import QuantizedTensor, _fmt, scale_grid
+from .reference import QuantizedTensor, _fmt, accumulate_amax, scale_grid
 
 __all__ = [
     "HAVE_TRITON",
