@@ -216,7 +216,7 @@ def _have_triton() -> bool:
     return tk.HAVE_TRITON
 
 
-def host_overhead(dev: str, calls: int) -> list:
+def host_overhead(dev: str, calls: int, rounds: int = 2) -> list:
     """Host (CPU) microseconds per call of the quantiser wrappers and of their parts, on a tiny
     256x512 BF16 input, so that the GPU never holds the host back: ``perf_counter`` over ``calls``
     calls, one synchronisation at the end. This is what separates "caller" from "GPU-only" time:
@@ -264,12 +264,12 @@ def host_overhead(dev: str, calls: int) -> list:
         ("compiled graph: x * 1.5", lambda: scaled(x)),
         ("compiled graph: x * 1.5 -> tensor_pair operator", lambda: scaled_pair(x)),
     ]
-    # each case with Triton's own launch path and with the direct launch, alternated twice in this
-    # process (the lower of each pair's two means: host noise only adds time)
+    # each case with Triton's own launch path and with the direct launch, alternated ``rounds``
+    # times in this process (the lowest mean of each: host noise only adds time)
     rows = []
     for name, fn in cases:
         t = {"triton": [], "direct": []}
-        for _ in range(2):
+        for _ in range(rounds):
             for path in ("triton", "direct"):
                 prev = set_fast_launch(path == "direct")
                 try:
@@ -514,7 +514,7 @@ def main(argv=None) -> int:
         if not _have_triton() or (dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
             p.error("--host-overhead launches the Triton kernels: it needs Triton and a CUDA GPU (or "
                     "TRITON_INTERPRET=1 for a CPU check of the mechanics)")
-        host = host_overhead(dev, 3 if a.smoke else 2000)
+        host = host_overhead(dev, 1, rounds=1) if a.smoke else host_overhead(dev, 2000)  # smoke: mechanics only
         print(f"\nhost time per call (256x512 BF16 input, {'CPU interpreter: no meaning' if dev != 'cuda' else dev}):")
         from nemo_fp8_recipes.quant.launch import fast_launch_status
 

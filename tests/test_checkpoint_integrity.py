@@ -249,7 +249,7 @@ def test_kill_9_at_random_points_of_checkpoint_writes_loses_nothing(tmp_path, to
     kills, mid_write, latest, finished = 0, 0, 0, False
     try:
         for _ in range(60):
-            if kills >= 20:
+            if kills >= 15:
                 break
             zygote.stdin.write("go\n")
             zygote.stdin.flush()
@@ -280,7 +280,7 @@ def test_kill_9_at_random_points_of_checkpoint_writes_loses_nothing(tmp_path, to
             assert steps or not latest, f"checkpoint of step {latest} lost"  # 0 lost
             assert not steps or steps[-1] >= latest, f"checkpoint of step {latest} lost"
             latest = steps[-1] if steps else latest
-        assert kills >= 20, f"only {kills} kill points"
+        assert kills >= 15, f"only {kills} kill points"
         assert mid_write >= 5, f"only {mid_write} of {kills} kills landed inside a write"
         if not finished:  # finish the run (resume=auto)
             zygote.stdin.write("go\n")
