@@ -321,7 +321,9 @@ def _check_blocks(cfg, this_machine: bool = True) -> None:
         raise ConfigError(str(e) if isinstance(e, DataError) else f"{e}") from None
 
 
-def _typed(node, cls, path: str):
+def typed_config(node, cls, path: str):
+    """Config block ``node`` (at ``path``) as the dataclass ``cls``: unknown keys are refused
+    with the closest valid names, values are type-checked."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -353,12 +355,12 @@ def _typed(node, cls, path: str):
 
 def trainer_config(cfg) -> TrainerConfig:
     """The validated, typed ``trainer`` block of a composed config."""
-    return _typed(cfg.get("trainer"), TrainerConfig, "trainer")
+    return typed_config(cfg.get("trainer"), TrainerConfig, "trainer")
 
 
 def run_config(cfg) -> RunConfig:
     """The validated, typed ``run`` block of a composed config (``dir`` resolved)."""
-    return _typed(cfg.get("run"), RunConfig, "run")
+    return typed_config(cfg.get("run"), RunConfig, "run")
 
 
 def resolve_device(spec: str) -> "torch.device":

@@ -164,13 +164,13 @@ def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPo
     same weights (FP32 parameters, the master weights; TE casts them under autocast), in place.
     Linears the policy keeps in high precision, and everything that is not a linear, stay as they
     are. ``micro``: the trainer's micro-batch position (TE's weight caching)."""
-    from ..nn.convert import _infer_num_layers
+    from ..nn.convert import infer_num_layers
 
     from .te import to_te_recipe
 
     cls = _te_linear_class()
     te_recipe = to_te_recipe(recipe) if recipe.is_fp8 else None
-    policy = (policy or PrecisionPolicy()).with_num_layers(_infer_num_layers(model))
+    policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
     out = TEConversion()
     for fqn, module in list(model.named_modules()):
         if not fqn or type(module) is not nn.Linear:

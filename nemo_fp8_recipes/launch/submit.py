@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..train_config import ConfigError, _typed, compose_config, run_name, validate_overrides
+from ..train_config import ConfigError, compose_config, run_name, typed_config, validate_overrides
 from .slurm import (
     ContainerSpec,
     SbatchError,
@@ -257,8 +257,8 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
             f"{PROG} submits to SLURM, but cluster={cfg.cluster.get('name')}; use cluster=slurm "
             "(the default here), or nemo-fp8-train to train on this machine"
         )
-    cl: SlurmClusterConfig = _typed(cfg.get("cluster"), SlurmClusterConfig, "cluster")
-    sub: SubmitConfig = _typed(cfg.get("submit"), SubmitConfig, "submit")
+    cl: SlurmClusterConfig = typed_config(cfg.get("cluster"), SlurmClusterConfig, "cluster")
+    sub: SubmitConfig = typed_config(cfg.get("submit"), SubmitConfig, "submit")
     trainer_config(cfg)
     rcfg = run_config(cfg)
     recipe = build_recipe(cfg.recipe)  # validates the recipe; the hardware check runs on the nodes

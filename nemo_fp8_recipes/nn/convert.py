@@ -49,7 +49,9 @@ class _ConvertState:
     hooks: list = field(default_factory=list)
 
 
-def _infer_num_layers(model: nn.Module) -> Optional[int]:
+def infer_num_layers(model: nn.Module) -> Optional[int]:
+    """The number of transformer layers of ``model``, read from its module names (``layers.<i>``),
+    or None: what the policy's first/last-layer rules count from."""
     idx = [layer_index(n) for n, _ in model.named_modules()]
     idx = [i for i in idx if i is not None]
     return max(idx) + 1 if idx else None
@@ -142,7 +144,7 @@ def convert_model(
         device = p.device if p is not None and p.device.type != "meta" else None
     require_supported(r, device)
     use_emulation = r.is_fp8 and not uses_real_fp8_gemm(r, device)
-    policy = (policy or PrecisionPolicy()).with_num_layers(_infer_num_layers(model))
+    policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
     state = _ConvertState(recipe=r, policy=policy, emulate=use_emulation)
 
     for fqn, module in list(model.named_modules()):

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..recipes import ScaleRounding
-from .reference import _fmt, scale_grid  # _fmt: how the kernels read ``fmt``, so fake and real agree
+from .reference import as_format, scale_grid  # as_format: how the kernels read ``fmt``, so fake and real agree
 
 __all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair"]
 
@@ -76,7 +76,7 @@ def tensor_pair(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor, Ten
 @tensor_pair.register_fake
 def _tensor_pair_fake(x: Tensor, fmt: str, rounding: str):
     rows, cols = x.shape
-    dt = _fmt(fmt).dtype
+    dt = as_format(fmt).dtype
     one = (1, 1)
     return (x.new_empty((rows, cols), dtype=dt), x.new_empty((cols, rows), dtype=dt),
             x.new_empty(one, dtype=torch.float32), x.new_empty(one, dtype=torch.float32))
@@ -103,7 +103,7 @@ def group_rows(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor, 
 @group_rows.register_fake
 def _group_rows_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=_fmt(fmt).dtype),
+    return (x.new_empty((rows, cols), dtype=as_format(fmt).dtype),
             scale_grid(rows, -(-cols // group), torch.float32, x.device))
 
 
@@ -121,7 +121,7 @@ def group_cols_t(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor
 @group_cols_t.register_fake
 def _group_cols_t_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((cols, rows), dtype=_fmt(fmt).dtype),
+    return (x.new_empty((cols, rows), dtype=as_format(fmt).dtype),
             scale_grid(cols, -(-rows // group), torch.float32, x.device))
 
 
@@ -138,7 +138,7 @@ def blocks128(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor]:
 @blocks128.register_fake
 def _blocks128_fake(x: Tensor, fmt: str, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=_fmt(fmt).dtype),
+    return (x.new_empty((rows, cols), dtype=as_format(fmt).dtype),
             x.new_empty((-(-rows // 128), -(-cols // 128)), dtype=torch.float32))
 
 

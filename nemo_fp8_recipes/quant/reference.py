@@ -28,6 +28,7 @@ from ..recipes import Format, Granularity, ScaleRounding
 __all__ = [
     "QuantizedTensor",
     "accumulate_amax",
+    "as_format",
     "amax_to_scale",
     "e8m0_exponent",
     "cast_to_fp8",
@@ -50,7 +51,8 @@ def scale_grid(rows: int, groups: int, dtype: torch.dtype, device) -> torch.Tens
     return torch.empty((groups, rows), dtype=dtype, device=device).t()
 
 
-def _fmt(fmt: Union[Format, str]) -> Format:
+def as_format(fmt: Union[Format, str]) -> Format:
+    """``"e4m3"`` / ``Format.E4M3`` -> ``Format.E4M3``: how every quantiser reads ``fmt``."""
     return fmt if isinstance(fmt, Format) else Format(str(fmt).lower())
 
 
@@ -135,7 +137,7 @@ def amax_to_scale(
     overflows gives FLT_MAX (``2**127`` under ``pow2``); NaN amax gives NaN and Inf amax gives 0,
     so the group dequantises to NaN.
     """
-    fmt = _fmt(fmt)
+    fmt = as_format(fmt)
     rounding = ScaleRounding(rounding)
     amax = amax.float()
     s = _div_rn(fmt.max, amax)
@@ -165,7 +167,7 @@ def e8m0_exponent(
     ``fmax`` after scaling saturate. Both are computed from the exact binary exponent of amax
     (no rounded ``log2``), so kernels can reproduce them bit for bit. ``amax == 0`` gives 0.
     """
-    fmt = _fmt(fmt)
+    fmt = as_format(fmt)
     rounding = ScaleRounding(rounding)
     amax = amax.float()
     mant, exp = torch.frexp(amax)  # amax = mant * 2**exp, mant in [0.5, 1): floor(log2) = exp-1
@@ -199,7 +201,7 @@ def exp2_int(e: torch.Tensor) -> torch.Tensor:
 def cast_to_fp8(y: torch.Tensor, fmt: Union[Format, str]) -> torch.Tensor:
     """Saturating round-to-nearest-even cast of FP32 ``y`` to FP8, keeping NaN (and, for E5M2,
     Inf). Finite values beyond ``±fmax`` clamp to ``±fmax``; E4M3 turns ±Inf into NaN."""
-    fmt = _fmt(fmt)
+    fmt = as_format(fmt)
     y = y.float()
     clamped = y.clamp(-fmt.max, fmt.max)
     if fmt is Format.E4M3:
@@ -243,7 +245,7 @@ def quantize_tensorwise(
     ``scale`` (delayed scaling: computed from the amax history), it is used as is; the returned
     ``amax`` is this tensor's, for the history.
     """
-    fmt = _fmt(fmt)
+    fmt = as_format(fmt)
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     # amax propagates NaN (torch's max does), so a NaN input poisons the scale: no host sync
     amax = x2.float().abs().amax().reshape(1, 1) if x2.numel() else torch.zeros(1, 1, device=x.device)
@@ -263,7 +265,7 @@ def quantize_blocks(
     ``rounding``: ``fp32`` / ``pow2`` give FP32 scales (blockwise recipe: 1x128, 128x128);
     ``e8m0_ceil`` / ``e8m0_floor`` give power-of-two E8M0 scales (MXFP8: 1x32).
     """
-    fmt = _fmt(fmt)
+    fmt = as_format(fmt)
     rounding = ScaleRounding(rounding)
     if x.dim() != 2:
         raise ValueError(f"quantize_blocks expects a 2-D tensor, got shape {tuple(x.shape)}")

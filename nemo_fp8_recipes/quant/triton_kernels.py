@@ -52,7 +52,7 @@ except Exception:  # pragma: no cover - depends on the environment
 
 from ..recipes import Format, ScaleRounding
 from .launch import launch as _launch
-from .reference import QuantizedTensor, _fmt, accumulate_amax, scale_grid
+from .reference import QuantizedTensor, accumulate_amax, as_format, scale_grid
 
 __all__ = [
     "HAVE_TRITON",
@@ -779,7 +779,7 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     """Groups of ``group`` along each row of a 2-D tensor (same result as
     ``reference.quantize_blocks(x, fmt, (1, group), rounding)``)."""
     _require_triton(x)
-    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    fmt, rounding = as_format(fmt), ScaleRounding(rounding)
     if x.stride(-1) != 1:
         x = x.contiguous()
     R, C = x.shape
@@ -803,7 +803,7 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     its rows) — the wgrad operand, quantised and transposed in one pass (same result as
     ``reference.quantize(x, fmt, ..., dim=0)``)."""
     _require_triton(x)
-    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    fmt, rounding = as_format(fmt), ScaleRounding(rounding)
     if x.stride(-1) != 1:
         x = x.contiguous()
     R, C = x.shape
@@ -829,7 +829,7 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding, transposed: bool = False)
     return ``(q, qt)``, ``qt`` the same blocks for ``x.T`` with contiguous codes ``[C, R]``
     written by the same pass (a weight's dgrad copy) and ``q.scale_inv.T`` as its scales."""
     _require_triton(x)
-    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    fmt, rounding = as_format(fmt), ScaleRounding(rounding)
     if _MODE[rounding] >= 2:
         raise ValueError("128x128 blocks take fp32 or pow2 scales")
     if x.stride(-1) != 1:
@@ -984,7 +984,7 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     (delayed scaling): one pass that casts and folds this tensor's amax (for the history) into
     ``amax_out`` by an atomic max (or into a fresh buffer); ``q.amax`` is that buffer."""
     _require_triton(x)
-    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    fmt, rounding = as_format(fmt), ScaleRounding(rounding)
     x2 = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
     if not x2.is_contiguous():
         x2 = x2.contiguous()
@@ -1009,7 +1009,7 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     """Both copies from one read: ``(quantize_rows(x), quantize_cols_t(x))`` — the fprop/dgrad
     operand grouped along rows and the wgrad operand grouped down columns, transposed."""
     _require_triton(x)
-    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    fmt, rounding = as_format(fmt), ScaleRounding(rounding)
     if x.stride(-1) != 1:
         x = x.contiguous()
     R, C = x.shape
@@ -1054,7 +1054,7 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     ``amax`` (current scaling): ``x``'s amax, already taken by its producer (a ``[1, 1]`` FP32
     tensor, e.g. :func:`rmsnorm_forward`'s): the amax pass is skipped, the cast pass runs alone."""
     _require_triton(x, gate)
-    fmt, rounding = _fmt(fmt), ScaleRounding(rounding)
+    fmt, rounding = as_format(fmt), ScaleRounding(rounding)
     if amax is not None and (scale is not None or gate is not None or amax_out is not None):
         raise ValueError("a precomputed amax is for current scaling of x itself (no scale, gate or amax_out)")
     if amax is not None and (amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device):
@@ -1143,7 +1143,7 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
     group, q = 0, None
     fmt, rounding = Format.E4M3, ScaleRounding.FP32
     if rows is not None:
-        fmt, group, rounding = _fmt(rows[0]), int(rows[1]), ScaleRounding(rows[2])
+        fmt, group, rounding = as_format(rows[0]), int(rows[1]), ScaleRounding(rows[2])
         if group not in (32, 128):
             raise ValueError(f"row groups of 32 or 128 elements, not {group}")
     block_d = max(triton.next_power_of_2(D), group, 16)
@@ -1203,7 +1203,7 @@ def delayed_commit(history: torch.Tensor, scale: torch.Tensor, pending: torch.Te
     :func:`nemo_fp8_recipes.nn.scaling.advance_delayed_scaling` with FP32 scales (the delayed
     recipe's), which takes about fifteen PyTorch kernels for it."""
     _require_triton()
-    fmt = _fmt(fmt)
+    fmt = as_format(fmt)
     if amax_compute_algo not in ("max", "most_recent"):
         raise ValueError(f"unknown amax_compute_algo {amax_compute_algo!r}; valid: max, most_recent")
     for name, t in (("scale", scale), ("pending", pending), ("flag", flag)):
