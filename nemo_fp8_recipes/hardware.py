@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Tuple
 
-__all__ = ["GPU", "GPUS", "gpu_by_key", "gpu_by_device_name"]
+__all__ = ["GPU", "GPUS", "gpu_by_key", "gpu_by_device_name", "normalise_gpu_name"]
 
 
 @dataclass(frozen=True)
@@ -46,10 +46,16 @@ GPUS: Tuple[GPU, ...] = (
 )
 
 
+def normalise_gpu_name(spec: str) -> str:
+    """A user's GPU name with case, spaces, dashes, underscores and ``nvidia`` dropped
+    (``NVIDIA H100-SXM5`` -> ``h100sxm5``)."""
+    return str(spec).lower().replace("nvidia", "").replace("-", "").replace(" ", "").replace("_", "")
+
+
 def gpu_by_key(spec: str) -> Optional[GPU]:
-    """The GPU a user's name denotes: case, spaces, dashes, underscores and ``nvidia`` ignored,
-    a suffix allowed (``H100-SXM5-80GB`` -> h100)."""
-    s = spec.lower().replace("nvidia", "").replace("-", "").replace(" ", "").replace("_", "")
+    """The GPU a user's name denotes (:func:`normalise_gpu_name`), a suffix allowed
+    (``H100-SXM5-80GB`` -> h100)."""
+    s = normalise_gpu_name(spec)
     return next((g for g in GPUS if s.startswith(g.key)), None)
 
 

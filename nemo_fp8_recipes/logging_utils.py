@@ -21,6 +21,7 @@ __all__ = ["peak_tflops", "MetricsWriter", "format_count", "format_duration"]
 
 log = logging.getLogger(__name__)
 
+
 def peak_tflops(device: Union[str, torch.device], precision: str) -> Optional[float]:
     """Dense peak TFLOP/s of ``device`` for ``precision`` (``bf16`` or ``fp8``), or None if
     unknown (CPU, unlisted GPU, or a precision the GPU lacks)."""

@@ -294,10 +294,6 @@ class _TERun:
         return rep
 
 
-def _setup_te_backend(raw_model, recipe, policy, cfg, ctx: DistContext, telemetry: bool) -> _TERun:
-    return _TERun(raw_model, recipe, policy, cfg.backend, ctx, telemetry)
-
-
 def _check_te_backend(recipe, device: torch.device, tcfg: TrainerConfig) -> None:
     """``backend=te`` stops at once, naming the fix, where it cannot run as configured."""
     from .integrations.te_model import te_backend_problem
@@ -548,7 +544,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         raw_model = Transformer(mcfg)
     te_run = None  # backend=te: conversion, micro-batch state, hooks, autocast factory
     if backend == "te":
-        te_run = _setup_te_backend(raw_model, recipe, policy, cfg, ctx, telemetry=tcfg.telemetry_interval > 0)
+        te_run = _TERun(raw_model, recipe, policy, cfg.backend, ctx, telemetry=tcfg.telemetry_interval > 0)
     else:
         convert_model(raw_model, recipe, policy)
     # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
@@ -1000,37 +996,26 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _logging_as_it_was():
     """Hydra configures Python's logging for the job (a console handler bound to the stderr of
     the moment, the job's log file) and leaves it so. Called from Python (a notebook, a test, a
-    sweep driver), ``main`` puts the caller's logging back afterwards: the root logger's handlers
-    and level, and the state of every logger that existed before (Hydra's configuration may
-    disable them); the handlers the job added to them are closed."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    loggers = {n: (lg.disabled, lg.level, list(lg.handlers), lg.propagate)
-               for n, lg in logging.Logger.manager.loggerDict.items() if isinstance(lg, logging.Logger)}
+    sweep driver), ``main`` puts the caller's logging back afterwards: the handlers, level,
+    ``disabled`` and ``propagate`` of the root logger and of every logger that existed before
+    (Hydra's configuration may disable them); the handlers the job added are closed. Loggers
+    created during the run (a library's import) keep their own."""
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    saved = [(lg, lg.disabled, lg.level, list(lg.handlers), lg.propagate) for lg in loggers]
     try:
         yield
     finally:
-        for h in list(root.handlers):
-            if h not in handlers:
-                root.removeHandler(h)
-                h.close()
-        for h in handlers:
-            if h not in root.handlers:
-                root.addHandler(h)
-        root.setLevel(level)
-        for name, lg in logging.Logger.manager.loggerDict.items():
-            if not isinstance(lg, logging.Logger):
-                continue
-            if name not in loggers:  # created during the run (a library's import): its own
-                continue
-            disabled, lvl, hs, propagate = loggers[name]
+        for lg, disabled, level, handlers, propagate in saved:
             for h in list(lg.handlers):
-                if h not in hs:
+                if h not in handlers:
                     lg.removeHandler(h)
                     h.close()
+            for h in handlers:
+                if h not in lg.handlers:
+                    lg.addHandler(h)
             lg.disabled, lg.propagate = disabled, propagate
-            lg.setLevel(lvl)
-
+            lg.setLevel(level)
 
 if __name__ == "__main__":
     sys.exit(main())

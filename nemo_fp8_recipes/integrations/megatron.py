@@ -402,7 +402,7 @@ def convert_megatron_model(
     audit` then reports per module what ran in FP8; ``collect_telemetry`` / ``set_telemetry``
     work as for plain PyTorch models. Needs tensor parallel size 1.
     """
-    from ..nn.convert import conversion_state, convert_model
+    from ..nn.convert import conversion_state, convert_model, set_submodule
 
     col, row = megatron_linear_classes()
     r = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
@@ -422,9 +422,7 @@ def convert_megatron_model(
             continue
         new = Float8MegatronLinear.from_megatron(layer, state.recipe, emulate=state.emulate)
         new.fqn, new.role = fqn, decision.role
-        parent_name, _, leaf = fqn.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, new)
+        set_submodule(model, fqn, new)
         state.hp_modules.pop(fqn, None)  # its high-precision counter left with the old module
         swapped.append(fqn)
     fp8_buffers = [f"{n}.{b}" for n in swapped for b, _ in model.get_submodule(n).named_buffers(recurse=False)]

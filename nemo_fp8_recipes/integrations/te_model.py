@@ -33,7 +33,6 @@ model import TE.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
@@ -153,18 +152,13 @@ def _te_linear_class():
     return _TE_LINEAR_CLASS
 
 
-def _set_submodule(model: nn.Module, fqn: str, new: nn.Module) -> None:
-    parent, _, leaf = fqn.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, leaf, new)
-
-
 def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPolicy] = None,
                   micro: Optional[MicroBatchState] = None) -> TEConversion:
     """Swap every ``nn.Linear`` of ``model`` that the policy puts in FP8 for a ``te.Linear`` with the
     same weights (FP32 parameters, the master weights; TE casts them under autocast), in place.
     Linears the policy keeps in high precision, and everything that is not a linear, stay as they
     are. ``micro``: the trainer's micro-batch position (TE's weight caching)."""
-    from ..nn.convert import infer_num_layers
+    from ..nn.convert import infer_num_layers, set_submodule
 
     from .te import to_te_recipe
 
@@ -188,7 +182,7 @@ def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPo
                 new.bias.copy_(module.bias)
         new._nemo_fp8_micro = micro
         new._nemo_te_recipe = te_recipe
-        _set_submodule(model, fqn, new)
+        set_submodule(model, fqn, new)
         out.swapped += 1
     return out
 
@@ -228,12 +222,3 @@ def restore_te_state(model: nn.Module, snap: Dict[str, Any]) -> None:
         if n in mods and _has_delayed_state(mods[n]):  # current scaling keeps no state between steps
             mods[n].reset_fp8_meta_tensors(tensors)
 
-
-@contextlib.contextmanager
-def no_te_state_change(model: nn.Module):
-    """Run a block (validation) without leaving a trace in TE's FP8 state."""
-    snap = snapshot_te_state(model)
-    try:
-        yield
-    finally:
-        restore_te_state(model, snap)

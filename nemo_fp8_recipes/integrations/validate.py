@@ -55,7 +55,7 @@ from .te import (
     te_available,
     te_recipe_spec,
 )
-from ..hardware import GPUS, gpu_by_key
+from ..hardware import GPUS, gpu_by_key, normalise_gpu_name
 from ..versions import version_tuple
 from .te import te_version as _installed_te_version
 
@@ -199,7 +199,7 @@ def parse_gpu(spec: Union[None, str, DeviceInfo], cuda: Optional[str] = None) ->
         if cv is not None and info.type == "cuda":
             info = dataclasses.replace(info, cuda_version=cv)
         return info
-    s = str(spec).lower().replace("nvidia", "").replace("-", "").replace(" ", "").replace("_", "")
+    s = normalise_gpu_name(spec)
     if s == "cpu":
         return DeviceInfo(type="cpu")
     m = re.fullmatch(r"sm(\d{2,3})", s)

@@ -57,7 +57,8 @@ def infer_num_layers(model: nn.Module) -> Optional[int]:
     return max(idx) + 1 if idx else None
 
 
-def _set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
+def set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
+    """Replace the submodule at ``fqn`` (``layers.0.mlp.w1``) of ``root`` with ``new``."""
     parent_name, _, leaf = fqn.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, leaf, new)
@@ -163,7 +164,7 @@ def convert_model(
             # keep user hooks registered on the original module
             new._forward_hooks.update(module._forward_hooks)
             new._forward_pre_hooks.update(module._forward_pre_hooks)
-            _set_submodule(model, fqn, new)
+            set_submodule(model, fqn, new)
         elif decision.fp8 and not is_linear:
             state.decisions[fqn] = Decision(
                 fqn, decision.role, "bf16",
