@@ -39,9 +39,12 @@ kernels (``nemo_fp8_recipes.quant.launch``; same kernels, less host time per lau
 (``te.TransformerLayer``: RMSNorm fused into the QKV and FC1 projections, SwiGLU, GQA, RoPE,
 cuDNN fused attention; ``te.LayerNormMLP`` for ``--block mlp``) with FP32 parameters under
 ``te.autocast`` with the TE recipe of each key (``nemo_fp8_recipes.to_te_recipe``; ``te-bf16``
-with FP8 off), eager only (torch.compile does not trace TE's modules); TE re-quantises its weights
-in every forward, so compare them with ``--requant-weights`` rows of ours. Without TE (or a GPU)
-the rows say why they were skipped.
+with FP8 off). TE's layer always runs eager (torch.compile does not trace TE's modules): in the
+compiled round it is timed eagerly, round-robin beside our compiled layer (mode column
+``compiled (TE eager)``), which is how each is used in training. ``vs TE (same recipe)`` is TE's
+time over ours for the same recipe in the same round (``bf16`` against ``te-bf16``; > 1: ours is
+faster). TE re-quantises its weights in every forward, so compare them with ``--requant-weights``
+rows of ours. Without TE (or a GPU) the rows say why they were skipped.
 
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
@@ -157,8 +160,10 @@ ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1
 #: Transformer Engine's own layer (``te.TransformerLayer``: RMSNorm fused into its QKV and FC1
 #: projections, SwiGLU, GQA, RoPE, cuDNN fused attention) in BF16 and under each Hopper recipe
 TE_LAYER = {"te-bf16": "bf16", "te-delayed": "delayed", "te-tensorwise": "tensorwise", "te-blockwise": "blockwise"}
-_TE_EAGER = ("te.TransformerLayer runs eager: torch.compile does not trace Transformer Engine's modules (and refuses "
-             "DelayedScaling); its fused kernels are TE's own")
+#: TE's layer runs eager in every round (torch.compile does not trace Transformer Engine's modules
+#: and refuses DelayedScaling; its fused kernels are TE's own): in a compiled round it is timed
+#: eagerly beside our compiled layer, round-robin, and its rows say ``ran: eager``
+TE_EAGER_NOTE = "TE eager"
 #: variants that only differ from their recipe in eager mode, with the reason their compiled row
 #: is skipped
 _SWIGLU_EAGER = ("the SwiGLU fusion is eager-only, so compiled this is the recipe's own row (Inductor fuses "
@@ -167,8 +172,7 @@ _SHARE_EAGER = ("the shared input quantisation is eager-only, so compiled this i
                 "compiler de-duplicates the quantisations itself)")
 _NORM_EAGER = ("the fused RMSNorm is eager-only, so compiled this is the recipe's own row (Inductor fuses the "
                "norm itself)")
-EAGER_ONLY = {**{v: _TE_EAGER for v in TE_LAYER},
-              "tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swiglu": _SWIGLU_EAGER,
+EAGER_ONLY = {"tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swiglu": _SWIGLU_EAGER,
               "tensorwise-unshared-input": _SHARE_EAGER, "bf16-unfused-norm": _NORM_EAGER,
               "tensorwise-unfused-norm": _NORM_EAGER, "blockwise-unfused-norm": _NORM_EAGER}
 VARIANTS = ["bf16", "bf16-unfused-norm", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu",
@@ -324,7 +328,10 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
     try:
         for q in params:
             q.grad = None
-        if mode == "compiled":
+        if mode == "compiled" and isinstance(model, TELayer):
+            fn = model  # (TE's modules run eager; timed beside the compiled variants)
+            out["ran"] = "eager"
+        elif mode == "compiled":
             # the eager run's cached FP8 weight copies: the traced linears do not use them (they
             # re-quantise in the graph), the eager islands rebuild theirs; left alive they would
             # count in this mode's peak memory (measured: +0.4 GiB at 8B)
@@ -372,7 +379,7 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
         if cuda:
             torch.cuda.synchronize()
         out["first_call_s"] = time.perf_counter() - t0
-        if mode == "compiled":
+        if mode == "compiled" and "ran" not in out:
             out["graph_breaks"] = sum(counters["graph_break"].values())
         return step, out
     except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
@@ -860,8 +867,10 @@ def main(argv=None) -> int:
     free_memory()
 
     _add_ratios(res)
-    rows = [(r["size"], r["variant"], r["mode"], fmt(r["ms"], ".2f"), fmt_tflops(r["tflops"]),
-             fmt(r.get("speedup"), ".2f", "x"), fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
+    rows = [(r["size"], r["variant"], r["mode"] + (f" ({TE_EAGER_NOTE})" if r.get("ran") == "eager" else ""),
+             fmt(r["ms"], ".2f"), fmt_tflops(r["tflops"]),
+             fmt(r.get("speedup"), ".2f", "x"), fmt(r.get("vs_te"), ".3f", "x"),
+             fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
              fmt(r.get("ms_b2b"), ".2f"), fmt(r.get("speedup_b2b"), ".2f", "x"),
              fmt(r.get("vs_torchao_tensorwise_b2b"), ".2f", "x"),
              *((fmt(r.get("ms_graph"), ".2f"), fmt(r.get("speedup_graph"), ".3f", "x"),
@@ -880,7 +889,7 @@ def main(argv=None) -> int:
           f"seq {a.seq} x batch {a.batch}, FP32 params, {a.input_dtype.upper()} input"
           f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
           f"{wq_note}\n")
-    print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs torchao tw",
+    print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs TE (same recipe)", "vs torchao tw",
                  f"ms/step, {a.window} back to back", "vs BF16, b2b", "vs torchao tw, b2b",
                  *(("ms, CUDA graph", "vs BF16, graph", "vs torchao tw, graph") if a.cuda_graph else ()),
                  "peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)",
@@ -937,6 +946,10 @@ def _add_ratios(res) -> None:
                 if o["size"] == r["size"] and o["mode"] == r["mode"] and o["status"] == "ok"}
         b, t = same.get("bf16"), same.get("torchao-tensorwise")
         r["speedup"] = b["ms"] / r["ms"] if b else None
+        # ours over Transformer Engine's layer under the same recipe, timed in the same round
+        # (TE eager); for TE's rows, TE's BF16 layer's speed-up over ours
+        te = same.get("te-" + VARIANT_RECIPE.get(r["variant"], r["variant"])) if r["variant"] not in TE_LAYER else None
+        r["vs_te"] = te["ms"] / r["ms"] if te else None
         r["vs_torchao_tensorwise"] = t["ms"] / r["ms"] if t else None
         both = r.get("ms_b2b") is not None
         r["speedup_b2b"] = b["ms_b2b"] / r["ms_b2b"] if b and both and b.get("ms_b2b") else None

@@ -19,6 +19,14 @@ deviation of the per-step training loss from the 1-process run::
 
     python benchmarks/train_throughput.py --model llama3_150m --steps 60 --micro-batch 8 --nproc 1,2
 
+The trainer's two backends side by side (``--backends native,te``): every recipe also runs with
+``backend=te`` (Transformer Engine modules, eager; mxfp8 left out on Hopper), a table gives native /
+TE tokens/s and both final losses per recipe, and ``nemo-fp8-compare`` overlays all the runs' loss
+curves against the native BF16 run (``<root>/<model>/compare/``)::
+
+    python benchmarks/train_throughput.py --model llama3_150m --steps 30 --seq-len 1024 --micro-batch 8 \
+        --compile compiled --recipes bf16,tensorwise,blockwise,delayed --backends native,te
+
 Megatron-Core + Transformer Engine beside it (``--megatron-te``): after the embedded trainer's runs,
 the same model shape, sequence, micro-batch and micro-batches per step train as a Megatron-Core
 ``GPTModel`` with the TE layer spec (``benchmarks/megatron_native_train.py --impl te``: FP32
@@ -43,6 +51,7 @@ import time
 from pathlib import Path
 
 RECIPES = ["bf16", "delayed", "tensorwise", "blockwise", "mxfp8"]
+BACKENDS = ("native", "te")
 
 
 def read_scalars(run_dir: Path) -> dict:
@@ -53,9 +62,11 @@ def read_scalars(run_dir: Path) -> dict:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_one(args, recipe: str, compile_: bool, root: Path, nproc: int = 1) -> dict:
-    tag = ("compiled" if compile_ else "eager") + (f"-dp{nproc}" if args.nproc_list != [1] else "")
+def run_one(args, recipe: str, compile_: bool, root: Path, nproc: int = 1, backend: str = "native") -> dict:
+    tag = (("te-" if backend == "te" else "") + ("compiled" if compile_ else "eager")
+           + (f"-dp{nproc}" if args.nproc_list != [1] else ""))
     overrides = [
+        f"backend={backend}",
         f"recipe={recipe}",
         f"model={args.model}",
         f"trainer.max_steps={args.steps}",
@@ -82,7 +93,8 @@ def run_one(args, recipe: str, compile_: bool, root: Path, nproc: int = 1) -> di
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
     run_dir = root / args.model / f"{recipe}-{tag}"
-    res = {"recipe": recipe, "compile": compile_, "nproc": nproc, "wall_s": round(wall, 1),
+    res = {"recipe": recipe, "backend": backend, "compile": compile_, "nproc": nproc, "wall_s": round(wall, 1),
+           "run_dir": str(run_dir),
            "returncode": proc.returncode, "cmd": " ".join(cmd)}
     if proc.returncode != 0:
         res["error"] = (proc.stderr or proc.stdout)[-3000:]
@@ -122,6 +134,10 @@ def main(argv=None) -> int:
                    help="sequences per optimizer step (default: micro-batch x the largest --nproc)")
     p.add_argument("--megatron-te", action="store_true",
                    help="also train the same shapes as Megatron-Core + Transformer Engine (one run per recipe)")
+    p.add_argument("--backends", default="native",
+                   help="comma-separated trainer backends: native, te (Transformer Engine modules, eager; "
+                        "Hopper recipes). With both, a table puts them side by side per recipe and "
+                        "nemo-fp8-compare overlays their loss curves")
     p.add_argument("--smoke", action="store_true", help="tiny CPU run for CI: 3 steps, tiny model")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args(argv)
@@ -133,52 +149,104 @@ def main(argv=None) -> int:
         args.global_batch = args.micro_batch * max(args.nproc_list)
     if args.smoke and max(args.nproc_list) > 1:
         args.extra = list(args.extra) + ["trainer.log_interval=1"]
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in BACKENDS:
+            p.error(f"unknown backend {b!r}; valid: {', '.join(BACKENDS)}")
     modes = {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]
     root = Path(args.root)
     results = []
-    runs = [(c, recipe, n) for c in modes for recipe in args.recipes.split(",") for n in args.nproc_list]
-    for compile_, recipe, nproc in runs:
-        r = run_one(args, recipe, compile_, root, nproc)
+    recipes = args.recipes.split(",")
+    runs = [("native", c, recipe, n) for c in modes for recipe in recipes for n in args.nproc_list
+            if "native" in backends]
+    # Transformer Engine's modules run eager (the trainer refuses trainer.compile=true with them);
+    # mxfp8 has no TE GEMMs on Hopper, so it runs on the native backend only
+    runs += [("te", False, recipe, n) for recipe in recipes for n in args.nproc_list
+             if "te" in backends and recipe != "mxfp8"]
+    for backend, compile_, recipe, nproc in runs:
+        r = run_one(args, recipe, compile_, root, nproc, backend)
         results.append(r)
         status = "ok" if r["returncode"] == 0 else "FAILED"
-        print(f"[{status}] {recipe:<11} {'compiled' if compile_ else 'eager':<9} x{nproc} wall {r['wall_s']:>6}s "
+        print(f"[{status}] {backend:<6} {recipe:<11} {'compiled' if compile_ else 'eager':<9} x{nproc} "
+              f"wall {r['wall_s']:>6}s "
               f"tok/s {r.get('tokens_per_s') or 0:>10.0f}  loss {r.get('first_loss') or 0:.3f} -> "
               f"{r.get('last_loss') or 0:.3f}", flush=True)
         if r["returncode"] != 0:
             print(r["error"], file=sys.stderr)
-    single = {(r["recipe"], r["compile"]): r for r in results if r["nproc"] == 1}
+    single = {(r["backend"], r["recipe"], r["compile"]): r for r in results if r["nproc"] == 1}
     for r in results:  # data-parallel scaling against the 1-process run of the same recipe/mode
-        one = single.get((r["recipe"], r["compile"]))
+        one = single.get((r["backend"], r["recipe"], r["compile"]))
         if r["nproc"] > 1 and one and r.get("tokens_per_s") and one.get("tokens_per_s"):
             r["scaling_efficiency"] = r["tokens_per_s"] / (r["nproc"] * one["tokens_per_s"])
             ref = dict(one.get("loss_steps", []))
             devs = [abs(v - ref[s]) / abs(ref[s]) for s, v in r.get("loss_steps", []) if ref.get(s)]
             r["max_rel_loss_dev_vs_1proc"] = max(devs) if devs else None
-    base = {(c, n): next((r.get("tokens_per_s") for r in results
-                          if r["recipe"] == "bf16" and r["compile"] == c and r["nproc"] == n), None)
-            for c in (False, True) for n in args.nproc_list}
-    print("\n| recipe | mode | procs | tokens/s | vs bf16 | MFU | loss first -> last | val loss "
+    base = {(bk, c, n): next((r.get("tokens_per_s") for r in results if r["recipe"] == "bf16"
+                              and r["backend"] == bk and r["compile"] == c and r["nproc"] == n), None)
+            for bk in BACKENDS for c in (False, True) for n in args.nproc_list}
+    print("\n| backend | recipe | mode | procs | tokens/s | vs bf16 | MFU | loss first -> last | val loss "
           "| DP efficiency | loss dev vs 1 proc |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r.get("tokens_per_s")
-        b = base[(r["compile"], r["nproc"])]
+        b = base[(r["backend"], r["compile"], r["nproc"])]
         ratio = f"{t / b:.2f}x" if t and b else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         eff = f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") else "-"
         dev = f"{r['max_rel_loss_dev_vs_1proc']:.1e}" if r.get("max_rel_loss_dev_vs_1proc") is not None else "-"
-        print(f"| {r['recipe']}{' (emulated)' if r['recipe'] == 'mxfp8' and args.emulate_mxfp8 else ''} | "
+        print(f"| {r['backend']} | {r['recipe']}{' (emulated)' if r['recipe'] == 'mxfp8' and args.emulate_mxfp8 else ''} | "
               f"{'compiled' if r['compile'] else 'eager'} | {r['nproc']} | {t or 0:.0f} | {ratio} | {mfu} | "
               f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
               f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |")
+    compared = compare_backends(results, root, args) if len(backends) > 1 else {}
     te_rows = run_megatron_te(args, root) if args.megatron_te else []
     if te_rows:
-        print_te_table(results, te_rows)
+        print_te_table([r for r in results if r["backend"] == "native"], te_rows)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results, "megatron_te": te_rows}, f, indent=2)
-    return 0 if all(r["returncode"] == 0 for r in results) and all(r.get("ok", True) for r in te_rows) else 1
+            json.dump({"args": vars(args), "results": results, "backends": compared, "megatron_te": te_rows},
+                      f, indent=2)
+    return 0 if (all(r["returncode"] == 0 for r in results) and all(r.get("ok", True) for r in te_rows)
+                 and compared.get("returncode", 0) == 0) else 1
+
+
+def compare_backends(results: list, root: Path, args) -> dict:
+    """The native backend (its last mode run) beside the TE backend, per recipe (one process), and
+    ``nemo-fp8-compare`` over every run of both (baseline: the native BF16 run), which writes the
+    overlaid curves (``compare.png``) and the deviation table under ``<root>/<model>/compare``."""
+    by = {}
+    for r in results:
+        if r["nproc"] == 1 and r["returncode"] == 0:
+            by[(r["backend"], r["recipe"])] = r
+    print("\n| recipe | native tok/s | te tok/s | native / te | native loss (last) | te loss (last) |")
+    print("|---|---|---|---|---|---|")
+    rows = []
+    for recipe in dict.fromkeys(r["recipe"] for r in results):
+        n, t = by.get(("native", recipe)), by.get(("te", recipe))
+        if not n and not t:
+            continue
+        nt, tt = (n or {}).get("tokens_per_s"), (t or {}).get("tokens_per_s")
+        rows.append({"recipe": recipe, "native_tokens_per_s": nt, "te_tokens_per_s": tt,
+                     "native_over_te": nt / tt if nt and tt else None,
+                     "native_last_loss": (n or {}).get("last_loss"), "te_last_loss": (t or {}).get("last_loss")})
+        def cell(v, f=".0f"):
+            return "-" if v is None else format(v, f)
+
+        print(f"| {recipe} | {cell(nt)} | {cell(tt)} | {cell(nt / tt if nt and tt else None, '.2f') + ('x' if nt and tt else '')} | "
+              f"{cell((n or {}).get('last_loss'), '.3f')} | {cell((t or {}).get('last_loss'), '.3f')} |")
+    dirs = [r["run_dir"] for r in by.values()]
+    if len(dirs) < 2:
+        return {"rows": rows}
+    out = root / args.model / "compare"
+    base = by.get(("native", "bf16"), next(iter(by.values())))["run_dir"]
+    cmd = [sys.executable, "-m", "nemo_fp8_recipes.compare", *dirs, "--baseline", base, "--out", str(out),
+           "--last", str(max(1, args.steps // 2))]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    print(proc.stdout[-4000:], flush=True)
+    if proc.returncode != 0:
+        print(proc.stderr[-3000:], file=sys.stderr)
+    return {"rows": rows, "compare_cmd": " ".join(cmd), "compare_dir": str(out), "returncode": proc.returncode}
 
 
 def _model_shape(args) -> dict:
