@@ -837,7 +837,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name() if cuda else "CPU (emulated FP8, smoke: no timing claims)"
     res = []
     header = {"benchmark": "layer_fwd_bwd", "block": a.block, "device": name,
-              "torch": torch.__version__, "torchao": ao_version, "seq": a.seq, "batch": a.batch,
+              "torch": torch.__version__, "torchao": ao_version, "transformer_engine": _te_version(),
+              "seq": a.seq, "batch": a.batch,
               "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
               "compile_backend": a.compile_backend, "compile_mode": a.compile_mode, "warmup": a.warmup,
               "iters": a.iters, "rounds": a.rounds,
@@ -917,6 +918,14 @@ def main(argv=None) -> int:
         print("\n" + timeline_table(timed, ["size", "variant", "mode"]))
     write_json(a.out, dict(header, results=res))
     return 1 if failed else 0
+
+
+def _te_version():
+    """The installed Transformer Engine version (package metadata, no import), or None."""
+    from nemo_fp8_recipes.integrations.te import te_version
+
+    v = te_version()
+    return ".".join(map(str, v)) if v else None
 
 
 def energy_table(res, cfgs, modes, variants) -> str:

@@ -166,6 +166,7 @@ def main(argv=None) -> int:
     for backend, compile_, recipe, nproc in runs:
         r = run_one(args, recipe, compile_, root, nproc, backend)
         results.append(r)
+        write_out(args, results)  # (after every run: a sweep cut short keeps what it measured)
         status = "ok" if r["returncode"] == 0 else "FAILED"
         print(f"[{status}] {backend:<6} {recipe:<11} {'compiled' if compile_ else 'eager':<9} x{nproc} "
               f"wall {r['wall_s']:>6}s "
@@ -202,13 +203,17 @@ def main(argv=None) -> int:
     te_rows = run_megatron_te(args, root) if args.megatron_te else []
     if te_rows:
         print_te_table([r for r in results if r["backend"] == "native"], te_rows)
+    write_out(args, results, backends=compared, megatron_te=te_rows)
+    return 0 if (all(r["returncode"] == 0 for r in results) and all(r.get("ok", True) for r in te_rows)
+                 and compared.get("returncode", 0) == 0) else 1
+
+
+def write_out(args, results: list, **more) -> None:
+    """``--out``: the arguments, the runs so far and any further tables, as JSON."""
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump({"args": vars(args), "results": results, "backends": compared, "megatron_te": te_rows},
-                      f, indent=2)
-    return 0 if (all(r["returncode"] == 0 for r in results) and all(r.get("ok", True) for r in te_rows)
-                 and compared.get("returncode", 0) == 0) else 1
+            json.dump({"args": vars(args), "results": results, **more}, f, indent=2)
 
 
 def compare_backends(results: list, root: Path, args) -> dict:

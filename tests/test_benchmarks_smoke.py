@@ -866,3 +866,26 @@ def test_train_throughput_with_the_megatron_te_column(tmp_path):
     if not te_available()[0]:
         assert all(r["status"].startswith("skipped: Transformer Engine not importable") for r in te.values())
     assert "Megatron-Core + TE tok/s" in proc.stdout
+
+
+def test_layer_speedup_plot_reads_the_measured_te_columns(tmp_path):
+    """``plot_layer_speedup.py`` on the layer results the docs link: ours and TE's speed-up over
+    our compiled BF16 layer per recipe and size (values from the run's own ``speedup`` field)."""
+    src = ROOT / "docs" / "results" / "layer_te_h200_2026-12-02.json"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from plot_layer_speedup import rows_of, speedups
+    finally:
+        sys.path.pop(0)
+    data = json.loads(src.read_text())
+    sp = speedups(rows_of(data))
+    want = {r["size"]: r["speedup"] for run in data["runs"] for r in run["results"]
+            if r["variant"] == "te-tensorwise" and r["mode"] == "compiled"}
+    assert sp[("te", "tensorwise")] == want and set(want) == {"8b", "70b", "405b"}
+    assert set(sp[("ours", "blockwise")]) == {"8b", "70b", "405b"}
+    assert all(v == 1.0 for v in sp[("ours", "bf16")].values())  # (the baseline itself)
+    png = tmp_path / "speedup.png"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_layer_speedup.py"), str(src),
+                           "--out", str(png)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
