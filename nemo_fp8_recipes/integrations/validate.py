@@ -20,7 +20,7 @@ fp8-param-gather        fp8_param_gather without the distributed optimizer (or, 
                         without reuse_grad_buf_for_mxfp8_param_ag)
 no-te                   backend te/megatron_bridge where TE is not importable: Megatron's
                         get_fp8_context returns nullcontext and fp8 is silently a no-op
-...                     see :func:`validate` for the full list
+...                     see :mod:`.validate_checks` (one check per code)
 ======================  =====================================================================
 
 Every message names the fix. The report prints the effective FP8 settings in a table.
@@ -45,22 +45,47 @@ from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 from ..policy import PrecisionPolicy
-from ..recipes import DeviceInfo, Recipe, check_supported, describe_device, get_recipe
-from .megatron import DELAYED_FIRST_LAST_MSG, megatron_config
-from .te import (
-    TE_MIN_AUTOCAST_VERSION,
-    TEImportOrderError,
-    TEUnsupportedError,
-    check_te_import_order,
-    te_available,
-    te_recipe_spec,
-)
+from ..recipes import DeviceInfo, Recipe, describe_device, get_recipe
+from .megatron import megatron_config
+from .te import TEUnsupportedError, te_available, te_recipe_spec
 from ..hardware import GPUS, gpu_by_key, normalise_gpu_name
 from ..versions import version_tuple
 from .te import te_version as _installed_te_version
+from .validate_checks import (
+    BRIDGE_MIXED_PRECISION_FIELDS,
+    RECIPE_OWNED_FIELDS,
+    TE_BACKENDS,
+    Finding,
+    bridge_mixed_precision_fields,
+    check_all_layers_bf16,
+    check_attention_fp8,
+    check_bf16_layers_per_stage,
+    check_bridge_clobber,
+    check_delayed_first_last,
+    check_delayed_history_1,
+    check_fp8_param_gather,
+    check_fp8_wgrad_noop,
+    check_hardware,
+    check_layer_dims,
+    check_local_spec_fp8,
+    check_mixed_precision_replaced,
+    check_moe_fp8_no_te,
+    check_no_te,
+    check_nvte_env,
+    check_policy_include_te,
+    check_pp_layer_patterns,
+    check_recipe_conflict,
+    check_router_dtype,
+    check_te_imported_settings,
+    check_te_unexpressible,
+    check_te_version,
+    check_token_dims,
+)
 
 __all__ = [
     "BACKENDS",
+    "BRIDGE_MIXED_PRECISION_FIELDS",
+    "RECIPE_OWNED_FIELDS",
     "Finding",
     "ValidationReport",
     "ValidationError",
@@ -74,41 +99,9 @@ __all__ = [
 
 BACKENDS = ("native", "te", "megatron_bridge")
 
-#: MixedPrecisionConfig fields of Megatron-Bridge 0.6.2 (src/megatron/bridge/training/
-#: mixed_precision.py); ``setup()`` copies each onto every model/optimizer/DDP config that has a
-#: field of the same name. Read from the real class when Bridge is importable.
-BRIDGE_MIXED_PRECISION_FIELDS = (
-    "fp32", "fp16", "bf16", "params_dtype", "pipeline_dtype", "autocast_dtype", "autocast_enabled",
-    "grad_reduce_in_fp32", "fp8", "fp8_recipe", "first_last_layers_bf16", "fp8_margin",
-    "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad", "fp8_dot_product_attention",
-    "fp8_multi_head_attention", "fp8_param", "fp8_param_gather", "fp4", "fp4_recipe", "fp4_param",
-    "fp4_param_gather", "loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window",
-    "hysteresis", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-    "reuse_grad_buf_for_mxfp8_param_ag",
-)
-
-#: The MixedPrecisionConfig fields our recipe + policy own (anything else may be overridden).
-RECIPE_OWNED_FIELDS = (
-    "fp8", "fp8_recipe", "first_last_layers_bf16", "num_layers_at_start_in_bf16",
-    "num_layers_at_end_in_bf16", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo",
-    "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp4",
-)
-
-#: Minimum TE version per recipe, as Megatron-Core's get_fp8_recipe() requires it.
-_TE_MIN_FOR_RECIPE = {"delayed": (1, 0), "tensorwise": (2, 2), "blockwise": (2, 3), "mxfp8": (2, 1)}
 
 class ValidationError(ValueError):
     """Raised by :meth:`ValidationReport.raise_for_errors`; the message lists every error."""
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One problem: ``level`` is ``error`` (the run would fail or silently misbehave) or
-    ``warning`` (works, but probably not what you want); ``code`` is stable for tests/tools."""
-
-    level: str
-    code: str
-    message: str
 
 
 @dataclass
@@ -324,30 +317,24 @@ def _model_dims(model: Any) -> Dict[str, Optional[int]]:
     return d
 
 
-def _gemm_shapes(d: Dict[str, Any]) -> List[Tuple[str, int, int]]:
-    """``(module pattern, out_features, in_features)`` of the FP8 GEMMs of one layer."""
-    h, ffn, heads, kv, hd = d.get("hidden"), d.get("ffn"), d.get("heads"), d.get("kv_heads"), d.get("head_dim")
-    shapes = []
-    if h and heads and hd:
-        shapes.append(("*.self_attention.linear_qkv", (heads + 2 * (kv or heads)) * hd, h))
-        shapes.append(("*.self_attention.linear_proj", h, heads * hd))
-    mult = 2 if d.get("gated") else 1
-    if h and ffn:
-        shapes.append(("*.mlp.linear_fc1", mult * ffn, h))
-        shapes.append(("*.mlp.linear_fc2", h, ffn))
-    if h and d.get("experts") and d.get("moe_ffn"):
-        shapes.append(("*.mlp.experts.*linear_fc1", mult * d["moe_ffn"], h))
-        shapes.append(("*.mlp.experts.*linear_fc2", h, d["moe_ffn"]))
-    return shapes
+#: ``model.<Megatron field>=`` overrides that set a model dim (field, dim).
+_DIM_OVERRIDES = (("hidden_size", "hidden"), ("ffn_hidden_size", "ffn"), ("num_attention_heads", "heads"),
+                  ("num_query_groups", "kv_heads"), ("kv_channels", "head_dim"), ("num_layers", "layers"),
+                  ("num_moe_experts", "experts"), ("moe_ffn_hidden_size", "moe_ffn"))
 
 
-def _bridge_mp_fields() -> Tuple[str, ...]:
-    try:
-        from megatron.bridge.training.mixed_precision import MixedPrecisionConfig  # type: ignore
+def _dims_from_overrides(ov: Mapping[str, Any]) -> Dict[str, Any]:
+    """The model dims that ``model.<field>=`` overrides set (they win over ``model``)."""
+    return {dst: ov[f"model.{src}"] for src, dst in _DIM_OVERRIDES if ov.get(f"model.{src}") is not None}
 
-        return tuple(f.name for f in dataclasses.fields(MixedPrecisionConfig))
-    except Exception:  # noqa: BLE001 - Bridge absent (Python < 3.12 here): the 0.6.2 list
-        return BRIDGE_MIXED_PRECISION_FIELDS
+
+def _te_on_target(te_version: Union[None, str, Sequence[int]]) -> Tuple[Optional[str], Optional[Tuple[int, ...]]]:
+    """``(te_missing, target_te)``: why Transformer Engine is not importable when the target is this
+    machine (``te_version="auto"``) and TE is not installed here, else None; and the TE version on
+    the target (None = unknown)."""
+    installed, why = te_available()
+    te_missing = why if not installed and te_version == "auto" else None
+    return te_missing, (_installed_te_version() if te_version == "auto" else version_tuple(te_version))
 
 
 # ---- the checks ---------------------------------------------------------------------------------
@@ -387,6 +374,9 @@ def validate(
             overrides when not given).
         fp8_param_gather: what our Bridge launcher sets (``backend.fp8_param_gather``).
         environ: the environment the job will start with (default: this process's).
+
+    The checks live in :mod:`.validate_checks`, one per finding code; the report lists their
+    findings in the order they run here.
     """
     r = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     p = policy or PrecisionPolicy()
@@ -396,250 +386,50 @@ def validate(
     ov = dict(overrides) if isinstance(overrides, Mapping) else parse_overrides(overrides or ())
     target = parse_gpu(device)
     rep = ValidationReport(recipe=r.name, backend=backend, target=str(target))
-    add = lambda level, code, msg: rep.findings.append(Finding(level, code, msg))  # noqa: E731
     dims = _model_dims(model)
-    for src, dst in (("hidden_size", "hidden"), ("ffn_hidden_size", "ffn"), ("num_attention_heads", "heads"),
-                     ("num_query_groups", "kv_heads"), ("kv_channels", "head_dim"), ("num_layers", "layers"),
-                     ("num_moe_experts", "experts"), ("moe_ffn_hidden_size", "moe_ffn")):
-        if f"model.{src}" in ov and ov[f"model.{src}"] is not None:
-            dims[dst] = ov[f"model.{src}"]
+    dims.update(_dims_from_overrides(ov))
     pp = pipeline_model_parallel_size or ov.get("model.pipeline_model_parallel_size") or 1
     mbs = micro_batch_size or ov.get("train.micro_batch_size")
     seq = seq_len or ov.get("model.seq_length") or ov.get("dataset.seq_length")
     num_layers = dims.get("layers")
-    te_backend = backend in ("te", "megatron_bridge")
+    fp8_on_te = backend in TE_BACKENDS and r.is_fp8
+    # Read on both TE backends: importing Megatron-Bridge can import TE, and the te-import-order
+    # check looks at the TE this process has loaded.
+    mp_fields = set(bridge_mixed_precision_fields()) if fp8_on_te else set()
+    te_missing, target_te = _te_on_target(te_version) if fp8_on_te else (None, None)
 
-    # -- recipe knobs the backend cannot express
-    if te_backend and r.is_fp8:
-        try:
-            te_recipe_spec(r)
-            megatron_config(r, PrecisionPolicy())  # Megatron-expressibility (policy checked below)
-        except TEUnsupportedError as e:
-            add("error", "te-unexpressible", str(e))
-
-    # -- hardware (docs/recipes.md, "Hardware support")
-    if r.is_fp8:
-        if target.type != "cuda":
-            if te_backend:
-                add("warning", "hardware",
-                    f"no GPU target given and {target} has none: the hardware checks were skipped; pass "
-                    "--gpu h100 (or b200, sm90, ...) and --cuda 12.9 for the cluster you will run on")
-            else:
-                ok, why = check_supported(r, target)
-                if not ok:
-                    add("error", "hardware", why)
-        else:
-            probe = r.replace(emulate=None) if te_backend else r
-            ok, why = check_supported(probe, target)
-            if te_backend and not ok:
-                why = re.sub(r",? or emulate=true( for numerics only)?", "", why)
-                why += " (recipe.emulate=true exists only on backend=native: Transformer Engine does not emulate)"
-            if not ok:
-                add("error", "hardware", why)
-            if target.sm == 90 and r.name == "blockwise" and target.cuda_version is None:
-                add("warning", "hardware",
-                    "blockwise on Hopper needs CUDA >= 12.9 for its 1x128/128x128 GEMMs; pass --cuda to check it")
-
-    # -- first/last layers
-    first, last = p.first_layers_bf16, p.last_layers_bf16
-    mp_first_last = ov.get("mixed_precision.first_last_layers_bf16", ov.get("model.first_last_layers_bf16"))
-    if te_backend and r.is_delayed and (first or last or mp_first_last):
-        add("error", "delayed-first-last", DELAYED_FIRST_LAST_MSG)
-    if num_layers:
-        per_stage = num_layers // max(1, int(pp))
-        for label, n in (("first_layers_bf16", first), ("last_layers_bf16", last)):
-            if n > per_stage and te_backend:
-                add("error", "bf16-layers-per-stage",
-                    f"policy.{label}={n} exceeds the {per_stage} layers per pipeline stage (num_layers="
-                    f"{num_layers}, pipeline parallel {pp}); Megatron-Core allows at most that many. Lower it")
-        if first + last >= num_layers and r.is_fp8:
-            add("warning", "all-layers-bf16",
-                f"policy keeps the first {first} and last {last} of {num_layers} layers in BF16: no FP8 GEMM "
-                "is left; lower policy.first_layers_bf16/last_layers_bf16")
-    if p.exclude and int(pp) > 1 and any(re.search(r"layers\.\d", x) for x in p.exclude) and te_backend:
-        add("warning", "pp-layer-patterns",
-            f"policy.exclude {list(p.exclude)} names layer indices, but Megatron matches them against the "
-            f"local module path of each of the {pp} pipeline stages; use policy.first_layers_bf16/"
-            "last_layers_bf16 for global indices, or patterns without layer numbers")
-    if p.include and te_backend:
-        add("warning", "policy-include-te",
-            "policy.include has no effect with Transformer Engine (TE modules already run in FP8 inside the "
-            "autocast; Megatron's output layer and router are not TE modules); drop it or use backend=native")
-
-    # -- effective Megatron/Bridge values and the traps in them
-    def eff(name: str, ours: Any) -> Tuple[Any, str]:
-        for key in (f"mixed_precision.{name}", f"model.{name}"):
-            if key in ov:
-                return ov[key], f"override {key}"
-        return ours, "recipe/policy"
-
-    if te_backend and r.is_fp8:
-        mp_fields = set(_bridge_mp_fields())
-        if backend == "megatron_bridge":
-            for key in ov:
-                head, _, leaf = key.partition(".")
-                if head in ("model", "optimizer", "ddp") and leaf in mp_fields:
-                    add("error", "bridge-clobber",
-                        f"{key}={ov[key]!r} would be silently overwritten: Megatron-Bridge's "
-                        f"MixedPrecisionConfig.setup() copies mixed_precision.{leaf} onto the {head} config "
-                        "at launch. " + (f"Set it with recipe=/policy.* (it is part of the FP8 recipe)"
-                                         if leaf in RECIPE_OWNED_FIELDS else f"Use mixed_precision.{leaf}={ov[key]} instead"))
-            if "mixed_precision" in ov:
-                add("error", "bridge-conflict",
-                    f"mixed_precision={ov['mixed_precision']!r} replaces the MixedPrecisionConfig built from "
-                    f"recipe={r.name}; choose the recipe with recipe=<key> (and tune it with recipe.* / policy.*)")
-        try:
-            want = megatron_config(r, PrecisionPolicy(first_layers_bf16=first, last_layers_bf16=last)
-                                   if not (r.is_delayed and (first or last)) else PrecisionPolicy())
-        except (TEUnsupportedError, ValueError):
-            want = None
-        if want is not None:
-            for name in RECIPE_OWNED_FIELDS:
-                key = f"mixed_precision.{name}" if backend == "megatron_bridge" else f"model.{name}"
-                if key in ov and name in want and ov[key] != want[name] and name not in (
-                        "fp8_wgrad", "fp8_amax_history_len", "fp8_dot_product_attention", "fp8_multi_head_attention"):
-                    add("error", "bridge-conflict" if backend == "megatron_bridge" else "recipe-conflict",
-                        f"{key}={ov[key]!r} contradicts recipe={r.name} / policy (which set {name}={want[name]!r}); "
-                        f"drop the override and choose it through recipe=<key>, recipe.* or policy.*")
-        wgrad, src = eff("fp8_wgrad", True)
-        if wgrad is False:
-            add("error", "fp8-wgrad-noop",
-                f"fp8_wgrad=False ({src}) is silently ignored by Transformer Engine >= 2.0: the wgrad GEMM "
-                "still runs in FP8. Remove the override; to keep a layer's GEMMs in BF16 use "
-                "policy.exclude=[<module pattern>]")
-        for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
-            v, src = eff(name, False)
-            if v:
-                add("error", "attention-fp8",
-                    f"{name}=True ({src}) puts the attention core in FP8, which the precision policy keeps in "
-                    "BF16; remove the override")
-        if r.is_delayed:
-            hist, src = eff("fp8_amax_history_len", r.amax_history_len)
-            algo, src_a = eff("fp8_amax_compute_algo", r.amax_compute_algo)
-            if hist == 1 and src.startswith("override"):
-                add("error", "delayed-history-1",
-                    f"delayed scaling with fp8_amax_history_len=1 ({src}): Megatron's default history of 1 "
-                    "with most_recent makes every scale follow a single step's amax (no headroom after a "
-                    "spike). Remove the override to keep the recipe's history "
-                    f"({r.amax_history_len}/{r.amax_compute_algo}), or set recipe.amax_history_len=1 on purpose")
-            elif hist == 1:
-                add("warning", "delayed-history-1",
-                    "recipe.amax_history_len=1 is Megatron's default, not TE's (1024 / max): each scale follows "
-                    "a single step's amax; set recipe.amax_history_len=1024 recipe.amax_compute_algo=max unless "
-                    "you mean it")
-        router, src = eff("moe_router_dtype", "fp32")
-        if router not in ("fp32", "fp64") and (dims.get("experts") or "model.moe_router_dtype" in ov):
-            add("error", "router-dtype",
-                f"moe_router_dtype={router!r} ({src}): the policy keeps MoE gating in FP32; remove the override "
-                "(our config sets fp32)")
-        impl = ov.get("model.transformer_impl")
-        if impl is not None and impl != "transformer_engine":
-            add("error", "local-spec-fp8",
-                f"model.transformer_impl={impl!r}: Megatron's get_fp8_context only enters an FP8 autocast for "
-                "Transformer Engine layers, so fp8 would be a silent no-op; use transformer_impl="
-                "transformer_engine, or backend=native (convert_megatron_model) for FP8 without TE")
-
-        # fp8_param_gather
-        fpg = ov.get("mixed_precision.fp8_param_gather", ov.get("model.fp8_param",
-                     ov.get("mixed_precision.fp8_param", fp8_param_gather)))
-        dist_opt = ov.get("ddp.use_distributed_optimizer", ov.get("optimizer.use_distributed_optimizer"))
-        if backend == "megatron_bridge" and dist_opt is None:
-            dist_opt = True  # the Llama / DeepSeek-V3 pretrain recipes turn it on
-        if fpg and dist_opt is False:
-            add("error", "fp8-param-gather",
-                "fp8_param_gather=True keeps FP8 weight copies and all-gathers them in FP8, which needs "
-                "Megatron's distributed optimizer; set ddp.use_distributed_optimizer=true, or drop "
-                "fp8_param_gather")
-        elif fpg and dist_opt is None:
-            add("warning", "fp8-param-gather",
-                "fp8_param_gather / fp8_param needs the distributed optimizer (--use-distributed-optimizer); "
-                "make sure it is on")
-        if fpg and r.name == "mxfp8" and not ov.get("mixed_precision.reuse_grad_buf_for_mxfp8_param_ag",
-                                                      fp8_param_gather and backend == "megatron_bridge"):
-            add("error", "fp8-param-gather",
-                "mxfp8 with fp8_param_gather needs reuse_grad_buf_for_mxfp8_param_ag=True (Megatron-Bridge "
-                "asserts it); set mixed_precision.reuse_grad_buf_for_mxfp8_param_ag=true")
-
-    # -- Transformer Engine presence, version, environment
-    if te_backend and r.is_fp8:
-        installed, why = te_available()
-        tev = _installed_te_version() if te_version == "auto" else version_tuple(te_version)
-        if not installed and te_version == "auto":
-            add("warning", "no-te",
-                f"{why}. Without it Megatron's get_fp8_context() returns nullcontext and fp8 is silently a "
-                "no-op (the local spec has no FP8 layers): install TE >= 2.9 where the job runs (this check "
-                "can run without it), or use backend=native (convert_megatron_model) for FP8 without TE")
-            if dims.get("experts"):
-                add("warning", "moe-fp8-no-te",
-                    "MoE + fp8: megatron-core validates the TE version in TransformerConfig.__post_init__ "
-                    "and, without TE, fails with TypeError ('>=' between NoneType and Version); build the "
-                    "config where TE is installed, or with megatron_config(..., backend='native')")
-        if tev is not None:
-            need = _TE_MIN_FOR_RECIPE.get(r.name, (2, 0))
-            if tev < need:
-                add("error", "te-version",
-                    f"recipe {r.name} needs Transformer Engine >= {'.'.join(map(str, need))} in Megatron-Core; "
-                    f"found {'.'.join(map(str, tev))}. Upgrade TE (>= 2.9 recommended)")
-            elif tev < TE_MIN_AUTOCAST_VERSION:
-                add("warning", "te-version",
-                    f"Transformer Engine {'.'.join(map(str, tev))} predates te.autocast (2.9): the deprecated "
-                    "fp8_autocast is used; upgrade to >= 2.9")
-        try:
-            spec = te_recipe_spec(r)
-        except TEUnsupportedError:
-            spec = None
-        if spec is not None:
-            for var, val in spec.env.items():
-                if var in env and env[var] != val:
-                    add("error", "nvte-env",
-                        f"{var}={env[var]} is exported, but recipe {r.name} (scale_rounding="
-                        f"{r.scale_rounding.value}) needs {var}={val}; TE reads it once at import. Unset it (the "
-                        f"launcher sets it) or choose recipe.scale_rounding to match")
-            try:
-                check_te_import_order(r)
-            except TEImportOrderError as e:
-                add("error", "te-import-order", str(e))
-
-    # -- GEMM shapes
-    if r.is_fp8:
-        a = r.gemm_alignment
-        excluded = list(p.exclude)
-        for pat, n_out, n_in in _gemm_shapes(dims):
-            if p.attention_projections == "bf16" and "self_attention" in pat:
-                continue
-            bad = [f"{k}={v}" for k, v in (("out_features", n_out), ("in_features", n_in)) if v % a]
-            if not bad:
-                continue
-            if any(_pat_covers(x, pat) for x in excluded):
-                continue
-            leaf = pat.rsplit(".", 1)[-1]
-            if te_backend:
-                add("error", "layer-dims",
-                    f"{pat}: {', '.join(bad)} not divisible by {a} as {r.name} FP8 GEMMs need; keep it in BF16 "
-                    f"with policy.exclude=['{pat}'], pad the dim to a multiple of {a}, or use a recipe with a "
-                    f"smaller alignment (tensorwise: 16)")
-            else:
-                add("warning", "layer-dims",
-                    f"{leaf}: {', '.join(bad)} not divisible by {a}: the policy keeps it in BF16 (reason recorded "
-                    f"in the audit); pad the dim to a multiple of {a} to run it in FP8")
-        if te_backend and mbs and seq:
-            need_m = 32 if r.name == "mxfp8" else 16
-            if (int(mbs) * int(seq)) % need_m:
-                add("warning", "token-dims",
-                    f"micro_batch_size x seq_length = {int(mbs) * int(seq)} tokens is not a multiple of {need_m}; "
-                    "Transformer Engine's FP8 GEMMs need it; pad the sequence length")
+    findings = rep.findings
+    # recipe and hardware
+    findings += check_te_unexpressible(r, backend)
+    findings += check_hardware(r, backend, target)
+    # first/last BF16 layers, pipeline stages, policy patterns
+    findings += check_delayed_first_last(r, p, backend, ov)
+    findings += check_bf16_layers_per_stage(p, backend, num_layers, pp)
+    findings += check_all_layers_bf16(r, p, num_layers)
+    findings += check_pp_layer_patterns(p, backend, pp)
+    findings += check_policy_include_te(p, backend)
+    # framework overrides against the effective Megatron / Bridge settings
+    findings += check_bridge_clobber(r, backend, ov, mp_fields)
+    findings += check_mixed_precision_replaced(r, backend, ov)
+    findings += check_recipe_conflict(r, p, backend, ov)
+    findings += check_fp8_wgrad_noop(r, backend, ov)
+    findings += check_attention_fp8(r, backend, ov)
+    findings += check_delayed_history_1(r, backend, ov)
+    findings += check_router_dtype(r, backend, ov, dims)
+    findings += check_local_spec_fp8(r, backend, ov)
+    findings += check_fp8_param_gather(r, backend, ov, fp8_param_gather)
+    # Transformer Engine: presence, version, environment
+    findings += check_no_te(r, backend, te_missing)
+    findings += check_moe_fp8_no_te(r, backend, te_missing, dims)
+    findings += check_te_version(r, backend, target_te)
+    findings += check_nvte_env(r, backend, env)
+    findings += check_te_imported_settings(r, backend)
+    # GEMM shapes
+    findings += check_layer_dims(r, p, backend, dims)
+    findings += check_token_dims(r, backend, mbs, seq)
 
     rep.settings = _settings_rows(r, p, backend, target, ov, fp8_param_gather)
     return rep
-
-
-def _pat_covers(user_pattern: str, module_pattern: str) -> bool:
-    """Whether a user exclude pattern keeps every module matching ``module_pattern`` in BF16
-    (checked on a representative module name)."""
-    import fnmatch
-
-    sample = module_pattern.replace("*.", "decoder.layers.0.").replace("*", "local_experts.0.")
-    return fnmatch.fnmatchcase(sample, user_pattern)
 
 
 def _settings_rows(r: Recipe, p: PrecisionPolicy, backend: str, target: DeviceInfo, ov: Mapping[str, Any],
