@@ -21,18 +21,18 @@ FP8 (rows say ``skipped: torchao not installed`` without torchao). Compiled, our
 blockwise linears quantise with the fused Triton kernels as custom operators
 (``nemo_fp8_recipes.quant.ops``; blockwise's block-scaled GEMM is one too);
 ``tensorwise-inductor`` / ``blockwise-inductor`` are the same recipes with
-``NEMO_FP8_COMPILED_QUANT=inductor`` (the reference quantisers, generated and fused by Inductor).
+``KernelOptions(triton=False)`` (the reference quantisers, generated and fused by Inductor).
 ``tensorwise-unfused-swiglu`` / ``delayed-unfused-swiglu``: the same recipe with the fused
 SwiGLU (on by default in eager mode, ``Float8Linear.fuses_swiglu``) turned off
-(``NEMO_FP8_FUSED_SWIGLU=0``: the activation is materialised), for an A/B in one run;
+(``fused_swiglu=False``: the activation is materialised), for an A/B in one run;
 ``tensorwise-unshared-input``: each FP8 linear quantises its input itself
-(``NEMO_FP8_SHARED_INPUT=0``; by default ``wq/wk/wv`` and ``w1/w3`` share one quantisation of
+(``shared_input=False``; by default ``wq/wk/wv`` and ``w1/w3`` share one quantisation of
 their common input in eager mode); ``bf16-unfused-norm`` / ``tensorwise-unfused-norm`` /
-``blockwise-unfused-norm``: the RMSNorms as PyTorch's FP32 formula (``NEMO_FP8_FUSED_NORM=0``)
+``blockwise-unfused-norm``: the RMSNorms as PyTorch's FP32 formula (``fused_norm=False``)
 instead of the fused norm (eager mode, default on; for FP8 it also starts the q/k/v and gate/up
 input quantisation, ``nemo_fp8_recipes.nn.norm``); ``tensorwise-triton-launch`` /
 ``blockwise-triton-launch``: the Triton quantisers launched through Triton's own
-``kernel[grid](...)`` (``NEMO_FP8_FAST_LAUNCH=0``) instead of the direct launch of their compiled
+``kernel[grid](...)`` (``fast_launch=False``) instead of the direct launch of their compiled
 kernels (``nemo_fp8_recipes.quant.launch``; same kernels, less host time per launch).
 
 ``te-bf16``, ``te-tensorwise``, ``te-delayed``, ``te-blockwise``: Transformer Engine's own layer
@@ -123,40 +123,46 @@ from _torchao import convert_torchao, torchao_status  # noqa: E402
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402
 from nemo_fp8_recipes.models.llama import FeedForward, TransformerBlock, precompute_rope  # noqa: E402
 from nemo_fp8_recipes.nn import (  # noqa: E402
-    Float8Linear, convert_model, invalidate_weight_cache, set_graph_weight_cache,
+    Float8Linear, apply_kernel_options, convert_model, invalidate_weight_cache, set_graph_weight_cache,
 )
+from nemo_fp8_recipes.options import KernelOptions  # noqa: E402
 from nemo_fp8_recipes.policy import PrecisionPolicy  # noqa: E402
 from nemo_fp8_recipes.quant.launch import set_fast_launch  # noqa: E402
 from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
 
 MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
 TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
-#: ``<recipe>-inductor``: the recipe with NEMO_FP8_COMPILED_QUANT=inductor (compiled mode: the
-#: reference quantisers generated and fused by Inductor instead of the Triton custom operators)
-#: ``<recipe>-unfused-swiglu``: the recipe with NEMO_FP8_FUSED_SWIGLU=0 (eager mode: the SwiGLU
-#: activation materialised, as before the fusion; by default the down projection gets the halves,
-#: delayed scaling computes the activation inside its one-pass quantiser and both recipes fuse the
-#: SwiGLU backward into one kernel)
-#: ``tensorwise-unshared-input``: NEMO_FP8_SHARED_INPUT=0 (eager mode: every FP8 linear
-#: quantises its input itself; by default wq/wk/wv and w1/w3 share one quantisation)
-#: ``<recipe>-unfused-norm``: NEMO_FP8_FUSED_NORM=0 (eager mode: the RMSNorms run PyTorch's FP32
-#: formula, as before the fused norm; by default one Triton pass, which also takes the amax /
-#: the row codes of its output for the FP8 q/k/v and gate/up projections)
-ENV_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
-                "blockwise-inductor": ("blockwise", {"NEMO_FP8_COMPILED_QUANT": "inductor"}),
-                "tensorwise-unfused-swiglu": ("tensorwise", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
-                "delayed-unfused-swiglu": ("delayed", {"NEMO_FP8_FUSED_SWIGLU": "0"}),
-                "tensorwise-unshared-input": ("tensorwise", {"NEMO_FP8_SHARED_INPUT": "0"}),
-                "bf16-unfused-norm": ("bf16", {"NEMO_FP8_FUSED_NORM": "0"}),
-                "tensorwise-unfused-norm": ("tensorwise", {"NEMO_FP8_FUSED_NORM": "0"}),
-                "blockwise-unfused-norm": ("blockwise", {"NEMO_FP8_FUSED_NORM": "0"}),
-                "tensorwise-triton-launch": ("tensorwise", {"NEMO_FP8_FAST_LAUNCH": "0"}),
-                "blockwise-triton-launch": ("blockwise", {"NEMO_FP8_FAST_LAUNCH": "0"})}
-VARIANT_RECIPE = {v: r for v, (r, _) in ENV_VARIANTS.items()}  # variant -> its recipe
-#: what every other variant runs with (set explicitly, so a value exported in the shell cannot
-#: turn a base variant into its A/B partner)
-ENV_DEFAULTS = {"NEMO_FP8_COMPILED_QUANT": "triton", "NEMO_FP8_FUSED_SWIGLU": "1", "NEMO_FP8_SHARED_INPUT": "1",
-                "NEMO_FP8_FUSED_NORM": "1", "NEMO_FP8_FAST_LAUNCH": "1"}
+#: A/B partners of a recipe, each with one kernel option off (:class:`KernelOptions`; every other
+#: variant runs with all options on, whatever the environment says):
+#: ``<recipe>-inductor``: ``triton=False`` (compiled mode: the reference quantisers generated and
+#: fused by Inductor instead of the Triton custom operators);
+#: ``<recipe>-unfused-swiglu``: ``fused_swiglu=False`` (eager mode: the SwiGLU activation
+#: materialised; by default the down projection gets the halves, delayed scaling computes the
+#: activation inside its one-pass quantiser and both recipes fuse the SwiGLU backward into one kernel);
+#: ``tensorwise-unshared-input``: ``shared_input=False`` (eager mode: every FP8 linear quantises its
+#: input itself; by default wq/wk/wv and w1/w3 share one quantisation);
+#: ``<recipe>-unfused-norm``: ``fused_norm=False`` (eager mode: the RMSNorms run PyTorch's FP32
+#: formula; by default one Triton pass, which also takes the amax / the row codes of its output for
+#: the FP8 q/k/v and gate/up projections);
+#: ``<recipe>-triton-launch``: ``fast_launch=False`` (Triton's own ``kernel[grid](...)`` launch).
+OPTION_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"triton": False}),
+                   "blockwise-inductor": ("blockwise", {"triton": False}),
+                   "tensorwise-unfused-swiglu": ("tensorwise", {"fused_swiglu": False}),
+                   "delayed-unfused-swiglu": ("delayed", {"fused_swiglu": False}),
+                   "tensorwise-unshared-input": ("tensorwise", {"shared_input": False}),
+                   "bf16-unfused-norm": ("bf16", {"fused_norm": False}),
+                   "tensorwise-unfused-norm": ("tensorwise", {"fused_norm": False}),
+                   "blockwise-unfused-norm": ("blockwise", {"fused_norm": False}),
+                   "tensorwise-triton-launch": ("tensorwise", {"fast_launch": False}),
+                   "blockwise-triton-launch": ("blockwise", {"fast_launch": False})}
+VARIANT_RECIPE = {v: r for v, (r, _) in OPTION_VARIANTS.items()}  # variant -> its recipe
+
+
+def variant_options(variant: str) -> KernelOptions:
+    """The kernel options ``variant`` runs with: all on, but its own A/B change."""
+    return KernelOptions().replace(**OPTION_VARIANTS.get(variant, (None, {}))[1])
+
+
 #: Transformer Engine's own layer (``te.TransformerLayer``: RMSNorm fused into its QKV and FC1
 #: projections, SwiGLU, GQA, RoPE, cuDNN fused attention) in BF16 and under each Hopper recipe
 TE_LAYER = {"te-bf16": "bf16", "te-delayed": "delayed", "te-tensorwise": "tensorwise", "te-blockwise": "blockwise"}
@@ -290,7 +296,9 @@ def build(cfg, block: str, variant: str, dev: str, smoke: bool, seq: int = 8192)
         convert_torchao(model, TORCHAO[variant], policy_filter(policy), emulate=smoke)
     elif VARIANT_RECIPE.get(variant, variant) != "bf16":
         convert_model(model, get_recipe(VARIANT_RECIPE.get(variant, variant)), policy,
-                      emulate=True if smoke else None)
+                      emulate=True if smoke else None, options=variant_options(variant))
+    if variant not in TORCHAO:  # (the norms; our FP8 linears got theirs from convert_model)
+        apply_kernel_options(model, variant_options(variant))
     return model
 
 
@@ -497,23 +505,14 @@ def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
 
 
 @contextlib.contextmanager
-def variant_env(variant: str):
-    """The settings ``variant`` runs with (:data:`ENV_DEFAULTS` and its own), restored on exit:
-    the environment (read when a graph is traced and at every eager call) and the direct launch
-    (read at import)."""
-    env = {**ENV_DEFAULTS, **ENV_VARIANTS.get(variant, (None, {}))[1]}
-    prev = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    prev_launch = set_fast_launch(env["NEMO_FP8_FAST_LAUNCH"] != "0")
+def variant_launch(variant: str):
+    """The direct launch of the Triton kernels as ``variant`` runs it (process-wide, so set for
+    its turn and restored after)."""
+    prev = set_fast_launch(variant_options(variant).fast_launch)
     try:
         yield
     finally:
-        set_fast_launch(prev_launch)
-        for k, v in prev.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        set_fast_launch(prev)
 
 
 def isolate(model: nn.Module, tag: str) -> nn.Module:
@@ -521,8 +520,7 @@ def isolate(model: nn.Module, tag: str) -> nn.Module:
     ``torch.compile`` keeps its compiled graphs apart from every other variant's: dynamo keeps one
     cache per code object (8 entries by default), which all variants of a size would otherwise
     share, and two variants that differ only in a setting read while tracing
-    (``NEMO_FP8_COMPILED_QUANT``, ...) would share a graph on a torch whose guards do not cover
-    environment reads."""
+    (``KernelOptions.triton``, ...) would share a graph if dynamo's guards missed the option."""
     cls = type(model)
     fwd = cls.forward
     name = f"forward_{''.join(c if c.isalnum() else '_' for c in tag)}"
@@ -574,7 +572,7 @@ def _round_block(variant: str, model: nn.Module, inputs: Inputs):
     """One variant's turn in a round: its settings on; its gradients freed when it ends, so the
     timing phase holds one variant's gradients at a time."""
     try:
-        with variant_env(variant):
+        with variant_launch(variant):
             yield
     finally:
         _clear_grads(model, inputs)
@@ -860,7 +858,7 @@ def main(argv=None) -> int:
                 if model is not None and mode == "compiled" and variant in EAGER_ONLY:
                     row["status"] = f"skipped: {EAGER_ONLY[variant]}"
                 elif model is not None:
-                    with variant_env(variant):
+                    with variant_launch(variant):
                         row.update(measure(model, mode, inputs, a, dev))
                 failed |= report_row(row, cfg, inputs, a, res, header)
             del model

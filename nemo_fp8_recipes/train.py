@@ -65,6 +65,7 @@ from .train_config import (
     ConfigError,
     RunConfig,
     TrainerConfig,
+    build_kernel_options,
     build_policy,
     build_recipe,
     resolve_device,
@@ -436,9 +437,10 @@ def train(cfg) -> TrainResult:
 
 
 def _train(cfg, holder: List[DistContext]) -> TrainResult:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf, open_dict
 
-    from .nn import (audit, collect_telemetry, convert_model, discard_delayed_scaling, set_delayed_scaling_update,
+    from .nn import (apply_kernel_options, audit, collect_telemetry, convert_model, discard_delayed_scaling,
+                     set_delayed_scaling_update,
                      set_graph_weight_cache, set_telemetry, set_wgrad_accumulation_fusion, sync_delayed_scaling)
     from .recipes import describe_device, require_supported, uses_real_fp8_gemm
 
@@ -465,6 +467,9 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     device = resolve_device(tcfg.device)
     recipe = build_recipe(cfg.recipe)
     policy = build_policy(cfg.get("policy"))
+    kernel_options = build_kernel_options(cfg.get("kernels"))
+    with open_dict(cfg):  # the values it runs with (null = default) go into config.yaml
+        cfg.kernels = kernel_options.as_dict()
     if backend == "te":
         _check_te_backend(recipe, device, tcfg)
     else:
@@ -545,8 +550,9 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     te_run = None  # backend=te: conversion, micro-batch state, hooks, autocast factory
     if backend == "te":
         te_run = _TERun(raw_model, recipe, policy, cfg.backend, ctx, telemetry=tcfg.telemetry_interval > 0)
+        apply_kernel_options(raw_model, kernel_options)  # (the native modules: the norms)
     else:
-        convert_model(raw_model, recipe, policy)
+        convert_model(raw_model, recipe, policy, options=kernel_options)
     # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
     set_delayed_scaling_update(raw_model, "step")
     if tcfg.fuse_wgrad_accumulation:
@@ -801,6 +807,8 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
                     report = te_run.audit() if te_run else audit(raw_model)
                     rank_problems = merge_audits(report, ctx)
                     result.audit_table = report.table()
+                    if te_run:  # (the native audit prints them itself)
+                        result.audit_table += f"\nkernel options (the native norms): {kernel_options.describe()}"
                     if ctx.distributed:
                         result.audit_table += (
                             f"\n{ctx.world_size} data-parallel ranks ({tcfg.data_parallel}): "
@@ -897,6 +905,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
             "tokens_per_s": result.tokens_per_s, "skipped_steps": skipped,
             "world_size": ctx.world_size, "data_parallel": tcfg.data_parallel if ctx.distributed else None,
             "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+            "kernel_options": kernel_options.as_dict(),
             "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         }, indent=2) + "\n", encoding="utf-8")
     log.info(

@@ -38,6 +38,7 @@ __all__ = [
     "run_name",
     "build_recipe",
     "build_policy",
+    "build_kernel_options",
     "resolve_device",
 ]
 
@@ -45,7 +46,7 @@ __all__ = [
 CONFIG_DIR = str(Path(__file__).resolve().parent / "configs")
 CONFIG_NAME = "train"
 #: Config groups (each a directory of ``<option>.yaml`` under :data:`CONFIG_DIR`).
-GROUPS = ("recipe", "model", "backend", "cluster", "data")
+GROUPS = ("recipe", "model", "backend", "kernels", "cluster", "data")
 _HYDRA_VERSION_BASE = "1.3"
 
 
@@ -389,6 +390,22 @@ def build_recipe(recipe_node):
         return get_recipe(name, **recipe_overrides(recipe_node))
     except (ValueError, TypeError) as e:
         raise ConfigError(f"recipe: {e}") from None
+
+
+def build_kernel_options(kernels_node):
+    """The :class:`~nemo_fp8_recipes.options.KernelOptions` of the ``kernels`` config group
+    (``null`` fields = the default: on, or what ``NEMO_FP8_<OPTION>`` says)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from .options import KernelOptions
+
+    values = (OmegaConf.to_container(kernels_node, resolve=True) if isinstance(kernels_node, DictConfig)
+              else dict(kernels_node or {}))
+    values = {k: v for k, v in values.items() if v is not None}
+    try:
+        return KernelOptions.from_mapping(values)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"kernels: {e}") from None
 
 
 def build_policy(policy_node):

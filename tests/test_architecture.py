@@ -81,3 +81,19 @@ def test_the_package_has_no_import_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_importing_the_package_installs_no_optimizer_hook():
+    """The FP8 weight cache's global optimizer hook is registered by the first FP8 linear, once,
+    not by ``import nemo_fp8_recipes`` (a fresh interpreter, so no other test's modules count)."""
+    import subprocess
+    import sys
+
+    code = ("import torch.optim.optimizer as o, nemo_fp8_recipes.nn as nn_;"
+            "from nemo_fp8_recipes.recipes import get_recipe;"
+            "n0 = len(o._global_optimizer_post_hooks);"
+            "[nn_.Float8Linear(128, 128, recipe=get_recipe('tensorwise'), emulate=True) for _ in range(2)];"
+            "print(n0, len(o._global_optimizer_post_hooks))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["0", "1"]

@@ -499,7 +499,7 @@ def test_layer_round_robin_keeps_each_variants_compiled_graph(bench_modules, mon
     """``--rounds`` keeps every variant compiled at once: ``isolate`` gives each its own forward
     code object (so its own dynamo cache), and called in turn, each within its settings as the
     rounds run them, every variant runs the graph traced with its own setting (one read while
-    tracing, as ``NEMO_FP8_COMPILED_QUANT`` is) — with no recompilation."""
+    tracing, as a module's ``KernelOptions.triton`` is) — with no recompilation."""
     import os
 
     import torch
@@ -761,7 +761,7 @@ def test_quant_bandwidth_sweep_smoke(tmp_path):
 ])
 def test_layer_eager_only_variants(tmp_path, block, variant, reason):
     """The eager-only A/B variants (``*-unfused-swiglu``: the fused SwiGLU turned off;
-    ``tensorwise-unshared-input``: NEMO_FP8_SHARED_INPUT=0; ``*-unfused-norm``: NEMO_FP8_FUSED_NORM=0):
+    ``tensorwise-unshared-input``: ``shared_input=False``; ``*-unfused-norm``: ``fused_norm=False``):
     measured eager, reported as skipped
     compiled with the reason (the compiled path is the recipe's own there)."""
     out = tmp_path / "r.json"

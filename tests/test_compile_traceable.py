@@ -309,10 +309,13 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, overrides, q
     import nemo_fp8_recipes.nn.linear as L
 
     model, _ = _pair(recipe, **overrides)
+    from nemo_fp8_recipes.options import KernelOptions
+
     for m in _fp8(model):
         m.emulate = False
+        m.kernel_options = KernelOptions(triton=quant_ops)  # (False: the reference quantisers, traced)
     monkeypatch.setattr(L, "_check_device", lambda *a: None)
-    monkeypatch.setattr(L, "_use_quant_ops", lambda t: quant_ops)
+    monkeypatch.setattr(L, "triton_enabled", lambda t, triton=None: triton is not False)  # (as on CUDA)
     x, _ = _data(0)
     with pytest.raises(Exception) as info:
         torch.compile(model, backend=_capture_scaled_mm, fullgraph=True)(x.requires_grad_(True))
@@ -578,7 +581,7 @@ def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch,
                     "(TRITON_INTERPRET=1, set by tests/conftest.py on machines without CUDA)")
     from nemo_fp8_recipes.nn import linear as linear_mod
 
-    monkeypatch.setattr(linear_mod, "_use_quant_ops", lambda t: True)
+    monkeypatch.setattr(linear_mod, "triton_enabled", lambda t, triton=None: triton is not False)
     model, ref = _pair(recipe)
     x, dy = _data(0)
     ex, reasons = _break_reasons(model, x)
@@ -597,14 +600,19 @@ def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch,
     assert audit(model).counts["fp8"] == {"fprop": 2, "dgrad": 2, "wgrad": 2}
 
 
-def test_compiled_quantizer_setting_names_the_valid_choices(monkeypatch):
-    from nemo_fp8_recipes.quant.dispatch import compiled_quantizer
+def test_kernel_options_are_validated_and_their_environment_defaults_named():
+    from nemo_fp8_recipes.options import KernelOptions, default_kernel_options
 
-    monkeypatch.setenv("NEMO_FP8_COMPILED_QUANT", "Inductor")
-    assert compiled_quantizer() == "inductor"
-    monkeypatch.setenv("NEMO_FP8_COMPILED_QUANT", "cutlass")
-    with pytest.raises(ValueError, match="triton, inductor"):
-        compiled_quantizer()
+    assert default_kernel_options({}) == KernelOptions()
+    assert default_kernel_options({"NEMO_FP8_TRITON": "0", "NEMO_FP8_FUSED_NORM": "false"}) == KernelOptions(
+        triton=False, fused_norm=False)
+    with pytest.raises(ValueError, match="NEMO_FP8_SHARED_INPUT='maybe'.*1 or 0"):
+        default_kernel_options({"NEMO_FP8_SHARED_INPUT": "maybe"})
+    with pytest.raises(TypeError, match="fused_swiglu must be True or False"):
+        KernelOptions(fused_swiglu="no")
+    with pytest.raises(ValueError, match="unknown kernel option.*compiled_quant.*valid: triton, fast_launch"):
+        KernelOptions.from_mapping({"compiled_quant": "inductor"})
+    assert KernelOptions(triton=False).describe().startswith("triton=off fast_launch=on")
 
 
 @pytest.mark.gpu

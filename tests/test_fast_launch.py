@@ -31,7 +31,7 @@ def restore_switch():
 def test_switch_and_status(restore_switch):
     assert fl.set_fast_launch(False) is True
     assert fl.fast_launch_status().startswith("off: disabled")
-    assert "NEMO_FP8_FAST_LAUNCH=0" in fl.fast_launch_status()
+    assert "KernelOptions(fast_launch=False)" in fl.fast_launch_status()
     assert fl.set_fast_launch(True) is False
     status = fl.fast_launch_status()
     if os.environ.get("TRITON_INTERPRET") == "1":

@@ -8,6 +8,7 @@ import torch
 from conftest import NUMERICS_REPORT
 from fp8_ref import quantize_groups, scale_for, structured
 from nemo_fp8_recipes.nn import Float8Linear
+from nemo_fp8_recipes.options import KernelOptions
 from nemo_fp8_recipes.recipes import get_recipe
 
 M, K, N = 256, 384, 256
@@ -254,7 +255,7 @@ def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     one that did not (a frozen weight) quantises the pair; never shared: leaves (parameters,
     buffers, static inputs, which can change without their version counter moving), anything
     under ``no_grad`` / ``inference_mode``, delayed scaling (a scale per module), telemetry
-    (statistics per module), ``NEMO_FP8_SHARED_INPUT=0``; the entry is per thread; freeing the
+    (statistics per module), ``KernelOptions(shared_input=False)``; the entry is per thread; freeing the
     input drops the entry and its codes."""
     import gc
     import threading
@@ -287,9 +288,8 @@ def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     assert new_calls(_qkv("tensorwise"), setup=lambda m: setattr(m, "telemetry_enabled", True)) == 3
     with torch.no_grad():
         assert new_calls(_qkv("tensorwise"), inp=x.detach()) == 3
-    monkeypatch.setenv("NEMO_FP8_SHARED_INPUT", "0")
-    assert new_calls(_qkv("tensorwise")) == 3
-    monkeypatch.delenv("NEMO_FP8_SHARED_INPUT")
+    unshared = KernelOptions(shared_input=False)
+    assert new_calls(_qkv("tensorwise"), setup=lambda m: setattr(m, "kernel_options", unshared)) == 3
     mods = _qkv("tensorwise")
     with torch.inference_mode():  # inference tensors: no version counter, never shared, no error
         xi = structured(64, 128, seed=6)

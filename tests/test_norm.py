@@ -183,9 +183,11 @@ def test_limits_are_explicit(tk):
 
 def test_module_fused_matches_formula_and_falls_back(fused_on_cpu):
     """The model's RMSNorm through the fused path: values and gradients as the FP32 formula's
-    (to rounding); the formula itself with ``NEMO_FP8_FUSED_NORM=0``, for other dtypes, and for
-    subclasses."""
+    (to rounding); the formula itself with ``KernelOptions(fused_norm=False)`` (or
+    ``triton=False``), for other dtypes, and for subclasses."""
     from nemo_fp8_recipes.models.llama import RMSNorm
+    from nemo_fp8_recipes.nn import apply_kernel_options
+    from nemo_fp8_recipes.options import KernelOptions
 
     norm = fused_on_cpu
     m = RMSNorm(256).to(DEV)
@@ -205,12 +207,11 @@ def test_module_fused_matches_formula_and_falls_back(fused_on_cpu):
     torch.testing.assert_close(x.grad.float(), x2.grad.float(), rtol=2e-2, atol=1e-2 * x2.grad.abs().max().item())
     assert norm.fused_norm_enabled(x, m.weight)
     assert not norm.fused_norm_enabled(x.half(), m.weight)
-    os.environ["NEMO_FP8_FUSED_NORM"] = "0"
-    try:
-        assert not norm.fused_norm_enabled(x, m.weight)
-        assert m(x).grad_fn.name() != "_RMSNormFnBackward"
-    finally:
-        del os.environ["NEMO_FP8_FUSED_NORM"]
+    off = KernelOptions(fused_norm=False)
+    assert not norm.fused_norm_enabled(x, m.weight, off)
+    assert not norm.fused_norm_enabled(x, m.weight, KernelOptions(triton=False))
+    apply_kernel_options(m, off)
+    assert m.kernel_options is off and m(x).grad_fn.name() != "_RMSNormFnBackward"
 
 
 def _block(recipe, seed=0):
@@ -280,8 +281,9 @@ def test_norm_quantises_for_its_fp8_consumers_bit_identically(recipe, fused_on_c
 
 def test_no_handover_where_it_would_not_be_shared(fused_on_cpu, monkeypatch):
     """Delayed scaling (a scale per module), telemetry, evaluation (no grad) and
-    ``NEMO_FP8_SHARED_INPUT=0`` leave the quantisation to the linears; the norm's values stay."""
-    from nemo_fp8_recipes.nn import set_telemetry
+    ``KernelOptions(shared_input=False)`` leave the quantisation to the linears; the norm's values stay."""
+    from nemo_fp8_recipes.nn import apply_kernel_options, set_telemetry
+    from nemo_fp8_recipes.options import KernelOptions
     from nemo_fp8_recipes.nn.linear import input_prequantization
 
     norm = fused_on_cpu
@@ -297,9 +299,9 @@ def test_no_handover_where_it_would_not_be_shared(fused_on_cpu, monkeypatch):
     set_telemetry(blk, True)
     assert input_prequantization(blk.attention.wq, x) is None
     set_telemetry(blk, False)
-    monkeypatch.setenv("NEMO_FP8_SHARED_INPUT", "0")
+    apply_kernel_options(blk, KernelOptions(shared_input=False))
     assert input_prequantization(blk.attention.wq, x) is None
-    monkeypatch.delenv("NEMO_FP8_SHARED_INPUT")
+    apply_kernel_options(blk, KernelOptions())
     seen = []
     monkeypatch.setattr(norm, "share_input_quantization", lambda *a: seen.append(a))
     with torch.no_grad():

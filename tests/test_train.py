@@ -451,3 +451,34 @@ def test_main_called_from_python_gives_the_callers_logging_back(tmp_path, capsys
     assert root.handlers == before
     logging.getLogger("nemo_fp8_recipes.after").warning("still logging")
     assert "still logging" in caplog.text
+
+
+def test_kernel_options_reach_the_model_and_are_recorded(tmp_path, token_cache, monkeypatch, capsys):
+    """``kernels.*`` (and a ``NEMO_FP8_*`` default for the fields left null) run the model's FP8
+    linears and norms with those options, and config.yaml, audit.txt and summary.json say so; a
+    bad value stops the run before any work with the option named."""
+    import json
+
+    from nemo_fp8_recipes.nn import fp8_modules
+    from nemo_fp8_recipes.options import KernelOptions
+
+    monkeypatch.setenv("NEMO_FP8_SHARED_INPUT", "0")
+    cfg = _cfg(tmp_path, token_cache, "recipe=tensorwise", "trainer.max_steps=2", "kernels.fused_swiglu=false",
+               "trainer.val_interval=0")
+    result = train(cfg)
+    want = KernelOptions(shared_input=False, fused_swiglu=False)
+    mods = fp8_modules(result.model)
+    assert mods and all(m.kernel_options == want for m in mods.values())
+    assert result.model.norm.kernel_options == want
+    run_dir = result.run_dir
+    assert "shared_input: false" in (run_dir / "config.yaml").read_text()
+    assert "fused_swiglu: false" in (run_dir / "config.yaml").read_text()
+    assert f"kernel options: {want.describe()}" in (run_dir / "audit.txt").read_text()
+    assert json.loads((run_dir / "summary.json").read_text())["kernel_options"] == want.as_dict()
+    monkeypatch.delenv("NEMO_FP8_SHARED_INPUT")
+    base = TINY + [f"run.root={tmp_path / 'bad'}", f"data.cache_dir={token_cache}"]
+    assert main(base + ["kernels.triton=maybe"]) == 2
+    assert "kernels: KernelOptions.triton must be True or False" in capsys.readouterr().err
+    assert main(base + ["kernels=reference", "trainer.max_steps=1", "trainer.val_interval=0"]) == 0
+    summary = json.loads((tmp_path / "bad" / "llama3_tiny" / "blockwise" / "summary.json").read_text())
+    assert not any(summary["kernel_options"].values())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fp8_ref import structured
+from nemo_fp8_recipes.options import KernelOptions
 from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto
 from nemo_fp8_recipes.quant.reference import quantize
 
@@ -385,7 +386,7 @@ def test_tensors_beyond_32_bit_offsets_are_refused_with_what_to_do():
              lambda t: tk.swiglu_backward(t, t, t)]
     for t in (big, wide):
         for call in calls:
-            with pytest.raises(ValueError, match=r"32-bit offsets.*NEMO_FP8_TRITON=0"):
+            with pytest.raises(ValueError, match=r"32-bit offsets.*KernelOptions\(triton=False\)"):
                 call(t)
     # what fits passes the check: the largest offset just inside, and a view with a large row
     # stride along a non-contiguous last dim (the wrappers copy it first)
@@ -557,11 +558,9 @@ def test_delayed_linear_with_the_fused_kernels_matches_the_reference_path(tk, sc
         calls = None
         if use_triton:
             calls = _force_triton(monkeypatch)
-        else:
-            monkeypatch.setenv("NEMO_FP8_TRITON", "0")
         torch.manual_seed(0)
         lin = torch.nn.Linear(256, 128, bias=False, device=DEV)
-        m = Float8Linear.from_linear(lin, r, emulate=not ON_GPU)
+        m = Float8Linear.from_linear(lin, r, emulate=not ON_GPU, options=KernelOptions(triton=use_triton))
         m.scaling_update = schedule
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         outs = []
@@ -596,10 +595,8 @@ def test_delayed_telemetry_reports_each_calls_amax_in_step_mode(tk, use_triton, 
 
     if use_triton:
         _force_triton(monkeypatch)
-    else:
-        monkeypatch.setenv("NEMO_FP8_TRITON", "0")
     m = Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False, device=DEV), get_recipe("delayed"),
-                                 emulate=not ON_GPU)
+                                 emulate=not ON_GPU, options=KernelOptions(triton=use_triton))
     m.scaling_update = "step"
     m.telemetry_enabled = True
     xs = [structured(16, 64, seed=1) * 100, structured(16, 64, seed=2), structured(16, 64, seed=3)]
@@ -860,7 +857,7 @@ def test_fused_swiglu_mlp_matches_the_unfused_mlp(tk, recipe, params, monkeypatc
     activation into its input quantisation (delayed scaling) and the SwiGLU backward into one
     kernel (both recipes). Same
     output bits, same delayed-scaling state, the same gradients (w2, w3 and the input within the
-    one-ulp rounding of ``dg`` that the fused backward may differ by) as ``NEMO_FP8_FUSED_SWIGLU=0``.
+    one-ulp rounding of ``dg`` that the fused backward may differ by) as ``KernelOptions(fused_swiglu=False)``.
     ``params``: BF16 parameters; FP32 master weights under BF16 autocast (as the trainer runs);
     a frozen down projection (its input is then quantised once, not as a pair). On CPU the
     fused path is driven through Triton's interpreter with emulated GEMMs."""
@@ -881,12 +878,13 @@ def test_fused_swiglu_mlp_matches_the_unfused_mlp(tk, recipe, params, monkeypatc
                         lambda *a, **k: gated.append(k.get("gate") is not None) or real_dual(*a, **k))
 
     def run(fused: bool):
-        monkeypatch.setenv("NEMO_FP8_FUSED_SWIGLU", "1" if fused else "0")
+        opts = KernelOptions(fused_swiglu=fused)
         torch.manual_seed(0)
         pdt = torch.float32 if params == "fp32-autocast" else torch.bfloat16
         ff = FeedForward(128, 256).to(DEV, pdt)
         for name in ("w1", "w2", "w3"):
-            setattr(ff, name, Float8Linear.from_linear(getattr(ff, name), get_recipe(recipe), emulate=emulate))
+            setattr(ff, name, Float8Linear.from_linear(getattr(ff, name), get_recipe(recipe), emulate=emulate,
+                                                       options=opts))
         if params == "frozen-w2":
             ff.w2.weight.requires_grad_(False)
         x = (structured(64, 128, seed=31) * 2).to(DEV, pdt).reshape(2, 32, 128).requires_grad_()
@@ -904,8 +902,8 @@ def test_fused_swiglu_mlp_matches_the_unfused_mlp(tk, recipe, params, monkeypatc
     assert calls, "the fused backward did not run"
     halves = [torch.zeros(32, 256, device=DEV, dtype=torch.bfloat16) for _ in range(2)]
     assert ff.w2.fuses_swiglu(*halves)
-    monkeypatch.delenv("NEMO_FP8_FUSED_SWIGLU")
-    assert ff.w2.fuses_swiglu(*halves), "the fused SwiGLU is the default"
+    default = Float8Linear.from_linear(torch.nn.Linear(256, 128, device=DEV), get_recipe(recipe), emulate=emulate)
+    assert KernelOptions().fused_swiglu and default.fuses_swiglu(*halves), "the fused SwiGLU is the default"
     assert ("w2.weight" in grads_f) == (params != "frozen-w2")
     n_fused = len(calls)
     # both recipes quantise the pair from the halves when w2's weight needs its gradient (delayed

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..nn.norm import rms_norm
+from ..options import default_kernel_options
 from .config import ModelConfig
 
 __all__ = [
@@ -69,18 +70,21 @@ class ModelOutput(NamedTuple):
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in FP32 whatever the input dtype (output in input dtype).
-    In eager mode on CUDA one fused Triton pass (:func:`nemo_fp8_recipes.nn.norm.rms_norm`)."""
+    In eager mode on CUDA one fused Triton pass (:func:`nemo_fp8_recipes.nn.norm.rms_norm`) unless
+    its ``kernel_options`` (:class:`~nemo_fp8_recipes.options.KernelOptions`; set for the whole
+    model by :func:`~nemo_fp8_recipes.nn.apply_kernel_options`) turn ``fused_norm`` off."""
 
     def __init__(self, dim: int, eps: float = 1e-5) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.kernel_options = default_kernel_options()
 
     def forward(self, x: torch.Tensor, consumer: Optional[nn.Module] = None) -> torch.Tensor:
         """Normalise the last dim of ``x``. ``consumer``: the (first) linear that reads the
         result — an FP8 linear's input quantisation can then start inside the norm's pass
         (RMSNorm → quantise); the result is the same either way."""
-        return rms_norm(x, self.weight, self.eps, consumer)
+        return rms_norm(x, self.weight, self.eps, consumer, self.kernel_options)
 
     def reset_parameters(self) -> None:
         """Weights to one."""

@@ -3,6 +3,7 @@
 from .convert import (
     AuditReport,
     PolicyViolation,
+    apply_kernel_options,
     audit,
     collect_telemetry,
     convert_model,
@@ -21,6 +22,7 @@ __all__ = [
     "AuditReport",
     "Float8Linear",
     "PolicyViolation",
+    "apply_kernel_options",
     "audit",
     "collect_telemetry",
     "convert_model",

@@ -15,11 +15,14 @@ from typing import Callable, Dict, List, Optional, Union
 import torch
 import torch.nn as nn
 
+from ..options import KernelOptions, default_kernel_options
 from ..policy import GEMM_ROLES, HIGH_PRECISION_ROLES, Decision, PrecisionPolicy, Role, layer_index
 from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
+from ..quant.launch import set_fast_launch
 from .linear import OPERANDS, Float8Linear, check_wgrad_fusion, fp8_modules
 
 __all__ = [
+    "apply_kernel_options",
     "convert_model",
     "audit",
     "AuditReport",
@@ -44,6 +47,7 @@ class _ConvertState:
     recipe: Recipe
     policy: PrecisionPolicy
     emulate: bool
+    options: KernelOptions = field(default_factory=KernelOptions)
     decisions: Dict[str, Decision] = field(default_factory=dict)
     hp_modules: Dict[str, nn.Module] = field(default_factory=dict)
     hooks: list = field(default_factory=list)
@@ -115,6 +119,7 @@ def convert_model(
     policy: Optional[PrecisionPolicy] = None,
     emulate: Optional[bool] = None,
     device=None,
+    options: Optional[KernelOptions] = None,
 ) -> nn.Module:
     """Apply ``recipe`` to ``model`` in place, as the precision ``policy`` decides; returns it.
 
@@ -126,6 +131,9 @@ def convert_model(
     emulation on CPU; True = always emulate; False = demand real GEMMs. A GPU lacking the
     recipe's format raises :class:`~nemo_fp8_recipes.recipes.UnsupportedRecipeError` unless
     ``emulate=True`` (e.g. mxfp8 on Hopper). ``device`` defaults to the model's device.
+    ``options``: the kernels the FP8 linears and the model's norms run
+    (:class:`~nemo_fp8_recipes.options.KernelOptions`, applied with :func:`apply_kernel_options`;
+    default :func:`~nemo_fp8_recipes.options.default_kernel_options`); :func:`audit` reports them.
     """
     r = get_recipe(recipe) if not isinstance(recipe, Recipe) else recipe
     if emulate is not None:
@@ -146,7 +154,10 @@ def convert_model(
     require_supported(r, device)
     use_emulation = r.is_fp8 and not uses_real_fp8_gemm(r, device)
     policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
-    state = _ConvertState(recipe=r, policy=policy, emulate=use_emulation)
+    opts = options if options is not None else default_kernel_options()
+    if not isinstance(opts, KernelOptions):
+        raise TypeError(f"options must be a KernelOptions, got {type(opts).__name__}")
+    state = _ConvertState(recipe=r, policy=policy, emulate=use_emulation, options=opts)
 
     for fqn, module in list(model.named_modules()):
         if not fqn or isinstance(module, Float8Linear):
@@ -159,7 +170,7 @@ def convert_model(
         state.decisions[fqn] = decision
         is_linear = isinstance(module, nn.Linear)
         if decision.fp8 and is_linear:
-            new = Float8Linear.from_linear(module, r, emulate=use_emulation)
+            new = Float8Linear.from_linear(module, r, emulate=use_emulation, options=opts)
             new.fqn, new.role = fqn, decision.role
             # keep user hooks registered on the original module
             new._forward_hooks.update(module._forward_hooks)
@@ -183,7 +194,28 @@ def convert_model(
                    for b, _ in m.named_buffers(recurse=False)]
     fp8_buffers += [f"{n}.{b}" for n in state.hp_modules for b in (HP_FWD_COUNT, HP_BWD_COUNT)]
     _ddp_ignore(model, fp8_buffers)
+    apply_kernel_options(model, opts)
     return model
+
+
+def apply_kernel_options(model: nn.Module, options: KernelOptions) -> int:
+    """Run ``model``'s FP8 linears and norms with ``options``
+    (:class:`~nemo_fp8_recipes.options.KernelOptions`): sets ``kernel_options`` on every module
+    that has it, records them for :func:`audit` (converted models), and sets the process-wide
+    direct launch of the Triton kernels (``options.fast_launch``). Returns how many modules took
+    them. For a model that is not converted (BF16) it sets the norms' options."""
+    if not isinstance(options, KernelOptions):
+        raise TypeError(f"options must be a KernelOptions, got {type(options).__name__}")
+    n = 0
+    for m in model.modules():
+        if isinstance(getattr(m, "kernel_options", None), KernelOptions):
+            m.kernel_options = options
+            n += 1
+    state = getattr(model, _STATE_ATTR, None)
+    if state is not None:
+        state.options = options
+    set_fast_launch(options.fast_launch)
+    return n
 
 
 def _ddp_ignore(model: nn.Module, names) -> None:
@@ -277,6 +309,7 @@ class AuditReport:
     counts: Dict[str, Dict[str, int]]
     violations: List[str]
     stale_weight_caches: List[str] = field(default_factory=list)
+    kernel_options: Dict[str, bool] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -315,6 +348,9 @@ class AuditReport:
             f"{c8['fprop']}/{c8['dgrad']}/{c8['wgrad']}; in high precision = "
             f"{ch['fprop']}/{ch['dgrad']}/{ch['wgrad']}"
         )
+        if self.kernel_options:
+            lines.append("kernel options: " + " ".join(f"{k}={'on' if v else 'off'}"
+                                                       for k, v in self.kernel_options.items()))
         if self.violations:
             lines.append("POLICY VIOLATIONS (high-precision role ran in FP8): " + ", ".join(self.violations))
         return "\n".join(lines)
@@ -353,6 +389,7 @@ def audit(model: nn.Module, strict: bool = False) -> AuditReport:
         counts={"fp8": tot8, "high_precision": toth},
         violations=violations,
         stale_weight_caches=stale,
+        kernel_options=state.options.as_dict(),
     )
     if strict and violations:
         raise PolicyViolation(

@@ -38,7 +38,6 @@ compiled model has no graph break at its FP8 linears.
 from __future__ import annotations
 
 import functools
-import os
 import threading
 import weakref
 from typing import Callable, Dict, Optional, Tuple
@@ -49,10 +48,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ..quant.gemm import scaled_matmul
 from ..quant.dispatch import quantize_auto as quantize
-from ..quant.dispatch import accumulate_amax, compiled_quantizer, quantize_pair_auto, triton_enabled
+from ..quant.dispatch import accumulate_amax, quantize_pair_auto, triton_enabled
 from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
 from ..recipes import Format, Granularity, Recipe, ScaleRounding
 from ..quant.delayed import advance_delayed_scaling
+from ..options import KernelOptions, default_kernel_options
 
 __all__ = ["Float8Linear", "OPERANDS", "fp8_modules", "input_prequantization", "share_input_quantization"]
 
@@ -80,7 +80,14 @@ def _bump_generation(optimizer, args, kwargs) -> None:
                 m.refresh_graph_weight_cache()
 
 
-register_optimizer_step_post_hook(_bump_generation)
+_HOOK = []  # the optimizer hook's handle, once installed
+
+
+def _install_optimizer_hook() -> None:
+    """Register :func:`_bump_generation` as a global optimizer step hook, once, when the first
+    FP8 linear is built (importing the package installs nothing)."""
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_post_hook(_bump_generation))
 
 
 def _out_dtype_for(x: torch.Tensor) -> torch.dtype:
@@ -117,17 +124,17 @@ def _operand_spec(recipe: Recipe, i: int):
     return fmt, gran
 
 
-def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False):
+def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False, triton: bool = True):
     """Stateless current scaling of operand ``i``: the quantiser of the compile-traced path.
     On CUDA the fused Triton kernels run as custom operators (:mod:`nemo_fp8_recipes.quant.ops`:
     per-tensor pairs, 1x128 groups along rows and down columns, 128x128 weight blocks) unless
-    ``NEMO_FP8_COMPILED_QUANT=inductor``; everything else (and E8M0 scales) uses the reference
-    quantisers (plain torch ops, which the compiler fuses into its own kernels). Same codes
-    either way, and on CPU the same calls as :meth:`Float8Linear._quantize_operand` of a
-    current-scaling recipe in eager mode."""
+    ``triton`` is False (the module's ``KernelOptions.triton``); everything else (and E8M0
+    scales) uses the reference quantisers (plain torch ops, which the compiler fuses into its own
+    kernels). Same codes either way, and on CPU the same calls as
+    :meth:`Float8Linear._quantize_operand` of a current-scaling recipe in eager mode."""
     fmt, gran = _operand_spec(recipe, i)
     rounding = recipe.scale_rounding
-    if _use_quant_ops(t):
+    if triton and triton_enabled(t):
         from ..quant import ops
 
         if gran is Granularity.TENSOR and pair:
@@ -158,10 +165,6 @@ def _quantize_plain(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False,
     if pair:
         return quantize_pair_auto(t, fmt, gran, recipe.scale_rounding, triton=triton)
     return quantize(t, fmt, gran, recipe.scale_rounding, dim=-1, triton=triton)
-
-
-def _use_quant_ops(t: torch.Tensor) -> bool:
-    return triton_enabled(t) and compiled_quantizer() == "triton"
 
 
 def _contiguous_codes(q: QuantizedTensor) -> QuantizedTensor:
@@ -235,7 +238,7 @@ def _shareable(mod: "Float8Linear", x: torch.Tensor) -> bool:
     ``grad_fn``, which a producer checks once it has made ``x``)."""
     return not (mod.recipe.is_delayed or mod.telemetry_enabled
                 or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-                or os.environ.get("NEMO_FP8_SHARED_INPUT", "1") == "0")
+                or not mod.kernel_options.shared_input)
 
 
 def _share_key(mod: "Float8Linear", x: torch.Tensor):
@@ -251,7 +254,7 @@ def input_prequantization(mod, x: torch.Tensor) -> Optional[Tuple[Format, Granul
     with :func:`share_input_quantization`: ``(format, granularity, rounding)`` of ``mod``'s input
     when that is per tensor or 1x32 / 1x128 along rows and ``mod`` shares its input quantisation
     (:func:`_input_quantizer`: an eager FP8 linear with current scaling and telemetry off, no CUDA
-    graph being captured, ``NEMO_FP8_SHARED_INPUT`` not ``0``) with a trainable weight (the pair
+    graph being captured, ``KernelOptions.shared_input`` on) with a trainable weight (the pair
     includes the wgrad copy) and takes ``x``'s rows unpadded; else None. ``x``: the producer's input (same rows, device)."""
     if (not isinstance(mod, Float8Linear) or torch.compiler.is_compiling() or not _shareable(mod, x)
             or not mod.weight.requires_grad):  # a frozen weight takes no wgrad copy of x
@@ -284,7 +287,7 @@ def _input_quantizer(mod: "Float8Linear", x: torch.Tensor):
     same codes: current scaling (delayed scaling's scale is per module), telemetry off (it
     records statistics per module), ``x`` an autograd intermediate (it has a ``grad_fn``; so
     never under ``torch.no_grad``), not while a CUDA graph is captured (the graph must contain
-    its own quantisation). ``NEMO_FP8_SHARED_INPUT=0`` turns the sharing off (for A/B runs)."""
+    its own quantisation). ``KernelOptions(shared_input=False)`` turns the sharing off (A/B runs)."""
     if x.grad_fn is None or not _shareable(mod, x):
         return mod._quantize_operand
     spec, stream = _share_key(mod, x)
@@ -538,9 +541,10 @@ class _Float8LinearTracedFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, bwd_counts, recipe: Recipe, emulate: bool,
-                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool, wmeta, *wcache):
+                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool, triton: bool, wmeta,
+                *wcache):
         _check_device(x, emulate, fqn)
-        quantize_operand = functools.partial(_quantize_current, recipe)
+        quantize_operand = functools.partial(_quantize_current, recipe, triton=triton)
         if wmeta is None:  # quantised here, in the graph
             weights = _quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
         else:  # the module's cached FP8 weight (buffers re-quantised after each optimizer step)
@@ -550,7 +554,7 @@ class _Float8LinearTracedFn(torch.autograd.Function):
             out_dtype=out_dtype, quantize_operand=quantize_operand, grad_enabled=grad_enabled,
         )
         ctx.save_for_backward(*to_save, bwd_counts)
-        ctx.recipe, ctx.emulate = recipe, emulate
+        ctx.recipe, ctx.emulate, ctx.triton = recipe, emulate, triton
         ctx.w_dtype = weight.dtype
         ctx.n_wcache = len(wcache)
         return y
@@ -560,12 +564,12 @@ class _Float8LinearTracedFn(torch.autograd.Function):
         *saved, bwd_counts = ctx.saved_tensors
         dx, dw, db = _grads(ctx, dy, saved, recipe=ctx.recipe, emulate=ctx.emulate,
                             w_dtype=ctx.w_dtype,
-                            quantize_operand=functools.partial(_quantize_current, ctx.recipe))
+                            quantize_operand=functools.partial(_quantize_current, ctx.recipe, triton=ctx.triton))
         if dx is not None:
             bwd_counts[0].add_(1)
         if dw is not None:
             bwd_counts[1].add_(1)
-        return (dx, dw, db, None, None, None, None, None, None, None, None) + (None,) * ctx.n_wcache
+        return (dx, dw, db, None, None, None, None, None, None, None, None, None) + (None,) * ctx.n_wcache
 
 
 class Float8Linear(nn.Linear):
@@ -574,7 +578,9 @@ class Float8Linear(nn.Linear):
     Build it with :meth:`from_linear` (keeps the same ``Parameter`` objects) or through
     :func:`nemo_fp8_recipes.nn.convert_model`. ``emulate=True`` runs exact emulation
     (quantise -> dequantise -> FP32 matmul); ``False`` runs ``torch._scaled_mm`` /
-    ``torch.nn.functional.scaled_mm`` on the tensor cores.
+    ``torch.nn.functional.scaled_mm`` on the tensor cores. ``options``: the kernels it runs
+    (:class:`~nemo_fp8_recipes.options.KernelOptions`; default
+    :func:`~nemo_fp8_recipes.options.default_kernel_options`), attribute ``kernel_options``.
     """
 
     def __init__(
@@ -585,31 +591,37 @@ class Float8Linear(nn.Linear):
         *,
         recipe: Recipe,
         emulate: bool,
+        options: Optional[KernelOptions] = None,
         device=None,
         dtype=None,
     ) -> None:
         self.recipe = None
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup_fp8(recipe, emulate)
+        self._setup_fp8(recipe, emulate, options)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe, emulate: bool) -> "Float8Linear":
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe, emulate: bool,
+                    options: Optional[KernelOptions] = None) -> "Float8Linear":
         """A Float8Linear sharing ``linear``'s weight and bias Parameter objects."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new._setup_fp8(recipe, emulate)
+        new._setup_fp8(recipe, emulate, options)
         new.to(linear.weight.device)
         return new
 
     # ---- set-up ------------------------------------------------------------------------------
-    def _setup_fp8(self, recipe: Recipe, emulate: bool) -> None:
+    def _setup_fp8(self, recipe: Recipe, emulate: bool, options: Optional[KernelOptions] = None) -> None:
         if not recipe.is_fp8:
             raise ValueError("Float8Linear needs an FP8 recipe, got bf16")
+        if options is not None and not isinstance(options, KernelOptions):
+            raise TypeError(f"options must be a KernelOptions, got {type(options).__name__}")
         self.recipe = recipe
         self.emulate = bool(emulate)
+        self.kernel_options = options if options is not None else default_kernel_options()
+        _install_optimizer_hook()
         self._row_multiple = recipe.gemm_alignment
         self.fqn = ""
         self.role = "linear"
@@ -647,12 +659,17 @@ class Float8Linear(nn.Linear):
 
     def __setstate__(self, state) -> None:  # copy.deepcopy, pickle: the copy's cache is refreshed too
         super().__setstate__(state)
+        _install_optimizer_hook()  # (an unpickled module may be this process's first)
+        if "kernel_options" not in self.__dict__:  # (a module pickled before it had options)
+            self.kernel_options = default_kernel_options()
         if getattr(self, "_graph_wcache_on", False):
             _GRAPH_CACHED.add(self)
 
     def extra_repr(self) -> str:
         mode = "emulated" if self.emulate else "real"
         fused = ", fuse_wgrad_accumulation" if self.fuse_wgrad_accumulation else ""
+        if self.kernel_options != KernelOptions():
+            fused += f", {self.kernel_options.describe()}"
         return f"{super().extra_repr()}, recipe={self.recipe.name}, {mode}{fused}"
 
     def _grad_accumulator(self):
@@ -768,7 +785,8 @@ class Float8Linear(nn.Linear):
                                "(e.g. fully_shard) after set_graph_weight_cache; the cached FP8 weight would be the "
                                "unsharded old one. Call set_graph_weight_cache(model, False) before sharding")
         # current scaling, the eager quantisers (the fused kernels on CUDA), no module state
-        q_f, q_d = _quantize_weight(w, self.recipe, self.emulate, functools.partial(_quantize_plain, self.recipe))
+        q_f, q_d = _quantize_weight(w, self.recipe, self.emulate,
+                                    functools.partial(_quantize_plain, self.recipe, triton=self._triton_arg()))
         new = (*_tensors(q_f), *_tensors(q_d))
         for name, t in zip(self._GRAPH_WCACHE, new):
             old = self._buffers.get(name)
@@ -799,7 +817,8 @@ class Float8Linear(nn.Linear):
         r = self.recipe
         fmt = (r.input_format, r.weight_format, r.grad_format)[i]
         hist_i = self.fp8_amax_history[i]
-        if self.amax_reduce_fn is None and triton_enabled(hist_i) and r.scale_rounding is ScaleRounding.FP32:
+        if (self.amax_reduce_fn is None and triton_enabled(hist_i, self._triton_arg())
+                and r.scale_rounding is ScaleRounding.FP32):
             from ..quant.triton_kernels import delayed_commit
 
             delayed_commit(hist_i, self.fp8_scale[i], self.fp8_amax_pending[i], self.fp8_pending[i], fmt,
@@ -847,9 +866,10 @@ class Float8Linear(nn.Linear):
         try:
             if pair:
                 q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out,
-                                           gate=gate)
+                                           gate=gate, triton=self._triton_arg())
             else:
-                q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale, amax_out=amax_out), None
+                q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale, amax_out=amax_out,
+                                 triton=self._triton_arg()), None
         except BaseException:
             if committed:  # the commit left the flag set for an amax that never came
                 with torch.no_grad():
@@ -890,6 +910,11 @@ class Float8Linear(nn.Linear):
         self._wcache_key = key
         self._wcache = _quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
         return self._wcache
+
+    def _triton_arg(self) -> Optional[bool]:
+        """The dispatch's ``triton`` argument for this module's quantisers: None (the Triton
+        kernels where they run) or False (``KernelOptions(triton=False)``: the reference)."""
+        return None if self.kernel_options.triton else False
 
     # ---- bookkeeping -------------------------------------------------------------------------
     def _count(self, gemm: str) -> None:
@@ -950,14 +975,14 @@ class Float8Linear(nn.Linear):
         ``torch.compile``, where Inductor fuses SiLU, the product and the quantisers itself), on
         CUDA with the Triton kernels, a per-tensor input (tensorwise, delayed),
         telemetry off, ``gate`` and ``x`` contiguous with the same shape and dtype (BF16 or
-        FP32), whole GEMM tiles of rows (no padding), and ``NEMO_FP8_FUSED_SWIGLU`` not ``0`` (on by
+        FP32), whole GEMM tiles of rows (no padding), and ``KernelOptions.fused_swiglu`` on (the
         default: the forward codes are bit-identical to materialising the activation and the
         backward's ``dg`` may differ by one unit in the last place — tested on an H200 and under
-        Triton's interpreter; ``NEMO_FP8_FUSED_SWIGLU=0`` turns it off for an A/B run). Otherwise
+        Triton's interpreter; ``fused_swiglu=False`` turns it off for an A/B run). Otherwise
         the activation is materialised first."""
-        if (torch.compiler.is_compiling() or os.environ.get("NEMO_FP8_FUSED_SWIGLU", "1") == "0"
+        if (torch.compiler.is_compiling() or not self.kernel_options.fused_swiglu
                 or self.recipe.input_granularity is not Granularity.TENSOR or self.telemetry_enabled
-                or not triton_enabled(x)):
+                or not triton_enabled(x, self._triton_arg())):
             return False
         from ..quant.triton_kernels import gate_fusable
 
@@ -987,7 +1012,7 @@ class Float8Linear(nn.Linear):
         :class:`_Float8LinearTracedFn`, which the compiler traces like any other op, so the
         model has no graph break here. On CUDA it quantises with the eager path's Triton kernels
         as custom operators (:mod:`nemo_fp8_recipes.quant.ops`; per-tensor pairs, 1x128 groups,
-        128x128 blocks), elsewhere — or with ``NEMO_FP8_COMPILED_QUANT=inductor`` — with the
+        128x128 blocks), elsewhere — or with ``KernelOptions(triton=False)`` — with the
         reference quantisers (the numerics contract in plain torch ops, which Inductor fuses into
         the neighbouring kernels); the same numbers either way. The GEMMs are the dispatch of
         :mod:`nemo_fp8_recipes.quant.gemm` (``torch._scaled_mm``; blockwise's block-scaled GEMM
@@ -1019,7 +1044,8 @@ class Float8Linear(nn.Linear):
                 wmeta, wcache = self._graph_wcache_meta, tuple(getattr(self, n) for n in self._GRAPH_WCACHE)
             return _Float8LinearTracedFn.apply(
                 x, self.weight, self.bias, self.fp8_bwd_count, self.recipe, self.emulate,
-                self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled(), wmeta, *wcache)
+                self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled(), self.kernel_options.triton,
+                wmeta, *wcache)
         return self._forward_eager(x, out_dtype)
 
     # The eager island: under torch.compile this call is a graph break; quantisation (fused

@@ -20,26 +20,28 @@ and scales, bit for bit, as their own quantisers give for ``y`` (the same quanti
 The values of ``y`` (and the saved ``rstd``) are the same whichever of these the pass also does,
 so the norm's output does not depend on the recipe. The backward is first-order only
 (``once_differentiable``: a second-order gradient through the fused norm raises; use
-``NEMO_FP8_FUSED_NORM=0`` for gradient penalties).
+``KernelOptions(fused_norm=False)`` for gradient penalties).
 
 Under ``torch.compile`` the plain PyTorch formula is traced instead (Inductor fuses the norm
 with its neighbours itself); on CPU, for other dtypes, rows longer than
 :data:`~nemo_fp8_recipes.quant.triton_kernels.RMSNORM_MAX_D`, tensor subclasses, or with
-``NEMO_FP8_FUSED_NORM=0`` (A/B runs) the formula runs eagerly.
+``KernelOptions(fused_norm=False)`` (or ``triton=False``) the formula runs eagerly.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from ..options import KernelOptions
 from ..quant.dispatch import triton_enabled
 from ..recipes import Granularity
 from .linear import input_prequantization, share_input_quantization
 
 __all__ = ["fused_norm_enabled", "rms_norm", "rms_norm_reference"]
+
+_ALL_ON = KernelOptions()
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -50,12 +52,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (y * weight.float()).to(x.dtype)
 
 
-def fused_norm_enabled(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def fused_norm_enabled(x: torch.Tensor, weight: torch.Tensor, options: Optional[KernelOptions] = None) -> bool:
     """Whether :func:`rms_norm` takes the fused Triton kernels: eager (not compiling), CUDA with
     Triton (:func:`~nemo_fp8_recipes.quant.dispatch.triton_enabled`), BF16 or FP32 ``x``, plain
     tensors (no subclass such as DTensor) on one device, a row of at most
-    ``RMSNORM_MAX_D`` elements, and ``NEMO_FP8_FUSED_NORM`` not ``0``."""
-    if torch.compiler.is_compiling() or os.environ.get("NEMO_FP8_FUSED_NORM", "1") == "0":
+    ``RMSNORM_MAX_D`` elements, and ``options`` (default: all on; a model's
+    :class:`~nemo_fp8_recipes.models.llama.RMSNorm` passes its own) with ``fused_norm`` and
+    ``triton`` on."""
+    opts = options if options is not None else _ALL_ON
+    if torch.compiler.is_compiling() or not (opts.fused_norm and opts.triton):
         return False
     if type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, torch.nn.Parameter):
         return False
@@ -104,14 +109,15 @@ class _RMSNormFn(torch.autograd.Function):
         return dx.view(ctx.in_shape), dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: Optional[torch.nn.Module] = None):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: Optional[torch.nn.Module] = None,
+             options: Optional[KernelOptions] = None):
     """RMSNorm of ``x``'s last dim (:func:`rms_norm_reference`'s formula), fused when
     :func:`fused_norm_enabled`. ``consumer``: the first FP8 linear that reads the result (the
     others that read it with the same recipe share with it) — when its input quantisation can
     start in the norm's pass (:func:`~nemo_fp8_recipes.nn.linear.input_prequantization`; the
     result must also be an autograd intermediate, so only with grad enabled) the norm quantises
     ``y`` for it and hands the codes over. The values of ``y`` are the same either way."""
-    if not fused_norm_enabled(x, weight):
+    if not fused_norm_enabled(x, weight, options):
         return rms_norm_reference(x, weight, eps)
     plan = None
     if consumer is not None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):

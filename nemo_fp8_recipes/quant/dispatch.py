@@ -2,15 +2,13 @@
 
 Both produce bit-identical codes and scales (checked by tests/test_triton_kernels.py on the GPU
 and under Triton's CPU interpreter), so this choice never changes the numbers — only the speed.
-Set ``NEMO_FP8_TRITON=0`` to force the reference quantisers on CUDA (debugging, A/B timing).
-``triton=False`` does the same for one call: the compile-traceable FP8 linear
-(:class:`~nemo_fp8_recipes.nn.Float8Linear` under ``torch.compile``) quantises with the reference
-quantisers, plain torch ops that the compiler fuses into its own kernels.
+``triton=False`` forces the reference quantisers for one call (an FP8 linear passes it when its
+:class:`~nemo_fp8_recipes.options.KernelOptions` say ``triton=False``; under ``torch.compile``
+those are plain torch ops that the compiler fuses into its own kernels).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -18,18 +16,12 @@ import torch
 from ..recipes import Granularity, ScaleRounding
 from .reference import QuantizedTensor, accumulate_amax, quantize
 
-__all__ = ["COMPILED_QUANTIZERS", "accumulate_amax", "compiled_quantizer", "quantize_auto", "quantize_pair_auto",
-           "triton_enabled"]
-
-#: Quantisers of the compile-traced FP8 linear on CUDA (per-tensor pairs, 1x128 groups, 128x128
-#: blocks; see :mod:`nemo_fp8_recipes.quant.ops`): the fused Triton kernels as custom operators,
-#: or the reference ops generated and fused by Inductor.
-COMPILED_QUANTIZERS = ("triton", "inductor")
+__all__ = ["accumulate_amax", "quantize_auto", "quantize_pair_auto", "triton_enabled"]
 
 
 def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
-    """True when ``x`` is on CUDA, Triton imports, and NEMO_FP8_TRITON is not 0 (and
-    ``triton`` is not False: ``False`` always picks the reference quantisers).
+    """Whether the Triton kernels run for ``x``: ``triton=None`` (auto) when ``x`` is on CUDA and
+    Triton imports; ``False`` never (the reference quantisers).
 
     ``triton=True`` asks for the kernels whatever the defaults say: on CUDA, or on CPU under
     Triton's interpreter (``TRITON_INTERPRET=1``: slow, for checking the kernels where there is
@@ -46,20 +38,11 @@ def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
             raise RuntimeError(f"triton=True: the Triton kernels run on CUDA tensors (got {x.device.type}), or on "
                                "CPU under Triton's interpreter (TRITON_INTERPRET=1 set before Triton is imported)")
         return True
-    if x.device.type != "cuda" or os.environ.get("NEMO_FP8_TRITON", "1") == "0":
+    if x.device.type != "cuda":
         return False
     from . import triton_kernels
 
     return triton_kernels.HAVE_TRITON
-
-
-def compiled_quantizer() -> str:
-    """``NEMO_FP8_COMPILED_QUANT`` (default ``triton``): which quantisers a compiled FP8 linear
-    with current scaling uses on CUDA. Read when the graph is traced."""
-    v = os.environ.get("NEMO_FP8_COMPILED_QUANT", "triton").strip().lower()
-    if v not in COMPILED_QUANTIZERS:
-        raise ValueError(f"NEMO_FP8_COMPILED_QUANT={v!r} is not valid; choose one of: {', '.join(COMPILED_QUANTIZERS)}")
-    return v
 
 
 def quantize_auto(

@@ -20,7 +20,8 @@ registered (a profiler such as Proton sets them; every launch then takes Triton'
 the hooks see it) and no pre-run hooks on the kernel. The key includes the two options
 ``JITFunction.run`` adds itself (``debug``: ``TRITON_DEBUG`` / ``knobs.runtime.debug``, and the
 instrumentation mode), so turning either on compiles and launches the kernel built for it.
-:func:`set_fast_launch` (or ``NEMO_FP8_FAST_LAUNCH=0``) turns it off, e.g. to time both paths in
+:func:`set_fast_launch` (``KernelOptions(fast_launch=False)`` through
+:func:`~nemo_fp8_recipes.nn.apply_kernel_options`) turns it off, e.g. to time both paths in
 one process; :func:`fast_launch_status` says which path launches take and why.
 
 Skipped, unlike ``JITFunction.run``: its check that the global variables a kernel reads have not
@@ -29,10 +30,11 @@ changed since it was compiled (ours read module constants only).
 
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, Tuple
 
 import torch
+
+from ..options import default_kernel_options
 
 try:  # optional, as in triton_kernels
     import triton
@@ -48,7 +50,7 @@ except Exception:  # pragma: no cover - depends on the Triton version
 
 __all__ = ["fast_launch_status", "launch", "launch_counts", "set_fast_launch"]
 
-_ENABLED = os.environ.get("NEMO_FP8_FAST_LAUNCH", "1").strip().lower() not in ("0", "false", "no", "off")
+_ENABLED = default_kernel_options().fast_launch  # (KernelOptions.fast_launch; apply_kernel_options sets it)
 # per JIT function: {(device, specialisation, options, debug, instrumentation mode): CompiledKernel}
 _CACHE: Dict[Any, Dict[Tuple, Any]] = {}
 # why the direct path is not usable here (None: it is)
@@ -96,7 +98,7 @@ def _hooks_idle() -> bool:
 def fast_launch_status() -> str:
     """``"on"``, or why launches take Triton's own path (``"off: ..."``)."""
     if not _ENABLED:
-        return "off: disabled (set_fast_launch(False) or NEMO_FP8_FAST_LAUNCH=0)"
+        return "off: disabled (KernelOptions(fast_launch=False) or set_fast_launch(False))"
     if _MISSING_API is not None:  # Triton missing, or a kernel lacked what the direct launch uses
         return f"off: {_MISSING_API}"
     if _knobs.runtime.interpret:  # (decided when the kernels were defined, at import)

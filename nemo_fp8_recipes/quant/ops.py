@@ -2,17 +2,17 @@
 compiled graphs.
 
 Under ``torch.compile`` the FP8 linear's traced path (:class:`~nemo_fp8_recipes.nn.Float8Linear`)
-must quantise with something the compiler can put in its graph. Two choices, picked by
-:func:`~nemo_fp8_recipes.quant.dispatch.compiled_quantizer` (``NEMO_FP8_COMPILED_QUANT``):
+must quantise with something the compiler can put in its graph. Two choices, picked by the
+module's :class:`~nemo_fp8_recipes.options.KernelOptions` (``triton``):
 
-``triton`` (default on CUDA)
+``triton=True`` (default, on CUDA)
     these operators — :func:`tensor_pair` (per tensor: the atomic amax pass and the one-read
     cast that writes the codes and their transpose), :func:`group_rows` / :func:`group_cols_t`
     (1x128 groups along rows, and down columns written transposed: blockwise activations and
     gradients) and :func:`blocks128` (128x128 weight blocks) — each one opaque node. The
     compiler schedules them like any extern kernel (no graph break) but cannot fuse them with
     neighbouring element-wise ops.
-``inductor``
+``triton=False``
     the reference quantisers (plain torch ops), which Inductor generates and fuses itself.
 
 Both give the same codes and scales bit for bit (the kernels are checked against the reference).

@@ -761,8 +761,9 @@ def _require_triton(*tensors: torch.Tensor):
             raise ValueError(
                 f"tensor of shape {tuple(t.shape)} ({t.numel():,} elements) is too large for the fused Triton "
                 f"quantisers, which index with 32-bit offsets (at most {INT32_MAX:,} elements): use fewer tokens "
-                "per micro-batch or shard the layer (tensor parallelism), or set NEMO_FP8_TRITON=0 to use the "
-                "reference quantisers (same codes, slower)")
+                "per micro-batch or shard the layer (tensor parallelism), or run the model with "
+                "KernelOptions(triton=False) (trainer: kernels.triton=false) to use the reference quantisers "
+                "(same codes, slower)")
 
 
 def _top_mant(fmt: Format) -> int:
