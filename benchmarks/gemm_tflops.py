@@ -54,7 +54,7 @@ from _timing import (  # noqa: E402
 )
 
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402
-from nemo_fp8_recipes.nn.linear import _contiguous_codes  # noqa: E402
+from nemo_fp8_recipes.nn.gemms import contiguous_codes  # noqa: E402
 from nemo_fp8_recipes.quant import scaled_matmul  # noqa: E402
 from nemo_fp8_recipes.quant.dispatch import quantize_auto  # noqa: E402
 from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
@@ -73,7 +73,7 @@ def fp8_operands(recipe, x, w, dy, gemm: str):
 
     def q(t, f, g, dim):
         # contiguous codes, scales as the quantiser wrote them: what Float8Linear hands the GEMM
-        return _contiguous_codes(quantize_auto(t, f, g, r.scale_rounding, dim=dim))
+        return contiguous_codes(quantize_auto(t, f, g, r.scale_rounding, dim=dim))
 
     if gemm == "fprop":  # X [M,K] · W [N,K]ᵀ, contraction K
         return (q(x, r.input_format, r.input_granularity, -1),

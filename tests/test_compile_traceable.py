@@ -306,7 +306,8 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, overrides, q
     the Triton custom operators, as on CUDA (only their fake implementations run here). Faked on
     CPU: the device check is lifted and the graph never runs (the FP8 GEMMs need the GPU); the
     ``gpu`` tests below run it on the H200."""
-    import nemo_fp8_recipes.nn.linear as L
+    import nemo_fp8_recipes.nn.autograd as A
+    import nemo_fp8_recipes.nn.gemms as G
 
     model, _ = _pair(recipe, **overrides)
     from nemo_fp8_recipes.options import KernelOptions
@@ -314,8 +315,8 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, overrides, q
     for m in _fp8(model):
         m.emulate = False
         m.kernel_options = KernelOptions(triton=quant_ops)  # (False: the reference quantisers, traced)
-    monkeypatch.setattr(L, "_check_device", lambda *a: None)
-    monkeypatch.setattr(L, "triton_enabled", lambda t, triton=None: triton is not False)  # (as on CUDA)
+    monkeypatch.setattr(A, "check_device", lambda *a: None)
+    monkeypatch.setattr(G, "triton_enabled", lambda t, triton=None: triton is not False)  # (as on CUDA)
     x, _ = _data(0)
     with pytest.raises(Exception) as info:
         torch.compile(model, backend=_capture_scaled_mm, fullgraph=True)(x.requires_grad_(True))
@@ -579,9 +580,9 @@ def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch,
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("drives the Triton operator with CPU tensors through Triton's interpreter "
                     "(TRITON_INTERPRET=1, set by tests/conftest.py on machines without CUDA)")
-    from nemo_fp8_recipes.nn import linear as linear_mod
+    from nemo_fp8_recipes.nn import gemms
 
-    monkeypatch.setattr(linear_mod, "triton_enabled", lambda t, triton=None: triton is not False)
+    monkeypatch.setattr(gemms, "triton_enabled", lambda t, triton=None: triton is not False)
     model, ref = _pair(recipe)
     x, dy = _data(0)
     ex, reasons = _break_reasons(model, x)

@@ -53,13 +53,15 @@ def test_the_compiled_forward_reads_the_cache_and_quantises_once_per_step(monkey
     """What the cache changes: the weight quantiser runs once per optimizer step (eagerly, in the
     step's hook), not in each micro-batch's graph; and the compiled forward really reads the
     buffers — overwriting them changes its output until the next refresh."""
+    import nemo_fp8_recipes.nn.autograd as autograd_mod
     import nemo_fp8_recipes.nn.linear as lin
 
     model, ref = _pair("tensorwise")
     set_graph_weight_cache(model)
     calls = []
-    real = lin._quantize_weight
-    monkeypatch.setattr(lin, "_quantize_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = lin.quantize_weight
+    for mod in (lin, autograd_mod):  # (the cache's refresh, the traced forward)
+        monkeypatch.setattr(mod, "quantize_weight", lambda *a, **k: calls.append(1) or real(*a, **k))
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, dy = _data(0)

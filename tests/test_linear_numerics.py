@@ -260,7 +260,7 @@ def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     import gc
     import threading
 
-    import nemo_fp8_recipes.nn.linear as lin
+    import nemo_fp8_recipes.nn.shared_input as lin
 
     calls = _count_input_quantisations(monkeypatch)
     x = structured(64, 128, seed=4).requires_grad_() * 1.0
@@ -298,15 +298,15 @@ def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
         assert all(torch.equal(m(xi), o) for m, o in zip(inside, outs))
     y = torch.randn(64, 128, requires_grad=True) * 1.0
     a(y)
-    assert lin._SHARED_INPUT.entry[0]() is y
+    assert lin.SHARED_INPUT.entry[0]() is y
     seen = []
-    t = threading.Thread(target=lambda: seen.append(lin._SHARED_INPUT.entry))
+    t = threading.Thread(target=lambda: seen.append(lin.SHARED_INPUT.entry))
     t.start()
     t.join()
     assert seen == [None]  # another thread has its own (empty) entry
     del y
     gc.collect()
-    assert lin._SHARED_INPUT.entry is None
+    assert lin.SHARED_INPUT.entry is None
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])

@@ -395,12 +395,12 @@ def test_fused_wgrad_accumulation_trains_like_unfused(tmp_path, token_cache, mon
     run is the unfused run, loss for loss; under compile it is refused with the fix."""
     args = ["recipe=tensorwise", "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0",
             "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.checkpoint=false"]
-    from nemo_fp8_recipes.nn import fp8_modules, linear
+    from nemo_fp8_recipes.nn import fp8_modules, gemms
 
     plain = train(_cfg(tmp_path / "plain", token_cache, *args))
     calls = []
-    real = linear._accumulate_wgrad
-    monkeypatch.setattr(linear, "_accumulate_wgrad", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = gemms.accumulate_wgrad
+    monkeypatch.setattr(gemms, "accumulate_wgrad", lambda *a, **k: calls.append(1) or real(*a, **k))
     fused = train(_cfg(tmp_path / "fused", token_cache, *args, "trainer.fuse_wgrad_accumulation=true"))
     assert fused.losses == plain.losses
     n_fp8 = len(fp8_modules(fused.model))

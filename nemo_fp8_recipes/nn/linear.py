@@ -26,10 +26,17 @@ optional hook max-reduces pending amaxes across data-parallel ranks before each 
 update schedule (per use, or once per optimizer step with one collective for the whole model)
 lives in :mod:`nemo_fp8_recipes.nn.scaling`.
 
-Two autograd functions share the GEMM code (:func:`_fprop`, :func:`_grads`): the eager one
-(:class:`_Float8LinearFn`: fused Triton quantisers on CUDA, weight cache, delayed scaling,
+This module holds the module itself (set-up, weight caches, delayed-scaling state, counters,
+telemetry, which path runs); the GEMMs and operand quantisation are in
+:mod:`~nemo_fp8_recipes.nn.gemms`, the autograd functions in :mod:`~nemo_fp8_recipes.nn.autograd`,
+the input sharing in :mod:`~nemo_fp8_recipes.nn.shared_input`, the fused wgrad accumulation's checks
+in :mod:`~nemo_fp8_recipes.nn.wgrad_fusion` and the optimizer-step hook in
+:mod:`~nemo_fp8_recipes.nn.weight_cache`.
+
+Two autograd functions share the GEMM code (:func:`~.gemms.fprop`, :func:`~.gemms.grads`): the eager one
+(:class:`~.autograd.Float8LinearFn`: fused Triton quantisers on CUDA, weight cache, delayed scaling,
 telemetry) and, under ``torch.compile``, a traceable one for the current-scaling recipes
-(:class:`_Float8LinearTracedFn`: on CUDA the same Triton quantisers as custom operators, else the
+(:class:`~.autograd.Float8LinearTracedFn`: on CUDA the same Triton quantisers as custom operators, else the
 reference quantisers, which the compiler fuses into its own kernels; no Python-side state), so a
 compiled model has no graph break at its FP8 linears.
 :meth:`Float8Linear.forward` says which path runs when.
@@ -38,538 +45,31 @@ compiled model has no graph break at its FP8 linears.
 from __future__ import annotations
 
 import functools
-import threading
-import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional
 
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from ..quant.gemm import scaled_matmul
+from ..options import KernelOptions, default_kernel_options
+from ..quant.delayed import advance_delayed_scaling
 from ..quant.dispatch import quantize_auto as quantize
 from ..quant.dispatch import accumulate_amax, quantize_pair_auto, triton_enabled
-from ..quant.reference import QuantizedTensor, STAT_NAMES, quantization_stats
-from ..recipes import Format, Granularity, Recipe, ScaleRounding
-from ..quant.delayed import advance_delayed_scaling
-from ..options import KernelOptions, default_kernel_options
+from ..quant.reference import STAT_NAMES, quantization_stats
+from ..recipes import Granularity, Recipe, ScaleRounding
+from .autograd import Float8LinearFn, Float8LinearTracedFn, Float8SwiGLULinearFn
+from .gemms import OPERANDS, W, check_device, operand_spec, pack_meta, pack_tensors, quantize_plain, quantize_weight
+from .shared_input import input_prequantization, share_input_quantization
+from .weight_cache import GRAPH_CACHED, OPTIMIZER_GENERATION, install_optimizer_hook
+from .wgrad_fusion import check_wgrad_fusion
 
-__all__ = ["Float8Linear", "OPERANDS", "fp8_modules", "input_prequantization", "share_input_quantization"]
-
-OPERANDS = ("input", "weight", "grad_output")
-_IN, _W, _GO = 0, 1, 2
-
-# Every optimizer step, of any optimizer, bumps this generation; the FP8 weight cache is keyed on
-# it as well as on the weight's version counter, because fused and foreach optimizers (e.g.
-# ``AdamW(fused=True)``) update parameters without bumping ``Tensor._version``. Between steps
-# (gradient-accumulation micro-batches) the cached FP8 weight is reused.
-_OPTIMIZER_GENERATION = [0]
-
-
-# FP8 linears whose compiled (traced) forward reads an FP8 weight cached in buffers
-# (:meth:`Float8Linear.set_graph_weight_cache`); an optimizer step re-quantises those of its params.
-_GRAPH_CACHED: "weakref.WeakSet[Float8Linear]" = weakref.WeakSet()
-
-
-def _bump_generation(optimizer, args, kwargs) -> None:
-    _OPTIMIZER_GENERATION[0] += 1
-    if len(_GRAPH_CACHED):
-        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        for m in list(_GRAPH_CACHED):
-            if id(m.weight) in stepped:
-                m.refresh_graph_weight_cache()
-
-
-_HOOK = []  # the optimizer hook's handle, once installed
-
-
-def _install_optimizer_hook() -> None:
-    """Register :func:`_bump_generation` as a global optimizer step hook, once, when the first
-    FP8 linear is built (importing the package installs nothing)."""
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_post_hook(_bump_generation))
+__all__ = ["Float8Linear", "OPERANDS", "check_wgrad_fusion", "fp8_modules", "input_prequantization",
+           "share_input_quantization"]
 
 
 def _out_dtype_for(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
-
-
-def _meta(q: Optional[QuantizedTensor]):
-    if q is None:
-        return None
-    return (q.block, q.fmt, q.scale_e8m0 is not None)
-
-
-def _tensors(q: Optional[QuantizedTensor]):
-    if q is None:
-        return ()
-    return (q.data, q.scale_inv, q.scale_e8m0 if q.scale_e8m0 is not None else q.scale_inv)
-
-
-def _rebuild(meta, tensors) -> Optional[QuantizedTensor]:
-    if meta is None:
-        return None
-    block, fmt, has_e8m0 = meta
-    data, scale_inv, e8m0 = tensors
-    return QuantizedTensor(data=data, scale_inv=scale_inv, block=block, fmt=fmt,
-                           amax=scale_inv, scale_e8m0=e8m0 if has_e8m0 else None)
-
-
-def _operand_spec(recipe: Recipe, i: int):
-    """(format, granularity) of operand ``i`` (input, weight, grad_output) under ``recipe``."""
-    fmt = (recipe.input_format, recipe.weight_format, recipe.grad_format)[i]
-    gran = (recipe.input_granularity, recipe.weight_granularity, recipe.grad_granularity)[i]
-    return fmt, gran
-
-
-def _quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False, triton: bool = True):
-    """Stateless current scaling of operand ``i``: the quantiser of the compile-traced path.
-    On CUDA the fused Triton kernels run as custom operators (:mod:`nemo_fp8_recipes.quant.ops`:
-    per-tensor pairs, 1x128 groups along rows and down columns, 128x128 weight blocks) unless
-    ``triton`` is False (the module's ``KernelOptions.triton``); everything else (and E8M0
-    scales) uses the reference quantisers (plain torch ops, which the compiler fuses into its own
-    kernels). Same codes either way, and on CPU the same calls as
-    :meth:`Float8Linear._quantize_operand` of a current-scaling recipe in eager mode."""
-    fmt, gran = _operand_spec(recipe, i)
-    rounding = recipe.scale_rounding
-    if triton and triton_enabled(t):
-        from ..quant import ops
-
-        if gran is Granularity.TENSOR and pair:
-            q, qt, si, amax = ops.tensor_pair(t, fmt.value, rounding.value)
-            return (QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
-                    QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax))
-        if gran is Granularity.TILE_1x128 and rounding in (ScaleRounding.FP32, ScaleRounding.POW2):
-            q, si = ops.group_rows(t, fmt.value, 128, rounding.value)
-            rows = QuantizedTensor(data=q, scale_inv=si, block=(1, 128), fmt=fmt, amax=si)
-            if not pair:
-                return rows
-            qt, sit = ops.group_cols_t(t, fmt.value, 128, rounding.value)
-            return rows, QuantizedTensor(data=qt, scale_inv=sit, block=(1, 128), fmt=fmt, amax=sit)
-        if gran is Granularity.BLOCK_128x128:
-            q, si = ops.blocks128(t, fmt.value, rounding.value)
-            q = QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
-            # the pair's second copy (a weight's dgrad operand) is the transposed view, whose
-            # contiguous codes the compiler's own transpose writes: on the H200 that is faster
-            # than the one-pass pair kernel eager mode uses (0.19 vs 0.28 ms at 8192x14336 BF16)
-            return (q, q.t()) if pair else q
-    return _quantize_plain(recipe, i, t, pair, triton=False)
-
-
-def _quantize_plain(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False, triton: Optional[bool] = None):
-    """Stateless current scaling of operand ``i`` through the dispatch (``quantize_auto`` /
-    ``quantize_pair_auto``; ``triton``: None picks the fused kernels where they run)."""
-    fmt, gran = _operand_spec(recipe, i)
-    if pair:
-        return quantize_pair_auto(t, fmt, gran, recipe.scale_rounding, triton=triton)
-    return quantize(t, fmt, gran, recipe.scale_rounding, dim=-1, triton=triton)
-
-
-def _contiguous_codes(q: QuantizedTensor) -> QuantizedTensor:
-    """``q`` with row-major codes (what ``torch._scaled_mm`` wants for its first operand and, as
-    the transpose of a row-major tensor, for its second)."""
-    return QuantizedTensor(data=q.data.contiguous(), scale_inv=q.scale_inv, block=q.block,
-                           fmt=q.fmt, amax=q.amax, scale_e8m0=q.scale_e8m0)
-
-
-def _quantize_weight(w: torch.Tensor, recipe: Recipe, emulate: bool, quantize_operand):
-    """``(W quantised along K as [N, K], W quantised along N as [K, N])`` from ``w`` (detached),
-    with ``quantize_operand(i, t, pair=True)`` — the module's (eager) or the stateless one.
-    Per tensor the two share the scale; 1xN groups are taken along N for dgrad; 128x128 blocks
-    are symmetric, so the second copy is the first transposed (real GEMMs: its codes written by
-    the same pass of the Triton kernel in eager mode, by the compiler's transpose when traced;
-    emulated: a transposed view, as the emulated GEMM takes any layout)."""
-    if emulate and recipe.weight_granularity is Granularity.BLOCK_128x128:
-        q = quantize_operand(_W, w)
-        return q, q.t()
-    q, qt = quantize_operand(_W, w, pair=True)
-    if not emulate:
-        q, qt = _contiguous_codes(q), _contiguous_codes(qt)
-    return q, qt
-
-
-# ---- one quantisation of an input shared by the eager FP8 linears that read it ---------------
-class _SharedInput(threading.local):
-    """The last stateless input quantisation of the eager FP8 linears, for the next linear that
-    reads the same tensor: a transformer's q/k/v projections all take the attention norm's
-    output, its gate and up projections the MLP norm's, so with current scaling (tensorwise,
-    blockwise, mxfp8) they would quantise the same values to the same codes three and two times,
-    and save the wgrad copy for backward as often.
-
-    One entry per thread: the input tensor (weakly referenced: freeing it drops the entry and
-    its codes), its version counter (an in-place change invalidates it), the CUDA stream it was
-    quantised on, and the results per quantisation spec — replaced as a whole, never mutated in
-    place. Only autograd intermediates are shared (:func:`_input_quantizer`): a leaf — a
-    parameter, a buffer, a static input — can be changed without its version counter moving
-    (fused optimizers, ``.data``, NumPy or DLPack views, CUDA-graph replays), an intermediate is
-    made anew by every forward. The compile-traced path (current scaling without telemetry)
-    does not come here, the compiler de-duplicates those calls itself."""
-
-    entry = None  # (weakref to x, x._version, stream, {spec: (q, qt or None)})
-
-    def _drop(self, ref) -> None:
-        if self.entry is not None and self.entry[0] is ref:
-            self.entry = None
-
-    def get(self, x: torch.Tensor, stream, spec: tuple, pair: bool):
-        e = self.entry
-        if e is None or e[0]() is not x or e[1] != x._version or e[2] != stream:
-            return None
-        got = e[3].get(spec)
-        if got is None or (pair and got[1] is None):
-            return None
-        return got if pair else (got[0], None)
-
-    def put(self, x: torch.Tensor, stream, spec: tuple, result: tuple) -> None:
-        e = self.entry
-        if e is None or e[0]() is not x or e[1] != x._version or e[2] != stream:
-            self.entry = (weakref.ref(x, self._drop), x._version, stream, {spec: result})
-        else:
-            self.entry = (*e[:3], {**e[3], spec: result})
-
-
-_SHARED_INPUT = _SharedInput()
-
-
-def _shareable(mod: "Float8Linear", x: torch.Tensor) -> bool:
-    """:func:`_input_quantizer`'s conditions on the module and the moment (not on ``x``'s
-    ``grad_fn``, which a producer checks once it has made ``x``)."""
-    return not (mod.recipe.is_delayed or mod.telemetry_enabled
-                or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-                or not mod.kernel_options.shared_input)
-
-
-def _share_key(mod: "Float8Linear", x: torch.Tensor):
-    """(quantisation spec, CUDA stream) under which ``mod``'s input quantisation of ``x`` is shared."""
-    r = mod.recipe
-    spec = (type(mod), *_operand_spec(r, _IN), r.scale_rounding, mod.emulate, mod._row_multiple)
-    return spec, (torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None)
-
-
-def input_prequantization(mod, x: torch.Tensor) -> Optional[Tuple[Format, Granularity, ScaleRounding]]:
-    """What the producer of ``mod``'s coming input ``x`` — the fused RMSNorm
-    (:func:`nemo_fp8_recipes.nn.norm.rms_norm`) — may quantise for it in its own pass and hand over
-    with :func:`share_input_quantization`: ``(format, granularity, rounding)`` of ``mod``'s input
-    when that is per tensor or 1x32 / 1x128 along rows and ``mod`` shares its input quantisation
-    (:func:`_input_quantizer`: an eager FP8 linear with current scaling and telemetry off, no CUDA
-    graph being captured, ``KernelOptions.shared_input`` on) with a trainable weight (the pair
-    includes the wgrad copy) and takes ``x``'s rows unpadded; else None. ``x``: the producer's input (same rows, device)."""
-    if (not isinstance(mod, Float8Linear) or torch.compiler.is_compiling() or not _shareable(mod, x)
-            or not mod.weight.requires_grad):  # a frozen weight takes no wgrad copy of x
-        return None
-    fmt, gran = _operand_spec(mod.recipe, _IN)
-    if gran is not Granularity.TENSOR and gran.block not in ((1, 32), (1, 128)):
-        return None
-    rows = x.numel() // max(x.shape[-1], 1)
-    if not mod.emulate and rows % mod._row_multiple:
-        return None
-    return fmt, gran, mod.recipe.scale_rounding
-
-
-def share_input_quantization(mod, x: torch.Tensor, q: QuantizedTensor, q_wgrad: QuantizedTensor) -> bool:
-    """Hand ``mod`` (and the other FP8 linears that read ``x`` with the same spec) the pair its
-    input quantisation of ``x`` would give — ``(x`` quantised along its last dim, the wgrad copy
-    ``[K, rows]``) for :func:`input_prequantization`'s spec, bit-identical to what ``mod`` would
-    compute (the caller's contract). Only for an autograd intermediate ``x`` (returns False and
-    keeps nothing otherwise)."""
-    if x.grad_fn is None or input_prequantization(mod, x) is None:
-        return False
-    spec, stream = _share_key(mod, x)
-    _SHARED_INPUT.put(x, stream, spec, (q, q_wgrad))
-    return True
-
-
-def _input_quantizer(mod: "Float8Linear", x: torch.Tensor):
-    """``mod._quantize_operand``, sharing the input's quantisation with the other eager FP8
-    linears that read the same ``x`` (:class:`_SharedInput`) where that is safe and gives the
-    same codes: current scaling (delayed scaling's scale is per module), telemetry off (it
-    records statistics per module), ``x`` an autograd intermediate (it has a ``grad_fn``; so
-    never under ``torch.no_grad``), not while a CUDA graph is captured (the graph must contain
-    its own quantisation). ``KernelOptions(shared_input=False)`` turns the sharing off (A/B runs)."""
-    if x.grad_fn is None or not _shareable(mod, x):
-        return mod._quantize_operand
-    spec, stream = _share_key(mod, x)
-
-    def quantize_operand(i: int, t: torch.Tensor, pair: bool = False):
-        if i != _IN:
-            return mod._quantize_operand(i, t, pair=pair)
-        got = _SHARED_INPUT.get(x, stream, spec, pair)
-        if got is None:
-            got = mod._quantize_operand(i, t, pair=True) if pair else (mod._quantize_operand(i, t), None)
-            _SHARED_INPUT.put(x, stream, spec, got)
-        return got if pair else got[0]
-
-    return quantize_operand
-
-
-# ---- the three GEMMs, shared by the eager and the compile-traced autograd functions ----------
-def _check_device(x: torch.Tensor, emulate: bool, fqn: str) -> None:
-    if not emulate and x.device.type != "cuda":
-        raise RuntimeError(
-            f"{fqn or 'Float8Linear'} was converted for real FP8 GEMMs but got an input on "
-            f"{x.device}; convert the model on the device it runs on, or use emulate=True"
-        )
-
-
-def _fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple: int, out_dtype,
-           quantize_operand, grad_enabled: bool):
-    """fprop of ``x`` (any leading dims) with ``weights`` = (W along K, W along N) from
-    :func:`_quantize_weight`: returns ``(y, tensors to save)`` and records on ``ctx`` what
-    :func:`_grads` needs. ``grad_enabled``: the caller's grad mode (inside ``forward`` autograd
-    is always off, and ``ctx.needs_input_grad`` says True for a trainable weight even under
-    ``torch.no_grad``), so evaluation skips the wgrad copy of ``x``."""
-    in_shape = x.shape
-    x2 = x.reshape(-1, in_shape[-1])
-    m = x2.shape[0]
-    pad = (-m) % row_multiple if not emulate else 0
-    if pad:
-        x2 = torch.cat([x2, x2.new_zeros(pad, x2.shape[1])])
-    w_fprop, w_dgrad = weights
-    if ctx.needs_input_grad[1] and grad_enabled:  # both copies of X from one read (fprop rows, wgrad columns)
-        qx, qx_wgrad = quantize_operand(_IN, x2, pair=True)
-    else:
-        qx, qx_wgrad = quantize_operand(_IN, x2), None
-    y = scaled_matmul(
-        qx, w_fprop, emulate=emulate, out_dtype=out_dtype, fast_accum=recipe.fprop.fast_accum,
-        bias=bias,
-    )[:m]
-    # Save only FP8 codes and the scales the GEMMs consume, through save_for_backward so
-    # saved-tensor hooks (offloading, activation checkpointing) see them.
-    ctx.qx_meta = _meta(qx_wgrad)
-    ctx.w_meta = _meta(w_dgrad)
-    ctx.has_bias = bias is not None
-    ctx.x_dtype = x.dtype
-    ctx.in_shape = in_shape
-    ctx.m, ctx.pad = m, pad
-    return y.reshape(*in_shape[:-1], y.shape[-1]), (*_tensors(qx_wgrad), *_tensors(w_dgrad))
-
-
-def _grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_operand,
-           need_dx: Optional[bool] = None, accumulate_into: Optional[torch.Tensor] = None):
-    """dgrad and wgrad (each only if needed) and the bias gradient from ``dy`` and the tensors
-    :func:`_fprop` saved: returns ``(dx, dw, db)``, None for a gradient not needed (``need_dx``:
-    whether dgrad runs; default: whether the input needs a gradient). ``accumulate_into``: an
-    FP32 gradient the wgrad is added into in place (:func:`_accumulate_wgrad`), which is then
-    returned as ``dw``."""
-    if need_dx is None:
-        need_dx = ctx.needs_input_grad[0]
-    dy2 = dy.reshape(-1, dy.shape[-1])
-    if ctx.pad:
-        dy2 = torch.cat([dy2, dy2.new_zeros(ctx.pad, dy2.shape[1])])
-    dx = dw = db = None
-    n_qx = 0 if ctx.qx_meta is None else len(saved) - 3
-    saved_qx = _rebuild(ctx.qx_meta, saved[:n_qx])
-    saved_w = _rebuild(ctx.w_meta, saved[n_qx:])
-    need_w = ctx.needs_input_grad[1] and saved_qx is not None
-    if need_w:
-        qdy, qdy_wgrad = quantize_operand(_GO, dy2, pair=True)
-    else:
-        qdy, qdy_wgrad = quantize_operand(_GO, dy2), None
-    if need_dx:
-        dx = scaled_matmul(
-            qdy, saved_w, emulate=emulate, out_dtype=ctx.x_dtype,
-            fast_accum=recipe.dgrad.fast_accum,
-        )[: ctx.m]
-        dx = dx.reshape(ctx.in_shape)
-    if need_w and accumulate_into is not None:
-        dw = _accumulate_wgrad(qdy_wgrad, saved_qx, accumulate_into, emulate=emulate,
-                               fast_accum=recipe.wgrad.fast_accum)
-    elif need_w:
-        dw = scaled_matmul(
-            qdy_wgrad, saved_qx, emulate=emulate, out_dtype=torch.float32,
-            fast_accum=recipe.wgrad.fast_accum,
-        ).to(w_dtype)
-    if ctx.has_bias and ctx.needs_input_grad[2]:
-        db = dy2[: ctx.m].float().sum(0)
-    return dx, dw, db
-
-
-def _accumulate_wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, grad: torch.Tensor, *, emulate: bool,
-                      fast_accum: bool) -> torch.Tensor:
-    """``grad += dYᵀ · X`` in FP32, in place. Real per-tensor and blockwise GEMMs add in the GEMM
-    itself (cuBLASLt with ``beta = 1``: :func:`~nemo_fp8_recipes.quant.cublaslt.fp8_matmul_accumulate`),
-    so the weight-sized FP32 product is never written; emulation and real MXFP8 (whose E8M0 GEMM
-    has no accumulating form here) compute the product and add it."""
-    per_tensor = qdy.block is None and qx.block is None
-    blocks = qdy.block == (1, 128) and qx.block == (1, 128)
-    if not emulate and (per_tensor or blocks):
-        from ..quant.cublaslt import fp8_matmul_accumulate
-        from ..quant.scaled_mm import outer_major, scalar_scale
-
-        def scale(q):  # each scale as the non-accumulating GEMM dispatch passes it
-            return scalar_scale(q.scale_inv) if per_tensor else outer_major(q.scale_inv.float())
-
-        return fp8_matmul_accumulate(qdy.data, scale(qdy), qx.data, scale(qx), grad, block=blocks,
-                                     fast_accum=fast_accum and per_tensor)
-    return grad.add_(scaled_matmul(qdy, qx, emulate=emulate, out_dtype=torch.float32, fast_accum=fast_accum))
-
-
-def _wgrad_target(mod: "Float8Linear", ctx) -> Optional[torch.Tensor]:
-    """The gradient a fused wgrad accumulates into (:attr:`Float8Linear.fuse_wgrad_accumulation`):
-    ``weight.grad`` when it exists and this backward (a ``.backward()``, not ``autograd.grad`` or
-    a ``backward(inputs=...)`` that leaves the weight out; no ``create_graph``) is going to
-    accumulate into it; else None (the wgrad is returned to autograd as usual)."""
-    w = mod.weight
-    g = w.grad
-    if g is None or not ctx.needs_input_grad[1] or torch.is_grad_enabled():
-        return None
-    node = mod._grad_accumulator()
-    try:
-        if not torch._C._will_engine_execute_node(node):
-            return None
-    except RuntimeError:  # autograd.grad(): gradients are returned, not accumulated
-        return None
-    check_wgrad_fusion(mod)
-    if (g.dtype != torch.float32 or g.shape != w.shape or not g.is_contiguous() or g.device != w.device
-            or g.data_ptr() % 16):
-        raise RuntimeError(
-            f"{mod.fqn or 'Float8Linear'}: fuse_wgrad_accumulation accumulates into a contiguous, 16-byte aligned "
-            f"float32 weight.grad of shape {tuple(w.shape)} on {w.device}; got {g.dtype} {tuple(g.shape)} on "
-            f"{g.device}{'' if g.is_contiguous() else ' (not contiguous)'}"
-            f"{' at a misaligned address' if g.data_ptr() % 16 else ''} — keep FP32 master weights and their own "
-            "gradient tensors, or turn it off (set_wgrad_accumulation_fusion(model, False))")
-    return g
-
-
-def check_wgrad_fusion(mod: "Float8Linear") -> None:
-    """Refuse fused wgrad accumulation where it would change results: weights that are not FP32
-    (gradients must accumulate in FP32) and gradient hooks on the weight, which run in — or
-    receive what goes to — AccumulateGrad, which the fused GEMM bypasses."""
-    w, name = mod.weight, mod.fqn or "Float8Linear"
-    if w.dtype != torch.float32:
-        raise RuntimeError(f"{name}: fuse_wgrad_accumulation accumulates FP32 gradients, and this weight is "
-                           f"{w.dtype}; keep FP32 master weights, or turn it off (set_wgrad_accumulation_fusion"
-                           "(model, False))")
-    hooks = [kind for kind, attr in (("register_hook", "_backward_hooks"),
-                                     ("register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks"))
-             if getattr(w, attr, None)]
-    if hooks:
-        raise RuntimeError(f"{name}: fuse_wgrad_accumulation adds the weight gradient inside the GEMM, so the "
-                           f"weight's {' and '.join(hooks)} hooks would never see it; turn it off for this module "
-                           "(set_wgrad_accumulation_fusion(module, False))")
-
-
-class _Float8LinearFn(torch.autograd.Function):
-    """Eager path: the module's quantisers (fused Triton kernels on CUDA), FP8 weight cache,
-    delayed-scaling state, telemetry and Python GEMM counters."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, mod: "Float8Linear", out_dtype: torch.dtype, grad_enabled: bool):
-        _check_device(x, mod.emulate, mod.fqn)
-        return _module_fprop(ctx, x, weight, bias, mod, out_dtype, _input_quantizer(mod, x), grad_enabled)
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw, db = _module_grads(ctx, dy, ctx.saved_tensors)
-        return dx, dw, db, None, None, None
-
-
-def _module_fprop(ctx, x, weight, bias, mod: "Float8Linear", out_dtype, quantize_operand, grad_enabled: bool,
-                  keep=()):
-    """The eager autograd functions' forward: :func:`_fprop` with the module's cached FP8 weight
-    and ``quantize_operand``, the fprop count, and the saved tensors (plus ``keep``, appended)."""
-    y, to_save = _fprop(
-        ctx, x, bias, mod._quantized_weight(), recipe=mod.recipe, emulate=mod.emulate,
-        row_multiple=mod._row_multiple, out_dtype=out_dtype, quantize_operand=quantize_operand,
-        grad_enabled=grad_enabled,
-    )
-    mod._count("fprop")
-    ctx.save_for_backward(*to_save, *keep)
-    ctx.mod = mod
-    ctx.w_dtype = weight.dtype
-    return y
-
-
-def _module_grads(ctx, dy, saved, need_dx: Optional[bool] = None):
-    """The eager autograd functions' dgrad/wgrad (:func:`_grads` with the module's quantisers),
-    counted."""
-    mod: Float8Linear = ctx.mod
-    into = _wgrad_target(mod, ctx) if mod.fuse_wgrad_accumulation else None
-    dx, dw, db = _grads(ctx, dy, saved, recipe=mod.recipe, emulate=mod.emulate, w_dtype=ctx.w_dtype,
-                        quantize_operand=mod._quantize_operand, need_dx=need_dx, accumulate_into=into)
-    if dx is not None:
-        mod._count("dgrad")
-    if dw is not None:
-        mod._count("wgrad")
-        if dw is into:  # already in weight.grad: autograd gets no gradient to add
-            dw = None
-    return dx, dw, db
-
-
-class _Float8SwiGLULinearFn(torch.autograd.Function):
-    """The eager path for ``x = F.silu(g) * u``, fused (:meth:`Float8Linear.fuses_swiglu`): the
-    input's per-tensor codes and their transpose are computed from ``g`` and ``u`` by the Triton
-    quantisers — delayed scaling inside its one-pass cast (the activation is never written),
-    current scaling in its amax pass, which writes the activation once for the cast to read
-    (:func:`~nemo_fp8_recipes.quant.triton_kernels.quantize_tensor_dual`). Backward turns the dgrad
-    output into ``(dg, du)`` in one kernel
-    (:func:`~nemo_fp8_recipes.quant.triton_kernels.swiglu_backward`) instead of autograd's
-    three. Saves ``g`` and ``u`` (autograd of the unfused SwiGLU saves them too, and SiLU's
-    output)."""
-
-    @staticmethod
-    def forward(ctx, u, weight, bias, g, mod: "Float8Linear", out_dtype: torch.dtype, grad_enabled: bool):
-        g2 = g.reshape(-1, g.shape[-1])
-
-        def quantize_operand(i, t, pair=False):
-            return mod._quantize_operand(i, t, pair=pair, gate=g2 if i == _IN else None)
-
-        return _module_fprop(ctx, u, weight, bias, mod, out_dtype, quantize_operand, grad_enabled, keep=(g, u))
-
-    @staticmethod
-    def backward(ctx, dy):
-        from ..quant.triton_kernels import swiglu_backward
-
-        *saved, g, u = ctx.saved_tensors
-        dact, dw, db = _module_grads(ctx, dy, saved, need_dx=ctx.needs_input_grad[0] or ctx.needs_input_grad[3])
-        dg = du = None
-        if dact is not None:
-            dg, du = swiglu_backward(dact.contiguous(), g, u)
-        return du, dw, db, dg, None, None, None
-
-
-class _Float8LinearTracedFn(torch.autograd.Function):
-    """Compile-traceable path (current scaling only): no Python-side state. The quantisers of
-    :func:`_quantize_current` (Triton custom operators on CUDA, else the reference quantisers in
-    plain torch ops) and the GEMM dispatch of :mod:`nemo_fp8_recipes.quant.gemm`,
-    the weight quantised in every forward — or, given ``wmeta`` and the six ``wcache`` tensors
-    (the module's compiled weight cache, :meth:`Float8Linear.set_graph_weight_cache`), read from
-    them — and the dgrad/wgrad counts added in-graph to ``bwd_counts`` (an int64 buffer of the
-    module, only ever mutated in backward)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, bwd_counts, recipe: Recipe, emulate: bool,
-                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool, triton: bool, wmeta,
-                *wcache):
-        _check_device(x, emulate, fqn)
-        quantize_operand = functools.partial(_quantize_current, recipe, triton=triton)
-        if wmeta is None:  # quantised here, in the graph
-            weights = _quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
-        else:  # the module's cached FP8 weight (buffers re-quantised after each optimizer step)
-            weights = (_rebuild(wmeta[0], wcache[:3]), _rebuild(wmeta[1], wcache[3:]))
-        y, to_save = _fprop(
-            ctx, x, bias, weights, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
-            out_dtype=out_dtype, quantize_operand=quantize_operand, grad_enabled=grad_enabled,
-        )
-        ctx.save_for_backward(*to_save, bwd_counts)
-        ctx.recipe, ctx.emulate, ctx.triton = recipe, emulate, triton
-        ctx.w_dtype = weight.dtype
-        ctx.n_wcache = len(wcache)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        *saved, bwd_counts = ctx.saved_tensors
-        dx, dw, db = _grads(ctx, dy, saved, recipe=ctx.recipe, emulate=ctx.emulate,
-                            w_dtype=ctx.w_dtype,
-                            quantize_operand=functools.partial(_quantize_current, ctx.recipe, triton=ctx.triton))
-        if dx is not None:
-            bwd_counts[0].add_(1)
-        if dw is not None:
-            bwd_counts[1].add_(1)
-        return (dx, dw, db, None, None, None, None, None, None, None, None, None) + (None,) * ctx.n_wcache
 
 
 class Float8Linear(nn.Linear):
@@ -621,7 +121,7 @@ class Float8Linear(nn.Linear):
         self.recipe = recipe
         self.emulate = bool(emulate)
         self.kernel_options = options if options is not None else default_kernel_options()
-        _install_optimizer_hook()
+        install_optimizer_hook()
         self._row_multiple = recipe.gemm_alignment
         self.fqn = ""
         self.role = "linear"
@@ -659,11 +159,11 @@ class Float8Linear(nn.Linear):
 
     def __setstate__(self, state) -> None:  # copy.deepcopy, pickle: the copy's cache is refreshed too
         super().__setstate__(state)
-        _install_optimizer_hook()  # (an unpickled module may be this process's first)
+        install_optimizer_hook()  # (an unpickled module may be this process's first)
         if "kernel_options" not in self.__dict__:  # (a module pickled before it had options)
             self.kernel_options = default_kernel_options()
         if getattr(self, "_graph_wcache_on", False):
-            _GRAPH_CACHED.add(self)
+            GRAPH_CACHED.add(self)
 
     def extra_repr(self) -> str:
         mode = "emulated" if self.emulate else "real"
@@ -752,7 +252,7 @@ class Float8Linear(nn.Linear):
         refused."""
         if not enabled:
             self._graph_wcache_on = False
-            _GRAPH_CACHED.discard(self)
+            GRAPH_CACHED.discard(self)
             for name in self._GRAPH_WCACHE:
                 self._buffers.pop(name, None)
                 self._non_persistent_buffers_set.discard(name)
@@ -767,7 +267,7 @@ class Float8Linear(nn.Linear):
                              f"weight tensor, got {type(self.weight.data).__name__} on {self.weight.device} "
                              "(a DTensor / FSDP2 weight is re-quantised in the graph)")
         self._graph_wcache_on = True
-        _GRAPH_CACHED.add(self)
+        GRAPH_CACHED.add(self)
         self.refresh_graph_weight_cache()
 
     @torch.no_grad()
@@ -785,9 +285,9 @@ class Float8Linear(nn.Linear):
                                "(e.g. fully_shard) after set_graph_weight_cache; the cached FP8 weight would be the "
                                "unsharded old one. Call set_graph_weight_cache(model, False) before sharding")
         # current scaling, the eager quantisers (the fused kernels on CUDA), no module state
-        q_f, q_d = _quantize_weight(w, self.recipe, self.emulate,
-                                    functools.partial(_quantize_plain, self.recipe, triton=self._triton_arg()))
-        new = (*_tensors(q_f), *_tensors(q_d))
+        q_f, q_d = quantize_weight(w, self.recipe, self.emulate,
+                                    functools.partial(quantize_plain, self.recipe, triton=self._triton_arg()))
+        new = (*pack_tensors(q_f), *pack_tensors(q_d))
         for name, t in zip(self._GRAPH_WCACHE, new):
             old = self._buffers.get(name)
             if (old is not None and old.shape == t.shape and old.dtype == t.dtype and old.device == t.device
@@ -795,7 +295,7 @@ class Float8Linear(nn.Linear):
                 old.copy_(t)
             else:  # (empty_like keeps t's strides: the GEMMs' layouts)
                 self.register_buffer(name, torch.empty_like(t).copy_(t), persistent=False)
-        self._graph_wcache_meta = (_meta(q_f), _meta(q_d))
+        self._graph_wcache_meta = (pack_meta(q_f), pack_meta(q_d))
         self._graph_wcache_version = self.weight._version
 
     def graph_weight_cache_stale(self) -> bool:
@@ -848,7 +348,7 @@ class Float8Linear(nn.Linear):
         max-accumulate this tensor's amax into the pending amax — on CUDA inside the cast pass
         itself (the tensor is read once), so a delayed quantisation is two kernels."""
         r = self.recipe
-        fmt, gran = _operand_spec(r, i)
+        fmt, gran = operand_spec(r, i)
         scale = amax_out = None
         committed = False
         if r.is_delayed:
@@ -894,21 +394,21 @@ class Float8Linear(nn.Linear):
         quantised at every call instead."""
         w = self.weight
         if w.is_inference():
-            return _quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
-        key = (w._version, _OPTIMIZER_GENERATION[0], w.data_ptr(), w.dtype, w.device)
+            return quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
+        key = (w._version, OPTIMIZER_GENERATION[0], w.data_ptr(), w.dtype, w.device)
         if self.recipe.is_delayed:
             # The FP8 weight follows its amax history, as TE's (which re-quantises the weight at
             # every forward): a frozen weight, an evaluation or a second forward before any
             # optimizer step must not keep the scale of its first quantisation. Step schedule:
             # re-quantised once the scales advanced; lazy schedule: whenever an amax is pending
             # (i.e. at every forward, like TE).
-            if self.scaling_update == "lazy" and self._pending[_W]:
+            if self.scaling_update == "lazy" and self._pending[W]:
                 self._wcache_key = None
             key = key + (self._scale_generation,)
         if self._wcache_key == key and self._wcache is not None:
             return self._wcache
         self._wcache_key = key
-        self._wcache = _quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
+        self._wcache = quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
         return self._wcache
 
     def _triton_arg(self) -> Optional[bool]:
@@ -992,7 +492,7 @@ class Float8Linear(nn.Linear):
         """``x · Wᵀ (+ bias)`` through the eager FP8 path (the autograd function of
         :meth:`forward` in eager mode), with ``bias`` given by the caller: wrappers that own the
         bias handling (Megatron's ``skip_bias_add``) call this."""
-        return _Float8LinearFn.apply(x, self.weight, bias, self, _out_dtype_for(x), torch.is_grad_enabled())
+        return Float8LinearFn.apply(x, self.weight, bias, self, _out_dtype_for(x), torch.is_grad_enabled())
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x · Wᵀ + b`` with the three GEMMs in FP8; with ``gate``, ``(F.silu(gate) * x) · Wᵀ + b``
@@ -1004,12 +504,12 @@ class Float8Linear(nn.Linear):
         ``dg`` may differ in its last bit (and with it what depends on it downstream, e.g. the
         gate projection's delayed-scaling amax of its output gradient).
 
-        Eager mode runs :class:`_Float8LinearFn`: the fused Triton quantisers on CUDA, the FP8
+        Eager mode runs :class:`Float8LinearFn`: the fused Triton quantisers on CUDA, the FP8
         weight cached between optimizer steps, delayed-scaling state, telemetry, Python GEMM
         counters.
 
         Under ``torch.compile`` a current-scaling module (:meth:`traceable`) runs
-        :class:`_Float8LinearTracedFn`, which the compiler traces like any other op, so the
+        :class:`Float8LinearTracedFn`, which the compiler traces like any other op, so the
         model has no graph break here. On CUDA it quantises with the eager path's Triton kernels
         as custom operators (:mod:`nemo_fp8_recipes.quant.ops`; per-tensor pairs, 1x128 groups,
         128x128 blocks), elsewhere — or with ``KernelOptions(triton=False)`` — with the
@@ -1042,7 +542,7 @@ class Float8Linear(nn.Linear):
             wmeta, wcache = None, ()
             if self._graph_wcache_on:
                 wmeta, wcache = self._graph_wcache_meta, tuple(getattr(self, n) for n in self._GRAPH_WCACHE)
-            return _Float8LinearTracedFn.apply(
+            return Float8LinearTracedFn.apply(
                 x, self.weight, self.bias, self.fp8_bwd_count, self.recipe, self.emulate,
                 self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled(), self.kernel_options.triton,
                 wmeta, *wcache)
@@ -1053,11 +553,11 @@ class Float8Linear(nn.Linear):
     # exact Python-side.
     @torch.compiler.disable
     def _forward_eager(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return _Float8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+        return Float8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
 
     def _forward_swiglu(self, gate: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        _check_device(x, self.emulate, self.fqn)
-        return _Float8SwiGLULinearFn.apply(x, self.weight, self.bias, gate, self, out_dtype, torch.is_grad_enabled())
+        check_device(x, self.emulate, self.fqn)
+        return Float8SwiGLULinearFn.apply(x, self.weight, self.bias, gate, self, out_dtype, torch.is_grad_enabled())
 
 
 def fp8_modules(model: nn.Module) -> Dict[str, Float8Linear]:

@@ -6,7 +6,7 @@ of ``y``, the per-row ``rstd`` kept for a one-pass backward) instead of PyTorch'
 FP32 element-wise kernels — in BF16 and FP8 models alike. When the norm's output feeds FP8
 linears (the attention's q/k/v projections, the MLP's gate/up projections) with current
 scaling, the same pass also does the first step of their input quantisation
-(:func:`~nemo_fp8_recipes.nn.linear.input_prequantization`):
+(:func:`~nemo_fp8_recipes.nn.shared_input.input_prequantization`):
 
 * per tensor (tensorwise): the amax of ``y``, so the linears' quantiser skips its amax pass and
   only casts (codes and their transpose from one read of ``y``);
@@ -37,7 +37,7 @@ import torch
 from ..options import KernelOptions
 from ..quant.dispatch import triton_enabled
 from ..recipes import Granularity
-from .linear import input_prequantization, share_input_quantization
+from .shared_input import input_prequantization, share_input_quantization
 
 __all__ = ["fused_norm_enabled", "rms_norm", "rms_norm_reference"]
 
@@ -114,7 +114,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: Option
     """RMSNorm of ``x``'s last dim (:func:`rms_norm_reference`'s formula), fused when
     :func:`fused_norm_enabled`. ``consumer``: the first FP8 linear that reads the result (the
     others that read it with the same recipe share with it) — when its input quantisation can
-    start in the norm's pass (:func:`~nemo_fp8_recipes.nn.linear.input_prequantization`; the
+    start in the norm's pass (:func:`~nemo_fp8_recipes.nn.shared_input.input_prequantization`; the
     result must also be an autograd intermediate, so only with grad enabled) the norm quantises
     ``y`` for it and hands the codes over. The values of ``y`` are the same either way."""
     if not fused_norm_enabled(x, weight, options):
