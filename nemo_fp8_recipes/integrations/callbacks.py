@@ -282,7 +282,7 @@ class TEPrecisionHooks:
 
 
 def _group(row: TEAuditRow) -> str:
-    from ..nn.convert import telemetry_group
+    from ..nn.telemetry import telemetry_group
 
     return telemetry_group(row.name, row.role)
 

@@ -1,21 +1,18 @@
 """Native backend: the FP8 linear, model conversion, run-time audit and telemetry."""
 
+from .audit import AuditReport, PolicyViolation, audit
 from .convert import (
-    AuditReport,
-    PolicyViolation,
     apply_kernel_options,
-    audit,
-    collect_telemetry,
     convert_model,
     fp8_modules,
     invalidate_weight_cache,
     reset_gemm_counts,
     set_amax_reduce_fn,
     set_graph_weight_cache,
-    set_telemetry,
     set_wgrad_accumulation_fusion,
 )
 from .linear import Float8Linear
+from .telemetry import collect_telemetry, set_telemetry
 from .scaling import discard_delayed_scaling, pinned_scales, set_delayed_scaling_update, sync_delayed_scaling
 
 __all__ = [

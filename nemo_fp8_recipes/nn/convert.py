@@ -1,45 +1,42 @@
-"""``convert_model``, ``audit`` and telemetry for the native backend.
+"""``convert_model`` for the native backend, and the whole-model switches of a converted model.
 
 ``convert_model`` asks the precision policy about every module, swaps the ``nn.Linear``s it
 puts in FP8 for :class:`Float8Linear` (same Parameter objects), and installs counters on the
-GEMMs it keeps in high precision, so that :func:`audit` can report, after a forward/backward,
-how many fprop/dgrad/wgrad GEMMs actually ran in FP8 and how many in high precision.
+GEMMs it keeps in high precision, so that :func:`~nemo_fp8_recipes.nn.audit` can report, after a
+forward/backward, how many fprop/dgrad/wgrad GEMMs actually ran in FP8 and how many in high
+precision (:mod:`nemo_fp8_recipes.nn.audit`; telemetry: :mod:`nemo_fp8_recipes.nn.telemetry`).
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Union
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from ..options import KernelOptions, default_kernel_options
-from ..policy import GEMM_ROLES, HIGH_PRECISION_ROLES, Decision, PrecisionPolicy, Role, layer_index
+from ..policy import GEMM_ROLES, Decision, PrecisionPolicy, Role, layer_index
 from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
 from ..quant.launch import set_fast_launch
-from .linear import OPERANDS, Float8Linear, check_wgrad_fusion, fp8_modules
+from .linear import Float8Linear, check_wgrad_fusion, fp8_modules
 
 __all__ = [
     "apply_kernel_options",
+    "conversion_state",
     "convert_model",
-    "audit",
-    "AuditReport",
-    "PolicyViolation",
     "fp8_modules",
-    "set_telemetry",
-    "collect_telemetry",
-    "set_amax_reduce_fn",
-    "reset_gemm_counts",
+    "hp_gemm_counts",
+    "infer_num_layers",
     "invalidate_weight_cache",
+    "reset_gemm_counts",
+    "set_amax_reduce_fn",
+    "set_graph_weight_cache",
+    "set_submodule",
+    "set_wgrad_accumulation_fusion",
 ]
 
 _STATE_ATTR = "_nemo_fp8_state"
-
-
-class PolicyViolation(RuntimeError):
-    """A module with a high-precision role ran a GEMM in FP8 (strict audit)."""
 
 
 @dataclass
@@ -106,7 +103,7 @@ def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module, devic
     state.hooks.append(module.register_forward_hook(fwd_hook))
 
 
-def _hp_counts(module: nn.Module) -> Dict[str, int]:
+def hp_gemm_counts(module: nn.Module) -> Dict[str, int]:
     """The audit's counts of a high-precision GEMM module (one host read of its two buffers)."""
     f, b = getattr(module, HP_FWD_COUNT), getattr(module, HP_BWD_COUNT)
     fwd, (dgrad, wgrad) = int(f.item()), b.tolist()
@@ -280,139 +277,6 @@ def reset_gemm_counts(model: nn.Module) -> None:
             getattr(m, HP_BWD_COUNT).zero_()
 
 
-@dataclass
-class AuditRow:
-    name: str
-    role: str
-    precision: str
-    reason: str
-    fp8_gemms: Dict[str, int]
-    hp_gemms: Dict[str, int]
-
-
-@dataclass
-class AuditReport:
-    """What the policy decided for every module, and what actually ran.
-
-    ``rows``: one per classified module. ``counts``: totals of GEMMs run, as
-    ``{"fp8": {"fprop": n, "dgrad": n, "wgrad": n}, "high_precision": {...}}``.
-    ``violations``: high-precision-role modules that ran a GEMM in FP8.
-    ``stale_weight_caches``: FP8 linears whose compiled-path weight cache
-    (:func:`set_graph_weight_cache`) is older than their weight — written in place outside an
-    optimizer step or ``load_state_dict`` without :func:`invalidate_weight_cache`, so a compiled
-    forward would read the old codes.
-    """
-
-    recipe: str
-    emulated: bool
-    rows: List[AuditRow]
-    counts: Dict[str, Dict[str, int]]
-    violations: List[str]
-    stale_weight_caches: List[str] = field(default_factory=list)
-    kernel_options: Dict[str, bool] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    def table(self, max_rows: Optional[int] = None) -> str:
-        """A fixed-width text table (name, role, precision, GEMMs run in FP8 / high precision,
-        reason) followed by the totals."""
-        hdr = ("module", "role", "precision", "fp8 f/d/w", "hp f/d/w", "reason")
-        body = []
-        for r in self.rows[: max_rows or len(self.rows)]:
-            f = r.fp8_gemms
-            h = r.hp_gemms
-            body.append((
-                r.name, r.role, r.precision,
-                f"{f.get('fprop', 0)}/{f.get('dgrad', 0)}/{f.get('wgrad', 0)}" if f else "-",
-                f"{h.get('fprop', 0)}/{h.get('dgrad', 0)}/{h.get('wgrad', 0)}" if h else "-",
-                r.reason,
-            ))
-        widths = [max(len(str(x[i])) for x in [hdr] + body) for i in range(len(hdr))]
-        lines = ["  ".join(str(c).ljust(w) for c, w in zip(hdr, widths)).rstrip()]
-        lines.append("  ".join("-" * w for w in widths))
-        for row in body:
-            lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
-        if max_rows and len(self.rows) > max_rows:
-            lines.append(f"... {len(self.rows) - max_rows} more modules")
-        if self.stale_weight_caches:
-            lines.append("STALE compiled FP8 weight cache (weight written in place since its last "
-                         "refresh; call invalidate_weight_cache): " + ", ".join(self.stale_weight_caches))
-        c8, ch = self.counts["fp8"], self.counts["high_precision"]
-        mode = "no FP8" if self.recipe == "bf16" else ("emulated" if self.emulated else "real FP8 GEMMs")
-        lines.append(
-            f"recipe {self.recipe} ({mode}): GEMMs run in FP8 fprop/dgrad/wgrad = "
-            f"{c8['fprop']}/{c8['dgrad']}/{c8['wgrad']}; in high precision = "
-            f"{ch['fprop']}/{ch['dgrad']}/{ch['wgrad']}"
-        )
-        if self.kernel_options:
-            lines.append("kernel options: " + " ".join(f"{k}={'on' if v else 'off'}"
-                                                       for k, v in self.kernel_options.items()))
-        if self.violations:
-            lines.append("POLICY VIOLATIONS (high-precision role ran in FP8): " + ", ".join(self.violations))
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def audit(model: nn.Module, strict: bool = False) -> AuditReport:
-    """Per-module decisions plus per-GEMM counts of what ran since conversion (or the last
-    :func:`reset_gemm_counts`). ``strict=True`` raises :class:`PolicyViolation` if a module
-    whose role must stay in high precision ran a GEMM in FP8."""
-    state: Optional[_ConvertState] = getattr(model, _STATE_ATTR, None)
-    if state is None:
-        raise RuntimeError("audit() needs a model converted with convert_model()")
-    fp8 = fp8_modules(model)
-    by_fqn = {m.fqn: m for m in fp8.values()}
-    rows, violations = [], []
-    tot8 = {"fprop": 0, "dgrad": 0, "wgrad": 0}
-    toth = dict(tot8)
-    for fqn, d in state.decisions.items():
-        m = by_fqn.get(fqn)
-        f = dict(m.gemm_counts) if m is not None else {}
-        h = _hp_counts(state.hp_modules[fqn]) if fqn in state.hp_modules else {}
-        for k in tot8:
-            tot8[k] += f.get(k, 0)
-            toth[k] += h.get(k, 0)
-        if d.role in HIGH_PRECISION_ROLES and sum(f.values()) > 0:
-            violations.append(fqn)
-        rows.append(AuditRow(fqn, d.role, "fp8" if m is not None else d.precision, d.reason, f, h))
-    stale = [m.fqn for m in fp8.values() if m.graph_weight_cache_stale()]
-    report = AuditReport(
-        recipe=state.recipe.name,
-        emulated=state.emulate,
-        rows=rows,
-        counts={"fp8": tot8, "high_precision": toth},
-        violations=violations,
-        stale_weight_caches=stale,
-        kernel_options=state.options.as_dict(),
-    )
-    if strict and violations:
-        raise PolicyViolation(
-            "high-precision roles ran in FP8: " + ", ".join(violations)
-            + " (remove them from policy.include, or run without strict)"
-        )
-    if strict and stale:
-        raise RuntimeError(
-            "compiled FP8 weight cache older than the weight (written in place outside an optimizer step "
-            "or load_state_dict): " + ", ".join(stale) + "; call nemo_fp8_recipes.nn.invalidate_weight_cache(model)"
-        )
-    return report
-
-
-def set_telemetry(model: nn.Module, enabled: bool = True) -> None:
-    """Make every Float8Linear record quantisation statistics (amax, scale, underflow,
-    saturation, SQNR) of its operands. Costs extra passes over each operand: use an interval."""
-    for m in fp8_modules(model).values():
-        m.telemetry_enabled = enabled
-        if not enabled:
-            m._telemetry = {}
-
-
 def set_wgrad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> int:
     """Fuse each Float8Linear's weight-gradient accumulation into its wgrad GEMM (Megatron's
     ``gradient_accumulation_fusion``, Transformer Engine's ``fuse_wgrad_accumulation``): when
@@ -440,48 +304,6 @@ def set_wgrad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> int
     for m in mods:
         m.fuse_wgrad_accumulation = bool(enabled)
     return len(mods)
-
-
-def telemetry_group(fqn: str, role: str) -> str:
-    """The layer group a module's FP8 telemetry is logged under (``fp8/<group>/...``): experts,
-    shared_expert, attention, mlp, or the role itself. Both backends group with it, so a native and
-    a Transformer Engine run log the same tags."""
-    parts = fqn.split(".")
-    if "experts" in parts or "local_experts" in parts:
-        return "experts"
-    if "shared_expert" in parts or "shared_experts" in parts:
-        return "shared_expert"
-    if role == Role.ATTENTION_PROJECTION:
-        return "attention"
-    if role == Role.MLP:
-        return "mlp"
-    return role
-
-
-def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
-    """Flat ``{"fp8/<group>/<operand>/<stat>": value}`` aggregated per layer group (attention,
-    mlp, experts, shared_expert, ...) since the last call: amax is the max, the other stats
-    (scale, underflow_frac, saturated_frac, sqnr_db) the mean over modules and calls. Delayed
-    scaling adds ``scale_pinned``: the fraction of the group's modules whose amax history holds a
-    non-finite value, which holds their scale where it is until it ages out."""
-    from .scaling import pinned_scales
-
-    acc: Dict[str, List[float]] = {}
-    pinned = pinned_scales(model)
-    for name, m in fp8_modules(model).items():
-        tel = m.pop_telemetry() if reset else {}
-        group = telemetry_group(m.fqn, m.role)
-        for operand, stats in tel.items():
-            for stat, v in stats.items():
-                acc.setdefault(f"fp8/{group}/{operand}/{stat}", []).append(v)
-        if m.recipe.is_delayed:
-            for operand in OPERANDS:
-                acc.setdefault(f"fp8/{group}/{operand}/scale_pinned", []).append(
-                    float(operand in pinned.get(name, ())))
-    out = {}
-    for k, vs in acc.items():
-        out[k] = max(vs) if k.endswith("/amax") else sum(vs) / len(vs)
-    return out
 
 
 def set_amax_reduce_fn(model: nn.Module, fn: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:

@@ -1,0 +1,64 @@
+"""FP8 telemetry of the native backend: per-operand quantisation statistics collected by the FP8
+linears and aggregated per layer group (the same tags as the Transformer Engine hooks)."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch.nn as nn
+
+from ..policy import Role
+from .linear import OPERANDS, fp8_modules
+
+__all__ = ["collect_telemetry", "set_telemetry", "telemetry_group"]
+
+
+def set_telemetry(model: nn.Module, enabled: bool = True) -> None:
+    """Make every Float8Linear record quantisation statistics (amax, scale, underflow,
+    saturation, SQNR) of its operands. Costs extra passes over each operand: use an interval."""
+    for m in fp8_modules(model).values():
+        m.telemetry_enabled = enabled
+        if not enabled:
+            m._telemetry = {}
+
+
+def telemetry_group(fqn: str, role: str) -> str:
+    """The layer group a module's FP8 telemetry is logged under (``fp8/<group>/...``): experts,
+    shared_expert, attention, mlp, or the role itself. Both backends group with it, so a native and
+    a Transformer Engine run log the same tags."""
+    parts = fqn.split(".")
+    if "experts" in parts or "local_experts" in parts:
+        return "experts"
+    if "shared_expert" in parts or "shared_experts" in parts:
+        return "shared_expert"
+    if role == Role.ATTENTION_PROJECTION:
+        return "attention"
+    if role == Role.MLP:
+        return "mlp"
+    return role
+
+
+def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
+    """Flat ``{"fp8/<group>/<operand>/<stat>": value}`` aggregated per layer group (attention,
+    mlp, experts, shared_expert, ...) since the last call: amax is the max, the other stats
+    (scale, underflow_frac, saturated_frac, sqnr_db) the mean over modules and calls. Delayed
+    scaling adds ``scale_pinned``: the fraction of the group's modules whose amax history holds a
+    non-finite value, which holds their scale where it is until it ages out."""
+    from .scaling import pinned_scales
+
+    acc: Dict[str, List[float]] = {}
+    pinned = pinned_scales(model)
+    for name, m in fp8_modules(model).items():
+        tel = m.pop_telemetry() if reset else {}
+        group = telemetry_group(m.fqn, m.role)
+        for operand, stats in tel.items():
+            for stat, v in stats.items():
+                acc.setdefault(f"fp8/{group}/{operand}/{stat}", []).append(v)
+        if m.recipe.is_delayed:
+            for operand in OPERANDS:
+                acc.setdefault(f"fp8/{group}/{operand}/scale_pinned", []).append(
+                    float(operand in pinned.get(name, ())))
+    out = {}
+    for k, vs in acc.items():
+        out[k] = max(vs) if k.endswith("/amax") else sum(vs) / len(vs)
+    return out
