@@ -1,0 +1,173 @@
+"""What every kernel family of the package shares on the host: the optional Triton import
+(:data:`HAVE_TRITON`), whether kernels run under Triton's CPU interpreter, the scale-rounding
+modes and format constants the kernels take, the checks made before a launch (Triton present,
+32-bit offsets enough), the tile-order and grid helpers, and the launch-configuration table
+:data:`LAUNCH` with :func:`launch_config` to override it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import torch
+
+try:  # Triton is optional: GPU machines have it; CPU CI may install it for the interpreter.
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+    libdevice = None
+    HAVE_TRITON = False
+
+from ...recipes import Format, ScaleRounding
+
+#: The scale rule of each rounding, as the kernels' ``MODE`` constexpr (``>= 2``: E8M0 scales).
+_MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
+
+
+#: Launch configurations (tile sizes and warps) per kernel. They change the speed, never the
+#: codes (every tile size gives the same bits: tests/test_triton_kernels.py). The values are the
+#: fastest of ``benchmarks/quant_bandwidth.py --sweep all``; the times below are GPU-only on an
+#: H200 for an 8192x14336 BF16 source (docs/benchmarks.md). Override temporarily with
+#: :func:`launch_config`.
+LAUNCH = {
+    # group_r (tiled kernels): the order the tiles run in, bands of group_r row tiles
+    # (_tile_ids; 0 = all rows of tiles, row tiles fastest)
+    # groups: scaling groups per tile along the grouped dim (1x128 / 1x32 rows and columns).
+    # 1x32 rows: 0.119 ms with 16 groups per tile (each row's load a contiguous 1 KiB), 0.202 with 1
+    "rows128": {"block_r": 64, "num_warps": 2, "groups": 1, "group_r": 0},
+    "rows32": {"block_r": 16, "num_warps": 4, "groups": 16, "group_r": 0},
+    # bf16_tile (BF16 sources): the loaded tile kept in BF16 through the amax (fewer registers),
+    # with one group per program: 1x128 columns 0.107 ms (0.126 with FP32 tiles), 1x32 columns
+    # 0.099 ms (0.136). 1x32 columns, FP32 tiles: 2 warps and 128-column tiles 0.208 ms, against
+    # 0.385 for the sweep's starting configuration
+    "cols_t128": {"block_c": 64, "num_warps": 2, "groups": 1, "group_r": 0, "bf16_tile": True},
+    "cols_t32": {"block_c": 128, "num_warps": 2, "groups": 1, "group_r": 0, "bf16_tile": True},
+    "blocks128": {"num_warps": 16, "group_r": 0},
+    # amax_check (the kernels that fold a per-tensor amax with one atomic per program into one
+    # address): read the accumulator first and skip the atomic where the program's amax is not
+    # larger. Amax pass + cast 0.145 ms (0.154 without), delayed cast 0.104 (0.106), delayed
+    # pair 0.157 (0.163; 0.152 with its 32x256 tiles, below)
+    "tensor": {"block": 8192, "num_warps": 8, "amax_check": True},
+    # the per-tensor cast with a given scale (delayed scaling: one read, the amax folded in):
+    # 4096-element blocks 0.107 ms, 8192 (current scaling's) 0.112
+    "tensor_delayed": {"block": 4096, "num_warps": 8, "amax_check": True},
+    "dual128": {"num_warps": 4, "group_r": 0},
+    "dual32": {"tile": 64, "num_warps": 8, "group_r": 0},
+    # per-tensor codes + transpose (after the amax pass): 0.200 ms with 64x256 tiles (0.228 with
+    # the sweep's starting tile)
+    "tensor_dual": {"block_r": 64, "block_c": 256, "num_warps": 8},
+    # given scale (delayed): fold_amax=True takes the amax inside the cast pass (one read),
+    # False runs the atomic amax pass first (two reads): 0.174 ms folded with 32x256 tiles and
+    # 4 warps, 0.201 ms for the best two-pass configuration (folded with larger tiles 0.25-0.39
+    # ms: their FP32 tile no longer fits the registers). bf16_tile (BF16 sources, folded amax):
+    # the amax on the tile's 16-bit magnitudes as loaded, fewer registers (0.161 ms with 64x128
+    # tiles against 0.174); with amax_check, 32x256 tiles and 4 warps are fastest: 0.152 ms
+    "tensor_dual_delayed": {"block_r": 32, "block_c": 256, "num_warps": 4, "fold_amax": True, "bf16_tile": True,
+                            "amax_check": True},
+    # fused RMSNorm: one row per program, warps = row length / (32 threads x elems_per_thread)
+    # (1 to 16); backward: rows_per_program consecutive rows per program (each program writes
+    # one partial weight gradient)
+    "rmsnorm": {"elems_per_thread": 8},
+    "rmsnorm_bwd": {"elems_per_thread": 8, "rows_per_program": 16},
+}
+
+
+@contextlib.contextmanager
+def launch_config(kernel: str, **cfg):
+    """Temporarily override a kernel's launch configuration (for tuning sweeps)::
+
+        with launch_config("rows128", block_r=16, num_warps=8):
+            quantize_rows(x, "e4m3", 128, "pow2")
+    """
+    if kernel not in LAUNCH:
+        raise KeyError(f"unknown kernel {kernel!r}; valid: {', '.join(LAUNCH)}")
+    bad = set(cfg) - set(LAUNCH[kernel])
+    if bad:
+        raise KeyError(f"{kernel} has no launch option {', '.join(sorted(bad))}; valid: {', '.join(LAUNCH[kernel])}")
+    old = dict(LAUNCH[kernel])
+    LAUNCH[kernel].update(cfg)
+    try:
+        yield
+    finally:
+        LAUNCH[kernel].clear()
+        LAUNCH[kernel].update(old)
+
+
+def _interpreting() -> bool:
+    """Whether Triton runs kernels under its CPU interpreter (``TRITON_INTERPRET=1``), read at
+    each call."""
+    return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
+
+
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division on the host (``triton.cdiv`` is a JIT function: a few µs per Python call)."""
+    return -(-a // b)
+
+
+def _hw_cvt(x: torch.Tensor) -> bool:
+    """Whether the store's FP8 cast is the GPU's hardware RNE conversion (compiled for CUDA) rather
+    than the interpreter's CPU emulation, which needs the explicit rounding of ``_round_fp8``."""
+    if not x.is_cuda or _interpreting():
+        return False
+    return _cvt_capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cvt_capable(index: int) -> bool:
+    # Triton lowers an FP32 -> FP8 cast to the direct cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (one
+    # rounding) on sm_90+; for sm_89, Triton 3.6 goes through FP16 (two roundings, which can
+    # differ from one) while 3.9 converts directly. Below sm_90 the kernels therefore keep the
+    # explicit rounding, whose result is exactly representable, so any conversion of it is
+    # exact. The sm_90 lowering is checked in CI by compiling the kernels
+    # (tests/test_triton_kernels.py).
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _group_r(cfg: dict, n_r: int) -> int:
+    """The ``group_r`` of a launch configuration (row tiles per band, :func:`_tile_ids`; 0 or
+    absent = all of them: row tiles fastest over the whole grid)."""
+    g = int(cfg.get("group_r", 0))
+    return n_r if g <= 0 else min(g, n_r)
+
+
+#: The kernels address elements with 32-bit offsets (Triton's default for int arguments and
+#: program ids): the largest element offset of every tensor they read or write must fit.
+INT32_MAX = 2**31 - 1
+
+
+def _require_triton(*tensors: torch.Tensor):
+    """Triton is there, and each of ``tensors`` (the sources; every output a kernel writes has the
+    same number of elements or fewer) can be addressed with 32-bit element offsets — else a clear
+    error instead of wrapped offsets that would read and write the wrong elements."""
+    if not HAVE_TRITON:
+        raise RuntimeError("Triton is not installed: `pip install triton` (GPU machines ship it)")
+    for t in tensors:
+        if t is None or t.numel() == 0:
+            continue
+        # a source whose last dim is not contiguous is copied first (then numel is what counts);
+        # otherwise the kernels read it through its own strides
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.stride(-1) == 1 else 0
+        if t.numel() > INT32_MAX or last > INT32_MAX:
+            raise ValueError(
+                f"tensor of shape {tuple(t.shape)} ({t.numel():,} elements) is too large for the fused Triton "
+                f"quantisers, which index with 32-bit offsets (at most {INT32_MAX:,} elements): use fewer tokens "
+                "per micro-batch or shard the layer (tensor parallelism), or run the model with "
+                "KernelOptions(triton=False) (trainer: kernels.triton=false) to use the reference quantisers "
+                "(same codes, slower)")
+
+
+def _top_mant(fmt: Format) -> int:
+    # ceil rule: bump the exponent when amax's significand 1.m exceeds fmax / 2^emax (1.75 E4M3)
+    top = fmt.max / float(2**fmt.emax)
+    return int(round((top - 1.0) * (1 << 23)))
+
+
+def _e8m0_view(e8: torch.Tensor) -> torch.Tensor:
+    """The E8M0 scales the kernels write as ``uint8``, viewed as ``float8_e8m0fnu``."""
+    return e8.view(torch.float8_e8m0fnu)
