@@ -33,6 +33,9 @@ from typing import Any, Dict, List, Optional, Union
 import numpy as np
 import torch
 from ._io import fsync_dir as _fsync_dir
+from .distributed import load_state_dicts
+from .models.config import ModelConfig
+from .train_config import TrainerConfig
 
 __all__ = [
     "CheckpointError",
@@ -313,3 +316,145 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
                 "checkpoint has %d CUDA RNG states, this machine has %d devices: CUDA RNG not restored",
                 len(cuda), torch.cuda.device_count(),
             )
+
+
+# ---- resuming the embedded trainer: which checkpoint, and whether it belongs to this run -----
+#: state-dict leaves that are FP8 scaling state (ours: ``fp8_*`` buffers; TE's ``_extra_state``),
+#: the part of a checkpoint that does not carry over between recipes or backends
+FP8_STATE_MARKERS = ("fp8_", "_extra_state")
+#: the trainer's checkpoint layout version (a checkpoint of another version is refused); 2: full
+#: FQN-keyed model/optimizer state (any world size, DDP or FSDP2)
+CHECKPOINT_FORMAT = 2
+
+
+def is_fp8_state_key(key: str) -> bool:
+    leaf = key.rsplit(".", 1)[-1]
+    return leaf.startswith(FP8_STATE_MARKERS)
+
+
+def load_model_state(model: torch.nn.Module, optimizer, state: Dict[str, torch.Tensor],
+                      optim_state: Optional[Dict[str, Any]], forced: bool) -> None:
+    result = load_state_dicts(model, optimizer, state, optim_state, strict=not forced)
+    if not forced:
+        return
+    bad = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if not is_fp8_state_key(k)]
+    if bad:
+        raise CheckpointError(f"checkpoint weights do not match the model: {bad[:8]}")
+    dropped = len(result.unexpected_keys)
+    fresh = len(result.missing_keys)
+    if dropped or fresh:
+        log.warning(
+            "forced resume across recipes: %d FP8 state entries of the checkpoint dropped, %d "
+            "initialised fresh", dropped, fresh,
+        )
+
+
+def resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Path]:
+    if tcfg.resume == "never":
+        existing = mgr.list()
+        if existing:
+            raise CheckpointError(
+                f"{mgr.directory} already has checkpoints (latest {existing[-1].name}) but "
+                "trainer.resume=never; use trainer.resume=auto to continue that run, run.tag=<name> "
+                "for a new run directory, or delete the old run"
+            )
+        return None
+    if tcfg.resume == "auto":
+        return mgr.latest()
+    p = Path(tcfg.resume).expanduser()
+    if p.is_dir():
+        latest = CheckpointManager(p / "checkpoints" if (p / "checkpoints").is_dir() else p).latest()
+        if latest is None:
+            raise CheckpointError(f"trainer.resume={tcfg.resume}: no checkpoint (step_*.pt) in that directory")
+        return latest
+    if not p.is_file():
+        raise CheckpointError(f"trainer.resume={tcfg.resume}: no such checkpoint file")
+    return p
+
+
+def load_for_resume(path: Path, tcfg: TrainerConfig) -> Dict[str, Any]:
+    """Load and verify the checkpoint to resume from; a bad one is refused, naming the newest
+    older checkpoint of its directory that loads and verifies (never a silent fall-back)."""
+    try:
+        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest.
+        return load_checkpoint(path, map_location="cpu")
+    except CheckpointError as e:
+        good = CheckpointManager(path.parent).last_good(before=path)
+        how = "trainer.resume=auto picked it as the latest" if tcfg.resume == "auto" else f"trainer.resume={tcfg.resume}"
+        if good is not None:
+            fix = (f"The newest older checkpoint that loads and verifies is {good}: resume from it with "
+                   f"trainer.resume={good} (the later checkpoints of the directory are then kept aside as "
+                   "*.superseded-<time>), or move the bad file away")
+        else:
+            fix = "No older checkpoint of that directory loads either: start a new run (run.tag=<name>)"
+        raise CheckpointError(f"{e} ({how}). {fix}") from None
+
+
+RESUME_HYPERPARAMETERS = ("seed", "seq_len", "micro_batch_size", "global_batch_size", "lr", "min_lr",
+                    "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+
+
+def check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig, tcfg: TrainerConfig,
+                      fingerprint: str, auto: bool = False, backend: str = "native") -> bool:
+    """Refuse a checkpoint from another recipe (unless forced) or model shape; refuse an
+    *automatic* resume whose trainer hyperparameters changed (e.g. two jobs of a
+    ``-m trainer.lr=...`` sweep sharing a run directory) unless forced; warn on data changes.
+    Returns whether the FP8 state must be loaded non-strictly."""
+    if ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    old_model = ckpt.get("model_config", {})
+    diffs = [f"{k}: {old_model.get(k)!r} -> {v!r}" for k, v in mcfg.to_dict().items()
+             if k != "name" and old_model.get(k) != v]
+    if diffs:
+        raise CheckpointError(f"{path} was written for another model shape ({'; '.join(diffs)})")
+    old_recipe = ckpt.get("recipe", {})
+    forced = False
+    old_backend, new_backend = str(ckpt.get("backend", "native")), str(backend)
+    if old_backend != new_backend:
+        if not tcfg.force_resume:
+            raise CheckpointError(
+                f"{path} was written by backend={old_backend}, this run uses backend={new_backend}. The weights "
+                "map one to one between the backends, their FP8 scaling state does not (our amax histories vs "
+                "Transformer Engine's extra state): pass trainer.force_resume=true to load the weights and "
+                "optimizer and start the FP8 state fresh, or resume with the same backend")
+        forced = True
+        log.warning("forced resume across backends (%s -> %s): FP8 scaling state starts fresh", old_backend,
+                    new_backend)
+    if old_recipe.get("name") != recipe.name:
+        if not tcfg.force_resume:
+            raise CheckpointError(
+                f"{path} was written with recipe {old_recipe.get('name')!r}, this run uses "
+                f"{recipe.name!r}. Resume with the same recipe, start a new run (run.tag=<name>), or "
+                "pass trainer.force_resume=true to load its weights and optimizer anyway (FP8 "
+                "scaling state that does not apply is dropped)"
+            )
+        forced = True
+        log.warning("forced resume: checkpoint recipe %s, this run %s", old_recipe.get("name"), recipe.name)
+    elif old_recipe != recipe.describe():
+        changed = sorted(k for k in set(old_recipe) | set(recipe.describe())
+                         if old_recipe.get(k) != recipe.describe().get(k))
+        if not tcfg.force_resume:
+            raise CheckpointError(
+                f"{path} was written with different {recipe.name} settings ({', '.join(changed)}); "
+                "pass trainer.force_resume=true to continue with the new settings"
+            )
+        forced = True
+    data = ckpt.get("data", {})
+    if data.get("fingerprint") != fingerprint:
+        log.warning("the training data changed since %s: the resumed run will not match an uninterrupted one", path)
+    old_t = ckpt.get("trainer", {})
+    changed = [f"trainer.{k}: {old_t[k]!r} -> {getattr(tcfg, k)!r}" for k in RESUME_HYPERPARAMETERS
+               if k in old_t and old_t[k] != getattr(tcfg, k)]
+    if changed and auto and not tcfg.force_resume:
+        raise CheckpointError(
+            f"{path.parent.parent} holds a run with other trainer settings ({'; '.join(changed)}), "
+            "so it is not resumed automatically (two jobs of a sweep over trainer.* would share it). "
+            "Use run.tag=<name> for a separate run, or trainer.resume=<checkpoint> / "
+            "trainer.force_resume=true to continue that run with the new settings"
+        )
+    for c in changed:
+        log.warning("%s changed since the checkpoint; the current value is used", c)
+    if "max_steps" in old_t and old_t["max_steps"] != tcfg.max_steps:
+        log.info("trainer.max_steps: %r -> %r (the cosine schedule follows the new value)",
+                 old_t["max_steps"], tcfg.max_steps)
+    return forced

@@ -30,7 +30,6 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import random
 import sys
 import time
@@ -41,7 +40,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, load_checkpoint, restore_rng_state
+from .checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointManager, capture_rng_state, check_compatible,
+                         load_for_resume, load_model_state, resolve_resume, restore_rng_state)
 from .distributed import (
     DistContext,
     all_reduce_sum,
@@ -50,13 +50,13 @@ from .distributed import (
     full_tensor,
     grad_sync,
     init_distributed,
-    load_state_dicts,
     merge_audits,
     reduce_telemetry,
     state_dicts,
     wrap_model,
 )
 from .data import ByteTokenizer, DataConfig, DataError, PackedTokens, TrainBatches, ValBatches, load_corpus
+from .integrations.te_model import TERun, te_run_problem
 from .logging_utils import MetricsWriter, format_count, format_duration, peak_tflops
 from .models import ModelConfig, Transformer
 from .train_config import (
@@ -69,7 +69,6 @@ from .train_config import (
     build_policy,
     build_recipe,
     resolve_device,
-    recipe_overrides,
     run_config,
     trainer_config,
     validate_overrides,
@@ -89,11 +88,8 @@ __all__ = [
 
 log = logging.getLogger("nemo_fp8_recipes.train")
 
-CHECKPOINT_FORMAT = 2
 #: recipes whose emulation torch.compile's CPU (C++) backend cannot compile
-_NO_CPU_COMPILE = ("blockwise", "mxfp8")  # 2: full FQN-keyed model/optimizer state (any world size, DDP or FSDP2)
-_FP8_STATE_MARKERS = ("fp8_", "_extra_state")
-
+_NO_CPU_COMPILE = ("blockwise", "mxfp8")
 
 class TrainingError(RuntimeError):
     """A training run that cannot continue; the message says why and what to do."""
@@ -185,28 +181,6 @@ def _autocast(device: torch.device, mode: str):
     return (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)), True
 
 
-def _is_fp8_state_key(key: str) -> bool:
-    leaf = key.rsplit(".", 1)[-1]
-    return leaf.startswith(_FP8_STATE_MARKERS)
-
-
-def _load_model_state(model: torch.nn.Module, optimizer, state: Dict[str, torch.Tensor],
-                      optim_state: Optional[Dict[str, Any]], forced: bool) -> None:
-    result = load_state_dicts(model, optimizer, state, optim_state, strict=not forced)
-    if not forced:
-        return
-    bad = [k for k in list(result.missing_keys) + list(result.unexpected_keys) if not _is_fp8_state_key(k)]
-    if bad:
-        raise CheckpointError(f"checkpoint weights do not match the model: {bad[:8]}")
-    dropped = len(result.unexpected_keys)
-    fresh = len(result.missing_keys)
-    if dropped or fresh:
-        log.warning(
-            "forced resume across recipes: %d FP8 state entries of the checkpoint dropped, %d "
-            "initialised fresh", dropped, fresh,
-        )
-
-
 def _fp8_state_snapshot(model: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
     """Copy of every FP8 module's non-parameter state (scaling buffers, extra state)."""
     from .nn import fp8_modules
@@ -234,187 +208,6 @@ def _fp8_state_restore(model: torch.nn.Module, snap: Dict[str, Dict[str, Any]]) 
 
 
 # ---- the run -------------------------------------------------------------------------------
-def _resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Path]:
-    if tcfg.resume == "never":
-        existing = mgr.list()
-        if existing:
-            raise CheckpointError(
-                f"{mgr.directory} already has checkpoints (latest {existing[-1].name}) but "
-                "trainer.resume=never; use trainer.resume=auto to continue that run, run.tag=<name> "
-                "for a new run directory, or delete the old run"
-            )
-        return None
-    if tcfg.resume == "auto":
-        return mgr.latest()
-    p = Path(tcfg.resume).expanduser()
-    if p.is_dir():
-        latest = CheckpointManager(p / "checkpoints" if (p / "checkpoints").is_dir() else p).latest()
-        if latest is None:
-            raise CheckpointError(f"trainer.resume={tcfg.resume}: no checkpoint (step_*.pt) in that directory")
-        return latest
-    if not p.is_file():
-        raise CheckpointError(f"trainer.resume={tcfg.resume}: no such checkpoint file")
-    return p
-
-
-class _TERun:
-    """What ``backend=te`` adds to a run: the conversion, the micro-batch state TE's weight caching
-    reads, the run-time hooks (audit, telemetry) and the te.autocast factory."""
-
-    def __init__(self, raw_model, recipe, policy, backend_cfg, ctx: DistContext, telemetry: bool) -> None:
-        from .integrations.callbacks import TEPrecisionHooks
-        from .integrations.te_model import (MicroBatchState, convert_to_te, restore_te_state, snapshot_te_state,
-                                            te_autocast_for)
-
-        self.micro = MicroBatchState()
-        self.conversion = convert_to_te(raw_model, recipe, policy, self.micro)
-        group = None
-        if ctx.distributed:
-            import torch.distributed as dist
-
-            group = dist.group.WORLD  # delayed scaling: amaxes max-reduced over the data-parallel ranks
-        self.autocast = te_autocast_for(recipe, amax_reduction_group=group)
-        self.hooks = TEPrecisionHooks(recipe, policy, strict=bool(backend_cfg.get("strict_audit", False)),
-                                      telemetry=telemetry)
-        self.hooks.attach(raw_model)
-        self.snapshot, self.restore = snapshot_te_state, restore_te_state
-        log.info("backend te: %d linears are te.Linear (FP8 under te.autocast), %d kept in high precision",
-                 self.conversion.swapped, len(self.conversion.decisions) - self.conversion.swapped)
-
-    def audit(self):
-        """TE's audit of what ran (strict: raises on a violation), with the linears the policy kept
-        out of FP8 (plain PyTorch modules here) listed beside the TE modules."""
-        from .integrations.callbacks import TEAuditRow
-
-        rep = self.hooks.check()
-        have = {r.name for r in rep.rows}
-        for name, d in self.conversion.decisions.items():
-            if name not in have and not d.fp8:
-                rep.rows.append(TEAuditRow(name, d.role, d.precision, d.reason + " (a PyTorch module)"))
-        rep.rows.sort(key=lambda r: r.name)
-        return rep
-
-
-def _check_te_backend(recipe, device: torch.device, tcfg: TrainerConfig) -> None:
-    """``backend=te`` stops at once, naming the fix, where it cannot run as configured."""
-    from .integrations.te_model import te_backend_problem
-    from .recipes import describe_device
-
-    problem = te_backend_problem(device)
-    if problem:
-        raise ConfigError(problem)
-    if recipe.emulate:
-        raise ConfigError("recipe.emulate=true is the native backend's exact emulation; Transformer Engine runs "
-                          "real FP8 GEMMs only: use backend=native recipe.emulate=true, or drop recipe.emulate")
-    info = describe_device(device)
-    if recipe.name == "mxfp8" and (info.capability or (0, 0)) < (10, 0):
-        raise ConfigError(
-            f"recipe mxfp8 with backend=te needs SM100 (Blackwell): Transformer Engine refuses MXFP8 on "
-            f"{info}. Use recipe=blockwise (fine-grained scales that Hopper runs), or backend=native "
-            "recipe.emulate=true for mxfp8's numerics")
-    if tcfg.compile:
-        raise ConfigError("trainer.compile=true with backend=te: Transformer Engine's modules run eager (and "
-                          "DelayedScaling is refused under torch.compile); use trainer.compile=false, or "
-                          "backend=native, which compiles")
-    if tcfg.fuse_wgrad_accumulation:
-        raise ConfigError("trainer.fuse_wgrad_accumulation=true is the native FP8 linear's; with backend=te use "
-                          "trainer.fuse_wgrad_accumulation=false")
-    from .integrations.te import te_check_supported
-
-    ok, why = te_check_supported(recipe)  # TE's own check on this GPU, after ours
-    if not ok:
-        raise ConfigError(f"Transformer Engine refuses recipe {recipe.name} on {info}: {why}. Use backend=native "
-                          "(which says what this GPU runs), or another recipe")
-
-
-def _load_for_resume(path: Path, tcfg: TrainerConfig) -> Dict[str, Any]:
-    """Load and verify the checkpoint to resume from; a bad one is refused, naming the newest
-    older checkpoint of its directory that loads and verifies (never a silent fall-back)."""
-    try:
-        # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest.
-        return load_checkpoint(path, map_location="cpu")
-    except CheckpointError as e:
-        good = CheckpointManager(path.parent).last_good(before=path)
-        how = "trainer.resume=auto picked it as the latest" if tcfg.resume == "auto" else f"trainer.resume={tcfg.resume}"
-        if good is not None:
-            fix = (f"The newest older checkpoint that loads and verifies is {good}: resume from it with "
-                   f"trainer.resume={good} (the later checkpoints of the directory are then kept aside as "
-                   "*.superseded-<time>), or move the bad file away")
-        else:
-            fix = "No older checkpoint of that directory loads either: start a new run (run.tag=<name>)"
-        raise CheckpointError(f"{e} ({how}). {fix}") from None
-
-
-_HYPERPARAMETERS = ("seed", "seq_len", "micro_batch_size", "global_batch_size", "lr", "min_lr",
-                    "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
-
-
-def _check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig, tcfg: TrainerConfig,
-                      fingerprint: str, auto: bool = False, backend: str = "native") -> bool:
-    """Refuse a checkpoint from another recipe (unless forced) or model shape; refuse an
-    *automatic* resume whose trainer hyperparameters changed (e.g. two jobs of a
-    ``-m trainer.lr=...`` sweep sharing a run directory) unless forced; warn on data changes.
-    Returns whether the FP8 state must be loaded non-strictly."""
-    if ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
-    old_model = ckpt.get("model_config", {})
-    diffs = [f"{k}: {old_model.get(k)!r} -> {v!r}" for k, v in mcfg.to_dict().items()
-             if k != "name" and old_model.get(k) != v]
-    if diffs:
-        raise CheckpointError(f"{path} was written for another model shape ({'; '.join(diffs)})")
-    old_recipe = ckpt.get("recipe", {})
-    forced = False
-    old_backend, new_backend = str(ckpt.get("backend", "native")), str(backend)
-    if old_backend != new_backend:
-        if not tcfg.force_resume:
-            raise CheckpointError(
-                f"{path} was written by backend={old_backend}, this run uses backend={new_backend}. The weights "
-                "map one to one between the backends, their FP8 scaling state does not (our amax histories vs "
-                "Transformer Engine's extra state): pass trainer.force_resume=true to load the weights and "
-                "optimizer and start the FP8 state fresh, or resume with the same backend")
-        forced = True
-        log.warning("forced resume across backends (%s -> %s): FP8 scaling state starts fresh", old_backend,
-                    new_backend)
-    if old_recipe.get("name") != recipe.name:
-        if not tcfg.force_resume:
-            raise CheckpointError(
-                f"{path} was written with recipe {old_recipe.get('name')!r}, this run uses "
-                f"{recipe.name!r}. Resume with the same recipe, start a new run (run.tag=<name>), or "
-                "pass trainer.force_resume=true to load its weights and optimizer anyway (FP8 "
-                "scaling state that does not apply is dropped)"
-            )
-        forced = True
-        log.warning("forced resume: checkpoint recipe %s, this run %s", old_recipe.get("name"), recipe.name)
-    elif old_recipe != recipe.describe():
-        changed = sorted(k for k in set(old_recipe) | set(recipe.describe())
-                         if old_recipe.get(k) != recipe.describe().get(k))
-        if not tcfg.force_resume:
-            raise CheckpointError(
-                f"{path} was written with different {recipe.name} settings ({', '.join(changed)}); "
-                "pass trainer.force_resume=true to continue with the new settings"
-            )
-        forced = True
-    data = ckpt.get("data", {})
-    if data.get("fingerprint") != fingerprint:
-        log.warning("the training data changed since %s: the resumed run will not match an uninterrupted one", path)
-    old_t = ckpt.get("trainer", {})
-    changed = [f"trainer.{k}: {old_t[k]!r} -> {getattr(tcfg, k)!r}" for k in _HYPERPARAMETERS
-               if k in old_t and old_t[k] != getattr(tcfg, k)]
-    if changed and auto and not tcfg.force_resume:
-        raise CheckpointError(
-            f"{path.parent.parent} holds a run with other trainer settings ({'; '.join(changed)}), "
-            "so it is not resumed automatically (two jobs of a sweep over trainer.* would share it). "
-            "Use run.tag=<name> for a separate run, or trainer.resume=<checkpoint> / "
-            "trainer.force_resume=true to continue that run with the new settings"
-        )
-    for c in changed:
-        log.warning("%s changed since the checkpoint; the current value is used", c)
-    if "max_steps" in old_t and old_t["max_steps"] != tcfg.max_steps:
-        log.info("trainer.max_steps: %r -> %r (the cosine schedule follows the new value)",
-                 old_t["max_steps"], tcfg.max_steps)
-    return forced
-
-
 def train(cfg) -> TrainResult:
     """Run the embedded trainer on a composed config (``DictConfig``) and return what it did.
 
@@ -471,7 +264,9 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     with open_dict(cfg):  # the values it runs with (null = default) go into config.yaml
         cfg.kernels = kernel_options.as_dict()
     if backend == "te":
-        _check_te_backend(recipe, device, tcfg)
+        problem = te_run_problem(recipe, device, tcfg)
+        if problem:
+            raise ConfigError(problem)
     else:
         require_supported(recipe, device)
     world = dist_world_size()
@@ -509,7 +304,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         too_big = check_fits(mcfg, device, tokens_per_micro_batch=tcfg.micro_batch_size * tcfg.seq_len,
                              fp8=recipe.is_fp8, activation_bytes=2 if _autocast(device, tcfg.autocast)[1] else 4,
                              shard=shard, where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} "
-                                                f"tokens" + (f" per rank" if ctx.distributed else ""))
+                                                f"tokens" + (" per rank" if ctx.distributed else ""))
         if too_big:
             raise ConfigError(too_big)
     if tcfg.compile and device.type == "cpu" and recipe.name in _NO_CPU_COMPILE:
@@ -528,7 +323,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     run_dir = Path(rcfg.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     mgr = CheckpointManager(run_dir / "checkpoints", keep=tcfg.ckpt_keep)
-    resume_path = _resolve_resume(tcfg, mgr)
+    resume_path = resolve_resume(tcfg, mgr)
 
     # ---- data ----
     corpus = load_corpus(dcfg, tokenizer)
@@ -549,7 +344,7 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
         raw_model = Transformer(mcfg)
     te_run = None  # backend=te: conversion, micro-batch state, hooks, autocast factory
     if backend == "te":
-        te_run = _TERun(raw_model, recipe, policy, cfg.backend, ctx, telemetry=tcfg.telemetry_interval > 0)
+        te_run = TERun(raw_model, recipe, policy, cfg.backend, ctx, telemetry=tcfg.telemetry_interval > 0)
         apply_kernel_options(raw_model, kernel_options)  # (the native modules: the norms)
     else:
         convert_model(raw_model, recipe, policy, options=kernel_options)
@@ -598,10 +393,10 @@ def _train(cfg, holder: List[DistContext]) -> TrainResult:
     start_step, tokens_seen, skipped = 0, 0, 0
     last_ckpt: Optional[Path] = None
     if resume_path is not None:
-        ckpt = _load_for_resume(resume_path, tcfg)
-        forced = _check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint,
+        ckpt = load_for_resume(resume_path, tcfg)
+        forced = check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint,
                                    auto=tcfg.resume == "auto", backend=backend)
-        _load_model_state(dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
+        load_model_state(dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
         scheduler.load_state_dict(ckpt["scheduler"])
         # The checkpoint restores the *old* hyperparameters (LambdaLR's base_lrs, AdamW's
         # weight_decay/betas/eps); the current config wins, e.g. a lower lr after a divergence.

@@ -33,16 +33,20 @@ model import TE.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
 import torch.nn as nn
 
+from ..distributed import DistContext
 from ..policy import Decision, PrecisionPolicy
 from ..recipes import Recipe
 
-__all__ = ["MicroBatchState", "te_backend_problem", "convert_to_te", "te_modules", "te_autocast_for",
+log = logging.getLogger("nemo_fp8_recipes.train")  # (the trainer's: TERun logs into the run)
+
+__all__ = ["MicroBatchState", "TERun", "te_run_problem", "te_backend_problem", "convert_to_te", "te_modules", "te_autocast_for",
            "snapshot_te_state", "restore_te_state"]
 
 
@@ -222,3 +226,72 @@ def restore_te_state(model: nn.Module, snap: Dict[str, Any]) -> None:
         if n in mods and _has_delayed_state(mods[n]):  # current scaling keeps no state between steps
             mods[n].reset_fp8_meta_tensors(tensors)
 
+
+class TERun:
+    """What ``backend=te`` adds to a run: the conversion, the micro-batch state TE's weight caching
+    reads, the run-time hooks (audit, telemetry) and the te.autocast factory."""
+
+    def __init__(self, raw_model, recipe, policy, backend_cfg, ctx: DistContext, telemetry: bool) -> None:
+        from .callbacks import TEPrecisionHooks
+        
+        self.micro = MicroBatchState()
+        self.conversion = convert_to_te(raw_model, recipe, policy, self.micro)
+        group = None
+        if ctx.distributed:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD  # delayed scaling: amaxes max-reduced over the data-parallel ranks
+        self.autocast = te_autocast_for(recipe, amax_reduction_group=group)
+        self.hooks = TEPrecisionHooks(recipe, policy, strict=bool(backend_cfg.get("strict_audit", False)),
+                                      telemetry=telemetry)
+        self.hooks.attach(raw_model)
+        self.snapshot, self.restore = snapshot_te_state, restore_te_state
+        log.info("backend te: %d linears are te.Linear (FP8 under te.autocast), %d kept in high precision",
+                 self.conversion.swapped, len(self.conversion.decisions) - self.conversion.swapped)
+
+    def audit(self):
+        """TE's audit of what ran (strict: raises on a violation), with the linears the policy kept
+        out of FP8 (plain PyTorch modules here) listed beside the TE modules."""
+        from .callbacks import TEAuditRow
+
+        rep = self.hooks.check()
+        have = {r.name for r in rep.rows}
+        for name, d in self.conversion.decisions.items():
+            if name not in have and not d.fp8:
+                rep.rows.append(TEAuditRow(name, d.role, d.precision, d.reason + " (a PyTorch module)"))
+        rep.rows.sort(key=lambda r: r.name)
+        return rep
+
+
+def te_run_problem(recipe, device: torch.device, tcfg) -> Optional[str]:
+    """Why ``backend=te`` cannot run as configured, naming the fix, or None (``tcfg``: the
+    trainer's :class:`~nemo_fp8_recipes.train_config.TrainerConfig`); the trainer stops at once
+    with it."""
+    from ..recipes import describe_device
+
+    problem = te_backend_problem(device)
+    if problem:
+        return problem
+    if recipe.emulate:
+        return ("recipe.emulate=true is the native backend's exact emulation; Transformer Engine runs "
+                "real FP8 GEMMs only: use backend=native recipe.emulate=true, or drop recipe.emulate")
+    info = describe_device(device)
+    if recipe.name == "mxfp8" and (info.capability or (0, 0)) < (10, 0):
+        return (
+            f"recipe mxfp8 with backend=te needs SM100 (Blackwell): Transformer Engine refuses MXFP8 on "
+            f"{info}. Use recipe=blockwise (fine-grained scales that Hopper runs), or backend=native "
+            "recipe.emulate=true for mxfp8's numerics")
+    if tcfg.compile:
+        return ("trainer.compile=true with backend=te: Transformer Engine's modules run eager (and "
+                "DelayedScaling is refused under torch.compile); use trainer.compile=false, or "
+                "backend=native, which compiles")
+    if tcfg.fuse_wgrad_accumulation:
+        return ("trainer.fuse_wgrad_accumulation=true is the native FP8 linear's; with backend=te use "
+                "trainer.fuse_wgrad_accumulation=false")
+    from .te import te_check_supported
+
+    ok, why = te_check_supported(recipe)  # TE's own check on this GPU, after ours
+    if not ok:
+        return (f"Transformer Engine refuses recipe {recipe.name} on {info}: {why}. Use backend=native "
+                "(which says what this GPU runs), or another recipe")
+    return None
