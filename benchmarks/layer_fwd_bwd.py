@@ -294,10 +294,11 @@ def build(cfg, block: str, variant: str, dev: str, smoke: bool, seq: int = 8192)
     policy = PrecisionPolicy()
     if variant in TORCHAO:
         convert_torchao(model, TORCHAO[variant], policy_filter(policy), emulate=smoke)
-    elif VARIANT_RECIPE.get(variant, variant) != "bf16":
+    if VARIANT_RECIPE.get(variant, variant) != "bf16" and variant not in TORCHAO:
+        # (the FP8 linears and the norms: convert_model applies the options to both)
         convert_model(model, get_recipe(VARIANT_RECIPE.get(variant, variant)), policy,
                       emulate=True if smoke else None, options=variant_options(variant))
-    if variant not in TORCHAO:  # (the norms; our FP8 linears got theirs from convert_model)
+    else:  # BF16 and torchao: our norms, all options on but the variant's own
         apply_kernel_options(model, variant_options(variant))
     return model
 

@@ -224,6 +224,9 @@ def compare_backends(results: list, root: Path, args) -> dict:
     for r in results:
         if r["nproc"] == 1 and r["returncode"] == 0:
             by[(r["backend"], r["recipe"])] = r
+    def cell(v, f=".0f"):
+        return "-" if v is None else format(v, f)
+
     print("\n| recipe | native tok/s | te tok/s | native / te | native loss (last) | te loss (last) |")
     print("|---|---|---|---|---|---|")
     rows = []
@@ -235,9 +238,6 @@ def compare_backends(results: list, root: Path, args) -> dict:
         rows.append({"recipe": recipe, "native_tokens_per_s": nt, "te_tokens_per_s": tt,
                      "native_over_te": nt / tt if nt and tt else None,
                      "native_last_loss": (n or {}).get("last_loss"), "te_last_loss": (t or {}).get("last_loss")})
-        def cell(v, f=".0f"):
-            return "-" if v is None else format(v, f)
-
         print(f"| {recipe} | {cell(nt)} | {cell(tt)} | {cell(nt / tt if nt and tt else None, '.2f') + ('x' if nt and tt else '')} | "
               f"{cell((n or {}).get('last_loss'), '.3f')} | {cell((t or {}).get('last_loss'), '.3f')} |")
     dirs = [r["run_dir"] for r in by.values()]

@@ -75,7 +75,6 @@ class KernelOptions:
         error naming the valid ones."""
         base = default_kernel_options()
         values = dict(values or {})
-        values.pop("_target_", None)
         unknown = sorted(set(values) - set(base.as_dict()))
         if unknown:
             raise ValueError(f"unknown kernel option(s) {', '.join(unknown)}; valid: {', '.join(base.as_dict())}")
