@@ -6,10 +6,8 @@ contract, and the TE run-time hooks apply and audit the policy on a real module 
 
 from __future__ import annotations
 
+import collections
 import importlib.util
-import os
-import sys
-import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -227,6 +225,42 @@ def test_native_swap_moe_keeps_router_fp32_and_refuses_parallel_layers():
     with pytest.raises(ValueError, match="sequence_parallel=True.*tensor_model_parallel_size=1"):
         convert_megatron_model(other, "tensorwise")
 
+
+
+def _counting_policy(calls, **kw):
+    """A PrecisionPolicy that counts its ``decide`` calls per module name into ``calls``."""
+
+    class CountingPolicy(PrecisionPolicy):
+        def decide(self, fqn, module=None, recipe=None, shape=None):
+            calls[fqn] += 1
+            return super().decide(fqn, module, recipe=recipe, shape=shape)
+
+    return CountingPolicy(**kw)
+
+
+def test_native_swap_decides_each_module_once_and_checks_alignment_on_the_weight():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from nemo_fp8_recipes.nn.convert import conversion_state
+
+    model = build_tiny_gpt_model(num_layers=2, ffn_hidden_size=200, seed=9)
+    names = {n for n, _ in model.named_modules() if n}
+    linears = {n for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+    calls = collections.Counter()
+    convert_megatron_model(model, "tensorwise", _counting_policy(calls))
+    assert set(calls) == names and set(calls.values()) == {1}  # one decision per module
+    state = conversion_state(model)
+    # the swapped layers carry no high-precision counter (none was installed on them, then dropped)
+    swapped = {n for n in linears if isinstance(model.get_submodule(n), Float8MegatronLinear)}
+    assert swapped == {f"decoder.layers.{i}.self_attention.{p}" for i in range(2) for p in ("linear_qkv", "linear_proj")}
+    assert not swapped & set(state.hp_modules) and len(state.hooks) == len(state.hp_modules)
+    assert (linears - swapped) <= set(state.hp_modules)
+    rows = {r.name: r for r in audit(model).rows}
+    # ffn 200 is not a multiple of 16: the alignment check ran on the [out, in] weight shape
+    assert rows["decoder.layers.0.mlp.linear_fc1"].reason == "out_features=200 not divisible by 16 as tensorwise FP8 GEMMs need"
+    assert rows["decoder.layers.0.mlp.linear_fc2"].reason == "in_features=200 not divisible by 16 as tensorwise FP8 GEMMs need"
+    assert rows["decoder.layers.1.self_attention.linear_qkv"].precision == "fp8"
+    assert [r.name for r in audit(model).rows] == [n for n in calls if n in state.decisions]  # model order
 
 # ---- TE run-time hooks, exercised on a real Megatron tree with a stand-in FP8 switch -------------
 class _Switch:

@@ -2,6 +2,7 @@
 real Megatron-Core GPTModel built on CPU (local spec), plus delayed-scaling state and the FP8
 weight cache."""
 
+import collections
 import io
 
 import pytest
@@ -209,6 +210,115 @@ def test_shape_check_keeps_unaligned_layers_in_bf16_with_reason():
     convert_model(m2, "tensorwise")  # 96 and 200 are multiples of 8 but 200 is not of 16
     assert "out_features=200" in audit(m2).rows[0].reason
 
+
+
+class PackedLinear(nn.Module):
+    """A project's own GEMM module that is not an nn.Linear: weight ``[out, in]``, no bias."""
+
+    def __init__(self, d_in, d_out):
+        super().__init__()
+        self.in_features, self.out_features, self.bias = d_in, d_out, None
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class PackedMLP(nn.Module):
+    def __init__(self, d_ff=F_):
+        super().__init__()
+        self.w1, self.w2 = PackedLinear(D, d_ff), PackedLinear(d_ff, D)
+        self.w3 = nn.Linear(d_ff, d_ff, bias=False)
+
+    def forward(self, x):
+        return self.w2(self.w3(F.silu(self.w1(x))))
+
+
+def _packed_model():
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.layers = nn.ModuleList([PackedMLP(), PackedMLP(d_ff=200)])  # 200: not a multiple of 16
+    return model
+
+
+def test_swaps_build_fp8_replacements_for_a_custom_module_class():
+    # without a swap the custom class is kept in high precision, counted, and the reason says why
+    plain = convert_model(_packed_model(), "tensorwise")
+    assert not isinstance(plain.layers[0].w1, Float8Linear) and isinstance(plain.layers[0].w3, Float8Linear)
+    assert "no swap for it" in {r.name: r for r in audit(plain).rows}["layers.0.w1"].reason
+
+    built = []
+
+    def factory(fqn, module, decision, recipe, emulate):
+        built.append((fqn, decision.precision, recipe.name, emulate))
+        return Float8Linear.from_linear(module, recipe, emulate)
+
+    calls = collections.Counter()
+
+    class CountingPolicy(PrecisionPolicy):
+        def decide(self, fqn, module=None, recipe=None, shape=None):
+            calls[fqn] += 1
+            return super().decide(fqn, module, recipe=recipe, shape=shape)
+
+    model = _packed_model()
+    w1 = model.layers[0].w1
+    seen = []
+    w1.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs), with_kwargs=True)
+    convert_model(model, "tensorwise", CountingPolicy(), swaps={PackedLinear: factory})
+    assert set(calls.values()) == {1} and "layers.0.w1" in calls  # one decision per module
+    assert built == [("layers.0.w1", "fp8", "tensorwise", True), ("layers.0.w2", "fp8", "tensorwise", True)]
+    new = model.layers[0].w1
+    assert isinstance(new, Float8Linear) and new.weight is w1.weight and (new.fqn, new.role) == ("layers.0.w1", "mlp")
+    # layer 1's d_ff=200: the alignment check ran on the custom module's [out, in] weight
+    assert not isinstance(model.layers[1].w1, Float8Linear)
+    x = torch.randn(4, 8, D)
+    model.layers[0](x).sum().backward()
+    model.layers[1](x).sum().backward()
+    assert seen == [{}]  # the user's with_kwargs hook moved to the replacement, flag included
+    rows = {r.name: r for r in audit(model, strict=True).rows}
+    assert rows["layers.0.w1"].precision == "fp8" and rows["layers.0.w1"].fp8_gemms == {"fprop": 1, "dgrad": 0, "wgrad": 1}
+    assert rows["layers.1.w1"].reason == "out_features=200 not divisible by 16 as tensorwise FP8 GEMMs need"
+    assert rows["layers.1.w1"].hp_gemms == {"fprop": 1, "dgrad": 0, "wgrad": 1}
+    assert "layers.0.w1.fp8_fwd_count" in model._ddp_params_and_buffers_to_ignore
+    assert "layers.1.w1.hp_fwd_count" in model._ddp_params_and_buffers_to_ignore
+
+
+def test_swaps_are_checked_before_the_model_changes():
+    from nemo_fp8_recipes.nn.convert import conversion_state
+
+    model = _packed_model()
+    with pytest.raises(TypeError, match="layers.0.w1: the swap for PackedLinear returned Identity, not a Float8Linear"):
+        convert_model(model, "tensorwise", swaps={PackedLinear: lambda *a: nn.Identity()})
+    assert conversion_state(model) is None and not any(isinstance(m, Float8Linear) for m in model.modules())
+    with pytest.raises(TypeError, match="swaps maps module classes to factories"):
+        convert_model(model, "tensorwise", swaps={"PackedLinear": lambda *a: None})
+
+    class Packed(PackedLinear):  # not named *Linear: the policy does not see a GEMM
+        pass
+
+    odd = nn.Sequential(Packed(D, D))
+    with pytest.raises(ValueError, match="swaps name Packed, but the policy does not classify it as a GEMM"):
+        convert_model(odd, "tensorwise", swaps={Packed: lambda *a: None})
+    noweight = _packed_model()
+    del noweight.layers[0].w1.weight
+    noweight.layers[0].w1.weight = None
+    with pytest.raises(TypeError, match="layers.0.w1: the policy puts this PackedLinear in FP8 but it has no weight"):
+        convert_model(noweight, "tensorwise", swaps={PackedLinear: lambda *a: None})
+
+
+def test_swaps_take_the_most_specific_class():
+    class TaggedFloat8Linear(Float8Linear):
+        pass
+
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential()
+    model.add_module("a", nn.Linear(D, D))
+    model.add_module("b", MyLinear(D, D))
+    tagged = lambda fqn, m, d, r, emulate: TaggedFloat8Linear.from_linear(m, r, emulate)  # noqa: E731
+    convert_model(model, "blockwise", swaps={MyLinear: tagged})
+    assert type(model.a) is Float8Linear and type(model.b) is TaggedFloat8Linear
 
 def test_bf16_recipe_converts_nothing_but_audits():
     model = TinyLlama()

@@ -16,7 +16,8 @@ Two ways to run a recipe inside Megatron-Core:
 * **Native** (``backend="native"``, no TE needed): :func:`convert_megatron_model` swaps a
   local-spec ``GPTModel``'s ``ColumnParallelLinear`` / ``RowParallelLinear`` layers (tensor
   parallel size 1) for :class:`Float8MegatronLinear` per the precision policy, keeping the
-  Parameter objects and Megatron's ``(output, bias)`` contract, so the policy, audit and
+  Parameter objects and Megatron's ``(output, bias)`` contract. It is ``convert_model`` with a
+  swap for those two classes (``convert_model(..., swaps=...)``), so the policy, audit and
   telemetry of :mod:`nemo_fp8_recipes.nn` work on a real Megatron module tree.
 
 Field names were checked against megatron-core 0.16.1 (installed here) and 0.19.2
@@ -33,8 +34,8 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 import torch.nn as nn
 
-from ..nn import Float8Linear, audit
-from ..policy import PrecisionPolicy, Role
+from ..nn import Float8Linear
+from ..policy import Decision, PrecisionPolicy
 from ..recipes import Granularity, Recipe, get_recipe
 from .te import TEUnsupportedError, te_env, te_recipe_spec
 
@@ -386,6 +387,12 @@ def _check_swappable(fqn: str, layer: nn.Module) -> None:
         )
 
 
+def _swap_megatron_linear(fqn: str, layer: nn.Module, decision: Decision, recipe: Recipe,
+                          emulate: bool) -> Float8MegatronLinear:
+    """The :data:`~nemo_fp8_recipes.nn.SwapFactory` of Megatron's parallel linears."""
+    return Float8MegatronLinear.from_megatron(layer, recipe, emulate=emulate)
+
+
 def convert_megatron_model(
     model: nn.Module,
     recipe: Union[str, Recipe],
@@ -395,43 +402,22 @@ def convert_megatron_model(
 ) -> nn.Module:
     """Apply ``recipe`` to a Megatron-Core model built with the local spec (in place; returns it).
 
-    Runs :func:`nemo_fp8_recipes.convert_model` (hardware check, policy decisions for every
-    module, high-precision GEMM counters), then swaps each ``ColumnParallelLinear`` /
-    ``RowParallelLinear`` the policy puts in FP8 — checked against the recipe's GEMM alignment on
-    its ``[out, in]`` weight shape — for a :class:`Float8MegatronLinear`. :func:`nemo_fp8_recipes.
-    audit` then reports per module what ran in FP8; ``collect_telemetry`` / ``set_telemetry``
-    work as for plain PyTorch models. Needs tensor parallel size 1.
+    Checks that every ``ColumnParallelLinear`` / ``RowParallelLinear`` can be swapped (tensor
+    parallel size 1, no sequence parallelism, no fused ``main_grad`` wgrad), then runs
+    :func:`nemo_fp8_recipes.convert_model` with a swap for those two classes: the policy decides
+    each module once — for the parallel linears with the recipe's GEMM alignment checked on the
+    ``[out, in]`` weight — and each one it puts in FP8 becomes a :class:`Float8MegatronLinear`.
+    :func:`nemo_fp8_recipes.audit` then reports per module what ran in FP8;
+    ``collect_telemetry`` / ``set_telemetry`` work as for plain PyTorch models.
     """
-    from ..nn.convert import conversion_state, convert_model, set_submodule
+    from ..nn.convert import convert_model
 
     col, row = megatron_linear_classes()
-    r = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
-    targets = [(n, m) for n, m in model.named_modules() if isinstance(m, (col, row))]
-    for fqn, layer in targets:
-        _check_swappable(fqn, layer)
-    convert_model(model, r, policy=policy, emulate=emulate, device=device)
-    state = conversion_state(model)
-    pol = state.policy
-    swapped = []
-    for fqn, layer in targets:
-        decision = pol.decide(fqn, layer, recipe=state.recipe, shape=tuple(layer.weight.shape))
-        if decision.role == Role.OTHER:
-            continue
-        state.decisions[fqn] = decision
-        if not decision.fp8:
-            continue
-        new = Float8MegatronLinear.from_megatron(layer, state.recipe, emulate=state.emulate)
-        new.fqn, new.role = fqn, decision.role
-        set_submodule(model, fqn, new)
-        state.hp_modules.pop(fqn, None)  # its high-precision counter left with the old module
-        swapped.append(fqn)
-    fp8_buffers = [f"{n}.{b}" for n in swapped for b, _ in model.get_submodule(n).named_buffers(recurse=False)]
-    gone = tuple(f"{n}." for n in swapped)  # the high-precision counters of the replaced modules
-    ignore = [b for b in getattr(model, "_ddp_params_and_buffers_to_ignore", [])
-              if not (b.startswith(gone) and b.rpartition(".")[2] in ("hp_fwd_count", "hp_bwd_count"))]
-    if ignore or fp8_buffers:
-        model._ddp_params_and_buffers_to_ignore = ignore + fp8_buffers
-    return model
+    for fqn, layer in model.named_modules():
+        if isinstance(layer, (col, row)):
+            _check_swappable(fqn, layer)
+    return convert_model(model, recipe, policy=policy, emulate=emulate, device=device,
+                         swaps={col: _swap_megatron_linear, row: _swap_megatron_linear})
 
 
 def transformer_config_field_names() -> set:

@@ -2,6 +2,7 @@
 
 from .audit import AuditReport, PolicyViolation, audit
 from .convert import (
+    SwapFactory,
     apply_kernel_options,
     convert_model,
     fp8_modules,
@@ -19,6 +20,7 @@ __all__ = [
     "AuditReport",
     "Float8Linear",
     "PolicyViolation",
+    "SwapFactory",
     "apply_kernel_options",
     "audit",
     "collect_telemetry",

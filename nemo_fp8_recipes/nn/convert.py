@@ -5,12 +5,18 @@ puts in FP8 for :class:`Float8Linear` (same Parameter objects), and installs cou
 GEMMs it keeps in high precision, so that :func:`~nemo_fp8_recipes.nn.audit` can report, after a
 forward/backward, how many fprop/dgrad/wgrad GEMMs actually ran in FP8 and how many in high
 precision (:mod:`nemo_fp8_recipes.nn.audit`; telemetry: :mod:`nemo_fp8_recipes.nn.telemetry`).
+
+GEMM modules of other classes (Megatron's parallel linears, a project's own linear) are put in
+FP8 through ``swaps``: a mapping from the class to a :data:`SwapFactory` that builds its FP8
+replacement. The policy decision, the audit record and the counters stay here, made once per
+module, whichever class is swapped; integrations supply only the factory
+(:func:`nemo_fp8_recipes.integrations.megatron.convert_megatron_model`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Union
+from typing import Callable, Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.nn as nn
@@ -22,6 +28,7 @@ from ..quant.launch import set_fast_launch
 from .linear import Float8Linear, check_wgrad_fusion, fp8_modules
 
 __all__ = [
+    "SwapFactory",
     "apply_kernel_options",
     "conversion_state",
     "convert_model",
@@ -37,6 +44,14 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_nemo_fp8_state"
+
+#: Builds the FP8 replacement of one module the policy put in FP8:
+#: ``factory(fqn, module, decision, recipe, emulate) -> Float8Linear``. ``recipe`` is the
+#: resolved recipe, ``emulate`` whether the GEMMs are emulated on this device (pass both to the
+#: replacement); the replacement shares ``module``'s Parameter objects, so an optimizer built
+#: before conversion keeps working. :func:`convert_model` sets its ``fqn`` and ``role``,
+#: registers the module's forward hooks on it and applies the kernel options.
+SwapFactory = Callable[[str, nn.Module, Decision, Recipe, bool], Float8Linear]
 
 
 @dataclass
@@ -63,6 +78,40 @@ def set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
     parent_name, _, leaf = fqn.rpartition(".")
     parent = root.get_submodule(parent_name) if parent_name else root
     setattr(parent, leaf, new)
+
+
+def _swap_linear(fqn: str, module: nn.Module, decision: Decision, recipe: Recipe, emulate: bool) -> Float8Linear:
+    """The built-in swap: an ``nn.Linear`` becomes a :class:`Float8Linear`."""
+    return Float8Linear.from_linear(module, recipe, emulate=emulate)
+
+
+def _find_swap(swaps: Mapping[type, SwapFactory], module: nn.Module) -> Optional[SwapFactory]:
+    """The factory of the most specific class of ``module`` that ``swaps`` names (its MRO order),
+    or None."""
+    for cls in type(module).__mro__:
+        if cls in swaps:
+            return swaps[cls]
+    return None
+
+
+def _gemm_shape(module: nn.Module) -> Optional[Tuple[int, int]]:
+    """``(out_features, in_features)`` of a swappable module, read from its 2-D ``weight``
+    (``[out, in]``, the layout of the Float8Linear that replaces it), for the policy's alignment
+    check; None without one (e.g. Megatron's output layer when it borrows the embedding weight)."""
+    w = getattr(module, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return int(w.shape[0]), int(w.shape[1])
+    return None
+
+
+def _carry_forward_hooks(old: nn.Module, new: nn.Module) -> None:
+    """Register ``old``'s forward (pre-)hooks on ``new``, with their ``with_kwargs`` /
+    ``always_call`` flags, so hooks a user put on the original module keep running."""
+    new._forward_pre_hooks.update(old._forward_pre_hooks)
+    new._forward_pre_hooks_with_kwargs.update(old._forward_pre_hooks_with_kwargs)
+    new._forward_hooks.update(old._forward_hooks)
+    new._forward_hooks_with_kwargs.update(old._forward_hooks_with_kwargs)
+    new._forward_hooks_always_called.update(old._forward_hooks_always_called)
 
 
 #: Buffers (not in ``state_dict``) on every GEMM module kept in high precision: forward calls,
@@ -117,12 +166,21 @@ def convert_model(
     emulate: Optional[bool] = None,
     device=None,
     options: Optional[KernelOptions] = None,
+    swaps: Optional[Mapping[type, SwapFactory]] = None,
 ) -> nn.Module:
     """Apply ``recipe`` to ``model`` in place, as the precision ``policy`` decides; returns it.
 
     Every ``nn.Linear`` the policy puts in FP8 becomes a :class:`Float8Linear` sharing the same
     weight/bias Parameter objects (an optimizer built before conversion keeps working). GEMM
     modules kept in high precision get counters so :func:`audit` can prove what ran.
+
+    ``swaps``: ``{module class: factory}`` (:data:`SwapFactory`) for GEMM modules that are not
+    ``nn.Linear`` (or that need another replacement than :class:`Float8Linear`). A module takes
+    the factory of the most specific of its classes named there, else the built-in one for
+    ``nn.Linear``. Its policy decision is made once, with the alignment check on its 2-D
+    ``weight`` (``[out, in]``); if FP8, the factory builds the replacement, which must be a
+    :class:`Float8Linear` (that is what :func:`audit` and the telemetry count). A GEMM module
+    with no factory stays in high precision, counted, and its audit reason says why.
 
     ``emulate``: None = real FP8 GEMMs where the hardware has them (``check_supported``), exact
     emulation on CPU; True = always emulate; False = demand real GEMMs. A GPU lacking the
@@ -154,33 +212,63 @@ def convert_model(
     opts = options if options is not None else default_kernel_options()
     if not isinstance(opts, KernelOptions):
         raise TypeError(f"options must be a KernelOptions, got {type(opts).__name__}")
+    for cls, factory in (swaps or {}).items():
+        if not isinstance(cls, type) or not callable(factory):
+            raise TypeError(f"swaps maps module classes to factories, got {cls!r}: {factory!r}")
+    factories: Dict[type, SwapFactory] = {nn.Linear: _swap_linear, **(swaps or {})}
     state = _ConvertState(recipe=r, policy=policy, emulate=use_emulation, options=opts)
 
+    # Decide and build every replacement first, then change the model: a shape or factory error
+    # leaves it as it was.
+    plan = []  # (fqn, module, decision, FP8 replacement or None)
+    replaced: Tuple[str, ...] = ()  # "<fqn>." of replaced modules: their submodules go with them
     for fqn, module in list(model.named_modules()):
-        if not fqn or isinstance(module, Float8Linear):
+        if not fqn or isinstance(module, Float8Linear) or fqn.startswith(replaced):
             continue
-        decision = policy.decide(fqn, module, recipe=r)
+        factory = _find_swap(factories, module)
+        # nn.Linear: the policy reads out_features / in_features itself
+        shape = _gemm_shape(module) if factory is not None and not isinstance(module, nn.Linear) else None
+        decision = policy.decide(fqn, module, recipe=r, shape=shape)
         if decision.role == Role.OTHER:
+            if factory is not None and factory is not _swap_linear:
+                raise ValueError(
+                    f"{fqn}: convert_model's swaps name {type(module).__name__}, but the policy does not "
+                    f"classify it as a GEMM module ({decision.reason}); it recognises nn.Linear and classes "
+                    "whose name ends in 'Linear', so name the class so or drop it from swaps")
             continue
         if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and decision.role in GEMM_ROLES:
             continue
-        state.decisions[fqn] = decision
-        is_linear = isinstance(module, nn.Linear)
-        if decision.fp8 and is_linear:
-            new = Float8Linear.from_linear(module, r, emulate=use_emulation, options=opts)
-            new.fqn, new.role = fqn, decision.role
-            # keep user hooks registered on the original module
-            new._forward_hooks.update(module._forward_hooks)
-            new._forward_pre_hooks.update(module._forward_pre_hooks)
-            set_submodule(model, fqn, new)
-        elif decision.fp8 and not is_linear:
-            state.decisions[fqn] = Decision(
+        if decision.fp8 and factory is None:
+            decision = Decision(
                 fqn, decision.role, "bf16",
-                f"{type(module).__name__} is not an nn.Linear: the native backend converts only "
-                "nn.Linear (use the Megatron integration for Megatron layers)",
+                f"{type(module).__name__} is not an nn.Linear and convert_model has no swap for it: the "
+                "native backend converts nn.Linear and the classes in swaps= (use the Megatron integration "
+                "for Megatron layers)",
                 decision.layer,
             )
-            _install_hp_counter(state, fqn, module, device)
+        new = None
+        if decision.fp8:
+            if shape is None and not isinstance(module, nn.Linear):
+                w = getattr(module, "weight", None)
+                got = "no weight" if w is None else f"a weight {type(w).__name__} of shape {tuple(getattr(w, 'shape', ()))}"
+                raise TypeError(
+                    f"{fqn}: the policy puts this {type(module).__name__} in FP8 but it has {got}; a "
+                    "module in convert_model's swaps keeps its GEMM weight in .weight as a 2-D "
+                    "[out_features, in_features] tensor (keep it in BF16 with PrecisionPolicy(exclude=[...]))")
+            new = factory(fqn, module, decision, r, use_emulation)
+            if not isinstance(new, Float8Linear):
+                raise TypeError(
+                    f"{fqn}: the swap for {type(module).__name__} returned {type(new).__name__}, not a "
+                    "Float8Linear (or subclass), which audit() and the telemetry count as FP8")
+            replaced += (fqn + ".",)
+        plan.append((fqn, module, decision, new))
+
+    for fqn, module, decision, new in plan:
+        state.decisions[fqn] = decision
+        if new is not None:
+            new.fqn, new.role = fqn, decision.role
+            _carry_forward_hooks(module, new)
+            set_submodule(model, fqn, new)
         elif decision.role in GEMM_ROLES:
             _install_hp_counter(state, fqn, module, device)
     object.__setattr__(model, _STATE_ATTR, state)
