@@ -1,13 +1,18 @@
 """The GPUs this package knows by name: compute capability (which recipes run for real) and dense
 datasheet peak TFLOP/s (MFU). One table for the validator (``--gpu h100``), the launchers and the
-trainer's MFU."""
+trainer's MFU. Also the description of one device (:class:`DeviceInfo`, :func:`describe_device`)
+that the recipe hardware check (:func:`nemo_fp8_recipes.recipes.check_supported`) reads."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional, Tuple, Union
 
-__all__ = ["GPU", "GPUS", "gpu_by_key", "gpu_by_device_name", "normalise_gpu_name"]
+import torch
+
+from .versions import version_tuple
+
+__all__ = ["GPU", "GPUS", "gpu_by_key", "gpu_by_device_name", "normalise_gpu_name", "DeviceInfo", "describe_device"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +67,42 @@ def gpu_by_key(spec: str) -> Optional[GPU]:
 def gpu_by_device_name(name: str) -> Optional[GPU]:
     """The GPU that ``torch.cuda.get_device_name()`` reports (``NVIDIA H100 80GB HBM3``)."""
     return next((g for g in GPUS if g.match in name), None)
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the hardware check needs to know about a device."""
+
+    type: str  # "cpu" or "cuda"
+    name: str = "CPU"
+    capability: Optional[Tuple[int, int]] = None
+    cuda_version: Optional[Tuple[int, int]] = None
+
+    @property
+    def sm(self) -> Optional[int]:
+        return None if self.capability is None else self.capability[0] * 10 + self.capability[1]
+
+    def __str__(self) -> str:
+        if self.type == "cpu":
+            return "CPU"
+        return f"SM{self.sm} ({self.name})"
+
+
+def describe_device(device: Union[None, str, torch.device, DeviceInfo] = None) -> DeviceInfo:
+    """Resolve ``device`` (None = current CUDA device if available, else CPU) into a
+    :class:`DeviceInfo`. Does not initialise CUDA unless a CUDA device is asked for or CUDA
+    is the default."""
+    if isinstance(device, DeviceInfo):
+        return device
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return DeviceInfo(type=dev.type, name=dev.type.upper())
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    return DeviceInfo(
+        type="cuda",
+        name=torch.cuda.get_device_name(idx),
+        capability=tuple(torch.cuda.get_device_capability(idx)),
+        cuda_version=version_tuple(torch.version.cuda, width=2),
+    )

@@ -12,6 +12,9 @@ nowhere else.
 
 Keys follow Megatron-Core's ``fp8_recipe`` names: ``bf16``, ``delayed``, ``tensorwise``,
 ``blockwise``, ``mxfp8``. Importing this module needs neither a GPU nor Transformer Engine.
+The formats, scale-rounding rules and scaling groups the recipes are made of are defined in
+:mod:`nemo_fp8_recipes.formats`, the device description in :mod:`nemo_fp8_recipes.hardware`;
+both are re-exported here.
 """
 
 from __future__ import annotations
@@ -21,9 +24,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional, Tuple, Union
 
-import torch
-
-from .versions import version_tuple
+from .formats import Format, GemmConfig, Granularity, ScaleRounding
+from .hardware import DeviceInfo, describe_device
 
 __all__ = [
     "RecipeName",
@@ -56,79 +58,6 @@ class RecipeName(str, enum.Enum):
     TENSORWISE = "tensorwise"
     BLOCKWISE = "blockwise"
     MXFP8 = "mxfp8"
-
-
-class Format(str, enum.Enum):
-    """FP8 element formats. ``e4m3`` = ``torch.float8_e4m3fn`` (max 448, no inf), ``e5m2`` =
-    ``torch.float8_e5m2`` (max 57344, has inf)."""
-
-    E4M3 = "e4m3"
-    E5M2 = "e5m2"
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float8_e4m3fn if self is Format.E4M3 else torch.float8_e5m2
-
-    @property
-    def max(self) -> float:
-        return 448.0 if self is Format.E4M3 else 57344.0
-
-    @property
-    def emax(self) -> int:
-        """Exponent of the largest power of two not above ``max`` (8 for E4M3, 15 for E5M2);
-        the OCP MX ``floor`` scale rule subtracts it."""
-        return 8 if self is Format.E4M3 else 15
-
-    @property
-    def clamp_threshold(self) -> float:
-        """Largest magnitude that round-to-nearest-even would put on ``±max`` anyway: ``max``
-        plus half its step (464 for E4M3, 61440 for E5M2). Only values beyond it lose anything
-        to the saturating clamp."""
-        return 464.0 if self is Format.E4M3 else 61440.0
-
-
-class ScaleRounding(str, enum.Enum):
-    """How a scale is rounded once computed from an amax.
-
-    ``fp32``: keep ``fmax / amax`` as an FP32 number. ``pow2``: round the scale *down* to a
-    power of two (so ``x * s`` never exceeds ``fmax``; TE's blockwise default).
-    ``e8m0_ceil``: MXFP8 scale ``2^ceil(log2(amax / fmax))`` stored as E8M0 (TE/NVIDIA; no element
-    saturates). ``e8m0_floor``: OCP MX v1.0 rule ``2^(floor(log2(amax)) - emax)``; elements above
-    ``fmax`` after scaling saturate to ``fmax``.
-    """
-
-    FP32 = "fp32"
-    POW2 = "pow2"
-    E8M0_CEIL = "e8m0_ceil"
-    E8M0_FLOOR = "e8m0_floor"
-
-
-class Granularity(str, enum.Enum):
-    """Scaling-group shapes. Tiles are laid along the contraction dim of the consuming GEMM."""
-
-    TENSOR = "tensor"  # one scale for the whole tensor
-    TILE_1x128 = "1x128"  # one scale per 128 consecutive elements along the contraction dim
-    BLOCK_128x128 = "128x128"  # one scale per 128x128 block (weights, blockwise recipe)
-    BLOCK_1x32 = "1x32"  # one E8M0 scale per 32 consecutive elements along the contraction dim
-
-    @property
-    def block(self) -> Optional[Tuple[int, int]]:
-        """(rows, cols) of a scaling group with the contraction dim last, or None for a tensor."""
-        return {
-            Granularity.TENSOR: None,
-            Granularity.TILE_1x128: (1, 128),
-            Granularity.BLOCK_128x128: (128, 128),
-            Granularity.BLOCK_1x32: (1, 32),
-        }[self]
-
-
-@dataclass(frozen=True, kw_only=True)
-class GemmConfig:
-    """Per-GEMM settings. ``fast_accum=True`` lets Hopper tensor cores accumulate FP8 products
-    in reduced precision without periodic FP32 promotion (TE's default for per-tensor fprop
-    only); ``False`` is the "split accumulator" mode that promotes to FP32."""
-
-    fast_accum: bool = False
 
 
 _ALGOS = ("max", "most_recent")
@@ -485,46 +414,6 @@ def get_recipe(name: Union[str, RecipeName, Recipe], **overrides: Any) -> Recipe
 class UnsupportedRecipeError(RuntimeError):
     """Raised when a recipe cannot run as asked on the device; the message names the recipe,
     the GPU it needs, the device found and what to use instead."""
-
-
-@dataclass(frozen=True)
-class DeviceInfo:
-    """What the hardware check needs to know about a device."""
-
-    type: str  # "cpu" or "cuda"
-    name: str = "CPU"
-    capability: Optional[Tuple[int, int]] = None
-    cuda_version: Optional[Tuple[int, int]] = None
-
-    @property
-    def sm(self) -> Optional[int]:
-        return None if self.capability is None else self.capability[0] * 10 + self.capability[1]
-
-    def __str__(self) -> str:
-        if self.type == "cpu":
-            return "CPU"
-        return f"SM{self.sm} ({self.name})"
-
-
-def describe_device(device: Union[None, str, torch.device, DeviceInfo] = None) -> DeviceInfo:
-    """Resolve ``device`` (None = current CUDA device if available, else CPU) into a
-    :class:`DeviceInfo`. Does not initialise CUDA unless a CUDA device is asked for or CUDA
-    is the default."""
-    if isinstance(device, DeviceInfo):
-        return device
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return DeviceInfo(type=dev.type, name=dev.type.upper())
-    idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    return DeviceInfo(
-        type="cuda",
-        name=torch.cuda.get_device_name(idx),
-        capability=tuple(torch.cuda.get_device_capability(idx)),
-        cuda_version=version_tuple(torch.version.cuda, width=2),
-    )
-
 
 def _hw_status(recipe: Recipe, info: DeviceInfo) -> Tuple[bool, str]:
     """Whether ``info`` runs ``recipe`` with real FP8 GEMMs, and if not why."""

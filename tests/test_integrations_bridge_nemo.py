@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from nemo_fp8_recipes import PrecisionPolicy, get_recipe, list_recipes
-from nemo_fp8_recipes.integrations import bridge, nemo2
+from nemo_fp8_recipes.integrations import bridge, bridge_launch, nemo2
 from nemo_fp8_recipes.integrations.validate import BRIDGE_MIXED_PRECISION_FIELDS, RECIPE_OWNED_FIELDS, validate_config
 from nemo_fp8_recipes.train_config import compose_config, list_group_options
 
@@ -330,7 +330,7 @@ def _check_offline_container_fields(broot: Path, mc: Path) -> None:
                     if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
                         have.update(a.arg for a in fn.args.args + fn.args.kwonlyargs)
     bases = {"GPTDatasetConfig": ("BlendedMegatronDatasetConfig", "DataloaderConfig")}
-    tree = ast.parse(textwrap.dedent(inspect.getsource(bridge._offline_container)))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(bridge_launch._offline_container)))
     calls = [c for c in ast.walk(tree) if isinstance(c, ast.Call) and isinstance(c.func, ast.Name) and c.keywords]
     assert len(calls) >= 10
     for call in calls:

@@ -1,0 +1,204 @@
+"""Reading ``nemo-fp8-compare``'s input: finding run directories (those holding TensorBoard
+``events.out.tfevents.*`` files), checking every event file record by record, and reading one
+scalar curve per run with TensorBoard's ``EventAccumulator`` (:func:`load_run`, :func:`load_runs`).
+The definitions of the numbers computed from the curves are in :mod:`nemo_fp8_recipes.compare`."""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+__all__ = [
+    "DEFAULT_TAG",
+    "LOSS_TAGS",
+    "TOKENS_TAG",
+    "CompareError",
+    "RunSeries",
+    "find_runs",
+    "resolve_run_dirs",
+    "check_event_file",
+    "load_run",
+    "load_runs",
+]
+
+DEFAULT_TAG = "train/loss"
+#: The training loss as each trainer logs it: nemo-fp8-train, Megatron-Bridge / Megatron-LM.
+LOSS_TAGS = (DEFAULT_TAG, "lm loss")
+TOKENS_TAG = "tokens_per_s"
+_EVENTS_GLOB = "events.out.tfevents.*"
+_MARKER = "compare.json"  # an output directory of this tool: never a run
+
+
+class CompareError(ValueError):
+    """A run, tag or baseline that cannot be used; the message lists what is available."""
+
+
+# ---- finding and reading runs ---------------------------------------------------------------------
+def _has_events(d: Path) -> bool:
+    return d.is_dir() and any(d.glob(_EVENTS_GLOB))
+
+
+def find_runs(parent: Path, max_depth: int = 3) -> List[Path]:
+    """Directories under ``parent`` (itself included, ``max_depth`` levels down) that hold
+    TensorBoard event files, sorted; output directories of this tool are skipped."""
+    parent = Path(parent)
+    found: List[Path] = []
+
+    def walk(d: Path, depth: int) -> None:
+        if (d / _MARKER).is_file():
+            return
+        if _has_events(d):
+            found.append(d)
+        if depth >= max_depth:
+            return
+        try:
+            children = sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError:
+            return
+        for c in children:
+            walk(c, depth + 1)
+
+    if parent.is_dir():
+        walk(parent, 0)
+    return found
+
+
+def _listing(parent: Path) -> str:
+    runs = find_runs(parent)
+    if not parent.is_dir():
+        return f"{parent} does not exist either"
+    if not runs:
+        return f"no runs (directories with {_EVENTS_GLOB} files) under {parent}"
+    return f"runs found under {parent}: " + ", ".join(str(r.relative_to(parent)) or "." for r in runs)
+
+
+def resolve_run_dirs(paths: Sequence[str]) -> List[Path]:
+    """Command-line run arguments -> run directories. A directory with event files is a run; one
+    without stands for every run below it. Errors list the runs found under the parent."""
+    out: List[Path] = []
+    for raw in paths:
+        p = Path(raw)
+        if not p.exists():
+            raise CompareError(f"no such run directory: {p}. {_listing(p.parent)}")
+        if not p.is_dir():
+            raise CompareError(f"{p} is not a directory (give run directories, not event files). {_listing(p.parent)}")
+        if _has_events(p):
+            out.append(p)
+            continue
+        below = find_runs(p)
+        if not below:
+            raise CompareError(f"no TensorBoard event files in {p} or below it. {_listing(p.parent)}")
+        out.extend(below)
+    seen, unique = set(), []
+    for p in out:
+        key = p.resolve()
+        if key not in seen:
+            seen.add(key)
+            unique.append(p)
+    if not unique:
+        raise CompareError("no runs given")
+    return unique
+
+
+@dataclass
+class RunSeries:
+    """One run's curve: ``steps`` (ascending) and ``values`` of ``tag``; ``tokens_per_s`` values
+    (empty when not logged); ``tags``: every scalar tag of the run; ``problems``: damaged event
+    files (:func:`check_event_file`), one line each."""
+
+    name: str
+    path: str
+    tag: str
+    steps: List[int]
+    values: List[float]
+    tokens_per_s: List[float] = field(default_factory=list)
+    tags: List[str] = field(default_factory=list)
+    problems: List[str] = field(default_factory=list)
+
+
+def _accumulator(path: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 1, "images": 1,
+                                                     "histograms": 1, "audio": 1, "compressedHistograms": 1})
+    acc.Reload()
+    return acc
+
+
+def check_event_file(path: Path) -> Optional[str]:
+    """Walk every record of one event file with TensorBoard's own record reader (length header,
+    masked CRC32C of the header and of the data). ``None`` if the file is whole; else one line
+    saying where it breaks and how many records were readable before that. TensorBoard's
+    ``EventAccumulator`` stops quietly at such a record, so a damaged file reads as a shorter run."""
+    from tensorboard.compat.tensorflow_stub import errors
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import PyRecordReader_New
+
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        reader = PyRecordReader_New(str(path))
+    except (OSError, errors.OpError) as e:
+        return f"{path.name}: cannot be read ({e})"
+    n = 0
+    try:
+        while True:
+            try:
+                reader.GetNext()
+            except errors.OutOfRangeError:
+                return None
+            n += 1
+    except errors.DataLossError as e:
+        msg = str(getattr(e, "message", "") or e)
+        what = "truncated" if "truncat" in msg.lower() else "corrupt"
+        return (f"{path.name} is {what} after {n} readable record(s) ({size} bytes): {msg.strip()}; the steps "
+                "after that point are missing")
+    finally:
+        try:
+            reader.file_handle.close()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+
+
+def load_run(path: Path, tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG, name: Optional[str] = None) -> RunSeries:
+    """Read ``tag`` (and ``tokens_tag`` if present) from the event files of run directory ``path``;
+    every event file is checked record by record first (:func:`check_event_file`). ``tag=None``:
+    the run's training loss under the name its trainer logs it (:data:`LOSS_TAGS`)."""
+    path = Path(path)
+    problems = [p for f in sorted(path.glob(_EVENTS_GLOB)) for p in [check_event_file(f)] if p]
+    acc = _accumulator(path)
+    tags = sorted(acc.Tags().get("scalars", []))
+    name = name or path.name
+    if tag is None:
+        tag = next((t for t in LOSS_TAGS if t in tags), DEFAULT_TAG)
+    if tag not in tags:
+        hint = difflib.get_close_matches(tag, tags, n=1)
+        raise CompareError(
+            f"tag {tag!r} not found in run {name} ({path})."
+            + (f" Did you mean {hint[0]!r}?" if hint else "")
+            + f" Available scalar tags: {', '.join(tags) if tags else '(none)'}"
+        )
+    by_step: Dict[int, float] = {}
+    for e in acc.Scalars(tag):  # wall-time order; a later write of the same step wins
+        by_step[int(e.step)] = float(e.value)
+    steps = sorted(by_step)
+    tps = [float(e.value) for e in acc.Scalars(tokens_tag)] if tokens_tag in tags else []
+    return RunSeries(name=name, path=str(path), tag=tag, steps=steps, values=[by_step[s] for s in steps],
+                     tokens_per_s=tps, tags=tags, problems=problems)
+
+
+def _run_names(paths: Sequence[Path]) -> List[str]:
+    names = [p.name for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    names = [f"{p.parent.name}/{p.name}" for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    return [str(p) for p in paths]
+
+
+def load_runs(paths: Sequence[str], tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG) -> List[RunSeries]:
+    """:func:`resolve_run_dirs` + :func:`load_run` for each, with unique names."""
+    dirs = resolve_run_dirs(paths)
+    return [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, _run_names(dirs))]

@@ -1,0 +1,133 @@
+"""What ``nemo-fp8-compare`` writes: the PNG (loss curves overlaid above the relative deviation),
+``compare.{md,csv,json}``, and ``deviation/<run>`` TensorBoard runs with ``compare/rel_dev``, which
+fill the deviation chart of the custom-scalars layout (:func:`tensorboard_layout`) that the
+trainer writes into every run."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .compare_io import _EVENTS_GLOB, CompareError
+from .compare_stats import Comparison
+
+__all__ = [
+    "DEVIATION_TAG",
+    "tensorboard_layout",
+    "plot",
+    "write_outputs",
+    "write_deviation_events",
+]
+
+DEVIATION_TAG = "compare/rel_dev"
+
+
+def tensorboard_layout() -> Dict[str, Dict[str, list]]:
+    """The custom-scalars layout (TensorBoard's *Custom Scalars* tab) written into every run:
+    one chart per metric with every run overlaid, and the deviation chart that
+    ``nemo-fp8-compare`` fills (``deviation/<run>`` runs with ``compare/rel_dev``). Tags are
+    regular expressions."""
+    return {
+        "FP8 recipes (every run overlaid)": {
+            "train/loss": ["Multiline", [r"^train/loss$"]],
+            "val/loss": ["Multiline", [r"^val/loss$"]],
+            "tokens/s": ["Multiline", [r"^tokens_per_s$"]],
+            "grad norm": ["Multiline", [r"^grad_norm$"]],
+        },
+        "FP8 compare (nemo-fp8-compare)": {
+            "relative deviation from the baseline, (run - baseline) / baseline": [
+                "Multiline", [r"^compare/rel_dev$"]],
+        },
+    }
+
+
+def plot(comparison: Comparison, path: Optional[Path] = None):
+    """Loss curves overlaid (one line per run, baseline thicker) above the relative deviation from
+    the baseline in percent (gate band and window shaded). Saves a PNG to ``path`` if given;
+    returns the matplotlib Figure (Agg backend, no display needed)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise CompareError("the PNG needs matplotlib: pip install matplotlib (or pass --no-png)") from None
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(10, 7.5), dpi=110, layout="constrained")
+    ax_loss, ax_dev = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 2]})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    color = {r.name: colors[i % len(colors)] for i, r in enumerate(comparison.runs)}
+    for r in comparison.runs:
+        steps, vals = comparison.curve(r.name)
+        is_base = r.name == comparison.baseline
+        ax_loss.plot(steps, vals, label=f"{r.name} (baseline)" if is_base else r.name, color=color[r.name],
+                     linewidth=3.0 if is_base else 1.4, zorder=1 if is_base else 2)
+    ax_loss.set_ylabel(comparison.tag + (f" (smoothed, {comparison.smooth} pts)" if comparison.smooth > 1 else ""))
+    ax_loss.set_title(f"{comparison.tag}: {len(comparison.runs)} runs, baseline {comparison.baseline}")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend(loc="upper right")
+
+    ax_dev.axhline(0.0, color=color[comparison.baseline], linewidth=1.0)
+    for s in comparison.stats:
+        if s.baseline or s.name not in comparison.deviations:
+            continue
+        steps, dev = comparison.deviations[s.name]
+        ax_dev.plot(steps, [100 * d for d in dev], color=color[s.name], linewidth=1.4, label=s.name)
+    if comparison.max_rel_dev is not None:
+        g = 100 * comparison.max_rel_dev
+        ax_dev.axhspan(-g, g, color="tab:green", alpha=0.08, label=f"gate ±{g:.3g}%")
+    windows = [s.gate_window for s in comparison.stats if s.gate_window]
+    if windows:
+        ax_dev.axvspan(min(w[0] for w in windows), max(w[1] for w in windows), color="grey", alpha=0.12,
+                       label=f"gate window (last {comparison.last} steps)")
+    ax_dev.set_ylabel(f"rel. deviation from {comparison.baseline} [%]")
+    ax_dev.set_xlabel("step")
+    ax_dev.grid(alpha=0.3)
+    if ax_dev.get_legend_handles_labels()[0]:
+        ax_dev.legend(loc="upper right", fontsize="small")
+    if path is not None:
+        fig.savefig(str(path))
+    return fig
+
+
+def write_deviation_events(comparison: Comparison, out_dir: Path) -> List[Path]:
+    """TensorBoard runs ``<out_dir>/deviation/<run>`` with the scalar ``compare/rel_dev`` (a
+    fraction) at each aligned step, plus the custom-scalars layout; old event files there are
+    replaced. Returns the run directories written."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    written = []
+    for name, (steps, dev) in comparison.deviations.items():
+        d = Path(out_dir) / "deviation" / name.replace("/", "__")
+        d.mkdir(parents=True, exist_ok=True)
+        for old in d.glob(_EVENTS_GLOB):
+            old.unlink()
+        w = SummaryWriter(log_dir=str(d))
+        w.add_custom_scalars(tensorboard_layout())
+        for s, v in zip(steps, dev):
+            w.add_scalar(DEVIATION_TAG, v if math.isfinite(v) else float("nan"), global_step=s)
+        w.close()
+        written.append(d)
+    return written
+
+
+def write_outputs(comparison: Comparison, out_dir: Path, *, png: bool = True, events: bool = True) -> Dict[str, Path]:
+    """Write ``compare.{md,csv,json,png}`` and the deviation runs into ``out_dir``; returns the paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"markdown": out_dir / "compare.md", "csv": out_dir / "compare.csv", "json": out_dir / "compare.json"}
+    paths["markdown"].write_text(comparison.to_markdown(), encoding="utf-8")
+    paths["csv"].write_text(comparison.to_csv(), encoding="utf-8")
+    tmp = paths["json"].with_suffix(".json.tmp")
+    tmp.write_text(comparison.to_json(), encoding="utf-8")
+    os.replace(tmp, paths["json"])
+    if png:
+        paths["png"] = out_dir / "compare.png"
+        plot(comparison, paths["png"])
+    if events:
+        write_deviation_events(comparison, out_dir)
+        paths["deviation"] = out_dir / "deviation"
+    return paths
