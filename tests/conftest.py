@@ -29,7 +29,52 @@ def te_skip_reason():
     return None if ok else f"Transformer Engine is not importable here ({why}); pip install '.[te]' on this GPU machine"
 
 
+# Module/session-scoped fixtures that take many seconds to build (sets of training runs); cheap
+# shared fixtures are left out so their tests still spread over the workers.
+SHARED_FIXTURES = {"dist_runs", "sweep", "smoke", "bridge_runs"}
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n``), tests that share an expensive module- or session-scoped fixture
+    of this suite (a set of training runs, a Megatron model) run on one worker, so the fixture is
+    built once rather than once per worker: ``--dist load`` becomes ``loadgroup`` with the groups
+    that :func:`_group_shared_fixtures` assigns; every other test is load-balanced as before."""
+    if getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
+def _group_shared_fixtures(items) -> None:
+    """An ``xdist_group`` per set of tests connected through the fixtures of :data:`SHARED_FIXTURES`
+    that they request (autouse ones included)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    parent = {}
+
+    def find(k):
+        while parent.setdefault(k, k) != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    shared = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        names = []
+        for name, defs in (info.name2fixturedefs.items() if info else ()):
+            d = defs[-1]
+            path = os.path.abspath(getattr(d.func, "__code__", None).co_filename) if hasattr(d.func, "__code__") else ""
+            if name in SHARED_FIXTURES and d.scope in ("module", "session") and path.startswith(here):
+                names.append(f"{path}::{name}")
+        if names:
+            shared[item] = names
+            for n in names[1:]:
+                parent[find(n)] = find(names[0])
+    for item, names in shared.items():
+        item.add_marker(pytest.mark.xdist_group(os.path.basename(find(names[0])).replace(".py::", ":")))
+
+
 def pytest_collection_modifyitems(config, items):
+    if getattr(config.option, "dist", "no") == "loadgroup":
+        _group_shared_fixtures(items)
     reason = gpu_skip_reason()
     te_reason = te_skip_reason() if any(item.get_closest_marker("te") for item in items) else None
     for item in items:
