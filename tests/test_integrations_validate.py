@@ -1,4 +1,4 @@
-"""The pre-launch validator: every trap of docs/integration.md gets its own actionable message (and, where
+"""The pre-launch validator: every trap of docs/megatron.md gets its own actionable message (and, where
 Megatron-Core itself would reject the combination, ours comes first), the effective settings
 table, and the ``nemo-fp8-check`` CLI with Hydra overrides like the trainer."""
 

@@ -41,7 +41,7 @@ Hydra tree (``backend=megatron_bridge``); everything else is passed through to B
 ``process_config_with_overrides`` (``train.*``, ``optimizer.*``, ``model.*`` fields of the model
 provider, ``dataset.*``, ``checkpoint.*``, ``ddp.*``, ``mixed_precision.*`` that the recipe does
 not own) and wins over what we set. ``nemo-fp8-check`` runs first and refuses the traps of the
-Megatron-Bridge section of ``docs/integration.md``. TensorBoard events and checkpoints go to the
+Megatron-Bridge section of ``docs/megatron.md``. TensorBoard events and checkpoints go to the
 run directory (``runs/<model>/<recipe>[-<tag>]``), so ``nemo-fp8-compare runs/<model>`` compares
 Bridge runs as it compares the embedded trainer's.
 

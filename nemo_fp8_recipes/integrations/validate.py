@@ -1,8 +1,8 @@
 """Pre-launch validation: ``nemo-fp8-check`` (CLI) and :func:`validate` (API).
 
 Catches, before a job is queued, the FP8 set-ups that Megatron-Core, Megatron-Bridge or
-Transformer Engine would reject late, or — worse — accept and silently change (docs/integration.md,
-"Facts about the stack"):
+Transformer Engine would reject late, or — worse — accept and silently change (docs/megatron.md,
+"Check before you launch"):
 
 ======================  =====================================================================
 code                    trap

@@ -47,7 +47,7 @@ PROG = "nemo-fp8-submit"
 BACKENDS = ("native", "te", "megatron_bridge")
 
 BRIDGE_ENTRIES = ("nemo_fp8", "run_recipe")
-#: Megatron-Bridge mixed-precision preset per recipe key (docs/integration.md), for ``entry=run_recipe``.
+#: Megatron-Bridge mixed-precision preset per recipe key (docs/megatron.md), for ``entry=run_recipe``.
 BRIDGE_PRESETS = {
     "bf16": "bf16_mixed",
     "delayed": "bf16_with_fp8_delayed_scaling_mixed",

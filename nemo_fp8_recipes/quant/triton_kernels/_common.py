@@ -33,7 +33,7 @@ _MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 
 #: Launch configurations (tile sizes and warps) per kernel. They change the speed, never the
 #: codes (every tile size gives the same bits: tests/test_triton_kernels.py). The values are the
 #: fastest of ``benchmarks/quant_bandwidth.py --sweep all``; the times below are GPU-only on an
-#: H200 for an 8192x14336 BF16 source (docs/benchmarks.md). Override temporarily with
+#: H200 for an 8192x14336 BF16 source (docs/internals/kernels.md). Override temporarily with
 #: :func:`launch_config`.
 LAUNCH = {
     # group_r (tiled kernels): the order the tiles run in, bands of group_r row tiles
