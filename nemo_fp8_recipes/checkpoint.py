@@ -328,12 +328,16 @@ CHECKPOINT_FORMAT = 2
 
 
 def is_fp8_state_key(key: str) -> bool:
+    """Whether state-dict key ``key`` is FP8 scaling state (see :data:`FP8_STATE_MARKERS`)."""
     leaf = key.rsplit(".", 1)[-1]
     return leaf.startswith(FP8_STATE_MARKERS)
 
 
 def load_model_state(model: torch.nn.Module, optimizer, state: Dict[str, torch.Tensor],
                       optim_state: Optional[Dict[str, Any]], forced: bool) -> None:
+    """Load a checkpoint's model and optimizer state. ``forced`` (a resume across recipes or
+    backends): FP8 scaling state that does not match is dropped or starts fresh, with a warning;
+    any other mismatch of the weights is refused."""
     result = load_state_dicts(model, optimizer, state, optim_state, strict=not forced)
     if not forced:
         return
@@ -350,6 +354,9 @@ def load_model_state(model: torch.nn.Module, optimizer, state: Dict[str, torch.T
 
 
 def resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Path]:
+    """The checkpoint ``trainer.resume`` asks for (None: start fresh): ``auto`` the latest of the
+    run's ``mgr``, ``never`` none (refused if the run directory already has checkpoints), or a
+    file, or a run / checkpoint directory (its latest)."""
     if tcfg.resume == "never":
         existing = mgr.list()
         if existing:
@@ -390,8 +397,9 @@ def load_for_resume(path: Path, tcfg: TrainerConfig) -> Dict[str, Any]:
         raise CheckpointError(f"{e} ({how}). {fix}") from None
 
 
+#: trainer settings an automatic resume must find unchanged (see :func:`check_compatible`)
 RESUME_HYPERPARAMETERS = ("seed", "seq_len", "micro_batch_size", "global_batch_size", "lr", "min_lr",
-                    "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+                          "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
 
 
 def check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig, tcfg: TrainerConfig,

@@ -1,4 +1,4 @@
-"""The embedded trainer: ``nemo-fp8-train recipe=<key> model=<name>`` (backend=native).
+"""The embedded trainer: ``nemo-fp8-train recipe=<key> model=<name>`` (backend=native or te).
 
 Trains a Llama 3 / small-MoE model (:mod:`nemo_fp8_recipes.models`) on local text
 (:mod:`nemo_fp8_recipes.data`, the Python standard library by default) with the chosen FP8
@@ -21,6 +21,12 @@ recipe, on one device, with no cluster and no download:
 
 Python API: :func:`train` takes a composed config (see
 :func:`nemo_fp8_recipes.train_config.compose_config`) and returns a :class:`TrainResult`.
+
+Reading order: :class:`Trainer` holds one run. ``setup`` checks the config (the checks live in
+:mod:`nemo_fp8_recipes.train_config`) and builds device, data, model, optimizer and the resumed
+state; ``run`` loops over ``step`` (one optimizer step with gradient accumulation), then logs
+(:mod:`nemo_fp8_recipes.train_logging`), validates and checkpoints when due; ``finish`` writes
+the summary. The command line (:func:`main`, Hydra) is at the end of the file.
 """
 
 from __future__ import annotations
@@ -35,47 +41,28 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .checkpoint import (CHECKPOINT_FORMAT, CheckpointError, CheckpointManager, capture_rng_state, check_compatible,
                          load_for_resume, load_model_state, resolve_resume, restore_rng_state)
-from .distributed import (
-    DistContext,
-    all_reduce_sum,
-    barrier,
-    dist_world_size,
-    full_tensor,
-    grad_sync,
-    init_distributed,
-    merge_audits,
-    reduce_telemetry,
-    state_dicts,
-    wrap_model,
-)
-from .data import ByteTokenizer, DataConfig, DataError, PackedTokens, TrainBatches, ValBatches, load_corpus
+from .data import ByteTokenizer, DataError, PackedTokens, TrainBatches, ValBatches, load_corpus
+from .distributed import (DistContext, all_reduce_sum, barrier, dist_world_size, full_tensor, grad_sync,
+                          init_distributed, reduce_telemetry, state_dicts, wrap_model)
 from .integrations.te_model import TERun, te_run_problem
 from .logging_utils import MetricsWriter, format_count, format_duration, peak_tflops
-from .models import ModelConfig, Transformer
-from .train_config import (
-    CONFIG_DIR,
-    CONFIG_NAME,
-    ConfigError,
-    RunConfig,
-    TrainerConfig,
-    build_kernel_options,
-    build_policy,
-    build_recipe,
-    resolve_device,
-    run_config,
-    trainer_config,
-    validate_overrides,
-)
+from .models import Transformer
+from .train_config import (CONFIG_DIR, CONFIG_NAME, ConfigError, build_kernel_options, build_policy,
+                           build_recipe, check_batch_split, check_cpu_compile, check_embedded_run, check_memory,
+                           model_and_data_configs, resolve_device, validate_overrides)
+from .train_logging import LogWindow, logging_as_it_was, quiet_failing_log_files, record_audit
+from .train_optim import apply_hyperparameters, build_optimizer, lr_at
 
 __all__ = [
     "train",
+    "Trainer",
     "main",
     "TrainResult",
     "TrainingError",
@@ -88,8 +75,6 @@ __all__ = [
 
 log = logging.getLogger("nemo_fp8_recipes.train")
 
-#: recipes whose emulation torch.compile's CPU (C++) backend cannot compile
-_NO_CPU_COMPILE = ("blockwise", "mxfp8")
 
 class TrainingError(RuntimeError):
     """A training run that cannot continue; the message says why and what to do."""
@@ -140,41 +125,16 @@ class TrainResult:
 
 
 # ---- building blocks -----------------------------------------------------------------------
-def lr_at(step: int, tcfg: TrainerConfig) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warmup over ``warmup_steps``
-    then cosine decay from ``lr`` to ``min_lr`` at ``max_steps``."""
-    if tcfg.warmup_steps and step < tcfg.warmup_steps:
-        return tcfg.lr * (step + 1) / tcfg.warmup_steps
-    span = max(1, tcfg.max_steps - tcfg.warmup_steps)
-    progress = min(1.0, (step - tcfg.warmup_steps) / span)
-    return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def _build_optimizer(model: torch.nn.Module, tcfg: TrainerConfig, device: torch.device):
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": tcfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    kwargs = dict(lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps)
-    if device.type == "cuda":
-        kwargs["fused"] = True
-    opt = torch.optim.AdamW(groups, **kwargs)
-    # LambdaLR multiplies the base lr; lr_at returns absolute values.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_at(s, tcfg) / tcfg.lr)
-    return opt, sched
-
-
 def _seed_everything(seed: int) -> None:
+    """Seed Python's, NumPy's and torch's generators (the model initialisation)."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
 
 
 def _autocast(device: torch.device, mode: str):
+    """``(context factory, whether BF16)`` for the non-FP8 ops: BF16 autocast for
+    ``trainer.autocast=bf16``, or ``auto`` on CUDA; otherwise a no-op context."""
     use_bf16 = mode == "bf16" or (mode == "auto" and device.type == "cuda")
     if not use_bf16:
         return contextlib.nullcontext, False
@@ -208,8 +168,554 @@ def _fp8_state_restore(model: torch.nn.Module, snap: Dict[str, Dict[str, Any]]) 
 
 
 # ---- the run -------------------------------------------------------------------------------
+class StepStats(NamedTuple):
+    """What one optimizer step measured (:meth:`Trainer.step`)."""
+
+    loss: float  #: mean cross-entropy over the step's micro-batches (and ranks)
+    aux_loss_sum: torch.Tensor  #: MoE load-balancing loss summed over the micro-batches
+    lr: float
+    grad_norm: float  #: before clipping
+    skipped: bool  #: non-finite loss or gradient norm: no update (trainer.nan_policy=skip)
+    time_s: float
+
+
+class Trainer:
+    """One run of the embedded trainer: ``Trainer(cfg).run()`` returns a :class:`TrainResult`.
+
+    :meth:`setup` checks the config and builds the run: device and process group (``ctx``),
+    data (``train_batches``, ``val_batches``), the model and its FP8 conversion, the optimizer,
+    the resumed state (:meth:`resume`) and the logs. :meth:`run` then repeats :meth:`step` (one
+    optimizer step) and what follows it (:meth:`log_step`, :meth:`evaluate`, :meth:`checkpoint`)
+    up to ``trainer.max_steps``, and :meth:`finish` writes ``summary.json``. :meth:`close` ends the
+    process group :meth:`setup` started. :func:`train` does all of it.
+
+    The model has three names: ``raw_model`` (the module itself, which the FP8 helpers and the
+    audit walk), ``dp_model`` (wrapped for data parallelism: DDP / FSDP2, or ``raw_model`` in one
+    process; its parameters are clipped and checkpointed) and ``model`` (``dp_model`` under
+    ``torch.compile`` if ``trainer.compile``: what runs forward).
+    """
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg  #: the composed config (``DictConfig``); setup records the kernel options in it
+        self.ctx: Optional[DistContext] = None
+        self.result: Optional[TrainResult] = None
+
+    # ---- set-up ----
+    def setup(self) -> None:
+        """Check the config, then build the run: device and process group, data, model,
+        optimizer, resumed state, logs."""
+        self.t_start = time.perf_counter()
+        self._configure()
+        self.run_dir = Path(self.rcfg.dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt_mgr = CheckpointManager(self.run_dir / "checkpoints", keep=self.tcfg.ckpt_keep)
+        self.resume_path = resolve_resume(self.tcfg, self.ckpt_mgr)
+        self._build_data()
+        self._build_model()
+        self.optimizer, self.scheduler = build_optimizer(self.dp_model, self.tcfg, self.device)
+        self.resume()
+        self._open_logs()
+        self.global_step = self.start_step  #: optimizer steps completed
+        self.tokens_per_step = self.tcfg.global_batch_size * self.tcfg.seq_len
+        self.telemetry_on = self.recipe.is_fp8 and self.tcfg.telemetry_interval > 0
+        self.telemetry_due = False  # FP8 telemetry is collected in the current step
+        self.mid_step = False  # weights, counters and FP8 state may disagree (not a state to save)
+        self.step_time_total, self.steps_timed = 0.0, 0
+
+    def _configure(self) -> None:
+        """Validate the config and resolve what the run runs with: recipe, policy, kernel
+        options, device and process group, model and data configs. Everything that can fail
+        before any work fails here (the checks are in :mod:`nemo_fp8_recipes.train_config`)."""
+        from omegaconf import open_dict
+
+        from .recipes import require_supported
+
+        cfg = self.cfg
+        self.tcfg, self.rcfg, self.backend = check_embedded_run(cfg)
+        tcfg = self.tcfg
+        device = resolve_device(tcfg.device)
+        self.recipe = build_recipe(cfg.recipe)
+        self.policy = build_policy(cfg.get("policy"))
+        self.kernel_options = build_kernel_options(cfg.get("kernels"))
+        with open_dict(cfg):  # the values it runs with (null = default) go into config.yaml
+            cfg.kernels = self.kernel_options.as_dict()
+        if self.backend == "te":
+            problem = te_run_problem(self.recipe, device, tcfg)
+            if problem:
+                raise ConfigError(problem)
+        else:
+            require_supported(self.recipe, device)
+        check_batch_split(tcfg, dist_world_size())
+        self.ctx = ctx = init_distributed(device)
+        self.device = ctx.device
+        self.accum = tcfg.grad_accum // ctx.world_size  # micro-batches per rank per step
+        if not ctx.is_main:
+            log.setLevel(logging.WARNING)
+        self.autocast, self.bf16 = _autocast(self.device, tcfg.autocast)  # (factory, whether BF16)
+        self.tokenizer = ByteTokenizer()
+        self.mcfg, self.dcfg = model_and_data_configs(cfg, tcfg, self.tokenizer.vocab_size)
+        check_memory(tcfg, self.mcfg, self.recipe, self.device, world_size=ctx.world_size,
+                     bf16_activations=self.bf16)
+        check_cpu_compile(tcfg, self.recipe, self.device)
+
+    def _build_data(self) -> None:
+        """The tokenised corpus, the training micro-batches (a pure function of seed and step) and
+        the fixed validation set (None without validation)."""
+        tcfg = self.tcfg
+        self.corpus = load_corpus(self.dcfg, self.tokenizer)
+        self.train_batches = TrainBatches(
+            PackedTokens(self.corpus.train, tcfg.seq_len, "train"),
+            seed=tcfg.seed, micro_batch_size=tcfg.micro_batch_size, grad_accum=tcfg.grad_accum,
+        )
+        self.val_batches = None
+        if tcfg.val_interval > 0 and tcfg.val_steps > 0:
+            self.val_batches = ValBatches(
+                PackedTokens(self.corpus.val, tcfg.seq_len, "validation"),
+                micro_batch_size=tcfg.micro_batch_size, num_batches=tcfg.val_steps,
+            )
+
+    def _build_model(self) -> None:
+        """The seeded model on the device, converted to the recipe (our FP8 linears, or TE's with
+        backend=te), with the per-step FP8 options, then wrapped for data parallelism."""
+        from .nn import (apply_kernel_options, convert_model, set_delayed_scaling_update, set_graph_weight_cache,
+                         set_wgrad_accumulation_fusion)
+
+        tcfg, ctx, recipe = self.tcfg, self.ctx, self.recipe
+        _seed_everything(tcfg.seed)
+        with torch.device(self.device):
+            raw_model = Transformer(self.mcfg)
+        self.te_run: Optional[TERun] = None  # backend=te: conversion, micro-batch state, hooks, autocast
+        if self.backend == "te":
+            self.te_run = TERun(raw_model, recipe, self.policy, self.cfg.backend, ctx,
+                                telemetry=tcfg.telemetry_interval > 0)
+            apply_kernel_options(raw_model, self.kernel_options)  # (the native modules: the norms)
+        else:
+            convert_model(raw_model, recipe, self.policy, options=self.kernel_options)
+        # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
+        set_delayed_scaling_update(raw_model, "step")
+        if tcfg.fuse_wgrad_accumulation:
+            if ctx.distributed:
+                raise ConfigError(f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks "
+                                  f"{tcfg.data_parallel} reduces with ({ctx.world_size} ranks); set it to false "
+                                  "under torchrun")
+            n_fused = set_wgrad_accumulation_fusion(raw_model)
+            if self.accum > 1:
+                log.info("fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 "
+                         "gradients inside the wgrad GEMM", n_fused, self.accum)
+            else:
+                log.warning("trainer.fuse_wgrad_accumulation=true has nothing to fuse with one micro-batch per "
+                            "step (global_batch_size = micro_batch_size): every backward starts from zeroed "
+                            "gradients")
+        self.n_cached = 0
+        if tcfg.compile and tcfg.compiled_weight_cache and recipe.is_fp8 and self.accum > 1:
+            if ctx.distributed and tcfg.data_parallel == "fsdp2":
+                log.info("compiled FP8 weight cache off under FSDP2: the sharded weights are quantised in the "
+                         "graph at every micro-batch")
+            else:  # (before DDP wraps the model and before it is compiled)
+                self.n_cached = set_graph_weight_cache(raw_model)
+                if self.n_cached:
+                    log.info("compiled FP8 weight cache: %d FP8 linears quantise their weights once per optimizer "
+                             "step, not in each of the %d micro-batches", self.n_cached, self.accum)
+        self.raw_model = raw_model
+        self.dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
+                                   find_unused_parameters=self.mcfg.arch == "moe")  # unrouted experts get no grad
+
+    def resume(self) -> None:
+        """Start from step 0, or restore the checkpoint ``resume_path`` names after its checks
+        (:func:`~nemo_fp8_recipes.checkpoint.check_compatible`): model and FP8 state, optimizer,
+        scheduler, RNG, counters and the open logging window; the current hyperparameters win."""
+        self.start_step, self.tokens_seen, self.skipped = 0, 0, 0
+        self.last_ckpt: Optional[Path] = None
+        self.window = LogWindow()
+        path, tcfg, optimizer = self.resume_path, self.tcfg, self.optimizer
+        if path is None:
+            return
+        ckpt = load_for_resume(path, tcfg)
+        forced = check_compatible(ckpt, path, self.recipe, self.mcfg, tcfg, self.corpus.fingerprint,
+                                  auto=tcfg.resume == "auto", backend=self.backend)
+        load_model_state(self.dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        apply_hyperparameters(optimizer, self.scheduler, tcfg, int(ckpt["step"]))  # the current config's
+        restore_rng_state(ckpt["rng"])
+        self.start_step = int(ckpt["step"])
+        self.tokens_seen = int(ckpt.get("tokens_seen", 0))
+        self.skipped = int(ckpt.get("skipped_steps", 0))
+        self.window = LogWindow.resumed(ckpt.get("log_window"))  # the window the checkpoint was written in
+        self.last_ckpt = path
+        if self.ctx.is_main and path.parent.resolve() == self.ckpt_mgr.directory.resolve():
+            for q in self.ckpt_mgr.supersede_after(self.start_step):
+                log.warning("resumed from step %d: the later checkpoint %s is kept as %s and no longer resumed from",
+                            self.start_step, q.name.split(".superseded-")[0], q.name)
+        log.info("resumed from %s at step %d", path, self.start_step)
+
+    def _open_logs(self) -> None:
+        """``config.yaml`` (rank 0), the TensorBoard writer, the run's first log line, the
+        (compiled) model that runs forward, and the result to fill."""
+        from omegaconf import OmegaConf
+
+        from .recipes import describe_device, uses_real_fp8_gemm
+
+        cfg, tcfg, ctx = self.cfg, self.tcfg, self.ctx
+        real_fp8 = self.recipe.is_fp8 and uses_real_fp8_gemm(self.recipe, self.device)
+        self.mode = "no FP8" if not self.recipe.is_fp8 else ("real FP8 GEMMs" if real_fp8 else "emulated FP8")
+        self.n_params = self.raw_model.num_params()
+        self.flops_per_token = self.mcfg.flops_per_token(tcfg.seq_len)
+        peak = peak_tflops(self.device, "fp8" if real_fp8 else "bf16")
+        self.peak = peak * ctx.world_size if peak else peak
+        # written only once the resume checks passed, so a refused run cannot overwrite the config
+        # that produced the checkpoints in this directory
+        if ctx.is_main:
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+
+        self.model = torch.compile(self.dp_model) if tcfg.compile else self.dp_model
+        self.writer = MetricsWriter(self.run_dir, enabled=self.rcfg.tensorboard and ctx.is_main,
+                                    purge_step=self.start_step + 1 if self.start_step else None)
+        log.info(
+            "run %s | model %s (%s params, %d layers) | recipe %s (%s) | device %s | autocast %s | "
+            "data %s: %s train / %s val tokens | %d steps x %d seq x %d tokens (grad accum %d%s)",
+            self.run_dir, self.mcfg.name, format_count(self.n_params), self.mcfg.num_layers, self.recipe.name,
+            self.mode, describe_device(self.device), "bf16" if self.bf16 else "off", self.dcfg.name,
+            format_count(len(self.corpus.train)), format_count(len(self.corpus.val)), tcfg.max_steps,
+            tcfg.global_batch_size, tcfg.seq_len, self.accum,
+            f" per rank, {ctx.world_size} ranks, {tcfg.data_parallel}" if ctx.distributed else "",
+        )
+        if self.start_step == 0:
+            self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
+        self.result = TrainResult(run_dir=self.run_dir, start_step=self.start_step, final_step=self.start_step,
+                                  skipped_steps=self.skipped, checkpoint=self.last_ckpt, world_size=ctx.world_size,
+                                  model=self.raw_model, compiled_weight_cache=self.n_cached)
+
+    # ---- the loop ----
+    def run(self) -> TrainResult:
+        """Train from the start (or resumed) step to ``trainer.max_steps`` and return what the run
+        did; :meth:`setup` runs first unless it already has. Ctrl-C saves the last completed step
+        where that is safe (one process, not inside a step) and re-raises."""
+        if self.result is None:
+            self.setup()
+        tcfg = self.tcfg
+        if self.start_step >= tcfg.max_steps:
+            log.info("run already complete at step %d (trainer.max_steps=%d); nothing to do",
+                     self.start_step, tcfg.max_steps)
+            self.writer.close()
+            self.result.wall_s = time.perf_counter() - self.t_start
+            return self.result
+        from tqdm.auto import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+
+        show_bar = tcfg.progress and sys.stderr.isatty() and self.ctx.is_main
+        self.bar = tqdm(total=tcfg.max_steps, initial=self.start_step, disable=not show_bar, dynamic_ncols=True,
+                        desc=f"{self.mcfg.name}/{self.recipe.name}", unit="step")
+        self.model.train()
+        try:
+            with logging_redirect_tqdm():
+                while self.global_step < tcfg.max_steps:
+                    self._after_step(self.step())
+        except KeyboardInterrupt:
+            self.bar.close()
+            self._save_on_interrupt()
+            raise
+        finally:
+            self.bar.close()
+            self.writer.close()
+        return self.finish()
+
+    def step(self) -> StepStats:
+        """One optimizer step: ``accum`` micro-batches forward and backward (gradients summed),
+        the loss averaged over ranks, gradient clipping, the non-finite check, the optimizer,
+        delayed-scaling and scheduler updates."""
+        from .nn import discard_delayed_scaling, set_telemetry, sync_delayed_scaling
+
+        tcfg, ctx, step = self.tcfg, self.ctx, self.global_step
+        self.mid_step = True
+        t0 = time.perf_counter()
+        self.telemetry_due = self.telemetry_on and (step + 1) % tcfg.telemetry_interval == 0
+        if self.telemetry_due and not self.te_run:
+            set_telemetry(self.raw_model, True)
+        loss_acc = torch.zeros((), device=self.device)
+        aux_acc = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            # rank r takes micro-batches [r·accum, (r+1)·accum) of the global step, and
+            # back-propagates loss / (all micro-batches): gradients are summed over ranks
+            x, y = self.train_batches.get(step, ctx.rank * self.accum + micro, self.device)
+            out = self._forward_backward(x, y, micro)
+            loss_acc += out.ce_loss.detach()
+            aux_acc += out.aux_loss.detach()
+        if ctx.distributed:
+            both = all_reduce_sum(torch.stack([loss_acc, aux_acc]), ctx)
+            loss_acc, aux_acc = both[0], both[1]
+        loss = float(loss_acc) / tcfg.grad_accum
+        clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.dp_model.parameters(), clip)))
+        lr = self.optimizer.param_groups[0]["lr"]
+        bad = None
+        if not math.isfinite(loss):
+            bad = ("loss", loss)
+        elif not math.isfinite(grad_norm):
+            bad = ("gradient norm", grad_norm)
+        if bad is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            if tcfg.nan_policy == "stop":
+                raise NonFiniteLossError(step + 1, bad[0], bad[1], self.last_ckpt)
+            # the skipped batch's (non-finite) amaxes must not enter the delayed-scaling
+            # histories, where they would pin every scale for amax_history_len steps
+            discard_delayed_scaling(self.raw_model)
+            self.skipped += 1
+            log.warning("step %d: non-finite %s (%s); batch skipped (%d skipped so far), its "
+                        "delayed-scaling amaxes discarded", step + 1, bad[0], bad[1], self.skipped)
+            if self.skipped > tcfg.max_skipped_steps:
+                raise NonFiniteLossError(step + 1, bad[0], bad[1], self.last_ckpt)
+        else:
+            sync_delayed_scaling(self.raw_model)  # one amax all-reduce for the whole model
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.global_step += 1
+        self.tokens_seen += self.tokens_per_step
+        self.mid_step = False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return StepStats(loss=loss, aux_loss_sum=aux_acc, lr=lr, grad_norm=grad_norm, skipped=bad is not None,
+                         time_s=time.perf_counter() - t0)
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro: int):
+        """Forward and backward of micro-batch ``micro`` of the step; the gradients are synced
+        over the ranks with the last one. Returns the model output."""
+        tcfg = self.tcfg
+        try:
+            with grad_sync(self.dp_model, tcfg.data_parallel, self.ctx, micro == self.accum - 1), self.autocast(), \
+                    self._fp8_autocast(micro == 0):
+                out = self.model(x, y)
+                (out.loss / tcfg.grad_accum).backward()
+        except Exception as e:
+            if tcfg.compile and type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise TrainingError(
+                    f"torch.compile failed for recipe {self.recipe.name}: {str(e).splitlines()[0]}; "
+                    "run with trainer.compile=false"
+                ) from e
+            raise
+        return out
+
+    def _fp8_autocast(self, first_micro_batch: Optional[bool]):
+        """backend=te: te.autocast with the recipe, and TE's weight caching told which micro-batch
+        this is (None: not a training step); native: nothing (the FP8 linears carry the recipe)."""
+        if self.te_run is None:
+            return contextlib.nullcontext()
+        self.te_run.micro.first = first_micro_batch
+        return self.te_run.autocast()
+
+    def _after_step(self, stats: StepStats) -> None:
+        """What follows each optimizer step: history and timing, the first step's audit, FP8
+        telemetry, the log line, and validation and a checkpoint when due."""
+        tcfg, step = self.tcfg, self.global_step
+        self.result.history.append({"step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
+                                    "skipped": stats.skipped})
+        self.window.add(stats.loss, stats.time_s, self.tokens_per_step)
+        if step > self.start_step + 1:  # the first step pays compile/warm-up costs
+            self.step_time_total += stats.time_s
+            self.steps_timed += 1
+        if step == self.start_step + 1 and self.start_step == 0:
+            self.write_audit()
+        if self.telemetry_due:
+            self.log_telemetry()
+        self.log_step(stats)
+        last = step == tcfg.max_steps
+        if self.val_batches is not None and (step % tcfg.val_interval == 0 or last):
+            self.mid_step = True  # validation swaps the FP8 state out and back
+            val_loss = self.evaluate()
+            self.mid_step = False
+            self.result.val.append((step, val_loss))
+            self.writer.scalars({"val/loss": val_loss}, step)
+            log.info("step %d | val/loss %.4f", step, val_loss)
+        if tcfg.checkpoint and ((tcfg.ckpt_interval and step % tcfg.ckpt_interval == 0) or last):
+            self.checkpoint(step)
+        self.writer.flush()
+
+    # ---- reporting ----
+    def write_audit(self) -> None:
+        """The precision audit of the first step (what ran in FP8, per module and GEMM), in the
+        run directory, TensorBoard and the log."""
+        from .nn import audit
+
+        report = self.te_run.audit() if self.te_run else audit(self.raw_model)
+        # (the native audit prints the kernel options itself)
+        extra = f"kernel options (the native norms): {self.kernel_options.describe()}" if self.te_run else None
+        self.result.audit_table = record_audit(report, self.ctx, run_dir=self.run_dir, writer=self.writer,
+                                               step=self.global_step, extra=extra,
+                                               data_parallel=self.tcfg.data_parallel)
+
+    def log_telemetry(self) -> None:
+        """FP8 statistics per layer group (amax, scale, under/overflow) of this step, to TensorBoard."""
+        from .nn import collect_telemetry, set_telemetry
+
+        tel = self.te_run.hooks.collect_telemetry() if self.te_run else collect_telemetry(self.raw_model, reset=True)
+        self.writer.scalars(reduce_telemetry(tel, self.ctx), self.global_step)
+        if not self.te_run:
+            set_telemetry(self.raw_model, False)
+
+    def log_step(self, stats: StepStats) -> None:
+        """The progress bar; every ``trainer.log_interval`` steps and at the last one, the
+        window's mean loss, lr, gradient norm, throughput and MFU to TensorBoard and the log."""
+        tcfg, step, window = self.tcfg, self.global_step, self.window
+        tps = window.tokens_per_s
+        self.bar.update(1)
+        self.bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=format_count(tps), refresh=False)
+        if not (tcfg.log_interval and (step % tcfg.log_interval == 0 or step == tcfg.max_steps)):
+            return
+        avg = window.mean_loss
+        tflops = tps * self.flops_per_token / 1e12
+        mfu = tflops / self.peak if self.peak else None
+        scalars = {
+            "train/loss": avg,
+            "train/loss_step": stats.loss,
+            "lr": stats.lr,
+            "grad_norm": stats.grad_norm,
+            "tokens_per_s": tps,
+            "perf/tflops_per_s": tflops,
+            "perf/mfu": mfu,
+            "train/tokens_seen": self.tokens_seen,
+            "train/skipped_steps": self.skipped,
+        }
+        if self.mcfg.arch == "moe":
+            scalars["train/aux_loss"] = float(stats.aux_loss_sum) / tcfg.grad_accum
+        if self.device.type == "cuda":
+            scalars["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.writer.scalars(scalars, step)
+        log.info(
+            "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2f TFLOP/s | mfu %s",
+            step, tcfg.max_steps, avg, stats.lr, stats.grad_norm, format_count(tps), tflops,
+            f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
+        )
+        window.reset()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean validation loss over the fixed validation set.
+
+        Evaluation must not steer training: the FP8 scaling state (delayed-scaling amax
+        histories, pending amaxes, cached weight quantisations) is restored afterwards, so a run
+        with validation follows the same trajectory as one without, and a checkpoint written
+        right after validation resumes exactly.
+        """
+        snapshot = _fp8_state_snapshot(self.raw_model)
+        te_snapshot = self.te_run.snapshot(self.raw_model) if self.te_run else None
+        self.model.eval()
+        total, n = 0.0, 0
+        try:
+            for x, y in self.val_batches.iter(self.device):
+                with self.autocast(), self._fp8_autocast(None):
+                    out = self.model(x, y)
+                total += float(out.ce_loss)
+                n += 1
+        finally:
+            self.model.train()
+            _fp8_state_restore(self.raw_model, snapshot)
+            if self.te_run:
+                self.te_run.restore(self.raw_model, te_snapshot)
+        return total / max(1, n)
+
+    # ---- checkpoints and the end ----
+    def state_dict(self, step: int) -> Dict[str, Any]:
+        """The checkpoint of ``step``: model (with FP8 scaling state) and optimizer as full
+        FQN-keyed state (a collective under FSDP2), scheduler, RNG, counters, data position,
+        the open logging window, and what :func:`~nemo_fp8_recipes.checkpoint.check_compatible`
+        compares on resume."""
+        from omegaconf import OmegaConf
+
+        tcfg, ctx = self.tcfg, self.ctx
+        model_sd, optim_sd = state_dicts(self.dp_model, self.optimizer)
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "tokens_seen": self.tokens_seen,
+            "skipped_steps": self.skipped,
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "world_size": ctx.world_size,
+            "data_parallel": tcfg.data_parallel if ctx.distributed else None,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": capture_rng_state(),
+            "data": {
+                "fingerprint": self.corpus.fingerprint,
+                "seed": tcfg.seed,
+                "next_step": step,
+                "consumed_samples": step * self.train_batches.samples_per_step,
+            },
+            # the train/loss logging window open at this step, so a resumed run logs the same mean
+            "log_window": self.window.state(),
+            "recipe": self.recipe.describe(),
+            "backend": self.backend,
+            "model_config": self.mcfg.to_dict(),
+            "trainer": dataclasses.asdict(tcfg),
+            "config_yaml": OmegaConf.to_yaml(self.cfg, resolve=True),
+        }
+
+    def checkpoint(self, step: int) -> Path:
+        """Save the checkpoint of ``step`` (every rank gathers its state, rank 0 writes) and wait
+        until it is in place on every rank."""
+        state = self.state_dict(step)
+        if self.ctx.is_main:
+            self.ckpt_mgr.save(step, state)
+        self.last_ckpt = self.ckpt_mgr.path_for(step)
+        barrier(self.ctx)  # no rank goes on (or resumes) before the file is in place
+        self.result.checkpoint = self.last_ckpt
+        log.info("checkpoint: %s", self.last_ckpt)
+        return self.last_ckpt
+
+    def _save_on_interrupt(self) -> None:
+        """Ctrl-C: save the last completed step if that is safe, and say what is kept."""
+        step, last = self.global_step, self.last_ckpt or "none"
+        if self.mid_step:
+            # A half-finished step (e.g. optimizer updated, counters not) must not be saved
+            # under a completed step's name.
+            log.warning("interrupted inside step %d; not saving a partial step. Last checkpoint: %s", step + 1, last)
+        elif self.ctx.distributed:
+            # saving is a collective; the other ranks are being interrupted too
+            log.warning("interrupted after step %d; last checkpoint: %s", step, last)
+        else:
+            log.warning("interrupted after step %d", step)
+            if step > self.start_step and self.tcfg.checkpoint:
+                self.checkpoint(step)
+
+    def finish(self) -> TrainResult:
+        """The final numbers: into the result, ``summary.json`` (rank 0) and the closing log line."""
+        result, tcfg, step = self.result, self.tcfg, self.global_step
+        result.final_step = step
+        result.skipped_steps = self.skipped
+        result.tokens_per_s = (self.tokens_per_step * self.steps_timed / self.step_time_total
+                               if self.step_time_total else None)
+        result.wall_s = time.perf_counter() - self.t_start
+        tail = [h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):] if math.isfinite(h["loss"])]
+        final_train = float(np.mean(tail)) if tail else float("nan")
+        if self.ctx.is_main:
+            cuda = self.device.type == "cuda"
+            (self.run_dir / "summary.json").write_text(json.dumps({
+                "model": self.mcfg.name, "recipe": self.recipe.name, "mode": self.mode, "params": self.n_params,
+                "steps": step, "final_train_loss": final_train,
+                "final_val_loss": result.val[-1][1] if result.val else None,
+                "tokens_per_s": result.tokens_per_s, "skipped_steps": self.skipped,
+                "world_size": self.ctx.world_size,
+                "data_parallel": tcfg.data_parallel if self.ctx.distributed else None,
+                "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+                "kernel_options": self.kernel_options.as_dict(),
+                "peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None,
+            }, indent=2) + "\n", encoding="utf-8")
+        log.info(
+            "done: %d steps in %s | train loss %.4f%s | %s tok/s | run dir %s",
+            step - self.start_step, format_duration(result.wall_s), final_train,
+            f" | val loss {result.val[-1][1]:.4f}" if result.val else "",
+            format_count(result.tokens_per_s or 0), self.run_dir,
+        )
+        return result
+
+    def close(self) -> None:
+        """End the process group :meth:`setup` started (nothing when it started none)."""
+        if self.ctx is not None:
+            self.ctx.close()
+
+
 def train(cfg) -> TrainResult:
-    """Run the embedded trainer on a composed config (``DictConfig``) and return what it did.
+    """Run the embedded trainer on a composed config (``DictConfig``) and return what it did:
+    ``Trainer(cfg).run()``, then the process group is closed whatever happened.
 
     Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank calls it: data parallelism with
     ``trainer.data_parallel`` (ddp | fsdp2, :mod:`nemo_fp8_recipes.distributed`); rank 0 logs,
@@ -219,531 +725,24 @@ def train(cfg) -> TrainResult:
     :class:`~nemo_fp8_recipes.recipes.UnsupportedRecipeError`, :class:`CheckpointError` or
     :class:`NonFiniteLossError` with actionable messages; :func:`main` prints them cleanly.
     """
-    holder: List[DistContext] = []
-    level = log.level
+    trainer = Trainer(cfg)
+    level = log.level  # a non-main rank logs warnings only while it trains
     try:
-        return _train(cfg, holder)
+        return trainer.run()
     finally:
         log.setLevel(level)
-        for ctx in holder:
-            ctx.close()
-
-
-def _train(cfg, holder: List[DistContext]) -> TrainResult:
-    from omegaconf import OmegaConf, open_dict
-
-    from .nn import (apply_kernel_options, audit, collect_telemetry, convert_model, discard_delayed_scaling,
-                     set_delayed_scaling_update,
-                     set_graph_weight_cache, set_telemetry, set_wgrad_accumulation_fusion, sync_delayed_scaling)
-    from .recipes import describe_device, require_supported, uses_real_fp8_gemm
-
-    t_start = time.perf_counter()
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError(f"missing mandatory value(s): {', '.join(missing)}")
-    tcfg = trainer_config(cfg)
-    rcfg: RunConfig = run_config(cfg)
-    backend = str(cfg.backend.name)
-    if backend not in ("native", "te"):
-        raise ConfigError(
-            f"the embedded trainer runs backend=native or backend=te, got backend={backend}; launch "
-            "Megatron-Bridge with `torchrun ... -m nemo_fp8_recipes.integrations.bridge <overrides>` "
-            "or submit it with `nemo-fp8-submit backend=megatron_bridge ...`"
-        )
-    if cfg.cluster.name != "local":
-        raise ConfigError(
-            f"the embedded trainer runs cluster=local, got cluster={cfg.cluster.name}; submit "
-            f"cluster={cfg.cluster.name} jobs with `nemo-fp8-submit <same overrides>`"
-        )
-
-    # ---- recipe, policy, device, model config (fail before any work) ----
-    device = resolve_device(tcfg.device)
-    recipe = build_recipe(cfg.recipe)
-    policy = build_policy(cfg.get("policy"))
-    kernel_options = build_kernel_options(cfg.get("kernels"))
-    with open_dict(cfg):  # the values it runs with (null = default) go into config.yaml
-        cfg.kernels = kernel_options.as_dict()
-    if backend == "te":
-        problem = te_run_problem(recipe, device, tcfg)
-        if problem:
-            raise ConfigError(problem)
-    else:
-        require_supported(recipe, device)
-    world = dist_world_size()
-    if tcfg.global_batch_size % (tcfg.micro_batch_size * world):
-        raise ConfigError(
-            f"trainer.global_batch_size ({tcfg.global_batch_size}) must be a multiple of "
-            f"trainer.micro_batch_size ({tcfg.micro_batch_size}) x {world} data-parallel ranks; "
-            f"e.g. trainer.global_batch_size={tcfg.micro_batch_size * world * max(1, tcfg.grad_accum // world)}"
-        )
-    ctx = init_distributed(device)
-    holder.append(ctx)
-    device = ctx.device
-    accum = tcfg.grad_accum // ctx.world_size  # micro-batches per rank per step
-    if not ctx.is_main:
-        log.setLevel(logging.WARNING)
-    try:
-        mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-        dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
-    except DataError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None
-    tokenizer = ByteTokenizer()
-    if mcfg.vocab_size < tokenizer.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={mcfg.vocab_size} is smaller than the byte tokenizer's "
-            f"{tokenizer.vocab_size} ids; use model.vocab_size=512 (or any value >= {tokenizer.vocab_size})"
-        )
-    if tcfg.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"trainer.seq_len={tcfg.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
-    if tcfg.memory_check:
-        from .memory import check_fits
-
-        shard = ctx.world_size if ctx.distributed and tcfg.data_parallel == "fsdp2" else 1
-        too_big = check_fits(mcfg, device, tokens_per_micro_batch=tcfg.micro_batch_size * tcfg.seq_len,
-                             fp8=recipe.is_fp8, activation_bytes=2 if _autocast(device, tcfg.autocast)[1] else 4,
-                             shard=shard, where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} "
-                                                f"tokens" + (" per rank" if ctx.distributed else ""))
-        if too_big:
-            raise ConfigError(too_big)
-    if tcfg.compile and device.type == "cpu" and recipe.name in _NO_CPU_COMPILE:
-        # Refused at start: Inductor's C++ backend fails on the 1x128 / 1x32 block reshapes of
-        # these emulated quantisers (AssertionError in CppScheduling.try_loop_split: two fused
-        # nodes end with different loop ranges after the split; no config switch avoids it) after
-        # one to two minutes of compiling. On CUDA the Triton backend compiles them.
-        raise ConfigError(
-            f"trainer.compile=true on CPU cannot compile recipe {recipe.name}: the C++ backend of torch.compile "
-            f"(torch {torch.__version__}) fails on its block-scaled quantisers after minutes of compiling. On CPU "
-            "use trainer.compile=false (the emulation computes the same numbers), or compile on a GPU "
-            f"(trainer.device=cuda); recipes that compile on CPU: "
-            + ", ".join(r for r in ("bf16", "delayed", "tensorwise") if r != recipe.name)
-        )
-
-    run_dir = Path(rcfg.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    mgr = CheckpointManager(run_dir / "checkpoints", keep=tcfg.ckpt_keep)
-    resume_path = resolve_resume(tcfg, mgr)
-
-    # ---- data ----
-    corpus = load_corpus(dcfg, tokenizer)
-    train_batches = TrainBatches(
-        PackedTokens(corpus.train, tcfg.seq_len, "train"),
-        seed=tcfg.seed, micro_batch_size=tcfg.micro_batch_size, grad_accum=tcfg.grad_accum,
-    )
-    val_batches = None
-    if tcfg.val_interval > 0 and tcfg.val_steps > 0:
-        val_batches = ValBatches(
-            PackedTokens(corpus.val, tcfg.seq_len, "validation"),
-            micro_batch_size=tcfg.micro_batch_size, num_batches=tcfg.val_steps,
-        )
-
-    # ---- model, FP8 conversion, optimizer ----
-    _seed_everything(tcfg.seed)
-    with torch.device(device):
-        raw_model = Transformer(mcfg)
-    te_run = None  # backend=te: conversion, micro-batch state, hooks, autocast factory
-    if backend == "te":
-        te_run = TERun(raw_model, recipe, policy, cfg.backend, ctx, telemetry=tcfg.telemetry_interval > 0)
-        apply_kernel_options(raw_model, kernel_options)  # (the native modules: the norms)
-    else:
-        convert_model(raw_model, recipe, policy, options=kernel_options)
-    # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
-    set_delayed_scaling_update(raw_model, "step")
-    if tcfg.fuse_wgrad_accumulation:
-        if ctx.distributed:
-            raise ConfigError(f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks {tcfg.data_parallel} "
-                              f"reduces with ({ctx.world_size} ranks); set it to false under torchrun")
-        n_fused = set_wgrad_accumulation_fusion(raw_model)
-        if accum > 1:
-            log.info("fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 gradients "
-                     "inside the wgrad GEMM", n_fused, accum)
-        else:
-            log.warning("trainer.fuse_wgrad_accumulation=true has nothing to fuse with one micro-batch per step "
-                        "(global_batch_size = micro_batch_size): every backward starts from zeroed gradients")
-    n_cached = 0
-    if tcfg.compile and tcfg.compiled_weight_cache and recipe.is_fp8 and accum > 1:
-        if ctx.distributed and tcfg.data_parallel == "fsdp2":
-            log.info("compiled FP8 weight cache off under FSDP2: the sharded weights are quantised in the graph "
-                     "at every micro-batch")
-        else:  # (before DDP wraps the model and before it is compiled)
-            n_cached = set_graph_weight_cache(raw_model)
-            if n_cached:
-                log.info("compiled FP8 weight cache: %d FP8 linears quantise their weights once per optimizer step, "
-                         "not in each of the %d micro-batches", n_cached, accum)
-    dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
-                          find_unused_parameters=mcfg.arch == "moe")  # unrouted experts get no grad
-    optimizer, scheduler = _build_optimizer(dp_model, tcfg, device)
-    autocast_ctx, bf16 = _autocast(device, tcfg.autocast)
-
-    def fp8_ctx(first_micro_batch: Optional[bool]):
-        """backend=te: te.autocast with the recipe, and TE's weight caching told which micro-batch
-        this is (None: not a training step); native: nothing (the FP8 linears carry the recipe)."""
-        if te_run is None:
-            return contextlib.nullcontext()
-        te_run.micro.first = first_micro_batch
-        return te_run.autocast()
-    real_fp8 = recipe.is_fp8 and uses_real_fp8_gemm(recipe, device)
-    mode = "no FP8" if not recipe.is_fp8 else ("real FP8 GEMMs" if real_fp8 else "emulated FP8")
-    n_params = raw_model.num_params()
-    flops_per_token = mcfg.flops_per_token(tcfg.seq_len)
-    peak = peak_tflops(device, "fp8" if real_fp8 else "bf16")
-    peak = peak * ctx.world_size if peak else peak
-
-    start_step, tokens_seen, skipped = 0, 0, 0
-    last_ckpt: Optional[Path] = None
-    if resume_path is not None:
-        ckpt = load_for_resume(resume_path, tcfg)
-        forced = check_compatible(ckpt, resume_path, recipe, mcfg, tcfg, corpus.fingerprint,
-                                   auto=tcfg.resume == "auto", backend=backend)
-        load_model_state(dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
-        scheduler.load_state_dict(ckpt["scheduler"])
-        # The checkpoint restores the *old* hyperparameters (LambdaLR's base_lrs, AdamW's
-        # weight_decay/betas/eps); the current config wins, e.g. a lower lr after a divergence.
-        scheduler.base_lrs = [tcfg.lr for _ in optimizer.param_groups]
-        for group, wd in zip(optimizer.param_groups, (tcfg.weight_decay, 0.0)):
-            group.update(weight_decay=wd, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps,
-                         lr=lr_at(int(ckpt["step"]), tcfg))
-        restore_rng_state(ckpt["rng"])
-        start_step = int(ckpt["step"])
-        tokens_seen = int(ckpt.get("tokens_seen", 0))
-        skipped = int(ckpt.get("skipped_steps", 0))
-        resume_window = dict(ckpt.get("log_window") or {})
-        last_ckpt = resume_path
-        if ctx.is_main and resume_path.parent.resolve() == mgr.directory.resolve():
-            for q in mgr.supersede_after(start_step):
-                log.warning("resumed from step %d: the later checkpoint %s is kept as %s and no longer resumed from",
-                            start_step, q.name.split(".superseded-")[0], q.name)
-        log.info("resumed from %s at step %d", resume_path, start_step)
-    # written only once the resume checks passed, so a refused run cannot overwrite the config
-    # that produced the checkpoints in this directory
-    if ctx.is_main:
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
-
-    model = torch.compile(dp_model) if tcfg.compile else dp_model
-    writer = MetricsWriter(run_dir, enabled=rcfg.tensorboard and ctx.is_main,
-                           purge_step=start_step + 1 if start_step else None)
-
-    log.info(
-        "run %s | model %s (%s params, %d layers) | recipe %s (%s) | device %s | autocast %s | "
-        "data %s: %s train / %s val tokens | %d steps x %d seq x %d tokens (grad accum %d%s)",
-        run_dir, mcfg.name, format_count(n_params), mcfg.num_layers, recipe.name, mode,
-        describe_device(device), "bf16" if bf16 else "off", dcfg.name,
-        format_count(len(corpus.train)), format_count(len(corpus.val)), tcfg.max_steps,
-        tcfg.global_batch_size, tcfg.seq_len, accum,
-        f" per rank, {ctx.world_size} ranks, {tcfg.data_parallel}" if ctx.distributed else "",
-    )
-    if start_step == 0:
-        writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
-
-    result = TrainResult(run_dir=run_dir, start_step=start_step, final_step=start_step,
-                         skipped_steps=skipped, checkpoint=last_ckpt, world_size=ctx.world_size,
-                         model=raw_model, compiled_weight_cache=n_cached)
-    if start_step >= tcfg.max_steps:
-        log.info("run already complete at step %d (trainer.max_steps=%d); nothing to do", start_step, tcfg.max_steps)
-        writer.close()
-        result.wall_s = time.perf_counter() - t_start
-        return result
-
-    tokens_per_step = tcfg.global_batch_size * tcfg.seq_len
-    telemetry_on = recipe.is_fp8 and tcfg.telemetry_interval > 0
-
-    def state_dict(step: int) -> Dict[str, Any]:
-        model_sd, optim_sd = state_dicts(dp_model, optimizer)  # a collective under FSDP2
-        return {
-            "format": CHECKPOINT_FORMAT,
-            "step": step,
-            "tokens_seen": tokens_seen,
-            "skipped_steps": skipped,
-            "model": model_sd,
-            "optimizer": optim_sd,
-            "world_size": ctx.world_size,
-            "data_parallel": tcfg.data_parallel if ctx.distributed else None,
-            "scheduler": scheduler.state_dict(),
-            "rng": capture_rng_state(),
-            "data": {
-                "fingerprint": corpus.fingerprint,
-                "seed": tcfg.seed,
-                "next_step": step,
-                "consumed_samples": step * train_batches.samples_per_step,
-            },
-            # the train/loss logging window open at this step, so a resumed run logs the same mean
-            "log_window": {"loss_sum": window_loss, "steps": window_n},
-            "recipe": recipe.describe(),
-            "backend": backend,
-            "model_config": mcfg.to_dict(),
-            "trainer": dataclasses.asdict(tcfg),
-            "config_yaml": OmegaConf.to_yaml(cfg, resolve=True),
-        }
-
-    def save(step: int) -> Path:
-        nonlocal last_ckpt
-        state = state_dict(step)  # every rank (collective); rank 0 writes
-        if ctx.is_main:
-            mgr.save(step, state)
-        last_ckpt = mgr.path_for(step)
-        barrier(ctx)  # no rank goes on (or resumes) before the file is in place
-        result.checkpoint = last_ckpt
-        log.info("checkpoint: %s", last_ckpt)
-        return last_ckpt
-
-    @torch.no_grad()
-    def validate() -> float:
-        # Evaluation must not steer training: the FP8 scaling state (delayed-scaling amax
-        # histories, pending amaxes, cached weight quantisations) is restored afterwards, so a
-        # run with validation follows the same trajectory as one without, and a checkpoint
-        # written right after validation resumes exactly.
-        snapshot = _fp8_state_snapshot(raw_model)
-        te_snapshot = te_run.snapshot(raw_model) if te_run else None
-        model.eval()
-        total, n = 0.0, 0
-        try:
-            for x, y in val_batches.iter(device):
-                with autocast_ctx(), fp8_ctx(None):
-                    out = model(x, y)
-                total += float(out.ce_loss)
-                n += 1
-        finally:
-            model.train()
-            _fp8_state_restore(raw_model, snapshot)
-            if te_run:
-                te_run.restore(raw_model, te_snapshot)
-        return total / max(1, n)
-
-    from tqdm.auto import tqdm
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    show_bar = tcfg.progress and sys.stderr.isatty() and ctx.is_main
-    bar = tqdm(total=tcfg.max_steps, initial=start_step, disable=not show_bar, dynamic_ncols=True,
-               desc=f"{mcfg.name}/{recipe.name}", unit="step")
-    window_loss, window_n, window_time, window_tokens = 0.0, 0, 0.0, 0
-    if resume_path is not None:  # continue the logging window the checkpoint was written in
-        window_loss = float(resume_window.get("loss_sum", 0.0))
-        window_n = int(resume_window.get("steps", 0))
-    step_time_total, steps_timed = 0.0, 0
-    step = start_step
-    model.train()
-    mid_step = False
-    try:
-        with logging_redirect_tqdm():
-            while step < tcfg.max_steps:
-                mid_step = True  # weights, counters and FP8 state may disagree until the step ends
-                t0 = time.perf_counter()
-                tele_now = telemetry_on and (step + 1) % tcfg.telemetry_interval == 0
-                if tele_now and not te_run:
-                    set_telemetry(raw_model, True)
-                loss_acc = torch.zeros((), device=device)
-                aux_acc = torch.zeros((), device=device)
-                for micro in range(accum):
-                    # rank r takes micro-batches [r·accum, (r+1)·accum) of the global step, and
-                    # back-propagates loss / (all micro-batches): gradients are summed over ranks
-                    x, y = train_batches.get(step, ctx.rank * accum + micro, device)
-                    try:
-                        with grad_sync(dp_model, tcfg.data_parallel, ctx, micro == accum - 1), autocast_ctx(), \
-                                fp8_ctx(micro == 0):
-                            out = model(x, y)
-                            (out.loss / tcfg.grad_accum).backward()
-                    except Exception as e:
-                        if tcfg.compile and type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
-                            raise TrainingError(
-                                f"torch.compile failed for recipe {recipe.name}: {str(e).splitlines()[0]}; "
-                                "run with trainer.compile=false"
-                            ) from e
-                        raise
-                    loss_acc += out.ce_loss.detach()
-                    aux_acc += out.aux_loss.detach()
-                if ctx.distributed:
-                    both = all_reduce_sum(torch.stack([loss_acc, aux_acc]), ctx)
-                    loss_acc, aux_acc = both[0], both[1]
-                loss = float(loss_acc) / tcfg.grad_accum
-                clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
-                grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(dp_model.parameters(), clip)))
-                lr = optimizer.param_groups[0]["lr"]
-                bad = None
-                if not math.isfinite(loss):
-                    bad = ("loss", loss)
-                elif not math.isfinite(grad_norm):
-                    bad = ("gradient norm", grad_norm)
-                if bad is not None:
-                    optimizer.zero_grad(set_to_none=True)
-                    if tcfg.nan_policy == "stop":
-                        raise NonFiniteLossError(step + 1, bad[0], bad[1], last_ckpt)
-                    # the skipped batch's (non-finite) amaxes must not enter the delayed-scaling
-                    # histories, where they would pin every scale for amax_history_len steps
-                    discard_delayed_scaling(raw_model)
-                    skipped += 1
-                    log.warning("step %d: non-finite %s (%s); batch skipped (%d skipped so far), its "
-                                "delayed-scaling amaxes discarded", step + 1, bad[0], bad[1], skipped)
-                    if skipped > tcfg.max_skipped_steps:
-                        raise NonFiniteLossError(step + 1, bad[0], bad[1], last_ckpt)
-                else:
-                    sync_delayed_scaling(raw_model)  # one amax all-reduce for the whole model
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                step += 1
-                tokens_seen += tokens_per_step
-                mid_step = False
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                dt = time.perf_counter() - t0
-                result.history.append({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                                       "skipped": bad is not None})
-                if math.isfinite(loss):
-                    window_loss += loss
-                    window_n += 1
-                window_time += dt
-                window_tokens += tokens_per_step
-                if step > start_step + 1:  # the first step pays compile/warm-up costs
-                    step_time_total += dt
-                    steps_timed += 1
-
-                if step == start_step + 1 and start_step == 0:
-                    report = te_run.audit() if te_run else audit(raw_model)
-                    rank_problems = merge_audits(report, ctx)
-                    result.audit_table = report.table()
-                    if te_run:  # (the native audit prints them itself)
-                        result.audit_table += f"\nkernel options (the native norms): {kernel_options.describe()}"
-                    if ctx.distributed:
-                        result.audit_table += (
-                            f"\n{ctx.world_size} data-parallel ranks ({tcfg.data_parallel}): "
-                            + ("; ".join(rank_problems) if rank_problems else "every rank ran the same precision per module")
-                        )
-                    if ctx.is_main:
-                        (run_dir / "audit.txt").write_text(result.audit_table + "\n", encoding="utf-8")
-                        d = report.to_dict()
-                        d["ranks"] = {"world_size": ctx.world_size, "problems": rank_problems}
-                        (run_dir / "audit.json").write_text(json.dumps(d, indent=2) + "\n", encoding="utf-8")
-                    writer.text("fp8/audit", result.audit_table, step)
-                    log.info("precision audit after the first step:\n%s", result.audit_table)
-                    if report.violations or rank_problems:
-                        log.warning("policy violations: %s", ", ".join(list(report.violations) + rank_problems))
-
-                if tele_now:
-                    tel = te_run.hooks.collect_telemetry() if te_run else collect_telemetry(raw_model, reset=True)
-                    writer.scalars(reduce_telemetry(tel, ctx), step)
-                    if not te_run:
-                        set_telemetry(raw_model, False)
-
-                tps = window_tokens / window_time if window_time > 0 else 0.0
-                bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", tok_s=format_count(tps), refresh=False)
-                if tcfg.log_interval and (step % tcfg.log_interval == 0 or step == tcfg.max_steps):
-                    avg = window_loss / window_n if window_n else float("nan")
-                    tflops = tps * flops_per_token / 1e12
-                    mfu = tflops / peak if peak else None
-                    scalars = {
-                        "train/loss": avg,
-                        "train/loss_step": loss,
-                        "lr": lr,
-                        "grad_norm": grad_norm,
-                        "tokens_per_s": tps,
-                        "perf/tflops_per_s": tflops,
-                        "perf/mfu": mfu,
-                        "train/tokens_seen": tokens_seen,
-                        "train/skipped_steps": skipped,
-                    }
-                    if mcfg.arch == "moe":
-                        scalars["train/aux_loss"] = float(aux_acc) / tcfg.grad_accum
-                    if device.type == "cuda":
-                        scalars["perf/peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                    writer.scalars(scalars, step)
-                    log.info(
-                        "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2f TFLOP/s | mfu %s",
-                        step, tcfg.max_steps, avg, lr, grad_norm, format_count(tps), tflops,
-                        f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
-                    )
-                    window_loss, window_n, window_time, window_tokens = 0.0, 0, 0.0, 0
-
-                last = step == tcfg.max_steps
-                if val_batches is not None and (step % tcfg.val_interval == 0 or last):
-                    mid_step = True  # validation swaps the FP8 state out and back
-                    vl = validate()
-                    mid_step = False
-                    result.val.append((step, vl))
-                    writer.scalars({"val/loss": vl}, step)
-                    log.info("step %d | val/loss %.4f", step, vl)
-                if tcfg.checkpoint and ((tcfg.ckpt_interval and step % tcfg.ckpt_interval == 0) or last):
-                    save(step)
-                writer.flush()
-    except KeyboardInterrupt:
-        bar.close()
-        if mid_step:
-            # A half-finished step (e.g. optimizer updated, counters not) must not be saved
-            # under a completed step's name.
-            log.warning("interrupted inside step %d; not saving a partial step. Last checkpoint: %s",
-                        step + 1, last_ckpt or "none")
-        elif ctx.distributed:
-            # saving is a collective; the other ranks are being interrupted too
-            log.warning("interrupted after step %d; last checkpoint: %s", step, last_ckpt or "none")
-        else:
-            log.warning("interrupted after step %d", step)
-            if step > start_step and tcfg.checkpoint:
-                save(step)
-        writer.close()
-        raise
-    finally:
-        bar.close()
-        writer.close()
-
-    result.final_step = step
-    result.skipped_steps = skipped
-    result.tokens_per_s = tokens_per_step * steps_timed / step_time_total if step_time_total else None
-    result.wall_s = time.perf_counter() - t_start
-    tail = [h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):] if math.isfinite(h["loss"])]
-    final_train = float(np.mean(tail)) if tail else float("nan")
-    if ctx.is_main:
-        (run_dir / "summary.json").write_text(json.dumps({
-            "model": mcfg.name, "recipe": recipe.name, "mode": mode, "params": n_params,
-            "steps": step, "final_train_loss": final_train,
-            "final_val_loss": result.val[-1][1] if result.val else None,
-            "tokens_per_s": result.tokens_per_s, "skipped_steps": skipped,
-            "world_size": ctx.world_size, "data_parallel": tcfg.data_parallel if ctx.distributed else None,
-            "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
-            "kernel_options": kernel_options.as_dict(),
-            "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
-        }, indent=2) + "\n", encoding="utf-8")
-    log.info(
-        "done: %d steps in %s | train loss %.4f%s | %s tok/s | run dir %s",
-        step - start_step, format_duration(result.wall_s), final_train,
-        f" | val loss {result.val[-1][1]:.4f}" if result.val else "",
-        format_count(result.tokens_per_s or 0), run_dir,
-    )
-    return result
+        trainer.close()
 
 
 # ---- command line ----------------------------------------------------------------------------
 _EXIT_CODES = {ConfigError: 2, DataError: 2, CheckpointError: 4, NonFiniteLossError: 3, TrainingError: 5}
 
 
-def _quiet_failing_log_files() -> None:
-    """A log file that cannot be written (a full disk) says so once on stderr and is closed,
-    instead of Python's logging printing a traceback for every later record."""
-    import logging as _logging
-
-    for h in list(_logging.getLogger().handlers):
-        if not isinstance(h, _logging.FileHandler) or getattr(h, "_nemo_fp8_quiet", False):
-            continue
-
-        def handle_error(record, h=h):
-            err = sys.exc_info()[1]
-            _logging.getLogger().removeHandler(h)
-            try:
-                h.close()
-            except Exception:  # noqa: BLE001 - the file is already broken
-                pass
-            print(f"nemo-fp8-train: warning: cannot write the log file {h.baseFilename} ({err}); "
-                  "logging to the console only from here on", file=sys.stderr)
-
-        h.handleError = handle_error
-        h._nemo_fp8_quiet = True
-
-
 def _run_cli(cfg) -> None:
     """Body of the Hydra entry point: train, print clean messages for expected errors."""
     from .recipes import UnsupportedRecipeError
 
-    _quiet_failing_log_files()
+    quiet_failing_log_files()
     try:
         result = train(cfg)
     except UnsupportedRecipeError as e:
@@ -786,7 +785,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prog = sys.argv[0] if sys.argv else "nemo-fp8-train"
     old_argv = sys.argv
     sys.argv = [prog] + args
-    with _logging_as_it_was():
+    with logging_as_it_was():
         try:
             _hydra_entry()
         except SystemExit as e:
@@ -795,31 +794,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             sys.argv = old_argv
     return 0
 
-
-@contextlib.contextmanager
-def _logging_as_it_was():
-    """Hydra configures Python's logging for the job (a console handler bound to the stderr of
-    the moment, the job's log file) and leaves it so. Called from Python (a notebook, a test, a
-    sweep driver), ``main`` puts the caller's logging back afterwards: the handlers, level,
-    ``disabled`` and ``propagate`` of the root logger and of every logger that existed before
-    (Hydra's configuration may disable them); the handlers the job added are closed. Loggers
-    created during the run (a library's import) keep their own."""
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
-    saved = [(lg, lg.disabled, lg.level, list(lg.handlers), lg.propagate) for lg in loggers]
-    try:
-        yield
-    finally:
-        for lg, disabled, level, handlers, propagate in saved:
-            for h in list(lg.handlers):
-                if h not in handlers:
-                    lg.removeHandler(h)
-                    h.close()
-            for h in handlers:
-                if h not in lg.handlers:
-                    lg.addHandler(h)
-            lg.disabled, lg.propagate = disabled, propagate
-            lg.setLevel(level)
 
 if __name__ == "__main__":
     sys.exit(main())
