@@ -102,7 +102,7 @@ def _verify(state: Dict[str, Any], path: Path) -> None:
         bad.append("(non-tensor values: step, config, RNG state, ...)")
     if bad:
         raise CheckpointError(
-            f"{path} is corrupt: {len(bad)} entr{'y' if len(bad) == 1 else 'ies'} do not match the checksums "
+            f"{path} is corrupt: {len(bad)} entr{'y does' if len(bad) == 1 else 'ies do'} not match the checksums "
             f"written with it ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
 
 

@@ -2,7 +2,8 @@
 
 Trains a Llama 3 / small-MoE model (:mod:`nemo_fp8_recipes.models`) on local text
 (:mod:`nemo_fp8_recipes.data`, the Python standard library by default) with the chosen FP8
-recipe, on one device, with no cluster and no download:
+recipe, with no cluster and no download: on one device, or data parallel (DDP / FSDP2) with one
+process per GPU under ``torchrun``:
 
 - the recipe and precision policy are applied with :func:`nemo_fp8_recipes.nn.convert_model`
   after a hardware check (:func:`nemo_fp8_recipes.recipes.require_supported`); the audit table of

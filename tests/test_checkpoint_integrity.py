@@ -293,7 +293,14 @@ def test_kill_9_at_random_points_of_checkpoint_writes_loses_nothing(tmp_path, to
     # the run that was never interrupted, in this process
     clean_root = tmp_path / "clean"
     uninterrupted = [a for a in KILL_RUN if not a.startswith("trainer.ckpt_interval=")] + ["trainer.ckpt_interval=0"]
-    train(compose_config(uninterrupted + [f"run.root={clean_root}", f"data.cache_dir={token_cache}"]))
+    # one thread, as the killed runs (OMP_NUM_THREADS=1): at this width the thread count changes
+    # the last bits of the CPU GEMMs
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(compose_config(uninterrupted + [f"run.root={clean_root}", f"data.cache_dir={token_cache}"]))
+    finally:
+        torch.set_num_threads(threads)
     a = load_checkpoint(mgr.path_for(30))
     b = load_checkpoint(CheckpointManager(clean_root / "llama3_tiny" / "delayed" / "checkpoints").path_for(30))
     for k, t in b["model"].items():
