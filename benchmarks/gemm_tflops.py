@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench, benchmark_device, energy_window, error_status, fmt, fmt_tflops, recipe_mode, table, write_json,
+    bench, benchmark_device, error_status, fmt, fmt_tflops, recipe_mode, table, write_json,
 )
 
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402
@@ -200,6 +200,8 @@ def main(argv=None) -> int:
                     res.append(row)
                     write_json(a.out, dict(header, results=res))
                 if runs:  # every variant that ran, back to back, round-robin, at the sustained draw
+                    from profiling.nvml import energy_window
+
                     for v, e in energy_window(runs, N_SETS, dev, seconds=a.energy).items():
                         e["tflops"] = flops / e["ms"] / 1e9
                         e["gflop_per_j"] = None if e["j"] is None else flops / e["j"] / 1e9

@@ -91,8 +91,9 @@ columns); with ``--micro-batches K`` the compiled weight cache is re-quantised i
 every K-th replay (a variant whose FP8 weights cannot be refreshed in place is reported as not
 captured, with the reason). ``--energy SECONDS``: afterwards each step (and replay) runs back to
 back for about SECONDS, round-robin twice, between two refreshes of the board's energy counter
-(NVML; ``_timing.energy_window``): joules per step, mean draw, SM clock — at the power cap a
-step's time is its joules over the cap.
+(NVML; ``profiling.nvml.energy_window``): joules per step, mean draw, SM clock — at the power
+cap a step's time is its joules over the cap. ``--breakdown`` and ``--peak-report`` use
+``profiling.timeline`` and ``profiling.memory``.
 ``--smoke``: tiny emulated CPU run for CI (compiled with ``aot_eager``; no timing claims).
 """
 
@@ -113,9 +114,8 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench_interleaved, bench_samples, bench_with_gpu, benchmark_device, capture_graphs, device_time_breakdown,
-    energy_window, error_status, fmt, fmt_tflops, free_memory, gpu_cell, gpu_timeline, graph_replay,
-    peak_memory_report, recipe_mode, table, timeline_table, write_json,
+    bench_interleaved, bench_one, bench_samples, benchmark_device, capture_graphs, error_status, fmt, fmt_tflops,
+    free_memory, gpu_cell, gpu_monitor, graph_replay, recipe_mode, table, write_json,
 )
 from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
 from _torchao import convert_torchao, torchao_status  # noqa: E402
@@ -415,8 +415,12 @@ def profile_extras(step, out: dict, inputs: Inputs, a, dev: str, others_bytes: i
     other variants of a round-robin run hold, left out of the peak report."""
     cuda = dev == "cuda"
     if a.peak_report and cuda:
+        from profiling.memory import peak_memory_report
+
         out["peak_live"] = peak_memory_report(step, 0, others_bytes=others_bytes)
     if a.breakdown:
+        from profiling.timeline import device_time_breakdown, gpu_timeline
+
         out["breakdown"] = device_time_breakdown(step, inputs.n, cuda=cuda, top=40)
         if cuda:
             out["timeline"] = gpu_timeline(step, inputs.n, steps=4)
@@ -431,8 +435,8 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
     step, out = prepare(model, mode, inputs, a, dev)
     try:
         if step is not None:
-            take_timings(out, bench_with_gpu(step, inputs.n, dev, warmup=a.warmup, iters=a.iters,
-                                             window=a.window, group=a.micro_batches), dev)
+            take_timings(out, bench_one(step, inputs.n, dev, warmup=a.warmup, iters=a.iters, window=a.window,
+                                        group=a.micro_batches, monitor=gpu_monitor(dev)), dev)
             if cuda:
                 out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             replay = None
@@ -458,8 +462,10 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
 
 
 def measure_energy(fns, inputs: Inputs, a, dev: str, contexts=None) -> dict:
-    """``--energy``: :func:`energy_window` of ``fns``, or, if that fails (e.g. out of memory), an
-    energy record per key with the error as its ``energy_reason`` — the timings stay."""
+    """``--energy``: :func:`profiling.nvml.energy_window` of ``fns``, or, if that fails (e.g. out of
+    memory), an energy record per key with the error as its ``energy_reason`` — the timings stay."""
+    from profiling.nvml import energy_window
+
     try:
         return energy_window(fns, inputs.n, dev, seconds=a.energy, contexts=contexts, group=a.micro_batches)
     except Exception as e:  # noqa: BLE001 - the energy reading fails, not the row
@@ -651,7 +657,7 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
                         replays[variant] = replay
             times = bench_interleaved(steps, inputs.n, dev, rounds=a.rounds, warmup=1, iters=a.iters,
                                       window=a.window, b2b_warmup=1, graphs=replays, contexts=blocks, errors=errors,
-                                      group=a.micro_batches)
+                                      group=a.micro_batches, monitor=gpu_monitor(dev))
             if a.energy:
                 fns = {**{(v, "step"): f for v, f in steps.items() if v not in errors},
                        **{(v, "graph"): f for v, f in replays.items() if v not in errors}}
@@ -904,17 +910,13 @@ def main(argv=None) -> int:
         print(energy_table(res, cfgs, modes, variants))
     prof = [r for r in res if r.get("breakdown")]
     if prof:
-        print(f"\nwhere the time goes ({prof[0]['breakdown']['source']}, ms per step, torch.profiler):\n")
-        print(table(["size", "variant", "mode", "step ms", "kernels ms", "GEMM", "quantise (Triton)",
-                     "attention", "other", "top kernels"],
-                    [(r["size"], r["variant"], r["mode"], fmt(r["ms"], ".2f"),
-                      *(f"{r['breakdown'][k]:.2f}" for k in
-                        ("kernels_ms", "gemm", "quantise (Triton)", "attention", "other")),
-                      "; ".join(f"{n[:40]} {t:.2f} ({c:g}x)" for n, t, c in r["breakdown"]["top"][:4]))
-                     for r in prof]))
-    timed = [r for r in res if r.get("timeline")]
-    if timed:
-        print("\n" + timeline_table(timed, ["size", "variant", "mode"]))
+        from profiling.timeline import breakdown_table, timeline_table
+
+        print("\n" + breakdown_table(prof, ["size", "variant", "mode"],
+                                     ("gemm", "quantise (Triton)", "attention", "other"), top=4))
+        timed = [r for r in res if r.get("timeline")]
+        if timed:
+            print("\n" + timeline_table(timed, ["size", "variant", "mode"]))
     write_json(a.out, dict(header, results=res))
     return 1 if failed else 0
 

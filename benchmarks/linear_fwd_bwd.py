@@ -20,7 +20,7 @@ updates its amax history right before its next quantisation, one kernel) and ``d
 ``--breakdown`` also profiles each variant (``torch.profiler``) and prints where a step's time
 goes: GEMM kernels, the Triton quantisers, everything else (ReLU, gradient accumulation,
 copies), with the most expensive kernels by name — the measured counterpart of the bytes/FLOPs
-account in docs/benchmarks.md — and, on a GPU, the kernel timeline of six steps queued back to
+account in docs/internals/kernels.md — and, on a GPU, the kernel timeline of six steps queued back to
 back (busy vs idle time per step: the first step's idle is the host's head start, the later
 steps' idle is where the GPU still waited for the host; kernels per step), of six steps with a
 synchronisation after each as "ms (median)" runs them (the lead from the synchronisation to the
@@ -50,15 +50,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import (bench_interleaved, capture_graphs, device_time_breakdown, gpu_cell,  # noqa: E402
-                     gpu_timeline, table, timeline_table)
+from _timing import bench_interleaved, capture_graphs, gpu_cell, gpu_monitor, table, write_json  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear, set_wgrad_accumulation_fusion, sync_delayed_scaling  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
@@ -174,7 +172,7 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
         info[recipe] = {"peak": peak, "graph_err": graph_err}
     # phase 2: the timings, every variant in each of --rounds round-robin passes
     times = bench_interleaved(steps, 3, dev, rounds=a.rounds, warmup=5, iters=a.iters,
-                              window=a.window, b2b_warmup=2, graphs=graphs)
+                              window=a.window, b2b_warmup=2, graphs=graphs, monitor=gpu_monitor(dev))
     base = times["bf16"]
     base_fused = times.get("bf16" + FUSED)
     for recipe, step in steps.items():
@@ -194,6 +192,8 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
                                           else None),
                            graph_status="ok" if graph_ms else (graph_err[0] if graph_err else "CUDA only"))
         if a.breakdown:
+            from profiling.timeline import device_time_breakdown, gpu_timeline
+
             res[-1]["breakdown"] = device_time_breakdown(step, 3, cuda=dev == "cuda", top=30)
             res[-1]["timeline"] = gpu_timeline(step, 3) if dev == "cuda" else None
             res[-1]["timeline_sync"] = gpu_timeline(step, 3, sync_each=True) if dev == "cuda" else None
@@ -283,20 +283,14 @@ def main(argv=None) -> int:
         print("\nno CUDA-graph time for: " + "; ".join(f"{r['size']} {r['recipe']}: {r['graph_status']}"
                                                      for r in failed_graphs))
     if a.breakdown:
-        print(f"\nwhere the time goes ({res[0]['breakdown']['source']}, ms per step, torch.profiler):\n")
-        print(table(["size", "recipe", "step ms (median)", "kernels ms", "GEMM", "quantise (Triton)", "other",
-                     "top kernels"],
-                    [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['breakdown']['kernels_ms']:.2f}",
-                      f"{r['breakdown']['gemm']:.2f}", f"{r['breakdown']['quantise (Triton)']:.2f}",
-                      f"{r['breakdown']['other']:.2f}",
-                      "; ".join(f"{n[:40]} {t:.2f} ({c:g}x)" for n, t, c in r["breakdown"]["top"][:3])) for r in res]))
-    timed = [r for r in res if r.get("timeline")]
-    if timed:
-        print("\n" + timeline_table(timed, ["size", "recipe"], graph=a.cuda_graph))
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        json.dump({"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res,
-                   "failed_sizes": failed}, open(a.out, "w"), indent=2)
+        from profiling.timeline import breakdown_table, timeline_table
+
+        print("\n" + breakdown_table(res, ["size", "recipe"], ("gemm", "quantise (Triton)", "other")))
+        timed = [r for r in res if r.get("timeline")]
+        if timed:
+            print("\n" + timeline_table(timed, ["size", "recipe"], graph=a.cuda_graph))
+    write_json(a.out, {"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res,
+                       "failed_sizes": failed})
     if failed:
         print("\nnot timed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     return 1 if failed else 0

@@ -8,9 +8,9 @@ scaling cannot avoid a second read (the scale needs the whole tensor's amax befo
 written), so its "bytes moved" columns count the bytes it has to move (5 per element instead of 3).
 "ms" is what a caller sees (CUDA events around the Python call: launch and allocation overhead
 included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. Each is
-a fraction of the copy timed the same way (the copy's caller time includes its own launch; before
-2026-11-30 session 18 the GPU-only columns were fractions of the copy's caller time, which made
-them 4-9% too high). The last rows
+a fraction of the copy timed the same way (caller time against the copy's caller time, GPU-only
+against the copy's own replays). The "one read" 1x128 row is the benchmarks' own kernel
+(``kernels/quantize_dual.py``), which the library does not use. The last rows
 compare SwiGLU -> quantise fused (the activation computed inside the quantisers from its halves)
 and unfused, forward and backward (:func:`swiglu_rows`), and RMSNorm -> quantise
 (:func:`norm_rows`, on ``[rows, --norm-dim]``). All variants run in one process, CUDA events, median of
@@ -20,14 +20,14 @@ and unfused, forward and backward (:func:`swiglu_rows`), and RMSNorm -> quantise
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench, bench_graph, host_us, table  # noqa: E402
+from _timing import bench, bench_graph, host_us, table, write_json  # noqa: E402
+from kernels.quantize_dual import quantize_dual  # noqa: E402
 
 from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto as quantize_pair  # noqa: E402
 from nemo_fp8_recipes.quant.reference import quantize  # noqa: E402
@@ -62,7 +62,8 @@ MIN_TRAFFIC = {"per-tensor (amax + cast)": 5 / 3,
 
 
 #: ``--sweep``: the launch configurations tried per kernel (tile sizes x warps); see
-#: ``nemo_fp8_recipes.quant.triton_kernels.LAUNCH`` for the defaults.
+#: ``nemo_fp8_recipes.quant.triton_kernels.LAUNCH`` for the defaults (``dual128`` / ``dual32``:
+#: ``kernels/quantize_dual.py``).
 SWEEP = {
     # groups: scaling groups per tile along the grouped dim (tiles of at most 16-32K elements)
     "rows128": [{"block_r": b, "num_warps": w, "groups": g} for g in (1, 2, 4) for b in (8, 16, 32, 64)
@@ -140,9 +141,9 @@ def _sweep_call(tk, family):
     if kernel == "tensor":
         return (lambda x: tk.quantize_tensor(x, "e4m3")), (5, None, 1)
     if kernel == "dual128":
-        return (lambda x: tk.quantize_dual(x, "e4m3", 128, "pow2")), (4, 128, 2)
+        return (lambda x: quantize_dual(x, "e4m3", 128, "pow2")), (4, 128, 2)
     if kernel == "dual32":
-        return (lambda x: tk.quantize_dual(x, "e4m3", 32, "e8m0_ceil")), (4, 32, 2)
+        return (lambda x: quantize_dual(x, "e4m3", 32, "e8m0_ceil")), (4, 32, 2)
     if kernel == "tensor_dual":
         return (lambda x: tk.quantize_tensor_dual(x, "e4m3")), (6, None, 2)
     if kernel == "tensor_dual_delayed":  # bytes: one read (fold_amax=False reads twice)
@@ -434,10 +435,21 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-order-only", action="store_true",
                    help="with --sweep: only the tile-order configurations (group_r) and the default")
     a = p.parse_args(argv)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    kernels = []
+    if a.sweep:
+        kernels = list(SWEEP) if a.sweep == "all" else [k for k in a.sweep.split(",") if k]
+        bad = [k for k in kernels if k not in SWEEP]
+        if bad:
+            p.error(f"--sweep: unknown kernel(s) {', '.join(bad)}; valid: all, {', '.join(SWEEP)}")
+        if dev != "cuda" and not a.smoke:
+            p.error("--sweep times GPU kernels: it needs a CUDA GPU (--smoke checks it on CPU)")
+    if a.host_overhead and (not _have_triton() or (dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")):
+        p.error("--host-overhead launches the Triton kernels: it needs Triton and a CUDA GPU (or "
+                "TRITON_INTERPRET=1 for a CPU check of the mechanics)")
     a.warmup = 5  # warm-up calls before each timing
     if a.smoke:  # (the smoke run's kernels go through Triton's interpreter: few calls)
         a.rows, a.cols, a.iters, a.norm_dim, a.warmup = 256, 384, 2, 256, 1
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
     xs = [torch.randn(a.rows, a.cols, device=dev, dtype=torch.bfloat16) for _ in range(4)]
     n = a.rows * a.cols
     res = []
@@ -473,8 +485,6 @@ def main(argv=None) -> int:
             if kind == "pair" and g == "128x128" and iname != "triton":
                 continue  # the reference's pair is a transposed view (no second copy written)
             if kind == "dual":
-                from nemo_fp8_recipes.quant.triton_kernels import quantize_dual
-
                 call = lambda i: quantize_dual(xs[i], f, int(g.split("x")[1]), r)  # noqa: E731
             elif kind == "then-t-inductor":
                 from nemo_fp8_recipes.quant import ops
@@ -511,9 +521,6 @@ def main(argv=None) -> int:
                  "GPU-only ms (CUDA graph)", "GPU-only of copy", "GPU-only, bytes moved"], rows))
     host = []
     if a.host_overhead:
-        if not _have_triton() or (dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1"):
-            p.error("--host-overhead launches the Triton kernels: it needs Triton and a CUDA GPU (or "
-                    "TRITON_INTERPRET=1 for a CPU check of the mechanics)")
         host = host_overhead(dev, 1, rounds=1) if a.smoke else host_overhead(dev, 2000)  # smoke: mechanics only
         print(f"\nhost time per call (256x512 BF16 input, {'CPU interpreter: no meaning' if dev != 'cuda' else dev}):")
         from nemo_fp8_recipes.quant.launch import fast_launch_status
@@ -523,19 +530,13 @@ def main(argv=None) -> int:
                     [(h["what"], f"{h['host_us']:.1f}", f"{h['host_us_triton_launch']:.1f}",
                       f"{h['host_us_triton_launch'] - h['host_us']:.1f}") for h in host]))
     swept = []
-    if a.sweep:
-        kernels = list(SWEEP) if a.sweep == "all" else [k for k in a.sweep.split(",") if k]
-        bad = [k for k in kernels if k not in SWEEP]
-        if bad:
-            p.error(f"--sweep: unknown kernel(s) {', '.join(bad)}; valid: all, {', '.join(SWEEP)}")
-        if dev != "cuda" and not a.smoke:
-            p.error("--sweep times GPU kernels: it needs a CUDA GPU (--smoke checks it on CPU)")
+    if kernels:
         if a.sweep_order_only:
             for k in kernels:
                 SWEEP[k] = [{}] + [c for c in SWEEP[k] if "group_r" in c]
-        if a.smoke:  # CPU check of the mechanics: the default and one alternative per kernel
+        if a.smoke:  # CPU check of the mechanics: the default and one alternative (the last) per kernel
             for k in kernels:
-                SWEEP[k] = SWEEP[k][:2]
+                SWEEP[k] = [{}, SWEEP[k][-1]]
         print(f"\nlaunch-configuration sweep ({', '.join(kernels)}):")
         swept = sweep(xs, a.iters, copy_graph_bw, kernels, warmup=a.warmup)
         best = {}
@@ -550,10 +551,8 @@ def main(argv=None) -> int:
         if any(r["same_bits"] is False for r in swept):
             print("ERROR: a launch configuration changed the codes (see 'same bits' above)", file=sys.stderr)
             return 1
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        json.dump({"device": name, "torch": torch.__version__, "shape": [a.rows, a.cols], "results": res,
-                   "host_overhead": host, "sweep": swept}, open(a.out, "w"), indent=2)
+    write_json(a.out, {"device": name, "torch": torch.__version__, "shape": [a.rows, a.cols], "results": res,
+                       "host_overhead": host, "sweep": swept})
     return 0
 
 

@@ -1,5 +1,5 @@
 """Every benchmark runs in its tiny smoke mode on CPU (no timing assertions: speed targets live
-in the benchmarks themselves, measured on the GPU and recorded in docs/benchmarks.md)."""
+in the benchmarks themselves, measured on the GPU and recorded in docs/performance.md)."""
 
 import json
 import math
@@ -13,33 +13,54 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["quant_bandwidth.py", "linear_fwd_bwd.py"])
-def test_benchmark_smoke(script, tmp_path):
-    out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    data = json.loads(out.read_text())
+def test_linear_fwd_bwd_smoke(tmp_path):
+    import torch
+
+    data = _run_smoke("linear_fwd_bwd.py", tmp_path)
     assert data["results"] and all(r["ms"] > 0 for r in data["results"])
-    assert "|" in proc.stdout
-    if script == "quant_bandwidth.py" and os.environ.get("TRITON_INTERPRET") == "1" and _has_triton():
-        # without a GPU the Triton rows run under the interpreter (tests/conftest.py sets it):
-        # every quantiser variant of the table, the 128x128 weight-pair rows included
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        try:
-            from quant_bandwidth import VARIANTS
-        finally:
-            sys.path.pop(0)
-        triton_rows = {r["variant"] for r in data["results"] if r["impl"] == "triton"}
-        assert triton_rows == {v[0] for v in VARIANTS}, sorted({v[0] for v in VARIANTS} - triton_rows)
+    if not torch.cuda.is_available():  # (the NVML monitor samples a GPU's timings only)
+        assert all(r["gpu"] is None and r["gpu_reason"] == "not monitored" for r in data["results"])
 
 
-def _has_triton() -> bool:
+def test_quant_bandwidth_smoke(tmp_path):
+    """``quant_bandwidth.py --smoke`` in one run (Triton's interpreter where there is no GPU:
+    tests/conftest.py sets it): the table with every quantiser variant (the one-read 1x128 pair of
+    ``benchmarks/kernels`` and the 128x128 weight pairs included), then ``--sweep`` — each
+    configuration's codes checked against the default's, ``cols_t128_bf16`` tuning ``cols_t128``,
+    ``dual128`` the benchmarks' kernel — and ``--host-overhead``, every part and wrapper timed."""
+    triton = _has_triton() and os.environ.get("TRITON_INTERPRET") == "1"
+    extra = ["--sweep", "rows128,cols_t128_bf16,tensor_delayed,dual128", "--host-overhead"] if triton else []
+    data = _run_smoke("quant_bandwidth.py", tmp_path, *extra)
+    assert data["results"] and all(r["ms"] > 0 for r in data["results"])
+    if not triton:
+        return
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+        from quant_bandwidth import VARIANTS
+    finally:
+        sys.path.pop(0)
+    triton_rows = {r["variant"] for r in data["results"] if r["impl"] == "triton"}
+    assert triton_rows == {v[0] for v in VARIANTS}, sorted({v[0] for v in VARIANTS} - triton_rows)
+    rows = data["sweep"]
+    assert [(r["kernel"], r["default"]) for r in rows] == [
+        (k, d) for k in ("rows128", "cols_t128", "tensor_delayed", "dual128") for d in (True, False)]
+    assert all(r["same_bits"] is True and r["error"] is None and r["ms"] > 0 for r in rows)
+    assert rows[3]["config"] == {"bf16_tile": False, "block_c": 128, "num_warps": 4, "groups": 1}
+    host = data["host_overhead"]
+    assert len(host) == 14 and all(h["host_us"] > 0 and h["host_us_triton_launch"] > 0 for h in host)
+    assert any("Triton launch alone" in h["what"] for h in host)
+    assert any("compiled graph: x * 1.5 -> tensor_pair" in h["what"] for h in host)
+
+
+def test_quant_bandwidth_refuses_an_unknown_sweep_kernel_before_measuring(capsys):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import quant_bandwidth
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit) as e:
+        quant_bandwidth.main(["--smoke", "--sweep", "rows64"])
+    assert e.value.code == 2 and "valid: all, rows128" in capsys.readouterr().err
 
 
 def test_linear_breakdown_attributes_the_step_to_kernel_classes(tmp_path):
@@ -119,42 +140,68 @@ def test_back_to_back_timing_is_per_call_and_runs_every_window(bench_modules):
     assert 4.0 <= ms < 3 * 4.0  # one call's sleep, not a window's
 
 
-def test_interleaved_timing_alternates_the_variants_every_round(bench_modules):
+def test_interleaved_timing_alternates_the_variants_every_round(bench_modules, profiling):
     """``--rounds``: each round times every variant in turn (its synchronised samples, then its
     back-to-back windows), so clock drift is shared; medians and sample counts over all rounds;
-    ``rounds=1`` is the sequential order."""
+    ``rounds=1`` is the sequential order. A monitor is entered around each block's synchronised
+    and back-to-back samples and keeps its samples over the rounds; without one there are none."""
     _timing = bench_modules[0]
     calls = []
 
     def make(name):
         return lambda i: calls.append(name)
 
+    class Monitor:  # records which calls ran inside it
+        made = []
+
+        def __init__(self, device):
+            self.samples, self.reason = [], "counted"
+            Monitor.made.append(self)
+
+        def __enter__(self):
+            self.start = len(calls)
+            return self
+
+        def __exit__(self, *exc):
+            self.samples.append(calls[self.start:])
+
+        def summary(self):
+            return {"blocks": [set(b) for b in self.samples], "calls": sum(map(len, self.samples))}
+
     fns = {"bf16": make("bf16"), "fp8": make("fp8")}
-    out = _timing.bench_interleaved(fns, 3, "cpu", rounds=2, warmup=1, iters=4, window=2, b2b_warmup=0)
+    out = _timing.bench_interleaved(fns, 3, "cpu", rounds=2, warmup=1, iters=4, window=2, b2b_warmup=0,
+                                    monitor=Monitor)
     blocks = [n for k, n in enumerate(calls) if k == 0 or calls[k - 1] != n]
     assert blocks == ["bf16", "fp8", "bf16", "fp8"]
     # first round: 1 warm-up + 2 synchronised samples + 2 windows of 2 calls; later rounds: one
     # warm-up call after the switch
     assert calls.count("bf16") == (1 + 2 + 4) + (1 + 2 + 4)
+    assert len(Monitor.made) == 4  # one per variant and kind of sample
     for k in fns:
         assert out[k]["samples"] == {"ms": 4, "ms_b2b": 4, "ms_graph": 0}
         assert out[k]["ms"] >= 0 and out[k]["ms_graph"] is None
-        assert out[k]["gpu"] is None and out[k]["gpu_reason"] == "no CUDA device"
+        assert out[k]["gpu"] == {"blocks": [{k}, {k}], "calls": 2 * (1 + 2)} and out[k]["gpu_reason"] == "counted"
+        assert out[k]["gpu_b2b"] == {"blocks": [{k}, {k}], "calls": 2 * 4}
     calls.clear()
-    _timing.bench_interleaved(fns, 3, "cpu", rounds=1, warmup=1, iters=4, window=2)
+    out = _timing.bench_interleaved(fns, 3, "cpu", rounds=1, warmup=1, iters=4, window=2)
     assert [n for k, n in enumerate(calls) if k == 0 or calls[k - 1] != n] == ["bf16", "fp8"]
+    assert out["bf16"]["gpu"] is None and out["bf16"]["gpu_reason"] == "not monitored"
+    # the NVML monitor off a GPU: nothing sampled, and why
+    out = _timing.bench_interleaved(fns, 3, "cpu", rounds=1, warmup=1, iters=2, window=2,
+                                    monitor=profiling.nvml.GpuMonitor)
+    assert out["fp8"]["gpu"] is None and out["fp8"]["gpu_reason"] == "no CUDA device"
+    assert _timing.gpu_monitor("cpu") is None and _timing.gpu_monitor("cuda:0") is profiling.nvml.GpuMonitor
 
 
-def test_timeline_stats_splits_busy_idle_and_the_first_step(bench_modules):
+def test_timeline_stats_splits_busy_idle_and_the_first_step(profiling):
     """``--breakdown``'s GPU timeline (the CUDA trace is read on the H200): busy is the union of
     kernel intervals (an overlapping kernel is not counted twice), the first step's idle is kept
     apart from the later steps', whose idle splits into the lead before each step's first kernel
     and the in-step gaps, charged to the pair of kernels around them."""
-    _timing = bench_modules[0]
     iv = [(0, 10, "a"), (12, 20, "b"), (18, 30, "c"),   # step 1: idle 2 us, c overlaps b
           (40, 50, "a"), (50, 60, "b"), (70, 80, "c"),   # step 2: idle 10 before a, 10 before c
           (85, 90, "a"), (90, 95, "b"), (95, 100, "c")]  # step 3: idle 5 before a
-    t = _timing.timeline_stats(list(reversed(iv)), steps=3)
+    t = profiling.timeline.timeline_stats(list(reversed(iv)), steps=3)
     assert t["kernels"] == 3
     assert math.isclose(t["span"], 100 / 3 / 1e3)
     assert math.isclose(t["busy"], (10 + 8 + 10 + 10 + 10 + 10 + 5 + 5 + 5) / 3 / 1e3)
@@ -165,15 +212,14 @@ def test_timeline_stats_splits_busy_idle_and_the_first_step(bench_modules):
     assert math.isclose(t["lead"], (10 + 5) / 2 / 1e3)
     assert math.isclose(t["idle_in_step"], 10 / 2 / 1e3)
     assert t["gap_sites"] == [["b -> c", 10 / 2 / 1e3, 0.5]]
-    assert _timing.timeline_stats([], steps=3)["busy"] == 0.0
+    assert profiling.timeline.timeline_stats([], steps=3)["busy"] == 0.0
 
 
-def test_live_at_peak_replays_an_allocator_trace(bench_modules, tmp_path):
+def test_live_at_peak_replays_an_allocator_trace(profiling, tmp_path):
     """``--peak-report``'s trace replay (the CUDA run is on the H200): the peak is taken at the
     right event, blocks freed before it are not listed, blocks allocated before the trace count
     in ``before_gib`` (and their frees lower the running total), and an Inductor frame is named
     with its line and source-node comment."""
-    _timing = bench_modules[0]
     code = tmp_path / "torchinductor_x" / "ab" / "cab.py"
     code.parent.mkdir(parents=True)
     code.write_text("def call(args):\n    # Topologically Sorted Source Nodes: [silu, mul]\n"
@@ -192,7 +238,7 @@ def test_live_at_peak_replays_an_allocator_trace(bench_modules, tmp_path):
         {"action": "free_requested", "addr": 3, "size": 120 * mib},
         {"action": "alloc", "addr": 4, "size": 30 * mib, "frames": []},
     ]
-    r = _timing.live_at_peak(ev, base_bytes=1000 * mib)
+    r = profiling.memory.live_at_peak(ev, base_bytes=1000 * mib)
     assert r["peak_gib"] * 1024 == pytest.approx(1160)
     assert r["during_gib"] * 1024 == pytest.approx(170) and r["before_gib"] * 1024 == pytest.approx(990)
     assert [round(t[0]) for t in r["top"]] == [120, 50]
@@ -201,13 +247,12 @@ def test_live_at_peak_replays_an_allocator_trace(bench_modules, tmp_path):
     assert r["top"][1][1] == "triton_kernels.py:712 quantize_rows"
 
 
-def test_peak_memory_report_records_one_step_and_turns_the_history_off(bench_modules, monkeypatch):
+def test_peak_memory_report_records_one_step_and_turns_the_history_off(profiling, monkeypatch):
     """``peak_memory_report`` around CUDA's allocator-history calls (faked here; the H200 runs them
     for real): the step runs once between enabling and disabling the history, the replay starts
     from the memory allocated before it, and the history is turned off even when the step fails."""
     import torch
 
-    _timing = bench_modules[0]
     mib, calls = 2**20, []
     ev = [{"action": "alloc", "addr": 1, "size": 64 * mib, "frames": []}]
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
@@ -216,7 +261,7 @@ def test_peak_memory_report_records_one_step_and_turns_the_history_off(bench_mod
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
                         lambda enabled="all", **kw: calls.append(("history", enabled)))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [ev]})
-    r = _timing.peak_memory_report(lambda i: calls.append(("step", i)), 3)
+    r = profiling.memory.peak_memory_report(lambda i: calls.append(("step", i)), 3)
     assert calls == ["sync", ("history", "all"), ("step", 3), "sync", ("history", None)]
     assert r["peak_gib"] * 1024 == pytest.approx(164) and r["before_gib"] * 1024 == pytest.approx(100)
     calls.clear()
@@ -225,19 +270,27 @@ def test_peak_memory_report_records_one_step_and_turns_the_history_off(bench_mod
         raise RuntimeError("out of memory")
 
     with pytest.raises(RuntimeError):
-        _timing.peak_memory_report(fail)
+        profiling.memory.peak_memory_report(fail)
     assert calls[-1] == ("history", None)
 
 
-def test_kernel_classes_of_gpu_kernel_names(bench_modules):
-    _timing = bench_modules[0]
-    assert _timing.classify_kernel("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x64") == "gemm"
-    assert _timing.classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "gemm"
-    assert _timing.classify_kernel("_cast_dual_kernel") == "quantise (Triton)"
-    assert _timing.classify_kernel("_delayed_commit_kernel") == "quantise (Triton)"
-    assert _timing.classify_kernel("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, ...>") == "attention"
-    assert _timing.classify_kernel("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
-    assert _timing.classify_kernel("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
+def test_kernel_classes_of_gpu_kernel_names(profiling):
+    classify_kernel = profiling.timeline.classify_kernel
+    assert classify_kernel("sm90_xmma_gemm_e4m3e4m3_e4m3f32_f32_tn_n_tilesize128x128x64") == "gemm"
+    assert classify_kernel("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert classify_kernel("_cast_dual_kernel") == "quantise (Triton)"
+    assert classify_kernel("_delayed_commit_kernel") == "quantise (Triton)"
+    assert classify_kernel("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, ...>") == "attention"
+    assert classify_kernel("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
+    assert classify_kernel("void at::native::vectorized_elementwise_kernel<4, ...>") == "other"
+
+
+def _has_triton() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _run_smoke(script, tmp_path, *args):
@@ -262,6 +315,17 @@ def bench_modules(monkeypatch):
     import layer_fwd_bwd
 
     return _timing, gemm_tflops, layer_fwd_bwd
+
+
+@pytest.fixture
+def profiling(monkeypatch):
+    """The benchmarks' optional profiling package (``benchmarks/profiling``)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profiling.memory
+    import profiling.nvml
+    import profiling.timeline
+
+    return profiling
 
 
 def test_gemm_tflops_smoke(tmp_path):
@@ -325,7 +389,7 @@ def _scripted_counter(t, busy, idle_w=100.0, busy_w=700.0, refresh_s=0.02, froze
     return mon, t0
 
 
-def test_energy_of_counts_the_work_between_counter_refreshes(bench_modules):
+def test_energy_of_counts_the_work_between_counter_refreshes(profiling):
     """:func:`_energy_of` against a counter that shows its integral only at refreshes (every
     20 ms): 100 W idle, 700 W while the work runs (0.3 s, ending 1 ms after a refresh). A read
     right after the work would miss 19 ms of it (13 J of 210, 6%); waiting for the next refresh
@@ -333,7 +397,7 @@ def test_energy_of_counts_the_work_between_counter_refreshes(bench_modules):
     not advance, and a window shorter than the idle correction, give no joules and say why."""
     import time as _time
 
-    t, _, _ = bench_modules
+    t = profiling.nvml
     busy = []
     mon, t0 = _scripted_counter(t, busy)
 
@@ -384,13 +448,13 @@ def test_grouped_timing_keeps_the_costly_call_of_each_cycle(bench_modules):
 
 
 @pytest.mark.gpu
-def test_energy_window_reads_the_boards_energy_counter():
+def test_energy_window_reads_the_boards_energy_counter(profiling):
     """On a GPU with NVML: BF16 GEMMs back to back for half a second cost joules per call whose
     mean draw lies inside (0, 1.2 x the power limit], and a longer GEMM costs more per call."""
     import torch
 
     pytest.importorskip("pynvml", reason="NVML bindings not installed (pip install nvidia-ml-py)")
-    t = _timing_module()
+    t = profiling.nvml
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
     res = t.energy_window({"big": lambda i: a @ a, "small": lambda i: b @ b.t()[:, :4096]}, 1, "cuda",
@@ -729,31 +793,6 @@ def test_gemm_tflops_skipped_and_failed_variants_are_rows(bench_modules, monkeyp
     assert f"skipped: {reason}" in printed and "CUBLAS_STATUS_NOT_SUPPORTED" in printed
 
 
-def test_quant_bandwidth_sweep_smoke(tmp_path):
-    """--sweep on CPU (Triton's interpreter): each configuration's codes are checked against the
-    default's, and the JSON keeps every row; an unknown kernel name lists the valid ones."""
-    pytest.importorskip("triton")
-    out = tmp_path / "r.json"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_bandwidth.py"), "--smoke",
-                           "--sweep", "rows128,tensor,cols_t128_bf16,tensor_delayed", "--host-overhead",
-                           "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, env=env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["sweep"]
-    # cols_t128_bf16: configurations of the cols_t128 kernel with and without the BF16 tile
-    assert {r["kernel"] for r in rows} == {"rows128", "tensor", "cols_t128", "tensor_delayed"} and len(rows) == 8
-    assert all("bf16_tile" in r["config"] for r in rows if r["kernel"] == "cols_t128")
-    host = json.loads(out.read_text())["host_overhead"]  # --host-overhead: every part and wrapper timed
-    assert len(host) == 14 and all(h["host_us"] > 0 and h["host_us_triton_launch"] > 0 for h in host)
-    assert any("Triton launch alone" in h["what"] for h in host)
-    assert any("compiled graph: x * 1.5 -> tensor_pair" in h["what"] for h in host)
-    assert all(r["same_bits"] is True and r["error"] is None and r["ms"] > 0 for r in rows)
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "quant_bandwidth.py"), "--smoke",
-                          "--sweep", "rows64"], capture_output=True, text=True, timeout=300, env=env)
-    assert bad.returncode == 2 and "valid: all, rows128" in bad.stderr
-
-
 @pytest.mark.parametrize("block, variant, reason", [
     ("mlp", "delayed-unfused-swiglu", "skipped: the SwiGLU fusion is eager-only"),
     ("layer", "tensorwise-unshared-input", "skipped: the shared input quantisation is eager-only"),
@@ -776,19 +815,10 @@ def test_layer_eager_only_variants(tmp_path, block, variant, reason):
     assert skipped["status"].startswith(reason) and skipped["ms"] is None
 
 
-def _timing_module():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import _timing
-    finally:
-        sys.path.pop(0)
-    return _timing
-
-
-def test_gpu_monitor_says_why_it_has_no_readings():
+def test_gpu_monitor_says_why_it_has_no_readings(bench_modules, profiling):
     """Without a CUDA device the monitor records nothing and says so; the table cell is ``-``."""
-    t = _timing_module()
-    with t.GpuMonitor("cpu") as mon:
+    t = bench_modules[0]
+    with profiling.nvml.GpuMonitor("cpu") as mon:
         sum(range(1000))
     assert mon.summary() is None and mon.reason == "no CUDA device"
     assert t.gpu_cell(mon.summary()) == "-"
@@ -799,13 +829,13 @@ def test_gpu_monitor_says_why_it_has_no_readings():
 
 
 @pytest.mark.gpu
-def test_gpu_monitor_samples_clock_and_power_while_the_gpu_works():
+def test_gpu_monitor_samples_clock_and_power_while_the_gpu_works(profiling):
     """On a GPU with NVML: samples taken during a second of GEMMs give a running SM clock, a power
     draw inside (0, limit], a temperature; the reasons list only known names."""
     import torch
 
     pytest.importorskip("pynvml", reason="NVML bindings not installed (pip install nvidia-ml-py)")
-    t = _timing_module()
+    t = profiling.nvml
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     with t.GpuMonitor("cuda", interval=0.005) as mon:
         for _ in range(100):
@@ -820,14 +850,15 @@ def test_gpu_monitor_samples_clock_and_power_while_the_gpu_works():
 
 
 def test_host_profile_smoke(tmp_path):
-    """``host_profile.py --smoke``: a host time and a per-step profile for every recipe asked
-    for; an unknown recipe is refused with the valid ones."""
-    data = _run_smoke("host_profile.py", tmp_path, "--recipes", "tensorwise,blockwise", "--top", "5")
+    """``profiling/host_profile.py --smoke``: a host time and a per-step profile for every recipe
+    asked for; an unknown recipe is refused with the valid ones."""
+    data = _run_smoke("profiling/host_profile.py", tmp_path, "--recipes", "tensorwise,blockwise", "--top", "5")
     assert [r["recipe"] for r in data["results"]] == ["tensorwise", "blockwise"]
     for r in data["results"]:
         assert r["host_us_per_step"] > 0 and len(r["top_own_time"]) == 5
         assert all(t["us_per_step"] >= 0 and t["calls_per_step"] > 0 for t in r["top_own_time"])
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_profile.py"), "--smoke", "--recipes", "bf16"],
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profiling" / "host_profile.py"), "--smoke",
+                          "--recipes", "bf16"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "valid: delayed, tensorwise, blockwise, mxfp8" in bad.stderr
 

@@ -100,7 +100,6 @@ def _cases(tk):
         "rows 1x128": lambda x: tk.quantize_rows(x, "e4m3", 128, "fp32"),
         "rows 1x32 e8m0": lambda x: tk.quantize_rows(x, "e4m3", 32, "e8m0_ceil"),
         "cols_t 1x128": lambda x: tk.quantize_cols_t(x, "e4m3", 128, "pow2"),
-        "dual 1x128": lambda x: tk.quantize_dual(x, "e4m3", 128, "fp32"),
         "blocks128": lambda x: tk.quantize_blocks128(x, "e4m3", "fp32", transposed=True),
         "rmsnorm fwd + amax": lambda x: tk.rmsnorm_forward(x, w(x), 1e-5, amax=True),
     }

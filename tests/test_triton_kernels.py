@@ -6,6 +6,8 @@ Triton's interpreter (TRITON_INTERPRET=1). The interpreter's own FP8 conversion 
 CPU they are checked through the dequantised values, which must be non-finite."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,6 +30,23 @@ def tk():
     from nemo_fp8_recipes.quant import triton_kernels
 
     return triton_kernels
+
+
+def _dual_module():
+    """The benchmarks' one-read 1xN pair kernel (``benchmarks/kernels/quantize_dual.py``), which
+    the library does not use; it is built from the library's device functions."""
+    bench = str(Path(__file__).resolve().parents[1] / "benchmarks")
+    sys.path.insert(0, bench)
+    try:
+        from kernels import quantize_dual
+    finally:
+        sys.path.remove(bench)
+    return quantize_dual
+
+
+@pytest.fixture(scope="module")
+def quantize_dual(tk):
+    return _dual_module().quantize_dual
 
 
 def _same(a, b, nan_codes=True):
@@ -158,25 +177,26 @@ def test_bf16_tile_amax_keeps_nan_inf_and_tiny_groups(tk, fmt, group, rounding):
 
 @pytest.mark.parametrize("fmt, group, rounding", CASES)
 @pytest.mark.parametrize("shape", [(256, 384), (200, 300)], ids=["aligned", "ragged"])
-def test_both_copies_from_one_read(tk, fmt, group, rounding, shape):
+def test_both_copies_from_one_read(quantize_dual, fmt, group, rounding, shape):
+    """The benchmarks' one-read pair kernel gives both 1xN copies of the reference."""
     x = structured(*shape, seed=9).to(DEV, torch.bfloat16)
-    a, b = tk.quantize_dual(x, fmt, group, rounding)
+    a, b = quantize_dual(x, fmt, group, rounding)
     _same(a, quantize(x, fmt, f"1x{group}", rounding))
     _same(b, quantize(x, fmt, f"1x{group}", rounding, dim=0))
     assert b.data.is_contiguous() and b.data.shape == (shape[1], shape[0])
 
 
 @pytest.mark.parametrize("group, rounding", [(128, "pow2"), (32, "e8m0_ceil")])
-def test_group_scale_grids_are_written_outer_dim_major(tk, group, rounding):
-    """Every 1xN quantiser (rows, transposed columns, both from one read, the RMSNorm's row
-    codes) writes its ``[rows, groups]`` scale grid with strides ``(1, rows)`` — the layout the
+def test_group_scale_grids_are_written_outer_dim_major(tk, quantize_dual, group, rounding):
+    """Every 1xN quantiser (rows, transposed columns, the RMSNorm's row codes, and the benchmarks'
+    one-read pair) writes its ``[rows, groups]`` scale grid with strides ``(1, rows)`` — the layout the
     block-scaled GEMM reads — so ``gemm.outer_major`` hands it over without a copy; the values
     are the reference's (the other tests here)."""
     from nemo_fp8_recipes.quant.gemm import outer_major
 
     x = structured(200, 384, seed=3).to(DEV, torch.bfloat16)
     qs = [tk.quantize_rows(x, "e4m3", group, rounding), tk.quantize_cols_t(x, "e4m3", group, rounding),
-          *tk.quantize_dual(x, "e4m3", group, rounding),
+          *quantize_dual(x, "e4m3", group, rounding),
           tk.rmsnorm_forward(x, torch.ones(384, device=DEV), 1e-5, rows=("e4m3", group, rounding))[3]]
     for q in qs:
         rows = q.data.shape[0]
@@ -235,14 +255,13 @@ def test_rounding_ties_subnormals_and_saturation(tk, fmt):
     ("rows32", {"block_r": 128}), ("cols_t128", {"block_c": 32}), ("cols_t32", {"block_c": 128, "num_warps": 8}),
     ("rows32", {"block_r": 16, "groups": 8}), ("rows128", {"block_r": 8, "groups": 2}),
     ("cols_t32", {"block_c": 64, "groups": 4}), ("cols_t128", {"block_c": 32, "groups": 2}),
-    ("dual32", {"tile": 128}), ("dual128", {"num_warps": 8}), ("blocks128", {"num_warps": 8}),
+    ("blocks128", {"num_warps": 8}),
     ("tensor", {"block": 2048, "num_warps": 8}), ("tensor_dual", {"block_r": 32, "block_c": 64}),
     ("tensor_dual", {"block_r": 128, "block_c": 32}), ("tensor_dual_delayed", {"fold_amax": False}),
     ("tensor_dual_delayed", {"block_r": 32, "block_c": 64, "num_warps": 4}),
     # tile order: bands of group_r row tiles (3 of 4 row tiles: a partial last band)
     ("rows128", {"group_r": 3}), ("rows32", {"group_r": 5}), ("cols_t128", {"group_r": 1}),
-    ("cols_t32", {"group_r": 2, "block_c": 32}), ("blocks128", {"group_r": 1}), ("dual128", {"group_r": 1}),
-    ("dual32", {"group_r": 2}),
+    ("cols_t32", {"group_r": 2, "block_c": 32}), ("blocks128", {"group_r": 1}),
     # the BF16 tile kept in BF16 through the amax (the test's input is BF16)
     ("cols_t128", {"bf16_tile": False}), ("cols_t128", {"bf16_tile": True, "groups": 2, "block_c": 32}),
     ("cols_t32", {"bf16_tile": False}), ("cols_t32", {"bf16_tile": True, "groups": 4, "block_c": 32}),
@@ -264,11 +283,6 @@ def test_launch_configurations_change_speed_not_bits(tk, kernel, cfg):
             _same(tk.quantize_cols_t(x, "e4m3", 128, "pow2"), quantize(x, "e4m3", "1x128", "pow2", dim=0))
         elif kernel == "cols_t32":
             _same(tk.quantize_cols_t(x, "e4m3", 32, "e8m0_ceil"), quantize(x, "e4m3", "1x32", "e8m0_ceil", dim=0))
-        elif kernel in ("dual32", "dual128"):
-            g, r = (32, "e8m0_ceil") if kernel == "dual32" else (128, "pow2")
-            a, b = tk.quantize_dual(x, "e4m3", g, r)
-            _same(a, quantize(x, "e4m3", f"1x{g}", r))
-            _same(b, quantize(x, "e4m3", f"1x{g}", r, dim=0))
         elif kernel == "blocks128":
             _same(tk.quantize_blocks128(x, "e4m3", "pow2"), quantize(x, "e4m3", "128x128", "pow2"))
         elif kernel == "tensor":
@@ -370,6 +384,18 @@ def test_per_tensor_strided_and_empty_inputs(tk):
     assert e.data.shape == (0, 64) and e.scale_inv.item() == 1.0 and e.amax.item() == 0.0
 
 
+@pytest.mark.parametrize("kernel, cfg", [("dual32", {"tile": 128}), ("dual128", {"num_warps": 8}),
+                                         ("dual128", {"group_r": 1}), ("dual32", {"group_r": 2})])
+def test_one_read_pair_launch_configurations_change_speed_not_bits(tk, quantize_dual, kernel, cfg):
+    """The sweep's knobs of the benchmarks' one-read pair kernel (``dual128`` / ``dual32``)."""
+    x = structured(200, 300, seed=11).to(DEV, torch.bfloat16)
+    g, r = (32, "e8m0_ceil") if kernel == "dual32" else (128, "pow2")
+    with tk.launch_config(kernel, **cfg):
+        a, b = quantize_dual(x, "e4m3", g, r)
+    _same(a, quantize(x, "e4m3", f"1x{g}", r))
+    _same(b, quantize(x, "e4m3", f"1x{g}", r, dim=0))
+
+
 def test_tensors_beyond_32_bit_offsets_are_refused_with_what_to_do():
     """The kernels index with 32-bit element offsets. A source of 2^31 elements or more (e.g.
     65536 tokens x 53248, a 405B FFN activation at micro-batch 8 x 8192) — or a view whose last
@@ -381,7 +407,8 @@ def test_tensors_beyond_32_bit_offsets_are_refused_with_what_to_do():
     wide = torch.empty(2, 2**31, dtype=torch.bfloat16, device="meta")[:, :256]  # 512 elements, row stride 2^31
     calls = [lambda t: tk.quantize_rows(t, "e4m3", 128, "pow2"), lambda t: tk.quantize_cols_t(t, "e4m3", 128, "pow2"),
              lambda t: tk.quantize_blocks128(t, "e4m3", "pow2"), lambda t: tk.quantize_tensor(t, "e4m3"),
-             lambda t: tk.quantize_tensor_dual(t, "e4m3"), lambda t: tk.quantize_dual(t, "e4m3", 128, "pow2"),
+             lambda t: tk.quantize_tensor_dual(t, "e4m3"),
+             lambda t: _dual_module().quantize_dual(t, "e4m3", 128, "pow2"),  # (the benchmarks' kernel)
              lambda t: tk.rmsnorm_forward(t, torch.ones(t.shape[1], device="meta"), 1e-5),
              lambda t: tk.swiglu_backward(t, t, t)]
     for t in (big, wide):

@@ -1,7 +1,8 @@
 """Compile the Triton quantisers for real GPUs without a GPU (Triton's bundled ptxas) and report,
 as one JSON line, whether each variant compiles and which FP8 conversion instructions its PTX
-uses. Run by tests/test_triton_kernels.py in a subprocess without TRITON_INTERPRET (the kernels
-must be JIT functions, not interpreted ones)."""
+uses: the library's kernels and the benchmarks' one-read 1xN pair kernel
+(benchmarks/kernels/quantize_dual.py). Run by tests/test_triton_kernels.py in a subprocess without
+TRITON_INTERPRET (the kernels must be JIT functions, not interpreted ones)."""
 
 import importlib.util
 import json
@@ -11,6 +12,7 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # its one-read pair kernel
 
 
 def main() -> None:
@@ -22,6 +24,7 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from kernels.quantize_dual import _quant_dual_kernel
     from nemo_fp8_recipes.quant import triton_kernels as tk
     from nemo_fp8_recipes.recipes import Format
 
@@ -72,9 +75,9 @@ def main() -> None:
                 "TILE": "constexpr", "MODE": "constexpr",
                 "FMAX": "constexpr", "EMAX": "constexpr", "TOP_MANT": "constexpr", "IS_E4M3": "constexpr",
                 "HW_CVT": "constexpr"}
-    comp("kernel_dual32", tk._quant_dual_kernel, dual_sig, {**common, "HW_CVT": True, "GROUP": 32, "TILE": 64,
+    comp("kernel_dual32", _quant_dual_kernel, dual_sig, {**common, "HW_CVT": True, "GROUP": 32, "TILE": 64,
                                                              "MODE": 2})
-    comp("kernel_dual128", tk._quant_dual_kernel, dual_sig, {**common, "HW_CVT": True, "GROUP": 128,
+    comp("kernel_dual128", _quant_dual_kernel, dual_sig, {**common, "HW_CVT": True, "GROUP": 128,
                                                               "TILE": 128, "MODE": 1})
     comp("kernel_delayed_commit", tk._delayed_commit_kernel,
          {"hist_ptr": "*fp32", "scale_ptr": "*fp32", "pending_ptr": "*fp32", "flag_ptr": "*fp32", "L": "i32",

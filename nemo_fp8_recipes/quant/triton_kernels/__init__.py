@@ -15,8 +15,7 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
   in between); with a given scale (delayed scaling, from the amax history) one kernel casts with
   it and folds the tensor's amax into an accumulator (the pending amax) in the same pass.
 * :func:`quantize_tensor_dual` — per-tensor codes and their transpose from one read (the
-  transpose moves the 1-byte codes), optionally of ``F.silu(gate) * x`` computed in the kernels;
-  :func:`quantize_dual` — the same for 1xN groups.
+  transpose moves the 1-byte codes), optionally of ``F.silu(gate) * x`` computed in the kernels.
 * :func:`delayed_commit`    — one delayed-scaling history update (append, max, new scale).
 * :func:`swiglu_backward`   — the gradients of ``F.silu(g) * u`` in one pass.
 * :func:`rmsnorm_forward` / :func:`rmsnorm_backward` — the fused RMSNorm (one pass each way),
@@ -25,7 +24,7 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
 
 One module per kernel family: :mod:`.tensor` (per-tensor amax, casts and pairs, the delayed
 commit), :mod:`.swiglu` (the SwiGLU evaluated in the per-tensor kernels, and its backward),
-:mod:`.groups` (1xN rows, transposed columns, both), :mod:`.blocks` (128x128) and :mod:`.norm`
+:mod:`.groups` (1xN rows, transposed columns), :mod:`.blocks` (128x128) and :mod:`.norm`
 (RMSNorm); :mod:`._primitives` holds the device functions they share (FP8 rounding, scale rule,
 amax bits, tile order) and :mod:`._common` the host side (the optional Triton import, the checks
 before a launch, the launch-configuration table :data:`LAUNCH`). The rounding rules are
@@ -56,7 +55,7 @@ from ._common import (
     launch_config,
 )
 from .blocks import quantize_blocks128
-from .groups import quantize_cols_t, quantize_dual, quantize_rows
+from .groups import quantize_cols_t, quantize_rows
 from .norm import RMSNORM_MAX_D, _row_warps, rmsnorm_backward, rmsnorm_forward
 from .swiglu import _act_args, _check_gate, _gate_args, gate_fusable, swiglu_backward
 from .tensor import (
@@ -76,7 +75,6 @@ __all__ = [
     "quantize_cols_t",
     "quantize_blocks128",
     "quantize_tensor",
-    "quantize_dual",
     "quantize_tensor_dual",
     "delayed_commit",
     "swiglu_backward",
@@ -106,7 +104,7 @@ if HAVE_TRITON:  # the kernels and device functions, defined only where Triton i
         _trans_codes,
     )
     from .blocks import _quant_block_kernel
-    from .groups import _quant_cols_t_kernel, _quant_dual_kernel, _quant_last_groups, _quant_rows_kernel
+    from .groups import _quant_cols_t_kernel, _quant_last_groups, _quant_rows_kernel
     from .norm import _rmsnorm_bwd_kernel, _rmsnorm_fwd_kernel
     from .swiglu import _exp, _load_act, _swiglu, _swiglu_bwd_kernel
     from .tensor import (
@@ -122,7 +120,7 @@ if HAVE_TRITON:  # the kernels and device functions, defined only where Triton i
 
     _INTERNAL += (_abs_bits, _abs_bits16, _amax_from_bits, _bf16_to_f32, _f32_bits_of_bits16, _fp8_cast, _group_amax,
                   _rne_bf16, _round_fp8, _scale_from_amax, _tile_ids, _trans_codes, _quant_block_kernel,
-                  _quant_cols_t_kernel, _quant_dual_kernel, _quant_last_groups, _quant_rows_kernel,
+                  _quant_cols_t_kernel, _quant_last_groups, _quant_rows_kernel,
                   _rmsnorm_bwd_kernel, _rmsnorm_fwd_kernel, _exp, _load_act, _swiglu, _swiglu_bwd_kernel,
                   _amax_atomic_kernel, _cast_dual_kernel, _cast_kernel, _delayed_commit_kernel, _fold_amax,
                   _fold_amax_2d, _fold_amax_bits, _tensor_scale)

@@ -57,8 +57,6 @@ LAUNCH = {
     # the per-tensor cast with a given scale (delayed scaling: one read, the amax folded in):
     # 4096-element blocks 0.107 ms, 8192 (current scaling's) 0.112
     "tensor_delayed": {"block": 4096, "num_warps": 8, "amax_check": True},
-    "dual128": {"num_warps": 4, "group_r": 0},
-    "dual32": {"tile": 64, "num_warps": 8, "group_r": 0},
     # per-tensor codes + transpose (after the amax pass): 0.200 ms with 64x256 tiles (0.228 with
     # the sweep's starting tile)
     "tensor_dual": {"block_r": 64, "block_c": 256, "num_warps": 8},

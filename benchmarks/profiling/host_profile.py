@@ -1,7 +1,7 @@
 """Host (CPU) time of one FP8 MLP step, and where it goes: the Python and launch overhead that
 GPU-side timings do not show.
 
-    python benchmarks/host_profile.py --recipes tensorwise,delayed,blockwise --out results/host.json
+    python benchmarks/profiling/host_profile.py --recipes tensorwise,delayed,blockwise --out results/host.json
 
 The up (d -> ffn) and down (ffn -> d) projections of ``linear_fwd_bwd.py`` run forward and
 backward (BF16 autocast, ``Float8Linear`` with the Triton quantisers and real FP8 GEMMs) on so
@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import host_us, table  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
+from _timing import host_us, table, write_json  # noqa: E402
 
 from nemo_fp8_recipes.nn import Float8Linear  # noqa: E402
 from nemo_fp8_recipes.recipes import check_supported, get_recipe, list_recipes  # noqa: E402
@@ -98,10 +97,8 @@ def main(argv=None) -> int:
         print(f"\n{r['recipe']}: own time per step (cProfile)\n")
         print(table(["function", "calls per step", "µs per step"],
                     [(t["function"], f"{t['calls_per_step']:g}", f"{t['us_per_step']:.1f}") for t in r["top_own_time"]]))
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        json.dump({"device": name, "torch": torch.__version__, "dim": a.dim, "ffn": a.ffn, "tokens": a.tokens,
-                   "steps": a.steps, "results": res}, open(a.out, "w"), indent=2)
+    write_json(a.out, {"device": name, "torch": torch.__version__, "dim": a.dim, "ffn": a.ffn, "tokens": a.tokens,
+                       "steps": a.steps, "results": res})
     return 0
 
 
