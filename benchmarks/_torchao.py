@@ -1,4 +1,4 @@
-"""torchao's float8 training: the PyTorch-native peer the benchmarks measure against (docs/integration.md).
+"""torchao's float8 training: the PyTorch-native peer the benchmarks measure against (docs/performance.md).
 
 torchao is optional and imported only inside these functions, never at module import, so every
 benchmark runs without it and reports its rows as ``skipped: torchao not installed``. One
