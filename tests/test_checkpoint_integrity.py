@@ -84,7 +84,7 @@ def test_flipped_bytes_in_the_optimizer_state_are_refused_naming_the_good_one(tw
     _flip_inside(bad, exp_avg)
     # torch.load alone reads it without a word: the damage is only visible to the checksums
     torch.load(bad, weights_only=True)
-    with pytest.raises(CheckpointError, match=r"step_00000004\.pt is corrupt: 1 entry do not match.*exp_avg"):
+    with pytest.raises(CheckpointError, match=r"step_00000004\.pt is corrupt: 1 entry does not match.*exp_avg"):
         load_checkpoint(bad)
     msg = _resume_error(tmp_path, token_cache)
     assert "corrupt" in msg and "exp_avg" in msg and str(good) in msg and f"trainer.resume={good}" in msg
