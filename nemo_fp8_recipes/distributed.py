@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .options import env_setting
+
 __all__ = [
     "DATA_PARALLEL_MODES",
     "DistContext",
@@ -82,6 +84,18 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
 
 
+def _timeout_minutes() -> int:
+    """The process-group timeout: ``$NEMO_FP8_DIST_TIMEOUT_MIN`` minutes, 30 by default."""
+    raw = env_setting("dist_timeout_min")
+    try:
+        minutes = int(raw) if raw is not None else 30
+    except ValueError:
+        raise ValueError(f"NEMO_FP8_DIST_TIMEOUT_MIN={raw!r} is not an integer number of minutes") from None
+    if minutes <= 0:
+        raise ValueError(f"NEMO_FP8_DIST_TIMEOUT_MIN={raw!r} must be a positive number of minutes")
+    return minutes
+
+
 def dist_world_size() -> int:
     """World size of the initialised default group, else ``$WORLD_SIZE`` (torchrun), else 1."""
     import torch.distributed as dist
@@ -111,7 +125,7 @@ def init_distributed(device: torch.device) -> DistContext:
         if not dist.is_available():
             raise RuntimeError("WORLD_SIZE > 1 but this PyTorch build has no torch.distributed")
         backend = "nccl" if device.type == "cuda" else "gloo"
-        kwargs = {"timeout": datetime.timedelta(minutes=int(os.environ.get("NEMO_FP8_DIST_TIMEOUT_MIN", "30")))}
+        kwargs = {"timeout": datetime.timedelta(minutes=_timeout_minutes())}
         if device.type == "cuda":
             kwargs["device_id"] = torch.device("cuda", local)
         dist.init_process_group(backend=backend, **kwargs)

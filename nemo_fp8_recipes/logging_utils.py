@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Dict, Mapping, Optional, Union
+from typing import Mapping, Optional, Union
 
 import torch
 

@@ -14,6 +14,10 @@ group (``nemo-fp8-train kernels.fused_swiglu=false``), and recorded in the run's
 Defaults are all on. The environment variables of :data:`ENV` (``NEMO_FP8_TRITON=0``, ...) change
 the defaults, read here only, when a model is converted or built; whatever they say, the
 options a model runs with are the ones recorded.
+
+The package reads ``NEMO_FP8_*`` variables here only: the kernel defaults above and two
+:data:`SETTINGS_ENV` variables that change neither numerics nor kernels (the token cache
+location, the process-group timeout), through :func:`env_setting`.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import dataclasses
 import os
 from typing import Any, Dict, Mapping, Optional
 
-__all__ = ["ENV", "KernelOptions", "default_kernel_options"]
+__all__ = ["ENV", "SETTINGS_ENV", "KernelOptions", "default_kernel_options", "env_setting"]
 
 #: option -> the environment variable that changes its default
 ENV = {
@@ -31,6 +35,11 @@ ENV = {
     "shared_input": "NEMO_FP8_SHARED_INPUT",
     "fused_swiglu": "NEMO_FP8_FUSED_SWIGLU",
     "fused_norm": "NEMO_FP8_FUSED_NORM",
+}
+#: setting -> its environment variable (neither changes numerics or the kernel path)
+SETTINGS_ENV = {
+    "cache_dir": "NEMO_FP8_CACHE_DIR",  # token cache (nemo_fp8_recipes.data.default_cache_dir)
+    "dist_timeout_min": "NEMO_FP8_DIST_TIMEOUT_MIN",  # torch.distributed process-group timeout, minutes
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -107,3 +116,11 @@ def default_kernel_options(environ: Optional[Mapping[str, str]] = None) -> Kerne
             raise ValueError(f"{var}={raw!r} is not valid; use 1 or 0 (it sets the default of KernelOptions.{field})")
         values[field] = v in _TRUE
     return KernelOptions(**values)
+
+
+def env_setting(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The value of :data:`SETTINGS_ENV`'s variable for ``name``, or ``None`` when unset or empty."""
+    if name not in SETTINGS_ENV:
+        raise KeyError(f"unknown setting {name!r}; known: {', '.join(sorted(SETTINGS_ENV))}")
+    raw = (os.environ if environ is None else environ).get(SETTINGS_ENV[name], "").strip()
+    return raw or None

@@ -1,11 +1,15 @@
 """The package's import graph flows one way: no module imports, at module level or inside a
 function, a module that imports it back (directly or through others). Package ``__init__``
-re-exports are not edges (they gather the public API, importing a package's submodules)."""
+re-exports are not edges (they gather the public API, importing a package's submodules).
+No module grows past the size limit, and ``NEMO_FP8_*`` variables are read in
+``nemo_fp8_recipes/options.py`` only."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "nemo_fp8_recipes"
 
@@ -97,3 +101,59 @@ def test_importing_the_package_installs_no_optimizer_hook():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0", "1"]
+
+
+# ---- module size and environment ------------------------------------------------------------------
+#: modules allowed past the size limit, with the reason (none today)
+_LONG_MODULES: dict = {}
+_MAX_LINES = 650
+
+
+def test_no_library_module_is_over_the_size_limit():
+    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > _MAX_LINES and str(p.relative_to(ROOT)) not in _LONG_MODULES}
+    assert not long, f"modules over {_MAX_LINES} lines (split them by concern, or list them with a reason): {long}"
+
+
+def _nemo_env_reads(tree) -> list:
+    """``NEMO_FP8_*`` names a module reads: ``os.environ.get/[...]``, ``os.getenv``, ``environ.get``."""
+    found = []
+    for node in ast.walk(tree):
+        arg = None
+        if isinstance(node, ast.Call) and node.args and isinstance(node.func, ast.Attribute):
+            if node.func.attr in ("get", "getenv", "pop", "setdefault"):
+                arg = node.args[0]
+        elif isinstance(node, ast.Subscript):
+            arg = node.slice
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and arg.value.startswith("NEMO_FP8_"):
+            found.append(arg.value)
+    return found
+
+
+def test_nemo_fp8_environment_variables_are_read_in_the_options_module_only():
+    reads = {str(p.relative_to(ROOT)): r for p in ROOT.rglob("*.py")
+             if p.name != "options.py" and (r := _nemo_env_reads(ast.parse(p.read_text())))}
+    assert not reads, f"NEMO_FP8_* read outside nemo_fp8_recipes/options.py: {reads}"
+
+
+def test_the_environment_read_finder_finds_a_read():
+    tree = ast.parse('import os\nx = os.environ.get("NEMO_FP8_X")\ny = os.environ["NEMO_FP8_Y"]\nz = os.getenv("NEMO_FP8_Z")')
+    assert _nemo_env_reads(tree) == ["NEMO_FP8_X", "NEMO_FP8_Y", "NEMO_FP8_Z"]
+
+
+def test_settings_read_from_the_environment(monkeypatch, tmp_path):
+    from nemo_fp8_recipes.data import default_cache_dir
+    from nemo_fp8_recipes.distributed import _timeout_minutes
+    from nemo_fp8_recipes.options import env_setting
+
+    monkeypatch.setenv("NEMO_FP8_CACHE_DIR", str(tmp_path))
+    assert default_cache_dir() == tmp_path
+    monkeypatch.delenv("NEMO_FP8_DIST_TIMEOUT_MIN", raising=False)
+    assert _timeout_minutes() == 30
+    monkeypatch.setenv("NEMO_FP8_DIST_TIMEOUT_MIN", "90")
+    assert _timeout_minutes() == 90
+    monkeypatch.setenv("NEMO_FP8_DIST_TIMEOUT_MIN", "soon")
+    with pytest.raises(ValueError, match="NEMO_FP8_DIST_TIMEOUT_MIN='soon'"):
+        _timeout_minutes()
+    with pytest.raises(KeyError, match="known: cache_dir, dist_timeout_min"):
+        env_setting("cache")

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_fp8_recipes.checkpoint import (CheckpointError, CheckpointManager, load_checkpoint, save_checkpoint,
+from nemo_fp8_recipes.checkpoint import (CheckpointError, CheckpointManager, load_checkpoint,
                                          state_checksums)
 from nemo_fp8_recipes.train import main, train
 from nemo_fp8_recipes.train_config import compose_config

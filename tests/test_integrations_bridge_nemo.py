@@ -128,7 +128,7 @@ def test_bridge_dry_run_of_our_model_needs_no_bridge_and_prints_the_fp8_settings
                       "backend.dry_run=true", "trainer.max_steps=20", "model.num_layers=2", f"run.root={tmp_path}"])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert f"provider=ours" in out and f"fp8_recipe = {recipe}" in out
+    assert "provider=ours" in out and f"fp8_recipe = {recipe}" in out
     kw = bridge.bridge_mixed_precision_kwargs(recipe)
     for k in ("fp8", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_margin"):
         assert f"    {k} = {kw[k]}" in out
@@ -270,7 +270,6 @@ def test_the_offline_launcher_against_bridge_and_megatron_core_source():
     for name in ("llama3_tiny", "llama3_150m", "llama31_405b"):
         kw = bridge.provider_kwargs(load_model_config(name), seq_length=256, gradient_accumulation_fusion=False)
         assert set(kw) <= provider_fields, sorted(set(kw) - provider_fields)
-    tc = mc / "training" / "config" / "training_config.py"
     classes = {"train": "TrainingConfig", "optimizer": None, "scheduler": "SchedulerConfig", "rng": "RNGConfig",
                "logger": "LoggerConfig", "validation": "ValidationConfig", "checkpoint": "CheckpointConfig",
                "dataset": None, "model": None}

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from nemo_fp8_recipes.models import (
     ModelConfig,

@@ -3,7 +3,6 @@ checkpoints survive interrupted writes, and bad situations stop with clear messa
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

@@ -38,6 +38,7 @@ import numpy as np
 
 from .tokenizer import ByteTokenizer
 from .._io import fsync_dir as _fsync_dir
+from ..options import env_setting
 
 __all__ = [
     "DataConfig",
@@ -148,7 +149,7 @@ def stdlib_root() -> Path:
 def default_cache_dir() -> Path:
     """``$NEMO_FP8_CACHE_DIR``, else ``$XDG_CACHE_HOME/nemo_fp8_recipes/tokens``, else
     ``~/.cache/nemo_fp8_recipes/tokens``."""
-    env = os.environ.get("NEMO_FP8_CACHE_DIR")
+    env = env_setting("cache_dir")
     if env:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")

@@ -12,7 +12,7 @@ recomputed — which is what makes resume exact.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import numpy as np
 import torch

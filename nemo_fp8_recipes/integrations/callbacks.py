@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 
 from ..nn import PolicyViolation
-from ..policy import PrecisionPolicy, Role
+from ..policy import PrecisionPolicy
 from ..recipes import Recipe, get_recipe
 from .te import is_te_module
 

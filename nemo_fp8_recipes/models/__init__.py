@@ -9,7 +9,7 @@ overridden (``load_model_config("llama31_405b", num_layers=2)``).
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
