@@ -202,6 +202,16 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
     return res
 
 
+def parse_shape(size: str) -> tuple:
+    """``8b`` -> its Llama 3 MLP shape; ``768x2048`` -> (768, 2048)."""
+    if size in SHAPES:
+        return SHAPES[size]
+    d, sep, f = size.lower().partition("x")
+    if sep and d.isdigit() and f.isdigit() and int(d) > 0 and int(f) > 0:
+        return int(d), int(f)
+    raise ValueError(f"--sizes: {size!r} is neither one of {', '.join(SHAPES)} nor DxF (e.g. 768x2048)")
+
+
 def variants(a) -> list:
     """BF16 first, then the recipes; with --fused-wgrad each followed by its fused variant."""
     names = ["bf16"] + [r for r in a.recipes.split(",") if r]
@@ -210,7 +220,9 @@ def variants(a) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="8b,70b,405b")
+    p.add_argument("--sizes", default="8b,70b,405b",
+                   help="Llama 3 MLP shapes (8b, 70b, 405b) or any 'DxF' (model width x FFN width, "
+                        "e.g. 768x2048 for llama3_150m), comma-separated (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--recipes", default="tensorwise,delayed,delayed-step,blockwise",
                    help="FP8 recipes to time against BF16; 'delayed-step' = delayed scaling with the "
@@ -242,7 +254,10 @@ def main(argv=None) -> int:
         p.error(f"--fused-wgrad needs torch >= 2.8 (its BF16 baseline uses mm/addmm with out_dtype); "
                 f"this is {torch.__version__}")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    shapes = {k: SHAPES[k] for k in a.sizes.split(",")}
+    try:
+        shapes = {k: parse_shape(k) for k in a.sizes.split(",") if k}
+    except ValueError as e:
+        p.error(str(e))
     if a.smoke:
         shapes, a.tokens, a.iters = {"tiny": (256, 512)}, 256, 2
     res, failed = [], {}
