@@ -25,7 +25,8 @@ linear                any other Linear                                     FP8 i
 ====================  ==================================================  ================
 
 Order of rules for a GEMM module: ``exclude`` patterns -> ``include`` patterns -> high-precision
-roles -> first/last N layers -> attention projections option -> recipe is bf16 -> shape check.
+roles -> first/last N layers -> attention projections option -> recipe is bf16 -> shape check ->
+size rule (``min_fp8_weight_elements``: GEMMs too small to gain from FP8 stay BF16; off by default).
 The shape check uses the recipe's *real-GEMM* alignment (16 per-tensor, 128 blockwise, 32 MXFP8)
 even when emulating, so a CPU emulation makes the same choices as the GPU run it stands in for.
 """
@@ -35,7 +36,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Tuple
+from typing import Iterable, Optional, Tuple, Union
 
 import torch.nn as nn
 
@@ -47,6 +48,7 @@ __all__ = [
     "GEMM_ROLES",
     "Decision",
     "PrecisionPolicy",
+    "FP8_CROSSOVER_WEIGHT_ELEMENTS",
     "layer_index",
     "classify",
 ]
@@ -152,6 +154,16 @@ def classify(fqn: str, module: Optional[nn.Module] = None) -> Tuple[str, str]:
     return Role.LINEAR, "linear layer with no special role"
 
 
+def _features(module: Optional[nn.Module]) -> Optional[Tuple[int, int]]:
+    """``(out_features, in_features)`` of a linear-like module (nn.Linear, te.Linear), else None."""
+    o, i = getattr(module, "out_features", None), getattr(module, "in_features", None)
+    return (o, i) if isinstance(o, int) and isinstance(i, int) else None
+
+
+def _millions(n: int) -> str:
+    return f"{n / 2**20:.3g}Mi" if n >= 2**20 else f"{n:,}"
+
+
 @dataclass(frozen=True)
 class Decision:
     """The policy's verdict on one module."""
@@ -167,6 +179,18 @@ class Decision:
         return self.precision == "fp8"
 
 
+#: ``min_fp8_weight_elements="auto"``: per recipe, the weight size (``in_features × out_features``)
+#: from which an FP8 linear's forward + backward is at least as fast as BF16's. Measured on one
+#: H200 with 8,192 tokens per micro-batch, steps queued back to back (docs/policy.md has the table
+#: and the command); fewer tokens per micro-batch move the crossover up. MXFP8 has no measured
+#: crossover (it needs an SM100 GPU): give a number.
+FP8_CROSSOVER_WEIGHT_ELEMENTS = {
+    "tensorwise": 16 * 2**20,
+    "blockwise": 32 * 2**20,
+    "delayed": 32 * 2**20,
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
     """What stays in high precision.
@@ -179,6 +203,12 @@ class PrecisionPolicy:
             audit still rejects a high-precision role that ran in FP8).
         exclude: glob patterns on module names kept in BF16 (wins over everything).
         num_layers: total transformer layers; inferred by ``convert_model`` when None.
+        min_fp8_weight_elements: GEMMs whose weight has fewer elements (``in_features ×
+            out_features``) stay BF16, with the size in the audit's reason: FP8 only pays off once
+            the GEMM outweighs the quantisation and its launches. ``0`` (default) = off; ``"auto"``
+            = the recipe's measured crossover (:data:`FP8_CROSSOVER_WEIGHT_ELEMENTS`). ``include``
+            patterns win over it. Applied where the policy sees ``nn.Linear`` shapes (the native
+            backend, the embedded trainer's ``backend=te``); Megatron configs refuse it.
     """
 
     attention_projections: str = "fp8"
@@ -187,6 +217,7 @@ class PrecisionPolicy:
     include: Tuple[str, ...] = field(default_factory=tuple)
     exclude: Tuple[str, ...] = field(default_factory=tuple)
     num_layers: Optional[int] = None
+    min_fp8_weight_elements: Union[int, str] = 0
 
     def __post_init__(self) -> None:
         if self.attention_projections not in ("fp8", "bf16"):
@@ -213,6 +244,21 @@ class PrecisionPolicy:
         if self.num_layers is not None and (isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int)
                                             or self.num_layers < 1):
             raise ValueError(f"num_layers must be an integer >= 1 or None, got {self.num_layers!r}")
+        m = self.min_fp8_weight_elements
+        if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"min_fp8_weight_elements must be an integer >= 0 (0 = off) or 'auto' (the recipe's "
+                             f"measured FP8/BF16 crossover), got {m!r}")
+
+    def fp8_weight_threshold(self, recipe: Recipe) -> int:
+        """The size rule's threshold for ``recipe`` in weight elements (0 = no size rule)."""
+        m = self.min_fp8_weight_elements
+        if m != "auto":
+            return int(m)
+        if recipe.name not in FP8_CROSSOVER_WEIGHT_ELEMENTS:
+            raise ValueError(
+                f"min_fp8_weight_elements='auto' has no measured crossover for recipe {recipe.name} (measured: "
+                f"{', '.join(FP8_CROSSOVER_WEIGHT_ELEMENTS)}); give the threshold in weight elements instead")
+        return FP8_CROSSOVER_WEIGHT_ELEMENTS[recipe.name]
 
     def with_num_layers(self, n: Optional[int]) -> "PrecisionPolicy":
         import dataclasses
@@ -271,6 +317,21 @@ class PrecisionPolicy:
             bad = [f"{n}={v}" for n, v in zip(("out_features", "in_features"), shape) if v % a]
             if bad:
                 return d("bf16", f"{', '.join(bad)} not divisible by {a} as {recipe.name} FP8 GEMMs need")
+        if recipe is not None and not included and self.min_fp8_weight_elements:
+            if shape is None:
+                shape = _features(module)
+            if shape is None:
+                what = (f"{type(module).__name__} has no in_features/out_features" if module is not None
+                        else "no module or shape was given")
+                raise ValueError(f"{fqn}: min_fp8_weight_elements needs the GEMM's shape, and {what}; pass "
+                                 "shape=(out_features, in_features), or keep such modules in BF16 with exclude "
+                                 "patterns instead of the size rule")
+            threshold = self.fp8_weight_threshold(recipe)
+            n = shape[0] * shape[1]
+            if n < threshold:
+                src = f"auto: the measured {recipe.name} crossover" if self.min_fp8_weight_elements == "auto" else "policy"
+                return d("bf16", f"{shape[0]}x{shape[1]} weight ({_millions(n)} elements) is below "
+                                 f"min_fp8_weight_elements={_millions(threshold)} ({src}): too small to gain from FP8")
         if included:
             return d("fp8", f"included by pattern {included!r}" + (f" (overrides {role} role)" if role in HIGH_PRECISION_ROLES else ""))
         return d("fp8", f"{why}: FP8 per recipe")

@@ -212,6 +212,63 @@ def test_shape_check_keeps_unaligned_layers_in_bf16_with_reason():
 
 
 
+
+def test_size_rule_keeps_small_gemms_in_bf16_with_the_size_in_the_reason():
+    from nemo_fp8_recipes.policy import FP8_CROSSOVER_WEIGHT_ELEMENTS
+
+    # w1/w3 are 256x128 = 32,768 elements, w2 128x256 the same; wq..wo 128x128 = 16,384; output 256x128
+    torch.manual_seed(0)
+    model = TinyLlama()
+    convert_model(model, "tensorwise", policy=PrecisionPolicy(min_fp8_weight_elements=20_000))
+    rows = {r.name: r for r in audit(model, strict=True).rows}
+    assert rows["layers.0.feed_forward.w1"].precision == "fp8"
+    assert rows["layers.0.attention.wq"].precision == "bf16"
+    assert rows["layers.0.attention.wq"].reason == (
+        "128x128 weight (16,384 elements) is below min_fp8_weight_elements=20,000 (policy): too small to gain from FP8")
+    assert isinstance(model.layers[0].attention.wq, nn.Linear) and not isinstance(model.layers[0].attention.wq, Float8Linear)
+    assert isinstance(model.layers[0].feed_forward.w1, Float8Linear)
+    step(model)  # trains with the mix
+    # include patterns win over the size rule; 0 turns it off
+    pol = PrecisionPolicy(min_fp8_weight_elements=10**9, include=("*.wq",))
+    assert pol.decide("layers.0.attention.wq", recipe=get_recipe("tensorwise"), shape=(128, 128)).fp8
+    assert PrecisionPolicy().decide("layers.0.attention.wk", recipe=get_recipe("tensorwise"), shape=(128, 128)).fp8
+    # auto: the recipe's measured crossover, named in the reason
+    auto = PrecisionPolicy(min_fp8_weight_elements="auto")
+    for name, threshold in FP8_CROSSOVER_WEIGHT_ELEMENTS.items():
+        r = get_recipe(name)
+        small = auto.decide("layers.0.mlp.w1", recipe=r, shape=(threshold // 1024 - 128, 1024))
+        assert not small.fp8 and f"auto: the measured {name} crossover" in small.reason
+        assert auto.decide("layers.0.mlp.w1", recipe=r, shape=(threshold // 1024, 1024)).fp8
+    with pytest.raises(ValueError, match="no measured crossover for recipe mxfp8"):
+        auto.decide("layers.0.mlp.w1", recipe=get_recipe("mxfp8"), shape=(128, 128))
+    # the bf16 recipe converts nothing, whatever the rule says
+    assert auto.decide("layers.0.mlp.w1", recipe=get_recipe("bf16"), shape=(128, 128)).reason == "recipe bf16: no FP8"
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "big", True])
+def test_size_rule_rejects_bad_values(bad):
+    with pytest.raises(ValueError, match="min_fp8_weight_elements must be an integer >= 0"):
+        PrecisionPolicy(min_fp8_weight_elements=bad)
+
+
+def test_size_rule_needs_a_shape_and_megatron_refuses_it():
+    from nemo_fp8_recipes.integrations.megatron import megatron_config
+
+    pol = PrecisionPolicy(min_fp8_weight_elements="auto")
+    with pytest.raises(ValueError, match="needs the GEMM's shape, and no module or shape was given"):
+        pol.decide("layers.0.mlp.w1", recipe=get_recipe("tensorwise"))
+
+    class FusedLinear(nn.Module):  # a GEMM module of a project's own (by its class name), no in/out features
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(4, 4))
+
+    with pytest.raises(ValueError, match="FusedLinear has no in_features/out_features"):
+        pol.decide("layers.0.mlp.w1", FusedLinear(), recipe=get_recipe("tensorwise"))
+    for backend in ("te", "native"):
+        with pytest.raises(ValueError, match="cannot be expressed in Megatron-Core's FP8 settings"):
+            megatron_config("tensorwise", pol, backend=backend)
+
 class PackedLinear(nn.Module):
     """A project's own GEMM module that is not an nn.Linear: weight ``[out, in]``, no bias."""
 

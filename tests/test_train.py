@@ -481,3 +481,22 @@ def test_kernel_options_reach_the_model_and_are_recorded(tmp_path, token_cache, 
     assert main(base + ["kernels=reference", "trainer.max_steps=1", "trainer.val_interval=0"]) == 0
     summary = json.loads((tmp_path / "bad" / "llama3_tiny" / "blockwise" / "summary.json").read_text())
     assert not any(summary["kernel_options"].values())
+
+
+def test_size_rule_from_the_config_reaches_the_model_and_the_audit(tmp_path, token_cache):
+    """``policy.min_fp8_weight_elements`` keeps the GEMMs below it in BF16; config.yaml records the
+    rule and audit.txt names each kept GEMM with its size."""
+    from nemo_fp8_recipes.nn import fp8_modules
+
+    # TINY: wq/wo/w1/w2/w3 are 256x256 = 65,536 elements; wk/wv 128x256 = 32,768
+    cfg = _cfg(tmp_path, token_cache, "recipe=tensorwise", "trainer.max_steps=2", "trainer.val_interval=0",
+               "policy.min_fp8_weight_elements=50000")
+    result = train(cfg)
+    names = set(fp8_modules(result.model))
+    assert "layers.0.attention.wq" in names and "layers.1.feed_forward.w2" in names
+    assert not any(n.endswith((".wk", ".wv")) for n in names)
+    assert "min_fp8_weight_elements: 50000" in (result.run_dir / "config.yaml").read_text()
+    audit_txt = (result.run_dir / "audit.txt").read_text()
+    assert "128x256 weight (32,768 elements) is below min_fp8_weight_elements=50,000 (policy)" in audit_txt
+    assert main(TINY + [f"run.root={tmp_path / 'bad'}", f"data.cache_dir={token_cache}",
+                        "policy.min_fp8_weight_elements=lots"]) == 2

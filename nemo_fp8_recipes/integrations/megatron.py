@@ -241,6 +241,12 @@ def megatron_config(
     """
     r = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
     p = policy or PrecisionPolicy()
+    if p.min_fp8_weight_elements:
+        raise ValueError(
+            f"policy.min_fp8_weight_elements={p.min_fp8_weight_elements!r} (the size rule) cannot be expressed in "
+            "Megatron-Core's FP8 settings, which decide per layer and per module name: keep the small GEMMs in "
+            "BF16 with policy.exclude patterns (e.g. policy.exclude=['*.linear_proj']), or set "
+            "policy.min_fp8_weight_elements=0")
     if backend not in ("te", "native"):
         raise ValueError(f"backend={backend!r} is not valid; choose te or native")
     notes: List[str] = []
