@@ -2,9 +2,23 @@
 
 import json
 import os
+import re
 
 import pytest
-import torch
+
+# Under pytest-xdist every worker would start as many intra-op threads as the machine has cores;
+# on a 2-core machine two workers x two threads oversubscribe the cores and the suite runs about
+# 3x slower. Each worker (and the processes it starts) gets an equal share instead, unless
+# OMP_NUM_THREADS is set already. Tests whose numbers depend on the thread count pin it themselves.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _WORKERS > 1:
+    _cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, _cores // _WORKERS)))
+
+import torch  # noqa: E402  (after OMP_NUM_THREADS)
+
+if _WORKERS > 1:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # Without a GPU, Triton kernels run under Triton's CPU interpreter (tests/test_triton_kernels.py).
 # The variable is read when Triton is imported, so it is set before any test imports it.
@@ -34,47 +48,42 @@ def te_skip_reason():
 SHARED_FIXTURES = {"dist_runs", "sweep", "smoke", "bridge_runs"}
 
 
-def pytest_configure(config):
-    """Under pytest-xdist (``-n``), tests that share an expensive module- or session-scoped fixture
-    of this suite (a set of training runs, a Megatron model) run on one worker, so the fixture is
-    built once rather than once per worker: ``--dist load`` becomes ``loadgroup`` with the groups
-    that :func:`_group_shared_fixtures` assigns; every other test is load-balanced as before."""
-    if getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
-
-
-def _group_shared_fixtures(items) -> None:
-    """An ``xdist_group`` per set of tests connected through the fixtures of :data:`SHARED_FIXTURES`
-    that they request (autouse ones included)."""
+def _files_with_shared_fixtures() -> set:
+    """Test files (relative to the repository, as in pytest's test ids) that define a fixture of
+    :data:`SHARED_FIXTURES` with module or session scope."""
     here = os.path.dirname(os.path.abspath(__file__))
-    parent = {}
+    pattern = re.compile(r'@pytest\.fixture\(scope="(?:module|session)"\)\s*\ndef (\w+)\(')
+    out = set()
+    for name in sorted(os.listdir(here)):
+        if name.endswith(".py"):
+            with open(os.path.join(here, name), encoding="utf-8") as f:
+                if SHARED_FIXTURES & set(pattern.findall(f.read())):
+                    out.add(f"{os.path.basename(here)}/{name}")
+    return out
 
-    def find(k):
-        while parent.setdefault(k, k) != k:
-            parent[k] = parent[parent[k]]
-            k = parent[k]
-        return k
 
-    shared = {}
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        names = []
-        for name, defs in (info.name2fixturedefs.items() if info else ()):
-            d = defs[-1]
-            path = os.path.abspath(getattr(d.func, "__code__", None).co_filename) if hasattr(d.func, "__code__") else ""
-            if name in SHARED_FIXTURES and d.scope in ("module", "session") and path.startswith(here):
-                names.append(f"{path}::{name}")
-        if names:
-            shared[item] = names
-            for n in names[1:]:
-                parent[find(n)] = find(names[0])
-    for item, names in shared.items():
-        item.add_marker(pytest.mark.xdist_group(os.path.basename(find(names[0])).replace(".py::", ":")))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist's default ``--dist load``, the tests of a file that defines one of
+    :data:`SHARED_FIXTURES` are one unit of work, sent to one worker, so the fixture (a set of
+    training runs) is built once rather than once per worker; every other test is its own unit
+    and spreads over the workers as with ``load``. (Grouping by ``xdist_group`` markers would be
+    finer, but pytest-xdist's ``loadgroup`` does not see the markers' suffix under pytest 9.)"""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    files = _files_with_shared_fixtures()
+
+    class SharedFixtureScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return path if path in files else nodeid
+
+    return SharedFixtureScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):
-    if getattr(config.option, "dist", "no") == "loadgroup":
-        _group_shared_fixtures(items)
     reason = gpu_skip_reason()
     te_reason = te_skip_reason() if any(item.get_closest_marker("te") for item in items) else None
     for item in items:
