@@ -186,8 +186,8 @@ class Decision:
 #: crossover (it needs an SM100 GPU): give a number.
 FP8_CROSSOVER_WEIGHT_ELEMENTS = {
     "tensorwise": 16 * 2**20,
-    "blockwise": 32 * 2**20,
-    "delayed": 32 * 2**20,
+    "blockwise": 24 * 2**20,
+    "delayed": 24 * 2**20,
 }
 
 
