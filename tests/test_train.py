@@ -300,7 +300,7 @@ def test_console_script_trains_and_prints_the_tensorboard_command(tmp_path, toke
 @pytest.mark.parametrize("recipe", list_recipes())
 def test_compile_trains_like_eager(recipe, tmp_path, token_cache):
     args = [f"recipe={recipe}", "trainer.max_steps=4", "trainer.log_interval=2", "trainer.val_interval=2",
-            "trainer.val_steps=1", "trainer.telemetry_interval=2"]
+            "trainer.val_steps=1", "trainer.telemetry_interval=2", "model.num_layers=1"]  # (compile time per layer)
     if recipe in ("blockwise", "mxfp8"):
         # torch.compile's C++ backend fails on these emulations after minutes: refused at once
         from nemo_fp8_recipes.train_config import ConfigError
@@ -326,8 +326,9 @@ def test_compile_with_micro_batches_caches_fp8_weights(tmp_path, token_cache):
     reads their weights quantised once per optimizer step (trainer.compiled_weight_cache, on by
     default), the losses follow the run without the cache, no cache is stale at the end, and
     resuming from the checkpoint re-quantises from the loaded weights."""
+    # one layer: what is checked is per FP8 linear, and compiling on CPU costs time per layer
     args = ["recipe=tensorwise", "trainer.compile=true", "trainer.global_batch_size=8", "trainer.max_steps=2",
-            "trainer.val_interval=0", "trainer.log_interval=1"]
+            "trainer.val_interval=0", "trainer.log_interval=1", "model.num_layers=1"]
     cached = train(_cfg(tmp_path / "cached", token_cache, *args, "trainer.ckpt_interval=2"))
     plain = train(_cfg(tmp_path / "plain", token_cache, *args, "trainer.compiled_weight_cache=false"))
     n_fp8 = sum(isinstance(m, Float8Linear) for m in cached.model.modules())
