@@ -49,6 +49,7 @@ __all__ = [
     "Decision",
     "PrecisionPolicy",
     "FP8_CROSSOVER_WEIGHT_ELEMENTS",
+    "small_gemm_hint",
     "layer_index",
     "classify",
 ]
@@ -335,3 +336,20 @@ class PrecisionPolicy:
         if included:
             return d("fp8", f"included by pattern {included!r}" + (f" (overrides {role} role)" if role in HIGH_PRECISION_ROLES else ""))
         return d("fp8", f"{why}: FP8 per recipe")
+
+
+def small_gemm_hint(recipe: Recipe, policy: PrecisionPolicy, shapes: Iterable[Tuple[int, int]]) -> Optional[str]:
+    """A hint for a model whose FP8 GEMMs (``(out_features, in_features)`` each) are all below the
+    recipe's measured FP8/BF16 crossover while the size rule is off: such a model likely trains
+    slower in FP8 than in BF16. None when the rule is on, the recipe has no measured crossover,
+    there is no FP8 GEMM, or one is at or above the crossover."""
+    if policy.min_fp8_weight_elements or recipe.name not in FP8_CROSSOVER_WEIGHT_ELEMENTS:
+        return None
+    sizes = [o * i for o, i in shapes]
+    threshold = FP8_CROSSOVER_WEIGHT_ELEMENTS[recipe.name]
+    if not sizes or max(sizes) >= threshold:
+        return None
+    return (f"every FP8 GEMM of this model is below the measured {recipe.name} FP8/BF16 crossover (largest weight "
+            f"{_millions(max(sizes))} elements, crossover {_millions(threshold)} on an H200 at 8,192 tokens per "
+            "micro-batch): FP8 likely trains slower than BF16 here; policy.min_fp8_weight_elements=auto keeps such "
+            "GEMMs in BF16 and says so in the audit (docs/policy.md)")

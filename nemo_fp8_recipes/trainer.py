@@ -202,6 +202,8 @@ class Trainer:
             apply_kernel_options(raw_model, self.kernel_options)  # (the native modules: the norms)
         else:
             convert_model(raw_model, recipe, self.policy, options=self.kernel_options)
+        if self.device.type == "cuda" and ctx.is_main:
+            self._hint_small_gemms(raw_model)
         # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
         set_delayed_scaling_update(raw_model, "step")
         if tcfg.fuse_wgrad_accumulation:
@@ -230,6 +232,21 @@ class Trainer:
         self.raw_model = raw_model
         self.dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
                                    find_unused_parameters=self.mcfg.arch == "moe")  # unrouted experts get no grad
+
+    def _hint_small_gemms(self, raw_model: torch.nn.Module) -> None:
+        """Warn when every FP8 GEMM is below the recipe's measured FP8/BF16 crossover (GPU runs)."""
+        from .nn import fp8_modules
+        from .policy import small_gemm_hint
+
+        if self.te_run is not None:
+            names = [n for n, d in self.te_run.conversion.decisions.items() if d.fp8]
+        else:
+            names = list(fp8_modules(raw_model))
+        mods = [raw_model.get_submodule(n) for n in names]
+        hint = small_gemm_hint(self.recipe, self.policy,
+                               [(m.out_features, m.in_features) for m in mods if hasattr(m, "out_features")])
+        if hint:
+            log.warning(hint)
 
     def resume(self) -> None:
         """Start from step 0, or restore the checkpoint ``resume_path`` names after its checks

@@ -245,6 +245,20 @@ def test_size_rule_keeps_small_gemms_in_bf16_with_the_size_in_the_reason():
     assert auto.decide("layers.0.mlp.w1", recipe=get_recipe("bf16"), shape=(128, 128)).reason == "recipe bf16: no FP8"
 
 
+def test_a_model_below_the_crossover_gets_a_hint_unless_the_size_rule_is_on():
+    from nemo_fp8_recipes.policy import FP8_CROSSOVER_WEIGHT_ELEMENTS, small_gemm_hint
+
+    tw = get_recipe("tensorwise")
+    small = [(3072, 1024), (1024, 3072), (1024, 1024)]  # llama3_150m's projections
+    hint = small_gemm_hint(tw, PrecisionPolicy(), small)
+    assert hint and "largest weight 3Mi elements, crossover 16Mi" in hint and "min_fp8_weight_elements=auto" in hint
+    assert small_gemm_hint(tw, PrecisionPolicy(min_fp8_weight_elements="auto"), small) is None
+    assert small_gemm_hint(tw, PrecisionPolicy(), small + [(14336, 4096)]) is None  # one GEMM gains
+    assert small_gemm_hint(tw, PrecisionPolicy(), []) is None
+    assert "mxfp8" not in FP8_CROSSOVER_WEIGHT_ELEMENTS
+    assert small_gemm_hint(get_recipe("mxfp8"), PrecisionPolicy(), small) is None
+
+
 @pytest.mark.parametrize("bad", [-1, 1.5, "big", True])
 def test_size_rule_rejects_bad_values(bad):
     with pytest.raises(ValueError, match="min_fp8_weight_elements must be an integer >= 0"):

@@ -501,3 +501,23 @@ def test_size_rule_from_the_config_reaches_the_model_and_the_audit(tmp_path, tok
     assert "128x256 weight (32,768 elements) is below min_fp8_weight_elements=50,000 (policy)" in audit_txt
     assert main(TINY + [f"run.root={tmp_path / 'bad'}", f"data.cache_dir={token_cache}",
                         "policy.min_fp8_weight_elements=lots"]) == 2
+
+
+def test_the_small_gemm_hint_names_the_size_rule(tmp_path, token_cache, caplog):
+    """On a GPU the trainer warns when every FP8 GEMM is below the recipe's measured crossover
+    (checked here on the CPU model through the same method); with the size rule on it stays quiet."""
+    import logging
+
+    from nemo_fp8_recipes.trainer import Trainer
+
+    for rule, expect in (("0", True), ("auto", False)):
+        trainer = Trainer(_cfg(tmp_path / rule, token_cache, "recipe=tensorwise",
+                               f"policy.min_fp8_weight_elements={rule}"))
+        try:
+            trainer.setup()
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="nemo_fp8_recipes.train"):
+                trainer._hint_small_gemms(trainer.raw_model)
+        finally:
+            trainer.close()
+        assert ("below the measured tensorwise FP8/BF16 crossover" in caplog.text) == expect, caplog.text
