@@ -50,6 +50,7 @@ __all__ = [
     "PrecisionPolicy",
     "FP8_CROSSOVER_WEIGHT_ELEMENTS",
     "small_gemm_hint",
+    "linear_shape",
     "layer_index",
     "classify",
 ]
@@ -155,7 +156,7 @@ def classify(fqn: str, module: Optional[nn.Module] = None) -> Tuple[str, str]:
     return Role.LINEAR, "linear layer with no special role"
 
 
-def _features(module: Optional[nn.Module]) -> Optional[Tuple[int, int]]:
+def linear_shape(module: Optional[nn.Module]) -> Optional[Tuple[int, int]]:
     """``(out_features, in_features)`` of a linear-like module (nn.Linear, te.Linear), else None."""
     o, i = getattr(module, "out_features", None), getattr(module, "in_features", None)
     return (o, i) if isinstance(o, int) and isinstance(i, int) else None
@@ -312,7 +313,7 @@ class PrecisionPolicy:
         if recipe is not None and not recipe.is_fp8:
             return d("bf16", "recipe bf16: no FP8")
         if shape is None and isinstance(module, nn.Linear):
-            shape = (module.out_features, module.in_features)
+            shape = linear_shape(module)
         if recipe is not None and shape is not None:
             a = recipe.gemm_alignment
             bad = [f"{n}={v}" for n, v in zip(("out_features", "in_features"), shape) if v % a]
@@ -320,7 +321,7 @@ class PrecisionPolicy:
                 return d("bf16", f"{', '.join(bad)} not divisible by {a} as {recipe.name} FP8 GEMMs need")
         if recipe is not None and not included and self.min_fp8_weight_elements:
             if shape is None:
-                shape = _features(module)
+                shape = linear_shape(module)
             if shape is None:
                 what = (f"{type(module).__name__} has no in_features/out_features" if module is not None
                         else "no module or shape was given")

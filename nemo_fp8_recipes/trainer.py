@@ -236,15 +236,14 @@ class Trainer:
     def _hint_small_gemms(self, raw_model: torch.nn.Module) -> None:
         """Warn when every FP8 GEMM is below the recipe's measured FP8/BF16 crossover (GPU runs)."""
         from .nn import fp8_modules
-        from .policy import small_gemm_hint
+        from .policy import linear_shape, small_gemm_hint
 
         if self.te_run is not None:
-            names = [n for n, d in self.te_run.conversion.decisions.items() if d.fp8]
+            mods = [raw_model.get_submodule(n) for n, d in self.te_run.conversion.decisions.items() if d.fp8]
         else:
-            names = list(fp8_modules(raw_model))
-        mods = [raw_model.get_submodule(n) for n in names]
-        hint = small_gemm_hint(self.recipe, self.policy,
-                               [(m.out_features, m.in_features) for m in mods if hasattr(m, "out_features")])
+            mods = list(fp8_modules(raw_model).values())
+        shapes = [shape for shape in map(linear_shape, mods) if shape is not None]
+        hint = small_gemm_hint(self.recipe, self.policy, shapes)
         if hint:
             log.warning(hint)
 
