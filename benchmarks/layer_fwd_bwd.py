@@ -52,8 +52,10 @@ unless ``--input-dtype bf16``; gradients are set to None before every step (``ze
 eager mode our FP8 weight copies are quantised once and cached, as between optimizer steps
 (torchao casts its weights in every forward); ``--requant-weights`` re-quantises them every step
 instead (one micro-batch per optimizer step). Compiled, the traced FP8 linear (tensorwise,
-blockwise, mxfp8) quantises its weight in every forward, as torchao does; ``delayed`` keeps its
-eager island and its cache. ``--micro-batches K``: K micro-batches per optimizer step — our FP8
+blockwise, mxfp8) quantises its weight in every forward, as torchao does, and so does the traced
+delayed linear (with the step's scale). Delayed scaling runs the trainer's ``step`` schedule:
+scales fixed within an optimizer step, ``sync_delayed_scaling`` (one vectorised history update
+for the block) at the start of every optimizer step, inside the timed step. ``--micro-batches K``: K micro-batches per optimizer step — our FP8
 weights are re-quantised every K-th step, and the compiled FP8 linears read them from their
 compiled weight cache (``set_graph_weight_cache``, what the trainer turns on with
 ``trainer.compile=true`` and gradient accumulation) instead of quantising them in the graph;
@@ -78,8 +80,8 @@ variant's timing, against 200-460 W for some variants timed one after the other)
 (``--compile-mode reduce-overhead``: its graphs replayed as CUDA graphs); our
 current-scaling FP8 linears are traced there (no graph break: the quantisers and the
 block-scaled GEMM are custom operators, or with ``-inductor`` Inductor generates the quantisers
-from the reference and fuses them with the neighbouring ops), delayed scaling runs as an eager
-island (a graph break per FP8 linear); the ``graph_breaks`` column counts the breaks dynamo
+from the reference and fuses them with the neighbouring ops), and so are the delayed-scaling ones
+(their casts take the step's scales); the ``graph_breaks`` column counts the breaks dynamo
 reported while compiling the variant (0 = one graph). Ratios are within one size and mode:
 speed-up over BF16, and
 "vs torchao tw" = torchao tensorwise ms / this variant's ms (> 1: faster than torchao). Results
@@ -123,7 +125,8 @@ from _torchao import convert_torchao, torchao_status  # noqa: E402
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402
 from nemo_fp8_recipes.models.llama import FeedForward, TransformerBlock, precompute_rope  # noqa: E402
 from nemo_fp8_recipes.nn import (  # noqa: E402
-    Float8Linear, apply_kernel_options, convert_model, invalidate_weight_cache, set_graph_weight_cache,
+    Float8Linear, apply_kernel_options, convert_model, invalidate_weight_cache, set_delayed_scaling_update,
+    set_graph_weight_cache, sync_delayed_scaling,
 )
 from nemo_fp8_recipes.options import KernelOptions  # noqa: E402
 from nemo_fp8_recipes.policy import PrecisionPolicy  # noqa: E402
@@ -298,6 +301,7 @@ def build(cfg, block: str, variant: str, dev: str, smoke: bool, seq: int = 8192)
         # (the FP8 linears and the norms: convert_model applies the options to both)
         convert_model(model, get_recipe(VARIANT_RECIPE.get(variant, variant)), policy,
                       emulate=True if smoke else None, options=variant_options(variant))
+        set_delayed_scaling_update(model, "step")  # (delayed scaling: the trainer's schedule)
     else:  # BF16 and torchao: our norms, all options on but the variant's own
         apply_kernel_options(model, variant_options(variant))
     return model
@@ -360,6 +364,7 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
 
         requant = ((a.requant_weights or a.micro_batches > 1)
                    and any(type(m) is Float8Linear for m in model.modules()))
+        delayed = any(type(m) is Float8Linear and m.recipe.is_delayed for m in model.modules())
         graphs = mode == "compiled" and a.compile_mode in ("reduce-overhead", "max-autotune")
         calls = [0]
 
@@ -376,7 +381,10 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
             # the FP8 weights are re-quantised once per optimizer step: every step with one
             # micro-batch per step, every K-th with --micro-batches K
             if refresh:
-                if requant and calls[0] % a.micro_batches == 0:
+                new_step = calls[0] % a.micro_batches == 0
+                if delayed and new_step:  # the last optimizer step's amaxes into the histories
+                    sync_delayed_scaling(model)
+                if requant and new_step:
                     invalidate_weight_cache(model)
                 calls[0] += 1
             with torch.autocast(dev, dtype=torch.bfloat16, enabled=cuda):
@@ -488,8 +496,9 @@ def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
     if k > 1 and not all(m._graph_wcache_on and m.traceable() for m in fp8):
         row["graph_status"] = ("not captured: with --micro-batches > 1 the FP8 weights are re-quantised between "
                                "replays, in place, which only the compiled weight cache of a traced FP8 linear does "
-                               "(compiled mode, current scaling); an eager cache (eager mode, delayed scaling's or real "
-                               "MXFP8's island) would be rebuilt in new memory the graph does not read")
+                               "(compiled mode, current scaling); an eager cache (eager mode, real MXFP8's island) would be "
+                               "rebuilt in new memory the graph does not read, and delayed scaling's histories advance "
+                               "between optimizer steps outside the graph")
         return None
     errors: list = []
     graphs = capture_graphs((lambda i: step(i, refresh=False)) if k > 1 else step, inputs.n, errors,

@@ -1,6 +1,6 @@
-"""``torch.compile`` traces the FP8 linear of the current-scaling recipes (no graph break) with
-the eager path's numbers, GEMM counts and weights; delayed scaling and telemetry keep the eager
-island, deliberately.
+"""``torch.compile`` traces the FP8 linear of the current-scaling recipes and of delayed scaling
+under the step schedule (no graph break) with the eager path's numbers, GEMM counts and weights;
+delayed scaling's lazy schedule and telemetry keep the eager island, deliberately.
 
 CPU: emulated FP8 on a small SwiGLU MLP (two Float8Linears, dims multiples of 128).
 ``aot_eager`` runs the traced graph with the same eager kernels, so compiled == eager **bit for
@@ -23,6 +23,7 @@ from nemo_fp8_recipes.nn import (
     audit,
     collect_telemetry,
     convert_model,
+    discard_delayed_scaling,
     reset_gemm_counts,
     set_delayed_scaling_update,
     set_telemetry,
@@ -352,13 +353,12 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, overrides, q
         assert sorted(blocks) == ([False] * 6 if overrides else [False, False, True, True, True, True])
 
 
-# ---- deliberate eager islands: delayed scaling, telemetry ------------------------------------
-@pytest.mark.parametrize("schedule", ["lazy", "step"])
-def test_delayed_scaling_keeps_the_eager_island_and_its_numbers(schedule):
+# ---- delayed scaling: traced under the step schedule, the eager island under lazy ------------
+def test_delayed_scaling_lazy_schedule_keeps_the_eager_island_and_its_numbers():
     model, ref = _pair("delayed")
     probe = _pair("delayed")[0]  # explain runs a forward, which records amaxes: not on `model`
     for m in (model, ref, probe):
-        set_delayed_scaling_update(m, schedule)
+        set_delayed_scaling_update(m, "lazy")
     assert not any(m.traceable() for m in _fp8(model))
     _, reasons = _break_reasons(probe, _data(0)[0])
     assert _only_island_breaks(reasons), reasons
@@ -368,8 +368,6 @@ def test_delayed_scaling_keeps_the_eager_island_and_its_numbers(schedule):
         got, want = _step(compiled, model, x, dy), _step(ref, ref, x, dy)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert all(torch.equal(g, w) for g, w in zip(got[2], want[2]))
-        if schedule == "step":
-            sync_delayed_scaling(model), sync_delayed_scaling(ref)
         _sgd(model), _sgd(ref)
     for a, b in zip(_fp8(model), _fp8(ref)):
         assert torch.equal(a.fp8_amax_history, b.fp8_amax_history)
@@ -377,6 +375,81 @@ def test_delayed_scaling_keeps_the_eager_island_and_its_numbers(schedule):
         assert a.gemm_counts == {"fprop": 3, "dgrad": 3, "wgrad": 3}
 
 
+def _delayed_step_pair():
+    model, ref = _pair("delayed")
+    for m in (model, ref):
+        set_delayed_scaling_update(m, "step")
+    return model, ref
+
+
+def _state(m: Float8Linear):
+    m.fold_traced_amax()
+    return [t.clone() for t in (m.fp8_amax_history, m.fp8_scale, m.fp8_amax_pending, m.fp8_pending)]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_delayed_scaling_step_schedule_is_traced_with_the_eager_numbers(backend):
+    """The trainer's schedule (scales fixed for the step, one history update per step): no graph
+    break, and over three optimizer steps of two micro-batches each the compiled model gives the
+    eager model's outputs, gradients, amax histories, scales, pending amaxes (the max over both
+    micro-batches, the gradient's included) and GEMM counts. aot_eager: bit for bit; Inductor
+    (its own CPU kernels) the same codes and histories, outputs within its addmm rounding."""
+    model, ref = _delayed_step_pair()
+    probe = _delayed_step_pair()[0]
+    assert all(m.traceable() for m in _fp8(model))
+    ex, reasons = _break_reasons(probe, _data(0)[0])
+    assert (ex.graph_count, ex.graph_break_count, reasons) == (1, 0, [])
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for step in range(3):
+        for micro in range(2):
+            x, dy = _data(10 * step + micro)
+            dy = dy * (1 + 3 * micro)  # the second micro-batch's gradient amax is the larger
+            got, want = _step(compiled, model, x, dy), _step(ref, ref, x, dy)
+            if backend == "aot_eager":
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                assert all(torch.equal(g, w) for g, w in zip(got[2], want[2]))
+            else:
+                assert _rel(got[0], want[0]) < 1e-6 and _rel(got[1], want[1]) < 1e-6
+                assert all(_rel(g, w) < 1e-6 for g, w in zip(got[2], want[2]))
+        for a, b in zip(_fp8(model), _fp8(ref)):
+            # the grad_output amax of the traced backward sits in its own buffer until folded
+            assert a.fp8_pending[2].item() == 0.0 and a.fp8_grad_pending[1].item() == 1.0
+            for ta, tb in zip(_state(a), _state(b)):
+                assert torch.equal(ta, tb) if backend == "aot_eager" else torch.allclose(ta, tb, rtol=1e-6)
+            assert a.fp8_grad_pending.tolist() == [0.0, 0.0]
+        sync_delayed_scaling(model), sync_delayed_scaling(ref)
+        _sgd(model), _sgd(ref)
+    for a, b in zip(_fp8(model), _fp8(ref)):
+        assert torch.equal(a.fp8_amax_history, b.fp8_amax_history) and torch.equal(a.fp8_scale, b.fp8_scale)
+        assert (a.fp8_amax_history[:, :3] > 0).all()  # three updates, every operand
+        assert a.gemm_counts == b.gemm_counts == {"fprop": 6, "dgrad": 6, "wgrad": 6}
+
+
+def test_traced_delayed_amaxes_reach_state_dict_discard_and_nan_sticks():
+    """The traced backward's gradient amax is part of a mid-step ``state_dict`` (folded before
+    saving), a NaN gradient's amax sticks in the pending value as in eager mode, and
+    ``discard_delayed_scaling`` drops it."""
+    model, ref = _delayed_step_pair()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, dy = _data(0)
+    _step(compiled, model, x, dy), _step(ref, ref, x, dy)
+    sd, sd_ref = model.state_dict(), ref.state_dict()
+    assert sd.keys() == sd_ref.keys() and "w1.fp8_grad_pending" not in sd
+    assert all(torch.equal(sd[k], sd_ref[k]) for k in sd)
+    assert sd["w2.fp8_pending"].tolist() == [1.0, 1.0, 1.0] and sd["w2.fp8_amax_pending"][2] > 0
+    dy_nan = dy.clone()
+    dy_nan[0, 0, 0] = float("nan")
+    _step(compiled, model, x, dy_nan), _step(ref, ref, x, dy_nan)
+    for a, b in zip(_fp8(model), _fp8(ref)):
+        a.fold_traced_amax()
+        assert torch.isnan(a.fp8_amax_pending[2]) and torch.isnan(b.fp8_amax_pending[2]), a.fqn
+    _step(compiled, model, x, dy)
+    assert discard_delayed_scaling(model) == 2
+    for a in _fp8(model):
+        assert a.fp8_grad_pending.tolist() == [0.0, 0.0] and a.fp8_pending.tolist() == [0.0, 0.0, 0.0]
+
+
+# ---- deliberate eager island: telemetry ------------------------------------------------------
 def test_telemetry_on_uses_the_eager_island_and_off_traces_again():
     model, ref = _pair("tensorwise")
     probe = _pair("tensorwise")[0]  # explain runs a forward: keep it off `model`'s telemetry
@@ -494,6 +567,7 @@ def _gpu_pair(rec, emulate):
         torch.manual_seed(0)
         m = SwiGLU(d=1024, h=1536).cuda()
         convert_model(m, rec, emulate=emulate)
+        set_delayed_scaling_update(m, "step")  # (delayed: the trainer's schedule, traced)
         models.append(m)
     return models
 
@@ -523,6 +597,31 @@ def test_tensor_pair_operator_is_a_valid_custom_op_with_the_reference_bits():
         assert torch.equal(q.float(), ref.data.float()) and torch.equal(qt.float(), ref.data.float().t())
         assert torch.equal(si, ref.scale_inv) and torch.equal(amax, ref.amax)
         torch.library.opcheck(tensor_pair, (x, fmt, "fp32"))
+
+
+def test_delayed_cast_operators_are_valid_custom_ops_with_the_reference_bits():
+    """``nemo_fp8_recipes::tensor_pair_scaled`` / ``tensor_scaled`` (the compiled delayed-scaling
+    casts): opcheck passes; with a given scale (smaller and larger than the current one, so codes
+    saturate) the codes, their transpose and the scale equal the reference cast's, and the amax
+    returned is the tensor's own."""
+    _interpreted_triton()
+    from nemo_fp8_recipes.quant import ops
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x, _ = _data(0, dev)
+    x = x.reshape(-1, D).to(torch.bfloat16)
+    for fmt in ("e4m3", "e5m2"):
+        for s in (0.5, 7.0):
+            scale = torch.tensor(s, device=dev)
+            ref = quantize(x, fmt, "tensor", "fp32", scale=scale)
+            q, qt, si, amax = ops.tensor_pair_scaled(x, scale, fmt, "fp32")
+            assert torch.equal(q.float(), ref.data.float()) and torch.equal(qt.float(), ref.data.float().t())
+            assert torch.equal(si, ref.scale_inv) and torch.equal(amax, ref.amax)
+            q1, si1, amax1 = ops.tensor_scaled(x, scale, fmt, "fp32")
+            assert torch.equal(q1.float(), ref.data.float()) and torch.equal(si1, ref.scale_inv)
+            assert torch.equal(amax1, ref.amax)
+        torch.library.opcheck(ops.tensor_pair_scaled, (x, scale, fmt, "fp32"))
+        torch.library.opcheck(ops.tensor_scaled, (x, scale, fmt, "fp32"))
 
 
 def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
@@ -566,6 +665,7 @@ def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
 
 @pytest.mark.parametrize("recipe,operators", [
     ("tensorwise", {"tensor_pair": 4}),
+    ("delayed", {"tensor_pair_scaled": 4}),
     ("blockwise", {"group_rows": 4, "group_cols_t": 4, "blocks128": 2}),
 ])
 def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch, recipe, operators):
@@ -584,6 +684,8 @@ def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch,
 
     monkeypatch.setattr(gemms, "triton_enabled", lambda t, triton=None: triton is not False)
     model, ref = _pair(recipe)
+    for m in (model, ref):
+        set_delayed_scaling_update(m, "step")  # (delayed: traced under the step schedule)
     x, dy = _data(0)
     ex, reasons = _break_reasons(model, x)
     assert (ex.graph_count, ex.graph_break_count, reasons) == (1, 0, [])
@@ -592,6 +694,8 @@ def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch,
         assert code.count(f"nemo_fp8_recipes.{name}") >= n, name
     torch._dynamo.reset()
     reset_gemm_counts(model)
+    if recipe == "delayed":  # (explain's forward recorded amaxes on `model`; the scales are still 1)
+        discard_delayed_scaling(model)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     got, want = _step(compiled, model, x, dy), _step(ref, ref, x, dy)
     # same codes and scales; only the wgrad copies' memory layout differs (contiguous transposed
@@ -599,6 +703,9 @@ def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch,
     for a, b in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
         assert _rel(a, b) < 1e-6
     assert audit(model).counts["fp8"] == {"fprop": 2, "dgrad": 2, "wgrad": 2}
+    if recipe == "delayed":
+        for a, b in zip(_fp8(model), _fp8(ref)):
+            assert torch.equal(_state(a)[2], _state(b)[2]), a.fqn  # the pending amaxes
 
 
 def test_kernel_options_are_validated_and_their_environment_defaults_named():
@@ -618,15 +725,16 @@ def test_kernel_options_are_validated_and_their_environment_defaults_named():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,M", [("tensorwise", 2048), ("blockwise", 2048), ("blockwise", 1000),
-                                    ("mxfp8", 2048)],
+                                    ("mxfp8", 2048), ("delayed", 2048), ("delayed", 1000)],
                          ids=["tensorwise-M2048", "blockwise-M2048", "blockwise-M1000-padded",
-                              "mxfp8-emulated-M2048"])
+                              "mxfp8-emulated-M2048", "delayed-M2048", "delayed-M1000-padded"])
 def test_gpu_compiled_real_fp8_matches_eager(name, M):
     """As the benchmark runs a block: FP32 master weights, BF16 autocast, Inductor. 0 graph
     breaks (fullgraph), compiled (the Triton quantisers as custom operators + ``torch._scaled_mm``
     or the block-scaled GEMM operator, with Inductor's kernels around them) vs eager (the same
     quantisers and GEMMs) within FP8 GEMM tolerance, counts right. mxfp8 runs emulated on Hopper
-    (traced too)."""
+    (traced too); delayed scaling under the trainer's step schedule (casts with the step's
+    scales, the delayed-cast operators)."""
     rec, why = _gpu_recipe(name)
     emulate = None
     if why is not None:
@@ -675,9 +783,14 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
                 f"{name} M={M} step {step + 1}: compiled {what} error vs float64 {errs[0][k]:.3g}, "
                 f"eager {errs[1][k]:.3g}")
             assert vs_eager[k] < 0.1, f"{name} M={M} step {step + 1}: compiled vs eager {what} {vs_eager[k]:.3g}"
+        if name == "delayed":  # (the step schedule: histories advance between optimizer steps)
+            sync_delayed_scaling(model), sync_delayed_scaling(ref)
         _sgd(model, 1e-2), _sgd(ref, 1e-2)
     for m in _fp8(model):
         assert m.gemm_counts == {"fprop": 2, "dgrad": 2, "wgrad": 2}, m.fqn
+    if name == "delayed":  # the histories took the same amaxes, so the scales agree closely
+        for a, b in zip(_fp8(model), _fp8(ref)):
+            assert torch.allclose(a.fp8_scale, b.fp8_scale, rtol=0.1), (a.fqn, a.fp8_scale, b.fp8_scale)
     if traced:
         torch._dynamo.reset()
         x = torch.randn(M, 1024, device="cuda")

@@ -153,8 +153,8 @@ def test_turning_it_off_drops_the_buffers_and_delayed_is_left_alone():
     assert set_graph_weight_cache(model, False) == 2
     assert not any(n.startswith("_fp8_wcache") for n, _ in model.w1.named_buffers())
     delayed, _ = _pair("delayed")
-    assert set_graph_weight_cache(delayed) == 0  # its eager island caches the weight itself
-    with pytest.raises(ValueError, match="eager island"):
+    assert set_graph_weight_cache(delayed) == 0  # quantised with the step's delayed scale
+    with pytest.raises(ValueError, match="step's delayed scale"):
         delayed.w1.set_graph_weight_cache()
 
 

@@ -1,6 +1,7 @@
 """The FP8 linear's autograd functions: the eager one (the module's quantisers, FP8 weight cache,
 delayed-scaling state, telemetry, Python GEMM counters), its fused-SwiGLU form, and the
-compile-traceable one (current scaling, no Python-side state)."""
+compile-traceable ones (current scaling; delayed scaling with its scales fixed for the step) with
+no Python-side state."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch
 import torch.nn as nn
 
 from ..recipes import Recipe
-from .gemms import IN, check_device, fprop, grads, quantize_current, quantize_weight, unpack
+from .gemms import GO, IN, W, check_device, fprop, grads, quantize_current, quantize_delayed, quantize_weight, unpack
 from .shared_input import input_quantizer
 from .wgrad_fusion import wgrad_target
 
-__all__ = ["Float8LinearFn", "Float8LinearTracedFn", "Float8SwiGLULinearFn", "module_fprop", "module_grads"]
+__all__ = ["Float8LinearDelayedTracedFn", "Float8LinearFn", "Float8LinearTracedFn", "Float8SwiGLULinearFn",
+           "module_fprop", "module_grads"]
 
 
 class Float8LinearFn(torch.autograd.Function):
@@ -137,3 +139,59 @@ class Float8LinearTracedFn(torch.autograd.Function):
         if dw is not None:
             bwd_counts[1].add_(1)
         return (dx, dw, db, None, None, None, None, None, None, None, None, None) + (None,) * ctx.n_wcache
+
+
+def _recording(recipe: Recipe, scales: torch.Tensor, triton: bool, amaxes: dict):
+    """:func:`quantize_delayed` with the given scales that keeps each operand's amax in ``amaxes``."""
+
+    def quantize_operand(i, t, pair=False):
+        q = quantize_delayed(recipe, scales, i, t, pair=pair, triton=triton)
+        amaxes[i] = (q[0] if pair else q).amax.reshape(1)
+        return q
+
+    return quantize_operand
+
+
+class Float8LinearDelayedTracedFn(torch.autograd.Function):
+    """Compile-traceable delayed scaling under the ``step`` update schedule
+    (:mod:`nemo_fp8_recipes.nn.scaling`): the module's scales ``scales`` (its ``fp8_scale``
+    buffer) are fixed for the whole optimizer step, so each quantisation is a stateless cast with
+    a given scale (:func:`quantize_delayed`: one pass that also takes the amax) and the amaxes
+    leave the graph as values: the forward returns ``(y, amax of input and weight [2])`` for the
+    module to fold into its pending amaxes; the backward max-accumulates the gradient's amax into
+    ``grad_pending`` (``[amax, flag]``, a buffer of the module mutated only here, folded into the
+    pending amaxes by :func:`~nemo_fp8_recipes.nn.sync_delayed_scaling`) and counts its GEMMs in
+    ``bwd_counts``. The weight is quantised in every forward (its scale is the step's, so the
+    codes are those the eager path caches for the step)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scales, grad_pending, bwd_counts, recipe: Recipe, emulate: bool,
+                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool, triton: bool):
+        check_device(x, emulate, fqn)
+        amaxes: dict = {}
+        quantize_operand = _recording(recipe, scales, triton, amaxes)
+        weights = quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
+        y, to_save = fprop(
+            ctx, x, bias, weights, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
+            out_dtype=out_dtype, quantize_operand=quantize_operand, grad_enabled=grad_enabled,
+        )
+        ctx.save_for_backward(*to_save, scales, grad_pending, bwd_counts)
+        ctx.recipe, ctx.emulate, ctx.triton = recipe, emulate, triton
+        ctx.w_dtype = weight.dtype
+        fwd_amax = torch.cat([amaxes[IN], amaxes[W]])
+        ctx.mark_non_differentiable(fwd_amax)
+        return y, fwd_amax
+
+    @staticmethod
+    def backward(ctx, dy, _unused):
+        *saved, scales, grad_pending, bwd_counts = ctx.saved_tensors
+        amaxes: dict = {}
+        dx, dw, db = grads(ctx, dy, saved, recipe=ctx.recipe, emulate=ctx.emulate, w_dtype=ctx.w_dtype,
+                            quantize_operand=_recording(ctx.recipe, scales, ctx.triton, amaxes))
+        grad_pending[0:1].copy_(torch.maximum(grad_pending[0:1], amaxes[GO]))
+        grad_pending[1:2].fill_(1.0)
+        if dx is not None:
+            bwd_counts[0].add_(1)
+        if dw is not None:
+            bwd_counts[1].add_(1)
+        return (dx, dw, db) + (None,) * 10

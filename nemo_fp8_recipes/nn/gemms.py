@@ -20,8 +20,8 @@ from ..quant.reference import QuantizedTensor
 from ..recipes import Granularity, Recipe, ScaleRounding
 
 __all__ = ["GO", "IN", "OPERANDS", "W", "accumulate_wgrad", "check_device", "contiguous_codes", "fprop", "grads",
-           "operand_spec", "pack_meta", "pack_tensors", "quantize_current", "quantize_plain", "quantize_weight",
-           "unpack"]
+           "operand_spec", "pack_meta", "pack_tensors", "quantize_current", "quantize_delayed", "quantize_plain",
+           "quantize_weight", "unpack"]
 
 OPERANDS = ("input", "weight", "grad_output")
 IN, W, GO = 0, 1, 2
@@ -87,6 +87,35 @@ def quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False
             # than the one-pass pair kernel eager mode uses (0.19 vs 0.28 ms at 8192x14336 BF16)
             return (q, q.t()) if pair else q
     return quantize_plain(recipe, i, t, pair, triton=False)
+
+
+def quantize_delayed(recipe: Recipe, scales: torch.Tensor, i: int, t: torch.Tensor, pair: bool = False,
+                     triton: bool = True):
+    """Stateless delayed scaling of operand ``i`` with its given scale ``scales[i]`` (the
+    module's ``fp8_scale``, fixed for the optimizer step under the ``step`` update schedule): the
+    quantiser of the compile-traced delayed path. Returns what :func:`quantize_current` returns,
+    with ``amax`` this tensor's own amax (``[1, 1]``), which the caller folds into the module's
+    pending amax. On CUDA the one-pass Triton cast as a custom operator
+    (:func:`~nemo_fp8_recipes.quant.ops.tensor_pair_scaled` / ``tensor_scaled``) unless
+    ``triton`` is False, else the reference cast; the same codes as the eager path's
+    :meth:`Float8Linear._quantize_operand` with the same scale."""
+    fmt, gran = operand_spec(recipe, i)
+    if gran is not Granularity.TENSOR:
+        raise ValueError(f"delayed scaling is per tensor; operand {OPERANDS[i]} of recipe {recipe.name} is {gran.value}")
+    scale = scales[i]
+    rounding = recipe.scale_rounding
+    if triton and triton_enabled(t) and rounding in (ScaleRounding.FP32, ScaleRounding.POW2):
+        from ..quant import ops
+
+        if pair:
+            q, qt, si, amax = ops.tensor_pair_scaled(t, scale, fmt.value, rounding.value)
+            return (QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
+                    QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax))
+        q, si, amax = ops.tensor_scaled(t, scale, fmt.value, rounding.value)
+        return QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
+    q = quantize(t, fmt, gran, rounding, dim=-1, scale=scale, triton=False)
+    q = QuantizedTensor(data=q.data, scale_inv=q.scale_inv, block=None, fmt=fmt, amax=q.amax.reshape(1, 1))
+    return (q, q.t()) if pair else q
 
 
 def quantize_plain(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False, triton: Optional[bool] = None):

@@ -33,12 +33,13 @@ the input sharing in :mod:`~nemo_fp8_recipes.nn.shared_input`, the fused wgrad a
 in :mod:`~nemo_fp8_recipes.nn.wgrad_fusion` and the optimizer-step hook in
 :mod:`~nemo_fp8_recipes.nn.weight_cache`.
 
-Two autograd functions share the GEMM code (:func:`~.gemms.fprop`, :func:`~.gemms.grads`): the eager one
+The autograd functions share the GEMM code (:func:`~.gemms.fprop`, :func:`~.gemms.grads`): the eager one
 (:class:`~.autograd.Float8LinearFn`: fused Triton quantisers on CUDA, weight cache, delayed scaling,
-telemetry) and, under ``torch.compile``, a traceable one for the current-scaling recipes
+telemetry) and, under ``torch.compile``, traceable ones for the current-scaling recipes
 (:class:`~.autograd.Float8LinearTracedFn`: on CUDA the same Triton quantisers as custom operators, else the
-reference quantisers, which the compiler fuses into its own kernels; no Python-side state), so a
-compiled model has no graph break at its FP8 linears.
+reference quantisers, which the compiler fuses into its own kernels; no Python-side state) and for
+delayed scaling under the ``step`` schedule (:class:`~.autograd.Float8LinearDelayedTracedFn`: the step's
+scales as inputs, the amaxes as outputs), so a compiled model has no graph break at its FP8 linears.
 :meth:`Float8Linear.forward` says which path runs when.
 """
 
@@ -56,7 +57,7 @@ from ..quant.dispatch import quantize_auto as quantize
 from ..quant.dispatch import accumulate_amax, quantize_pair_auto, triton_enabled
 from ..quant.reference import STAT_NAMES, quantization_stats
 from ..recipes import Granularity, Recipe, ScaleRounding
-from .autograd import Float8LinearFn, Float8LinearTracedFn, Float8SwiGLULinearFn
+from .autograd import Float8LinearDelayedTracedFn, Float8LinearFn, Float8LinearTracedFn, Float8SwiGLULinearFn
 from .gemms import OPERANDS, W, check_device, operand_spec, pack_meta, pack_tensors, quantize_plain, quantize_weight
 from .shared_input import input_prequantization, share_input_quantization
 from .weight_cache import GRAPH_CACHED, OPTIMIZER_GENERATION, install_optimizer_hook
@@ -154,6 +155,10 @@ class Float8Linear(nn.Linear):
             # 1.0 where an operand has an amax waiting to be appended (mirrored in _pending so
             # the hot path never reads the device)
             self.register_buffer("fp8_pending", torch.zeros(3, device=dev))
+            # the compile-traced path's grad_output [amax, flag], written only in its backward (a
+            # buffer the forward also mutated would break the compiled graphs) and folded into the
+            # two above by fold_traced_amax; not in state_dict (folded before a save)
+            self.register_buffer("fp8_grad_pending", torch.zeros(2, device=dev), persistent=False)
         self._pending = [False, False, False]
         self.fuse_wgrad_accumulation = False
 
@@ -187,13 +192,14 @@ class Float8Linear(nn.Linear):
         if self.recipe.is_delayed:
             with torch.no_grad():  # amaxes are >= 0; the kernels max-accumulate their IEEE bits
                 self.fp8_amax_pending.abs_()
+                self.fp8_grad_pending.zero_()  # (replaced by the loaded pending amaxes)
         if self._graph_wcache_on:
             self.refresh_graph_weight_cache()
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.half()/.bfloat16() must not cast the FP32 scaling state
         out = super()._apply(fn, *args, **kwargs)
-        for name in ("fp8_amax_history", "fp8_scale", "fp8_amax_pending", "fp8_pending"):
+        for name in ("fp8_amax_history", "fp8_scale", "fp8_amax_pending", "fp8_pending", "fp8_grad_pending"):
             b = getattr(self, name, None)
             if b is not None and b.dtype != torch.float32:
                 setattr(self, name, b.float())
@@ -214,10 +220,28 @@ class Float8Linear(nn.Linear):
             self.fp8_scale.fill_(1.0)
             self.fp8_amax_pending.zero_()
             self.fp8_pending.zero_()
+            self.fp8_grad_pending.zero_()
         self._pending = [False, False, False]
         self._wcache_key = self._wcache = None
         if getattr(self, "_graph_wcache_on", False):
             self.refresh_graph_weight_cache()
+
+    @torch.no_grad()
+    def fold_traced_amax(self) -> None:
+        """Fold the grad_output amax that the compile-traced delayed path recorded in its
+        backward (``fp8_grad_pending``) into the pending amax and flag, and clear it. The update
+        functions of :mod:`~nemo_fp8_recipes.nn.scaling` do this for the whole model at once;
+        ``state_dict`` does it before saving. A no-op for current scaling."""
+        if getattr(self, "recipe", None) is None or not self.recipe.is_delayed:
+            return
+        gp = self.fp8_grad_pending
+        self.fp8_amax_pending[2:].copy_(torch.maximum(self.fp8_amax_pending[2:], gp[:1]))
+        self.fp8_pending[2:].copy_(torch.maximum(self.fp8_pending[2:], gp[1:]))
+        gp.zero_()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        self.fold_traced_amax()  # the saved pending amaxes include the traced backward's
+        super()._save_to_state_dict(destination, prefix, keep_vars)
 
     def invalidate_weight_cache(self) -> None:
         """Force re-quantisation of the FP8 weight: the eager path's cache at the next forward,
@@ -247,9 +271,9 @@ class Float8Linear(nn.Linear):
         (``with torch.no_grad(): w.mul_(…)``, ``.data`` copies) leaves the compiled forward
         reading the old codes until :meth:`invalidate_weight_cache`;
         :func:`~nemo_fp8_recipes.nn.audit` reports a cache older than its weight's version
-        counter. Only for the traced path (:meth:`traceable` — current scaling; delayed scaling's
-        eager island caches its weight anyway) and plain tensors: a DTensor (FSDP2) weight is
-        refused."""
+        counter. Only for current scaling (delayed scaling quantises its weight with the step's
+        scale, in the graph or, eagerly, into its own cache) and plain tensors: a DTensor (FSDP2)
+        weight is refused."""
         if not enabled:
             self._graph_wcache_on = False
             GRAPH_CACHED.discard(self)
@@ -259,9 +283,9 @@ class Float8Linear(nn.Linear):
             self._graph_wcache_meta = self._graph_wcache_version = None
             return
         if self.recipe.is_delayed:
-            raise ValueError(f"{self.fqn or 'Float8Linear'}: recipe {self.recipe.name} keeps its eager island, which "
-                             "caches the FP8 weight itself; the compiled weight cache is for current scaling "
-                             "(tensorwise, blockwise, mxfp8)")
+            raise ValueError(f"{self.fqn or 'Float8Linear'}: recipe {self.recipe.name} quantises its weight with the "
+                             "step's delayed scale (the eager path caches it); the compiled weight cache is for "
+                             "current scaling (tensorwise, blockwise, mxfp8)")
         if type(self.weight.data) is not torch.Tensor or self.weight.is_meta:
             raise ValueError(f"{self.fqn or 'Float8Linear'}: the compiled weight cache needs a plain, materialised "
                              f"weight tensor, got {type(self.weight.data).__name__} on {self.weight.device} "
@@ -452,13 +476,18 @@ class Float8Linear(nn.Linear):
 
     # ---- forward -------------------------------------------------------------------------------
     def traceable(self) -> bool:
-        """Whether ``torch.compile`` traces this module's FP8 linear (no graph break): current
-        scaling with telemetry off — tensorwise and blockwise with real or emulated GEMMs, mxfp8
-        emulated. Delayed scaling, telemetry, real MXFP8 GEMMs (SM100) and emulation on CUDA
-        while TF32 matmuls are enabled (the exact FP32 product needs TF32 switched off for one
-        op, which a compiled graph cannot do) keep the eager island (see :meth:`forward`).
-        Decided when the graph is traced."""
-        if self.recipe.is_delayed or self.telemetry_enabled:
+        """Whether ``torch.compile`` traces this module's FP8 linear (no graph break), with
+        telemetry off: current scaling — tensorwise and blockwise with real or emulated GEMMs,
+        mxfp8 emulated — and delayed scaling under the ``step`` update schedule (what the trainer
+        runs: scales fixed for the optimizer step; without a per-module ``amax_reduce_fn``).
+        Telemetry, delayed scaling's ``lazy`` schedule (each quantisation first commits the
+        previous amax to the history: state read and written per call), real MXFP8 GEMMs (SM100)
+        and emulation on CUDA while TF32 matmuls are enabled (the exact FP32 product needs TF32
+        switched off for one op, which a compiled graph cannot do) keep the eager island (see
+        :meth:`forward`). Decided when the graph is traced."""
+        if self.telemetry_enabled:
+            return False
+        if self.recipe.is_delayed and (self.scaling_update != "step" or self.amax_reduce_fn is not None):
             return False
         if self.emulate and self.weight.is_cuda and torch.backends.cuda.matmul.allow_tf32:
             return False
@@ -510,7 +539,10 @@ class Float8Linear(nn.Linear):
 
         Under ``torch.compile`` a current-scaling module (:meth:`traceable`) runs
         :class:`Float8LinearTracedFn`, which the compiler traces like any other op, so the
-        model has no graph break here. On CUDA it quantises with the eager path's Triton kernels
+        model has no graph break here; a delayed-scaling one under the ``step`` schedule runs
+        :class:`Float8LinearDelayedTracedFn` (casts with the step's scales, one pass each; the
+        input and weight amaxes max-accumulated into ``fp8_amax_pending`` in the graph, the
+        gradient's into ``fp8_grad_pending`` in its backward), with the eager path's codes. On CUDA it quantises with the eager path's Triton kernels
         as custom operators (:mod:`nemo_fp8_recipes.quant.ops`; per-tensor pairs, 1x128 groups,
         128x128 blocks), elsewhere — or with ``KernelOptions(triton=False)`` — with the
         reference quantisers (the numerics contract in plain torch ops, which Inductor fuses into
@@ -523,10 +555,10 @@ class Float8Linear(nn.Linear):
         ``fp8_bwd_count`` with in-graph adds, so :func:`~nemo_fp8_recipes.nn.audit` stays exact.
 
         Deliberate fallbacks to the eager island (one graph break per FP8 linear) under
-        ``torch.compile``: delayed scaling (its amax histories and scales are state that each
-        quantisation reads and writes), telemetry (its statistics are collected Python-side,
-        also in backward), real MXFP8 GEMMs and CUDA emulation with TF32 on
-        (:meth:`traceable`). Turning telemetry on or off between steps makes the compiler
+        ``torch.compile``: delayed scaling's ``lazy`` schedule (its amax histories and scales
+        are state that each quantisation reads and writes), telemetry (its statistics are
+        collected Python-side, also in backward), real MXFP8 GEMMs and CUDA emulation with TF32
+        on (:meth:`traceable`). Turning telemetry on or off between steps makes the compiler
         re-trace once for each state (a guard on ``telemetry_enabled``).
         """
         if not x.is_floating_point():
@@ -539,6 +571,15 @@ class Float8Linear(nn.Linear):
             x = torch.nn.functional.silu(gate) * x
         if torch.compiler.is_compiling() and self.traceable():
             self.fp8_fwd_count.add_(1)
+            if self.recipe.is_delayed:
+                y, amax = Float8LinearDelayedTracedFn.apply(
+                    x, self.weight, self.bias, self.fp8_scale, self.fp8_grad_pending, self.fp8_bwd_count,
+                    self.recipe, self.emulate, self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled(),
+                    self.kernel_options.triton)
+                with torch.no_grad():  # the step schedule's max over every use in the step (NaN sticks)
+                    self.fp8_amax_pending[:2].copy_(torch.maximum(self.fp8_amax_pending[:2], amax))
+                    self.fp8_pending[:2].fill_(1.0)
+                return y
             wmeta, wcache = None, ()
             if self._graph_wcache_on:
                 wmeta, wcache = self._graph_wcache_meta, tuple(getattr(self, n) for n in self._GRAPH_WCACHE)

@@ -12,7 +12,7 @@ Two update schedules share :func:`~nemo_fp8_recipes.quant.delayed.advance_delaye
 
 ``step`` (what the embedded trainer uses)
     scales stay fixed for a whole optimizer step; every quantisation in the step max-accumulates
-    its amax; :func:`sync_delayed_scaling` then max-reduces all pending amaxes of the model across
+    its amax (which lets ``torch.compile`` trace the linear: each cast takes a given scale); :func:`sync_delayed_scaling` then max-reduces all pending amaxes of the model across
     the data-parallel group in **one** collective and advances every history once. The result is
     the same for any split of the global batch over ranks and micro-batches (the max is exact), so
     a 2-rank run reproduces a 1-rank run with gradient accumulation, and every rank holds
@@ -89,6 +89,10 @@ def _advance(mods: List[nn.Module], process_group, reduce: bool) -> None:
 
     pend = torch.stack([m.fp8_amax_pending for m in mods])
     flags = torch.stack([m.fp8_pending for m in mods])
+    # the compile-traced path's grad_output amaxes (recorded in its backward, Float8Linear.fold_traced_amax)
+    traced = torch.stack([m.fp8_grad_pending for m in mods])
+    pend[:, 2] = torch.maximum(pend[:, 2], traced[:, 0])
+    flags[:, 2] = torch.maximum(flags[:, 2], traced[:, 1])
     both = torch.cat([pend, flags], dim=1)  # [n, 6]: one collective for the whole model
     if reduce and dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=process_group)
@@ -111,7 +115,8 @@ def _advance(mods: List[nn.Module], process_group, reduce: bool) -> None:
             hist, scale, p, f, (r.input_format, r.weight_format, r.grad_format), r)
         torch._foreach_copy_([m.fp8_amax_history for m in group], list(new_hist.unbind(0)))
         torch._foreach_copy_([m.fp8_scale for m in group], list(new_scale.unbind(0)))
-    torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods])
+    torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods]
+                         + [m.fp8_grad_pending for m in mods])
     for m in mods:
         m._pending = [False, False, False]
         m._scale_generation += 1  # the cached FP8 weight is re-quantised with the new scale
@@ -126,7 +131,8 @@ def discard_delayed_scaling(model: nn.Module) -> int:
     (the trainer's skip decision is taken on all-reduced values). Returns the number of modules."""
     mods = _delayed_modules(model)
     if mods:
-        torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods])
+        torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods]
+                             + [m.fp8_grad_pending for m in mods])
         for m in mods:
             m._pending = [False, False, False]
     return len(mods)

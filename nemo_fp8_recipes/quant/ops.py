@@ -7,7 +7,9 @@ module's :class:`~nemo_fp8_recipes.options.KernelOptions` (``triton``):
 
 ``triton=True`` (default, on CUDA)
     these operators — :func:`tensor_pair` (per tensor: the atomic amax pass and the one-read
-    cast that writes the codes and their transpose), :func:`group_rows` / :func:`group_cols_t`
+    cast that writes the codes and their transpose), :func:`tensor_pair_scaled` /
+    :func:`tensor_scaled` (per tensor with a given delayed-scaling scale: one pass that casts and
+    takes the amax), :func:`group_rows` / :func:`group_cols_t`
     (1x128 groups along rows, and down columns written transposed: blockwise activations and
     gradients) and :func:`blocks128` (128x128 weight blocks) — each one opaque node. The
     compiler schedules them like any extern kernel (no graph break) but cannot fuse them with
@@ -41,7 +43,8 @@ from torch import Tensor
 from ..recipes import ScaleRounding
 from .reference import as_format, scale_grid  # as_format: how the kernels read ``fmt``, so fake and real agree
 
-__all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair"]
+__all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair", "tensor_pair_scaled",
+           "tensor_scaled"]
 
 _LIB = torch.library.Library("nemo_fp8_recipes", "FRAGMENT")
 
@@ -80,6 +83,40 @@ def _tensor_pair_fake(x: Tensor, fmt: str, rounding: str):
     one = (1, 1)
     return (x.new_empty((rows, cols), dtype=dt), x.new_empty((cols, rows), dtype=dt),
             x.new_empty(one, dtype=torch.float32), x.new_empty(one, dtype=torch.float32))
+
+
+@_operator("tensor_pair_scaled(Tensor x, Tensor scale, str fmt, str rounding) -> (Tensor, Tensor, Tensor, Tensor)")
+def tensor_pair_scaled(x: Tensor, scale: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-tensor cast of 2-D ``x`` with a given (delayed-scaling) ``scale``, one pass that also
+    takes the amax: ``(codes [R, C], codes transposed [C, R], scale_inv [1, 1], amax [1, 1])``
+    (:func:`~.triton_kernels.quantize_tensor_dual` with ``scale``; ``amax`` is this tensor's
+    own, for the caller to fold into its pending amax)."""
+    from . import triton_kernels as tk
+
+    a, b = tk.quantize_tensor_dual(x, fmt, rounding, scale=scale)
+    return a.data, b.data, a.scale_inv, a.amax
+
+
+@tensor_pair_scaled.register_fake
+def _tensor_pair_scaled_fake(x: Tensor, scale: Tensor, fmt: str, rounding: str):
+    return _tensor_pair_fake(x, fmt, rounding)
+
+
+@_operator("tensor_scaled(Tensor x, Tensor scale, str fmt, str rounding) -> (Tensor, Tensor, Tensor)")
+def tensor_scaled(x: Tensor, scale: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """:func:`tensor_pair_scaled` without the transposed copy: ``(codes, scale_inv [1, 1],
+    amax [1, 1])`` (:func:`~.triton_kernels.quantize_tensor` with ``scale``)."""
+    from . import triton_kernels as tk
+
+    q = tk.quantize_tensor(x, fmt, rounding, scale=scale)
+    return q.data, q.scale_inv, q.amax.view(1, 1)
+
+
+@tensor_scaled.register_fake
+def _tensor_scaled_fake(x: Tensor, scale: Tensor, fmt: str, rounding: str):
+    one = (1, 1)
+    return (x.new_empty(x.shape, dtype=as_format(fmt).dtype), x.new_empty(one, dtype=torch.float32),
+            x.new_empty(one, dtype=torch.float32))
 
 
 def _check_group_rounding(rounding: str) -> None:
