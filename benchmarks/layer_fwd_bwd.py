@@ -55,9 +55,10 @@ instead (one micro-batch per optimizer step). Compiled, the traced FP8 linear (t
 blockwise, mxfp8) quantises its weight in every forward, as torchao does, and so does the traced
 delayed linear (with the step's scale). Delayed scaling runs the trainer's ``step`` schedule:
 scales fixed within an optimizer step, ``sync_delayed_scaling`` (one vectorised history update
-for the block) at the start of every optimizer step, inside the timed step. ``--micro-batches K``: K micro-batches per optimizer step — our FP8
-weights are re-quantised every K-th step, and the compiled FP8 linears read them from their
-compiled weight cache (``set_graph_weight_cache``, what the trainer turns on with
+for the block) at the start of every optimizer step, inside the timed step.
+``--micro-batches K``: K micro-batches per optimizer step — our FP8 weights are re-quantised
+every K-th step, and the compiled FP8 linears read them from their compiled weight cache
+(``set_graph_weight_cache``, what the trainer turns on with
 ``trainer.compile=true`` and gradient accumulation) instead of quantising them in the graph;
 torchao still casts its weights in every forward. Peak memory is
 ``torch.cuda.max_memory_allocated`` after a reset, per
@@ -496,8 +497,8 @@ def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
     if k > 1 and not all(m._graph_wcache_on and m.traceable() for m in fp8):
         row["graph_status"] = ("not captured: with --micro-batches > 1 the FP8 weights are re-quantised between "
                                "replays, in place, which only the compiled weight cache of a traced FP8 linear does "
-                               "(compiled mode, current scaling); an eager cache (eager mode, real MXFP8's island) would be "
-                               "rebuilt in new memory the graph does not read, and delayed scaling's histories advance "
+                               "(compiled mode, current scaling); an eager cache (eager mode, real MXFP8's island) would "
+                               "be rebuilt in new memory the graph does not read, and delayed scaling's histories advance "
                                "between optimizer steps outside the graph")
         return None
     errors: list = []

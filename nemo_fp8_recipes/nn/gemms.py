@@ -101,7 +101,8 @@ def quantize_delayed(recipe: Recipe, scales: torch.Tensor, i: int, t: torch.Tens
     :meth:`Float8Linear._quantize_operand` with the same scale."""
     fmt, gran = operand_spec(recipe, i)
     if gran is not Granularity.TENSOR:
-        raise ValueError(f"delayed scaling is per tensor; operand {OPERANDS[i]} of recipe {recipe.name} is {gran.value}")
+        raise ValueError(f"delayed scaling is per tensor; operand {OPERANDS[i]} of recipe {recipe.name} "
+                         f"is {gran.value}")
     scale = scales[i]
     rounding = recipe.scale_rounding
     if triton and triton_enabled(t) and rounding in (ScaleRounding.FP32, ScaleRounding.POW2):
@@ -113,8 +114,7 @@ def quantize_delayed(recipe: Recipe, scales: torch.Tensor, i: int, t: torch.Tens
                     QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax))
         q, si, amax = ops.tensor_scaled(t, scale, fmt.value, rounding.value)
         return QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
-    q = quantize(t, fmt, gran, rounding, dim=-1, scale=scale, triton=False)
-    q = QuantizedTensor(data=q.data, scale_inv=q.scale_inv, block=None, fmt=fmt, amax=q.amax.reshape(1, 1))
+    q = quantize(t, fmt, gran, rounding, dim=-1, scale=scale, triton=False)  # (its amax: this tensor's, [1, 1])
     return (q, q.t()) if pair else q
 
 

@@ -542,9 +542,10 @@ class Float8Linear(nn.Linear):
         model has no graph break here; a delayed-scaling one under the ``step`` schedule runs
         :class:`Float8LinearDelayedTracedFn` (casts with the step's scales, one pass each; the
         input and weight amaxes max-accumulated into ``fp8_amax_pending`` in the graph, the
-        gradient's into ``fp8_grad_pending`` in its backward), with the eager path's codes. On CUDA it quantises with the eager path's Triton kernels
-        as custom operators (:mod:`nemo_fp8_recipes.quant.ops`; per-tensor pairs, 1x128 groups,
-        128x128 blocks), elsewhere — or with ``KernelOptions(triton=False)`` — with the
+        gradient's into ``fp8_grad_pending`` in its backward), with the eager path's codes. On
+        CUDA it quantises with the eager path's Triton kernels as custom operators
+        (:mod:`nemo_fp8_recipes.quant.ops`; per-tensor pairs, 1x128 groups, 128x128 blocks),
+        elsewhere — or with ``KernelOptions(triton=False)`` — with the
         reference quantisers (the numerics contract in plain torch ops, which Inductor fuses into
         the neighbouring kernels); the same numbers either way. The GEMMs are the dispatch of
         :mod:`nemo_fp8_recipes.quant.gemm` (``torch._scaled_mm``; blockwise's block-scaled GEMM

@@ -12,8 +12,9 @@ Two update schedules share :func:`~nemo_fp8_recipes.quant.delayed.advance_delaye
 
 ``step`` (what the embedded trainer uses)
     scales stay fixed for a whole optimizer step; every quantisation in the step max-accumulates
-    its amax (which lets ``torch.compile`` trace the linear: each cast takes a given scale); :func:`sync_delayed_scaling` then max-reduces all pending amaxes of the model across
-    the data-parallel group in **one** collective and advances every history once. The result is
+    its amax (which lets ``torch.compile`` trace the linear: each cast takes a given scale);
+    :func:`sync_delayed_scaling` then max-reduces all pending amaxes of the model across the
+    data-parallel group in **one** collective and advances every history once. The result is
     the same for any split of the global batch over ranks and micro-batches (the max is exact), so
     a 2-rank run reproduces a 1-rank run with gradient accumulation, and every rank holds
     identical scales. Transformer Engine advances its histories once per forward/backward pass
