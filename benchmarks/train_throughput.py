@@ -19,6 +19,13 @@ deviation of the per-step training loss from the 1-process run::
 
     python benchmarks/train_throughput.py --model llama3_150m --steps 60 --micro-batch 8 --nproc 1,2
 
+CUDA graphs for the whole compiled model (``--compile compiled,graphs``): each recipe runs with
+torch.compile's default mode and again with ``trainer.compile_mode=reduce-overhead`` (one GPU), and
+"vs bf16" compares within a mode; where the host's launch overhead bounds a small model's step::
+
+    python benchmarks/train_throughput.py --model llama3_150m --steps 100 --seq-len 1024 --micro-batch 8 \
+        --compile compiled,graphs --recipes bf16,tensorwise,blockwise,delayed
+
 The trainer's two backends side by side (``--backends native,te``): every recipe also runs with
 ``backend=te`` (Transformer Engine modules, eager; mxfp8 left out on Hopper), a table gives native /
 TE tokens/s and both final losses per recipe, and ``nemo-fp8-compare`` overlays all the runs' loss
@@ -51,6 +58,7 @@ import time
 from pathlib import Path
 
 RECIPES = ["bf16", "delayed", "tensorwise", "blockwise", "mxfp8"]
+MODES = ("eager", "compiled", "graphs")
 BACKENDS = ("native", "te")
 
 
@@ -62,8 +70,11 @@ def read_scalars(run_dir: Path) -> dict:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_one(args, recipe: str, compile_: bool, root: Path, nproc: int = 1, backend: str = "native") -> dict:
-    tag = (("te-" if backend == "te" else "") + ("compiled" if compile_ else "eager")
+def run_one(args, recipe: str, mode: str, root: Path, nproc: int = 1, backend: str = "native") -> dict:
+    """One trainer run; ``mode``: eager, compiled (torch.compile's default mode) or graphs
+    (``trainer.compile_mode=reduce-overhead``: the compiled graphs replayed as CUDA graphs)."""
+    compile_ = mode != "eager"
+    tag = (("te-" if backend == "te" else "") + mode
            + (f"-dp{nproc}" if args.nproc_list != [1] else ""))
     overrides = [
         f"backend={backend}",
@@ -74,6 +85,7 @@ def run_one(args, recipe: str, compile_: bool, root: Path, nproc: int = 1, backe
         f"trainer.micro_batch_size={args.micro_batch}",
         f"trainer.global_batch_size={args.global_batch or args.micro_batch}",
         f"trainer.compile={str(compile_).lower()}",
+        *(["trainer.compile_mode=reduce-overhead"] if mode == "graphs" else []),
         f"trainer.val_interval={args.steps}",
         "trainer.checkpoint=false",  # (a throughput run needs no checkpoint: 21 GB for a 4-layer 8B)
         "trainer.progress=false",
@@ -93,7 +105,7 @@ def run_one(args, recipe: str, compile_: bool, root: Path, nproc: int = 1, backe
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
     run_dir = root / args.model / f"{recipe}-{tag}"
-    res = {"recipe": recipe, "backend": backend, "compile": compile_, "nproc": nproc, "wall_s": round(wall, 1),
+    res = {"recipe": recipe, "backend": backend, "compile": compile_, "mode": mode, "nproc": nproc, "wall_s": round(wall, 1),
            "run_dir": str(run_dir),
            "returncode": proc.returncode, "cmd": " ".join(cmd)}
     if proc.returncode != 0:
@@ -103,6 +115,9 @@ def run_one(args, recipe: str, compile_: bool, root: Path, nproc: int = 1, backe
     tps = [v for s, v in sc.get("tokens_per_s", []) if s > args.steps // 2]
     loss = sc.get("train/loss", [])
     val = sc.get("val/loss", [])
+    summary = run_dir / "summary.json"
+    if summary.exists():  # (graphs: how many compiled graphs ran without CUDA graphs; 0 = all captured)
+        res["cuda_graph_skips"] = json.loads(summary.read_text()).get("cuda_graph_skips")
     res.update({
         "tokens_per_s": statistics.median(tps) if tps else None,
         "first_loss": loss[0][1] if loss else None,
@@ -122,7 +137,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--compile", choices=["eager", "compiled", "both"], default="eager")
+    p.add_argument("--compile", default="eager",
+                   help="comma list of trainer modes: eager, compiled (torch.compile, default mode), graphs "
+                        "(compiled with trainer.compile_mode=reduce-overhead: every compiled graph replayed as a "
+                        "CUDA graph, one GPU); both = eager,compiled (default %(default)s)")
     p.add_argument("--telemetry-interval", type=int, default=0)
     p.add_argument("--emulate-mxfp8", action=argparse.BooleanOptionalAction, default=True,
                    help="run mxfp8 with recipe.emulate=true (needed on Hopper)")
@@ -153,7 +171,10 @@ def main(argv=None) -> int:
     for b in backends:
         if b not in BACKENDS:
             p.error(f"unknown backend {b!r}; valid: {', '.join(BACKENDS)}")
-    modes = {"eager": [False], "compiled": [True], "both": [False, True]}[args.compile]
+    modes = [m.strip() for m in ("eager,compiled" if args.compile == "both" else args.compile).split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            p.error(f"unknown --compile mode {m!r}; valid: {', '.join(MODES)}, both")
     root = Path(args.root)
     results = []
     recipes = args.recipes.split(",")
@@ -161,42 +182,44 @@ def main(argv=None) -> int:
             if "native" in backends]
     # Transformer Engine's modules run eager (the trainer refuses trainer.compile=true with them);
     # mxfp8 has no TE GEMMs on Hopper, so it runs on the native backend only
-    runs += [("te", False, recipe, n) for recipe in recipes for n in args.nproc_list
+    runs += [("te", "eager", recipe, n) for recipe in recipes for n in args.nproc_list
              if "te" in backends and recipe != "mxfp8"]
-    for backend, compile_, recipe, nproc in runs:
-        r = run_one(args, recipe, compile_, root, nproc, backend)
+    for backend, mode, recipe, nproc in runs:
+        r = run_one(args, recipe, mode, root, nproc, backend)
         results.append(r)
         write_out(args, results)  # (after every run: a sweep cut short keeps what it measured)
         status = "ok" if r["returncode"] == 0 else "FAILED"
-        print(f"[{status}] {backend:<6} {recipe:<11} {'compiled' if compile_ else 'eager':<9} x{nproc} "
+        print(f"[{status}] {backend:<6} {recipe:<11} {mode:<9} x{nproc} "
               f"wall {r['wall_s']:>6}s "
               f"tok/s {r.get('tokens_per_s') or 0:>10.0f}  loss {r.get('first_loss') or 0:.3f} -> "
-              f"{r.get('last_loss') or 0:.3f}", flush=True)
+              f"{r.get('last_loss') or 0:.3f}"
+              + (f"  graphs run without CUDA graphs: {r['cuda_graph_skips']}" if r.get("cuda_graph_skips") else ""),
+              flush=True)
         if r["returncode"] != 0:
             print(r["error"], file=sys.stderr)
-    single = {(r["backend"], r["recipe"], r["compile"]): r for r in results if r["nproc"] == 1}
+    single = {(r["backend"], r["recipe"], r["mode"]): r for r in results if r["nproc"] == 1}
     for r in results:  # data-parallel scaling against the 1-process run of the same recipe/mode
-        one = single.get((r["backend"], r["recipe"], r["compile"]))
+        one = single.get((r["backend"], r["recipe"], r["mode"]))
         if r["nproc"] > 1 and one and r.get("tokens_per_s") and one.get("tokens_per_s"):
             r["scaling_efficiency"] = r["tokens_per_s"] / (r["nproc"] * one["tokens_per_s"])
             ref = dict(one.get("loss_steps", []))
             devs = [abs(v - ref[s]) / abs(ref[s]) for s, v in r.get("loss_steps", []) if ref.get(s)]
             r["max_rel_loss_dev_vs_1proc"] = max(devs) if devs else None
     base = {(bk, c, n): next((r.get("tokens_per_s") for r in results if r["recipe"] == "bf16"
-                              and r["backend"] == bk and r["compile"] == c and r["nproc"] == n), None)
-            for bk in BACKENDS for c in (False, True) for n in args.nproc_list}
+                              and r["backend"] == bk and r["mode"] == c and r["nproc"] == n), None)
+            for bk in BACKENDS for c in MODES for n in args.nproc_list}
     print("\n| backend | recipe | mode | procs | tokens/s | vs bf16 | MFU | loss first -> last | val loss "
           "| DP efficiency | loss dev vs 1 proc |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r.get("tokens_per_s")
-        b = base[(r["backend"], r["compile"], r["nproc"])]
+        b = base[(r["backend"], r["mode"], r["nproc"])]
         ratio = f"{t / b:.2f}x" if t and b else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         eff = f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") else "-"
         dev = f"{r['max_rel_loss_dev_vs_1proc']:.1e}" if r.get("max_rel_loss_dev_vs_1proc") is not None else "-"
         print(f"| {r['backend']} | {r['recipe']}{' (emulated)' if r['recipe'] == 'mxfp8' and args.emulate_mxfp8 else ''} | "
-              f"{'compiled' if r['compile'] else 'eager'} | {r['nproc']} | {t or 0:.0f} | {ratio} | {mfu} | "
+              f"{r['mode']} | {r['nproc']} | {t or 0:.0f} | {ratio} | {mfu} | "
               f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
               f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |")
     compared = compare_backends(results, root, args) if len(backends) > 1 else {}

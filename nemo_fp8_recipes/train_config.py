@@ -33,6 +33,7 @@ __all__ = [
     "GROUPS",
     "ConfigError",
     "TrainerConfig",
+    "uses_cuda_graphs",
     "RunConfig",
     "register_resolvers",
     "list_group_options",
@@ -50,6 +51,9 @@ __all__ = [
     "check_embedded_run",
     "check_batch_split",
     "model_and_data_configs",
+    "COMPILE_MODES",
+    "CUDA_GRAPH_MODES",
+    "check_compile_mode",
     "check_cpu_compile",
     "check_memory",
 ]
@@ -103,6 +107,7 @@ class TrainerConfig:
     fuse_wgrad_accumulation: bool = False
     compiled_weight_cache: bool = True
     memory_check: bool = True
+    compile_mode: str = "default"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -145,6 +150,10 @@ class TrainerConfig:
         need(bool(self.resume), "resume must be auto, never or a checkpoint path")
         need(self.data_parallel in ("ddp", "fsdp2"),
              f"data_parallel={self.data_parallel!r} is not valid; choose one of: ddp, fsdp2")
+        need(self.compile_mode in COMPILE_MODES,
+             f"compile_mode={self.compile_mode!r} is not valid; choose one of: {', '.join(COMPILE_MODES)}")
+        need(self.compile or self.compile_mode == "default",
+             f"compile_mode={self.compile_mode} is a torch.compile mode; it needs trainer.compile=true")
         need(not (self.fuse_wgrad_accumulation and self.compile),
              "fuse_wgrad_accumulation=true applies to the eager FP8 linears, and trainer.compile=true traces "
              "them (the traced linears return their gradients); turn one of the two off")
@@ -532,6 +541,32 @@ def model_and_data_configs(cfg, tcfg: TrainerConfig, vocab_size: int) -> Tuple["
     if tcfg.seq_len > mcfg.max_seq_len:
         raise ConfigError(f"trainer.seq_len={tcfg.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
     return mcfg, dcfg
+
+
+#: torch.compile's modes (``trainer.compile_mode``); the ones that replay the compiled graphs as CUDA graphs
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
+def uses_cuda_graphs(tcfg: TrainerConfig) -> bool:
+    """Whether the compiled model replays its graphs as CUDA graphs (``trainer.compile_mode``)."""
+    return tcfg.compile and tcfg.compile_mode in CUDA_GRAPH_MODES
+
+
+def check_compile_mode(tcfg: TrainerConfig, device: "torch.device", *, world_size: int) -> None:
+    """Refuse a CUDA-graph ``trainer.compile_mode`` where it cannot run as asked: it needs a CUDA
+    device (Inductor would silently skip the graphs on CPU) and one process (the gradient hooks of
+    DDP and FSDP2 run between the graph replays). (backend=te refuses ``trainer.compile`` itself.)"""
+    if not uses_cuda_graphs(tcfg):
+        return
+    mode = tcfg.compile_mode
+    if device.type != "cuda":
+        raise ConfigError(f"trainer.compile_mode={mode} replays the compiled graphs as CUDA graphs and needs a CUDA "
+                          f"device (this run: {device.type}); use trainer.compile_mode=default on CPU")
+    if world_size > 1:
+        raise ConfigError(f"trainer.compile_mode={mode} runs in one process only: under torchrun the "
+                          f"{tcfg.data_parallel} gradient hooks run between the CUDA-graph replays ({world_size} "
+                          "ranks); use trainer.compile_mode=default there")
 
 
 def check_cpu_compile(tcfg: TrainerConfig, recipe, device: "torch.device") -> None:

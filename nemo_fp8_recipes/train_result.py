@@ -51,6 +51,8 @@ class TrainResult:
     world_size: int = 1
     #: FP8 linears whose compiled forward read a cached FP8 weight (trainer.compiled_weight_cache)
     compiled_weight_cache: int = 0
+    #: compiled graphs run without CUDA graphs under a CUDA-graph trainer.compile_mode (None: not asked)
+    cuda_graph_skips: Optional[int] = None
     #: the trained module (unwrapped: no DDP / compile wrapper; FSDP2 parameters stay sharded)
     model: Optional[torch.nn.Module] = field(default=None, repr=False)
 

@@ -33,8 +33,8 @@ from .integrations.te_model import TERun, te_run_problem
 from .logging_utils import MetricsWriter, format_count, format_duration, peak_tflops
 from .models import Transformer
 from .train_config import (ConfigError, build_kernel_options, build_policy, build_recipe, check_batch_split,
-                           check_cpu_compile, check_embedded_run, check_memory, model_and_data_configs,
-                           resolve_device)
+                           check_compile_mode, check_cpu_compile, check_embedded_run, check_memory,
+                           model_and_data_configs, resolve_device, uses_cuda_graphs)
 from .train_logging import LogWindow, record_audit
 from .train_optim import apply_hyperparameters, build_optimizer
 from .train_result import NonFiniteLossError, StepStats, TrainingError, TrainResult
@@ -51,6 +51,13 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
+
+
+def _cuda_graph_skips() -> int:
+    """How many compiled graphs Inductor has run without CUDA graphs in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def _autocast(device: torch.device, mode: str):
@@ -168,6 +175,8 @@ class Trainer:
         check_memory(tcfg, self.mcfg, self.recipe, self.device, world_size=ctx.world_size,
                      bf16_activations=self.bf16)
         check_cpu_compile(tcfg, self.recipe, self.device)
+        check_compile_mode(tcfg, self.device, world_size=ctx.world_size)
+        self.cuda_graphs = uses_cuda_graphs(tcfg)  # the compiled graphs replay as CUDA graphs
 
     def _build_data(self) -> None:
         """The tokenised corpus, the training micro-batches (a pure function of seed and step) and
@@ -294,7 +303,19 @@ class Trainer:
         if ctx.is_main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
 
-        self.model = torch.compile(self.dp_model) if tcfg.compile else self.dp_model
+        self.model = self.dp_model
+        self._grad_hooks = []
+        self._skips0 = _cuda_graph_skips()
+        if tcfg.compile:
+            self.model = torch.compile(self.dp_model, mode=None if tcfg.compile_mode == "default" else tcfg.compile_mode)
+        if self.cuda_graphs:
+            # A parameter's gradient would be the backward graph's output buffer itself (autograd
+            # keeps it as .grad), which CUDA-graph replays write again: each gradient is copied out
+            # of the graph pool before it is accumulated. (Without the copy the run left the default
+            # mode's numbers from the first replays on, with one micro-batch per step too.)
+            self._grad_hooks = [q.register_hook(torch.clone) for q in self.raw_model.parameters() if q.requires_grad]
+            log.info("trainer.compile_mode=%s: the compiled graphs replay as CUDA graphs (gradients copied out of "
+                     "the graph pool: %d parameters)", tcfg.compile_mode, len(self._grad_hooks))
         self.writer = MetricsWriter(self.run_dir, enabled=self.rcfg.tensorboard and ctx.is_main,
                                     purge_step=self.start_step + 1 if self.start_step else None)
         log.info(
@@ -408,6 +429,8 @@ class Trainer:
         """Forward and backward of micro-batch ``micro`` of the step; the gradients are synced
         over the ranks with the last one. Returns the model output."""
         tcfg = self.tcfg
+        if self.cuda_graphs:  # a new replay: the previous micro-batch's graph outputs are consumed
+            torch.compiler.cudagraph_mark_step_begin()
         try:
             with grad_sync(self.dp_model, tcfg.data_parallel, self.ctx, micro == self.accum - 1), self.autocast(), \
                     self._fp8_autocast(micro == 0):
@@ -440,8 +463,10 @@ class Trainer:
         if step > self.start_step + 1:  # the first step pays compile/warm-up costs
             self.step_time_total += stats.time_s
             self.steps_timed += 1
-        if step == self.start_step + 1 and self.start_step == 0:
-            self.write_audit()
+        if step == self.start_step + 1:
+            if self.start_step == 0:
+                self.write_audit()
+            self.report_cuda_graphs()
         if self.telemetry_due:
             self.log_telemetry()
         self.log_step(stats)
@@ -469,6 +494,22 @@ class Trainer:
         self.result.audit_table = record_audit(report, self.ctx, run_dir=self.run_dir, writer=self.writer,
                                                step=self.global_step, extra=extra,
                                                data_parallel=self.tcfg.data_parallel)
+
+    def report_cuda_graphs(self, final: bool = False) -> None:
+        """With a CUDA-graph ``trainer.compile_mode``: say whether every compiled graph compiled so
+        far replays as a CUDA graph (Inductor runs a graph it cannot capture as plain kernels);
+        ``final``: only if that changed since the first step."""
+        if not self.cuda_graphs:
+            return
+        n = _cuda_graph_skips() - self._skips0
+        if final and n == self.result.cuda_graph_skips:
+            return
+        self.result.cuda_graph_skips = n
+        if n:
+            log.warning("trainer.compile_mode=%s: %d compiled graph(s) run without CUDA graphs, with the host's "
+                        "launch overhead (TORCH_LOGS=cudagraphs prints why)", self.tcfg.compile_mode, n)
+        else:
+            log.info("trainer.compile_mode=%s: every compiled graph replays as a CUDA graph", self.tcfg.compile_mode)
 
     def log_telemetry(self) -> None:
         """FP8 statistics per layer group (amax, scale, under/overflow) of this step, to TensorBoard."""
@@ -529,6 +570,8 @@ class Trainer:
         total, n = 0.0, 0
         try:
             for x, y in self.val_batches.iter(self.device):
+                if self.cuda_graphs:
+                    torch.compiler.cudagraph_mark_step_begin()
                 with self.autocast(), self._fp8_autocast(None):
                     out = self.model(x, y)
                 total += float(out.ce_loss)
@@ -611,6 +654,9 @@ class Trainer:
         result.tokens_per_s = (self.tokens_per_step * self.steps_timed / self.step_time_total
                                if self.step_time_total else None)
         result.wall_s = time.perf_counter() - self.t_start
+        self.report_cuda_graphs(final=True)  # (validation and telemetry steps compile graphs of their own)
+        for h in self._grad_hooks:
+            h.remove()
         tail = [h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):] if math.isfinite(h["loss"])]
         final_train = float(np.mean(tail)) if tail else float("nan")
         if self.ctx.is_main:
@@ -624,6 +670,8 @@ class Trainer:
                 "data_parallel": tcfg.data_parallel if self.ctx.distributed else None,
                 "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
                 "kernel_options": self.kernel_options.as_dict(),
+                "compile": tcfg.compile, "compile_mode": tcfg.compile_mode if tcfg.compile else None,
+                "cuda_graph_skips": result.cuda_graph_skips,
                 "peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None,
             }, indent=2) + "\n", encoding="utf-8")
         log.info(

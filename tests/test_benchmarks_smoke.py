@@ -900,6 +900,23 @@ def test_train_throughput_with_the_megatron_te_column(tmp_path):
     assert "Megatron-Core + TE tok/s" in proc.stdout
 
 
+def test_train_throughput_graphs_mode_is_refused_on_cpu_with_the_reason(tmp_path):
+    """``train_throughput.py --compile graphs`` runs the trainer with
+    ``trainer.compile_mode=reduce-overhead``; on CPU the trainer refuses it and the row says why;
+    an unknown mode lists the valid ones."""
+    bench = [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--recipes", "bf16",
+             "--root", str(tmp_path / "runs")]
+    proc = subprocess.run(bench + ["--compile", "graphs", "--out", str(tmp_path / "g.json")], capture_output=True,
+                          text=True, timeout=300, cwd=str(ROOT))
+    assert proc.returncode == 1
+    (row,) = json.loads((tmp_path / "g.json").read_text())["results"]
+    assert row["mode"] == "graphs" and "trainer.compile_mode=reduce-overhead" in row["cmd"]
+    assert "compile_mode=reduce-overhead replays the compiled graphs as CUDA graphs and needs a CUDA device" \
+        in row["error"]
+    proc = subprocess.run(bench + ["--compile", "fast"], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    assert proc.returncode == 2 and "unknown --compile mode 'fast'; valid: eager, compiled, graphs, both" in proc.stderr
+
+
 def test_layer_speedup_plot_reads_the_measured_te_columns(tmp_path):
     """``plot_layer_speedup.py`` on the layer results the docs link: ours and TE's speed-up over
     our compiled BF16 layer per recipe and size (values from the run's own ``speedup`` field)."""

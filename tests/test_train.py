@@ -3,6 +3,7 @@ checkpoints survive interrupted writes, and bad situations stop with clear messa
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from nemo_fp8_recipes.checkpoint import CheckpointError, CheckpointManager, load
 from nemo_fp8_recipes.nn import Float8Linear, audit
 from nemo_fp8_recipes.recipes import DeviceInfo, check_supported, list_recipes
 from nemo_fp8_recipes.train import NonFiniteLossError, main, train
-from nemo_fp8_recipes.train_config import compose_config
+from nemo_fp8_recipes.train_config import ConfigError, compose_config
 
 # A 2-layer model whose GEMM dims are multiples of 128, so every projection is FP8 under every
 # recipe (blockwise needs 128), with GQA (4 heads, 2 KV heads); 256 tokens per step.
@@ -303,7 +304,6 @@ def test_compile_trains_like_eager(recipe, tmp_path, token_cache):
             "trainer.val_steps=1", "trainer.telemetry_interval=2", "model.num_layers=1"]  # (compile time per layer)
     if recipe in ("blockwise", "mxfp8"):
         # torch.compile's C++ backend fails on these emulations after minutes: refused at once
-        from nemo_fp8_recipes.train_config import ConfigError
 
         t0 = time.monotonic()
         with pytest.raises(ConfigError, match=f"cannot compile recipe {recipe}.*trainer.compile=false"):
@@ -339,6 +339,23 @@ def test_compile_with_micro_batches_caches_fp8_weights(tmp_path, token_cache):
     resumed = train(_cfg(tmp_path / "cached", token_cache, *args, "trainer.ckpt_interval=2", "trainer.max_steps=3"))
     assert resumed.start_step == 2 and resumed.compiled_weight_cache == n_fp8
     assert audit(resumed.model, strict=True).stale_weight_caches == []
+
+
+def test_compile_mode_is_checked_before_any_work(tmp_path, token_cache):
+    """``trainer.compile_mode``: an unknown mode lists the valid ones, a mode without
+    ``trainer.compile=true`` says so, and a CUDA-graph mode on CPU is refused (Inductor would skip
+    the graphs there without a word) before the run directory exists."""
+    with pytest.raises(ConfigError, match="compile_mode='fast' is not valid; choose one of: default, reduce-overhead"):
+        train(_cfg(tmp_path / "a", token_cache, "trainer.compile=true", "trainer.compile_mode=fast"))
+    with pytest.raises(ConfigError, match="compile_mode=reduce-overhead is a torch.compile mode; it needs "
+                                          "trainer.compile=true"):
+        train(_cfg(tmp_path / "b", token_cache, "trainer.compile_mode=reduce-overhead"))
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(ConfigError, match=f"compile_mode={mode} replays the compiled graphs as CUDA graphs and "
+                                              "needs a CUDA device \\(this run: cpu\\)"):
+            train(_cfg(tmp_path / "c", token_cache, "recipe=tensorwise", "trainer.compile=true",
+                       f"trainer.compile_mode={mode}"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
 
 
 # ---- GPU (run on the device machine; skipped on CPU with the reason) -------------------------
@@ -521,3 +538,30 @@ def test_the_small_gemm_hint_names_the_size_rule(tmp_path, token_cache, caplog):
         finally:
             trainer.close()
         assert ("below the measured tensorwise FP8/BF16 crossover" in caplog.text) == expect, caplog.text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe,accum", [("bf16", 1), ("tensorwise", 1), ("tensorwise", 2), ("blockwise", 2),
+                                          ("delayed", 2)])
+def test_gpu_cuda_graphs_train_like_the_default_compile(recipe, accum, tmp_path, token_cache):
+    """``trainer.compile_mode=reduce-overhead`` (the compiled graphs replayed as CUDA graphs)
+    trains the same model as the default mode, bit for bit: the same kernels replayed, with one
+    and two micro-batches per step (the gradients copied out of the graph pool before they are
+    accumulated), delayed scaling's in-graph amaxes and the compiled weight cache included, and
+    validation in between; every graph of the step is captured."""
+    reason = _gpu_reason(recipe)
+    if reason:
+        pytest.skip(reason)
+    base = GPU_MODEL + [f"recipe={recipe}", "trainer.max_steps=6", "trainer.log_interval=1", "trainer.val_interval=3",
+                        "trainer.compile=true", "trainer.micro_batch_size=4", f"trainer.global_batch_size={4 * accum}",
+                        "trainer.checkpoint=false", "trainer.telemetry_interval=0", f"data.cache_dir={token_cache}"]
+    plain = train(compose_config(base + [f"run.root={tmp_path / 'default'}"]))
+    graphs = train(compose_config(base + [f"run.root={tmp_path / 'graphs'}", "trainer.compile_mode=reduce-overhead"]))
+    assert graphs.cuda_graph_skips == 0 and plain.cuda_graph_skips is None
+    assert graphs.losses == plain.losses
+    assert [h["grad_norm"] for h in graphs.history] == [h["grad_norm"] for h in plain.history]
+    assert graphs.val == plain.val
+    for (name, a), b in zip(plain.model.state_dict().items(), graphs.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    summary = json.loads((graphs.run_dir / "summary.json").read_text())
+    assert summary["compile_mode"] == "reduce-overhead" and summary["cuda_graph_skips"] == 0
