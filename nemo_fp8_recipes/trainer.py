@@ -34,7 +34,8 @@ from .logging_utils import MetricsWriter, format_count, format_duration, peak_tf
 from .models import Transformer
 from .train_config import (ConfigError, build_kernel_options, build_policy, build_recipe, check_batch_split,
                            check_compile_mode, check_cpu_compile, check_embedded_run, check_memory,
-                           model_and_data_configs, resolve_device, uses_cuda_graphs)
+                           model_and_data_configs, resolve_device)
+from .train_compile import compile_model
 from .train_logging import LogWindow, record_audit
 from .train_optim import apply_hyperparameters, build_optimizer
 from .train_result import NonFiniteLossError, StepStats, TrainingError, TrainResult
@@ -45,19 +46,11 @@ log = logging.getLogger("nemo_fp8_recipes.train")
 
 
 # ---- building blocks -----------------------------------------------------------------------
-# ---- building blocks -----------------------------------------------------------------------
 def _seed_everything(seed: int) -> None:
     """Seed Python's, NumPy's and torch's generators (the model initialisation)."""
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-def _cuda_graph_skips() -> int:
-    """How many compiled graphs Inductor has run without CUDA graphs in this process so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def _autocast(device: torch.device, mode: str):
@@ -93,7 +86,6 @@ def _fp8_state_restore(model: torch.nn.Module, snap: Dict[str, Dict[str, Any]]) 
             result = m.load_state_dict(snap[name], strict=False)
             if result.unexpected_keys:  # pragma: no cover - a snapshot always matches its module
                 raise RuntimeError(f"FP8 state restore of {name}: unexpected {result.unexpected_keys}")
-
 
 
 # ---- the run -------------------------------------------------------------------------------
@@ -176,7 +168,6 @@ class Trainer:
                      bf16_activations=self.bf16)
         check_cpu_compile(tcfg, self.recipe, self.device)
         check_compile_mode(tcfg, self.device, world_size=ctx.world_size)
-        self.cuda_graphs = uses_cuda_graphs(tcfg)  # the compiled graphs replay as CUDA graphs
 
     def _build_data(self) -> None:
         """The tokenised corpus, the training micro-batches (a pure function of seed and step) and
@@ -303,19 +294,8 @@ class Trainer:
         if ctx.is_main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
 
-        self.model = self.dp_model
-        self._grad_hooks = []
-        self._skips0 = _cuda_graph_skips()
-        if tcfg.compile:
-            self.model = torch.compile(self.dp_model, mode=None if tcfg.compile_mode == "default" else tcfg.compile_mode)
-        if self.cuda_graphs:
-            # A parameter's gradient would be the backward graph's output buffer itself (autograd
-            # keeps it as .grad), which CUDA-graph replays write again: each gradient is copied out
-            # of the graph pool before it is accumulated. (Without the copy the run left the default
-            # mode's numbers from the first replays on, with one micro-batch per step too.)
-            self._grad_hooks = [q.register_hook(torch.clone) for q in self.raw_model.parameters() if q.requires_grad]
-            log.info("trainer.compile_mode=%s: the compiled graphs replay as CUDA graphs (gradients copied out of "
-                     "the graph pool: %d parameters)", tcfg.compile_mode, len(self._grad_hooks))
+        # (self.graphs: trainer.compile_mode=reduce-overhead / max-autotune replays them as CUDA graphs)
+        self.model, self.graphs = compile_model(self.dp_model, self.raw_model, tcfg)
         self.writer = MetricsWriter(self.run_dir, enabled=self.rcfg.tensorboard and ctx.is_main,
                                     purge_step=self.start_step + 1 if self.start_step else None)
         log.info(
@@ -429,8 +409,8 @@ class Trainer:
         """Forward and backward of micro-batch ``micro`` of the step; the gradients are synced
         over the ranks with the last one. Returns the model output."""
         tcfg = self.tcfg
-        if self.cuda_graphs:  # a new replay: the previous micro-batch's graph outputs are consumed
-            torch.compiler.cudagraph_mark_step_begin()
+        if self.graphs:
+            self.graphs.mark()
         try:
             with grad_sync(self.dp_model, tcfg.data_parallel, self.ctx, micro == self.accum - 1), self.autocast(), \
                     self._fp8_autocast(micro == 0):
@@ -466,7 +446,7 @@ class Trainer:
         if step == self.start_step + 1:
             if self.start_step == 0:
                 self.write_audit()
-            self.report_cuda_graphs()
+            self.result.cuda_graph_skips = self.graphs.report() if self.graphs else None
         if self.telemetry_due:
             self.log_telemetry()
         self.log_step(stats)
@@ -494,22 +474,6 @@ class Trainer:
         self.result.audit_table = record_audit(report, self.ctx, run_dir=self.run_dir, writer=self.writer,
                                                step=self.global_step, extra=extra,
                                                data_parallel=self.tcfg.data_parallel)
-
-    def report_cuda_graphs(self, final: bool = False) -> None:
-        """With a CUDA-graph ``trainer.compile_mode``: say whether every compiled graph compiled so
-        far replays as a CUDA graph (Inductor runs a graph it cannot capture as plain kernels);
-        ``final``: only if that changed since the first step."""
-        if not self.cuda_graphs:
-            return
-        n = _cuda_graph_skips() - self._skips0
-        if final and n == self.result.cuda_graph_skips:
-            return
-        self.result.cuda_graph_skips = n
-        if n:
-            log.warning("trainer.compile_mode=%s: %d compiled graph(s) run without CUDA graphs, with the host's "
-                        "launch overhead (TORCH_LOGS=cudagraphs prints why)", self.tcfg.compile_mode, n)
-        else:
-            log.info("trainer.compile_mode=%s: every compiled graph replays as a CUDA graph", self.tcfg.compile_mode)
 
     def log_telemetry(self) -> None:
         """FP8 statistics per layer group (amax, scale, under/overflow) of this step, to TensorBoard."""
@@ -570,8 +534,8 @@ class Trainer:
         total, n = 0.0, 0
         try:
             for x, y in self.val_batches.iter(self.device):
-                if self.cuda_graphs:
-                    torch.compiler.cudagraph_mark_step_begin()
+                if self.graphs:
+                    self.graphs.mark()
                 with self.autocast(), self._fp8_autocast(None):
                     out = self.model(x, y)
                 total += float(out.ce_loss)
@@ -654,9 +618,7 @@ class Trainer:
         result.tokens_per_s = (self.tokens_per_step * self.steps_timed / self.step_time_total
                                if self.step_time_total else None)
         result.wall_s = time.perf_counter() - self.t_start
-        self.report_cuda_graphs(final=True)  # (validation and telemetry steps compile graphs of their own)
-        for h in self._grad_hooks:
-            h.remove()
+        result.cuda_graph_skips = self.graphs.close() if self.graphs else None
         tail = [h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):] if math.isfinite(h["loss"])]
         final_train = float(np.mean(tail)) if tail else float("nan")
         if self.ctx.is_main:
