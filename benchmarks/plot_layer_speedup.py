@@ -3,10 +3,12 @@
 Reads the JSON that ``benchmarks/layer_fwd_bwd.py --out`` writes (one file per size, or one file
 holding several such outputs under ``"runs"``), takes the compiled round, and draws per recipe the
 speed-up over our compiled BF16 layer of the same run: solid lines ours, dashed lines
-``te.TransformerLayer`` (TE eager, timed in the same round)::
+``te.TransformerLayer`` (TE eager, timed in the same round), dotted lines torchao's
+``convert_to_float8_training`` (compiled; its ``tensorwise`` and ``rowwise`` recipes) where the
+run has them::
 
-    python benchmarks/plot_layer_speedup.py docs/results/layer_te_h200_2026-12-02.json \\
-        --out docs/img/layer_speedup_h200_2026-12-02.png
+    python benchmarks/plot_layer_speedup.py docs/results/layer_te_torchao_h100_2026-12-05.json \\
+        --out docs/img/layer_speedup_h100_2026-12-05.png
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from pathlib import Path
 
 #: one colour per recipe, the same in every plot of the docs
 RECIPE_COLORS = {"bf16": "tab:gray", "tensorwise": "tab:blue", "blockwise": "tab:green", "delayed": "tab:orange",
-                 "mxfp8": "tab:purple"}
+                 "mxfp8": "tab:purple", "rowwise": "tab:brown"}
+#: line style and legend label per implementation
+IMPLS = {"ours": ("-", "ours, compiled"), "te": ("--", "TE layer, eager"), "torchao": (":", "torchao, compiled")}
 SIZES = ("8b", "70b", "405b")
 
 
@@ -29,14 +33,14 @@ def rows_of(data: dict) -> list:
 
 
 def speedups(rows: list, mode: str = "compiled") -> dict:
-    """``{(impl, recipe): {size: speed-up over our BF16 of the same run}}``, ``impl`` "ours" or
-    "te"; a size measured in several runs keeps the last."""
+    """``{(impl, recipe): {size: speed-up over our BF16 of the same run}}``, ``impl`` "ours",
+    "te" or "torchao"; a size measured in several runs keeps the last."""
     out: dict = {}
     for r in rows:
         if r.get("mode") != mode or r.get("status") != "ok" or r.get("speedup") is None:
             continue
         v = r["variant"]
-        impl, recipe = ("te", v[3:]) if v.startswith("te-") else ("ours", v)
+        impl, recipe = next(((i, v[len(i) + 1:]) for i in ("te", "torchao") if v.startswith(i + "-")), ("ours", v))
         if recipe not in RECIPE_COLORS:
             continue
         out.setdefault((impl, recipe), {})[r["size"]] = r["speedup"]
@@ -58,8 +62,7 @@ def plot(rows: list, out: Path, title: str) -> None:
     for (impl, recipe), by_size in sorted(sp.items()):
         pts = [(xs[s], by_size[s]) for s in sizes if s in by_size]
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=RECIPE_COLORS[recipe],
-                linestyle="-" if impl == "ours" else "--",
-                label=f"{recipe} ({'ours, compiled' if impl == 'ours' else 'TE layer, eager'})")
+                linestyle=IMPLS[impl][0], label=f"{recipe} ({IMPLS[impl][1]})")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(sizes)), [f"Llama 3 {s.upper()}" for s in sizes])
     ax.set_ylabel("speed-up over our compiled BF16 layer (×)")
