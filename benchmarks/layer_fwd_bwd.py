@@ -846,6 +846,9 @@ def main(argv=None) -> int:
         cfgs = {"tiny": load_model_config("llama3_8b").replace(
             name="tiny", dim=256, num_heads=2, num_kv_heads=1, ffn_dim=384, max_seq_len=a.seq)}
     ao_version, ao_reason = torchao_status()
+    cudnn, cudnn_problem = cudnn_status() if cuda else (None, None)
+    if cudnn_problem:
+        p.error(cudnn_problem)
     x_dtype = DTYPES[a.input_dtype]
     # the block's output dtype: the residual stream's for a layer, autocast's for the MLP alone
     y_dtype = x_dtype if a.block == "layer" or not cuda else torch.bfloat16
@@ -853,7 +856,7 @@ def main(argv=None) -> int:
     res = []
     header = {"benchmark": "layer_fwd_bwd", "block": a.block, "device": name,
               "torch": torch.__version__, "torchao": ao_version, "transformer_engine": _te_version(),
-              "seq": a.seq, "batch": a.batch,
+              "cudnn": cudnn, "seq": a.seq, "batch": a.batch,
               "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
               "compile_backend": a.compile_backend, "compile_mode": a.compile_mode, "warmup": a.warmup,
               "iters": a.iters, "rounds": a.rounds,
@@ -929,6 +932,27 @@ def main(argv=None) -> int:
             print("\n" + timeline_table(timed, ["size", "variant", "mode"]))
     write_json(a.out, dict(header, results=res))
     return 1 if failed else 0
+
+
+def cudnn_status():
+    """``(cuDNN version as "9.19.0", None)``, or ``(None, why)`` where PyTorch cannot use its cuDNN.
+    That happens when the library path holds an older system cuDNN, which the loader takes before
+    the one PyTorch ships: PyTorch then disables cuDNN and its SDPA runs other attention kernels,
+    while TE's layer still runs cuDNN's, so the two would not be compared on the same attention."""
+    try:
+        v = torch.backends.cudnn.version()
+    except RuntimeError as e:
+        v, err = None, str(e).splitlines()[0]
+    else:
+        err = None if v else "cuDNN is not available to this PyTorch build"
+    if v:
+        return f"{v // 10000}.{v // 100 % 100}.{v % 100}", None
+    lib = os.path.join(os.path.dirname(torch.__file__), os.pardir, "nvidia", "cudnn")
+    fix = (f"export CUDNN_HOME={os.path.realpath(lib)} LD_LIBRARY_PATH={os.path.realpath(lib)}/lib:$LD_LIBRARY_PATH"
+           if os.path.isdir(lib) else "put PyTorch's cuDNN first on LD_LIBRARY_PATH")
+    return None, (f"PyTorch cannot use cuDNN here ({err}): its attention would run other kernels than "
+                  f"te.TransformerLayer's cuDNN attention, and every comparison would time different attention. "
+                  f"Give it its own cuDNN before starting Python: {fix}")
 
 
 def _te_version():

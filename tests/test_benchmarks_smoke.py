@@ -935,8 +935,38 @@ def test_layer_speedup_plot_reads_the_measured_te_columns(tmp_path):
     assert sp[("te", "tensorwise")] == want and set(want) == {"8b", "70b", "405b"}
     assert set(sp[("ours", "blockwise")]) == {"8b", "70b", "405b"}
     assert all(v == 1.0 for v in sp[("ours", "bf16")].values())  # (the baseline itself)
+    h100 = json.loads((ROOT / "docs" / "results" / "layer_te_torchao_h100_2026-12-05.json").read_text())
+    sp = speedups(rows_of(h100))  # (torchao's rows: dotted lines of their own recipe names)
+    assert set(sp[("torchao", "tensorwise")]) == set(sp[("torchao", "rowwise")]) == {"8b", "70b", "405b"}
+    assert ("ours", "torchao-tensorwise") not in sp and set(sp[("te", "delayed")]) == {"8b", "70b", "405b"}
     png = tmp_path / "speedup.png"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_layer_speedup.py"), str(src),
                            "--out", str(png)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_layer_benchmark_names_the_cudnn_fix_when_torch_cannot_load_its_own(monkeypatch):
+    """A system cuDNN older than PyTorch's, first on the library path, makes PyTorch disable cuDNN
+    (its SDPA then runs other attention kernels than TE's layer): the layer benchmark says so and
+    how to give PyTorch its own cuDNN, instead of timing different attention."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import layer_fwd_bwd
+    finally:
+        sys.path.pop(0)
+
+    def broken():
+        raise RuntimeError("cuDNN version incompatibility: PyTorch was compiled  against (9, 19, 0) but found "
+                           "runtime version (9, 14, 0).\nmore")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", broken)
+    v, why = layer_fwd_bwd.cudnn_status()
+    assert v is None
+    assert why.startswith("PyTorch cannot use cuDNN here (cuDNN version incompatibility: PyTorch was compiled  "
+                          "against (9, 19, 0) but found runtime version (9, 14, 0).)")
+    assert "cuDNN attention" in why and ("LD_LIBRARY_PATH" in why)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    assert layer_fwd_bwd.cudnn_status() == ("9.19.0", None)
