@@ -26,6 +26,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .train_config import uses_cuda_graphs
+
 __all__ = ["CudaGraphReplays", "compile_model", "cuda_graph_skips"]
 
 log = logging.getLogger("nemo_fp8_recipes.train")
@@ -84,8 +86,6 @@ def compile_model(dp_model: torch.nn.Module, raw_model: torch.nn.Module, tcfg
     """The module the trainer runs forward: ``dp_model`` (the data-parallel wrapper, or the model
     itself) under ``torch.compile`` with ``trainer.compile_mode`` when ``trainer.compile=true``;
     and, for a CUDA-graph mode, the :class:`CudaGraphReplays` on ``raw_model``'s parameters."""
-    from .train_config import uses_cuda_graphs
-
     if not tcfg.compile:
         return dp_model, None
     model = torch.compile(dp_model, mode=None if tcfg.compile_mode == "default" else tcfg.compile_mode)
