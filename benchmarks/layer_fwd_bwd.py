@@ -133,6 +133,7 @@ from nemo_fp8_recipes.options import KernelOptions  # noqa: E402
 from nemo_fp8_recipes.policy import PrecisionPolicy  # noqa: E402
 from nemo_fp8_recipes.quant.launch import set_fast_launch  # noqa: E402
 from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
+from nemo_fp8_recipes.train_config import COMPILE_MODES, CUDA_GRAPH_MODES  # noqa: E402
 
 MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
 TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
@@ -366,7 +367,7 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
         requant = ((a.requant_weights or a.micro_batches > 1)
                    and any(type(m) is Float8Linear for m in model.modules()))
         delayed = any(type(m) is Float8Linear and m.recipe.is_delayed for m in model.modules())
-        graphs = mode == "compiled" and a.compile_mode in ("reduce-overhead", "max-autotune")
+        graphs = mode == "compiled" and a.compile_mode in CUDA_GRAPH_MODES
         calls = [0]
 
         def step(i: int, refresh: bool = True) -> None:
@@ -765,7 +766,7 @@ def main(argv=None) -> int:
                         "(no synchronisation between them, as in a training loop; default %(default)s)")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--compile-mode", default=None,
-                   choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+                   choices=COMPILE_MODES,
                    help="torch.compile mode (Inductor only; default: torch's default). reduce-overhead "
                         "replays each compiled graph as a CUDA graph (no launch gaps)")
     p.add_argument("--micro-batches", type=int, default=1, metavar="K",
@@ -819,10 +820,10 @@ def main(argv=None) -> int:
         p.error(f"--micro-batches must be at least 1, got {a.micro_batches}")
     if not (math.isfinite(a.energy) and a.energy >= 0):
         p.error("--energy is a duration in seconds (0: off)")
-    if a.cuda_graph and a.compile_mode in ("reduce-overhead", "max-autotune") and "compiled" in modes:
+    if a.cuda_graph and a.compile_mode in CUDA_GRAPH_MODES and "compiled" in modes:
         p.error(f"--cuda-graph captures the whole step itself; --compile-mode {a.compile_mode} already replays "
                 "each compiled graph as a CUDA graph (use one or the other)")
-    if a.rounds > 1 and a.compile_mode in ("reduce-overhead", "max-autotune") and "compiled" in modes:
+    if a.rounds > 1 and a.compile_mode in CUDA_GRAPH_MODES and "compiled" in modes:
         p.error(f"--rounds {a.rounds} interleaves the variants, whose CUDA-graph trees "
                 f"(--compile-mode {a.compile_mode}) are one per process and would be re-recorded at every "
                 "switch; use --rounds 1 with that mode")

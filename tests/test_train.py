@@ -304,7 +304,6 @@ def test_compile_trains_like_eager(recipe, tmp_path, token_cache):
             "trainer.val_steps=1", "trainer.telemetry_interval=2", "model.num_layers=1"]  # (compile time per layer)
     if recipe in ("blockwise", "mxfp8"):
         # torch.compile's C++ backend fails on these emulations after minutes: refused at once
-
         t0 = time.monotonic()
         with pytest.raises(ConfigError, match=f"cannot compile recipe {recipe}.*trainer.compile=false"):
             train(_cfg(tmp_path / "compiled", token_cache, *args, "trainer.compile=true"))
