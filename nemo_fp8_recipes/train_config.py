@@ -108,6 +108,7 @@ class TrainerConfig:
     compiled_weight_cache: bool = True
     memory_check: bool = True
     compile_mode: str = "default"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

@@ -27,6 +27,7 @@ import torch
 from .checkpoint import (CHECKPOINT_FORMAT, CheckpointManager, capture_rng_state, check_compatible,
                          load_for_resume, load_model_state, resolve_resume, restore_rng_state)
 from .data import ByteTokenizer, PackedTokens, TrainBatches, ValBatches, load_corpus
+from .determinism import deterministic_mode, explain_nondeterministic_op
 from .distributed import (DistContext, all_reduce_sum, barrier, dist_world_size, full_tensor, grad_sync,
                           init_distributed, reduce_telemetry, state_dicts, wrap_model)
 from .integrations.te_model import TERun, te_run_problem
@@ -62,32 +63,6 @@ def _autocast(device: torch.device, mode: str):
     return (lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)), True
 
 
-def _fp8_state_snapshot(model: torch.nn.Module) -> Dict[str, Dict[str, Any]]:
-    """Copy of every FP8 module's non-parameter state (scaling buffers, extra state)."""
-    from .nn import fp8_modules
-
-    snap = {}
-    for name, m in fp8_modules(model).items():
-        params = {n for n, _ in m.named_parameters(recurse=False)}
-        snap[name] = {
-            k: (v.detach().clone() if torch.is_tensor(v) else v)
-            for k, v in m.state_dict().items() if k not in params
-        }
-    return snap
-
-
-def _fp8_state_restore(model: torch.nn.Module, snap: Dict[str, Dict[str, Any]]) -> None:
-    """Put back a :func:`_fp8_state_snapshot` (through ``load_state_dict``, which also drops any
-    cached FP8 weight copies, as a resumed run starts without them)."""
-    from .nn import fp8_modules
-
-    for name, m in fp8_modules(model).items():
-        if name in snap:
-            result = m.load_state_dict(snap[name], strict=False)
-            if result.unexpected_keys:  # pragma: no cover - a snapshot always matches its module
-                raise RuntimeError(f"FP8 state restore of {name}: unexpected {result.unexpected_keys}")
-
-
 # ---- the run -------------------------------------------------------------------------------
 class Trainer:
     """One run of the embedded trainer: ``Trainer(cfg).run()`` returns a :class:`TrainResult`.
@@ -109,6 +84,7 @@ class Trainer:
         self.cfg = cfg  #: the composed config (``DictConfig``); setup records the kernel options in it
         self.ctx: Optional[DistContext] = None
         self.result: Optional[TrainResult] = None
+        self._process_settings = contextlib.ExitStack()  # trainer.deterministic's switches, undone by close()
 
     # ---- set-up ----
     def setup(self) -> None:
@@ -143,6 +119,9 @@ class Trainer:
         cfg = self.cfg
         self.tcfg, self.rcfg, self.backend = check_embedded_run(cfg)
         tcfg = self.tcfg
+        # before anything imports Transformer Engine or runs a kernel (process-wide; close() restores)
+        self.determinism = self._process_settings.enter_context(
+            deterministic_mode(tcfg.deterministic, transformer_engine=self.backend == "te"))
         device = resolve_device(tcfg.device)
         self.recipe = build_recipe(cfg.recipe)
         self.policy = build_policy(cfg.get("policy"))
@@ -307,6 +286,9 @@ class Trainer:
             tcfg.global_batch_size, tcfg.seq_len, self.accum,
             f" per rank, {ctx.world_size} ranks, {tcfg.data_parallel}" if ctx.distributed else "",
         )
+        if tcfg.deterministic:
+            log.info("deterministic: on (%s): the same config and seed repeat this run bit for bit",
+                     ", ".join(f"{k}={v}" for k, v in self.determinism.items()))
         if self.start_step == 0:
             self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
         self.result = TrainResult(run_dir=self.run_dir, start_step=self.start_step, final_step=self.start_step,
@@ -417,6 +399,7 @@ class Trainer:
                 out = self.model(x, y)
                 (out.loss / tcfg.grad_accum).backward()
         except Exception as e:
+            self._raise_if_nondeterministic(e)
             if tcfg.compile and type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise TrainingError(
                     f"torch.compile failed for recipe {self.recipe.name}: {str(e).splitlines()[0]}; "
@@ -424,6 +407,12 @@ class Trainer:
                 ) from e
             raise
         return out
+
+    def _raise_if_nondeterministic(self, e: BaseException) -> None:
+        """trainer.deterministic=true met an operator without a deterministic implementation."""
+        msg = explain_nondeterministic_op(e, str(self.device)) if self.tcfg.deterministic else None
+        if msg:
+            raise TrainingError(msg) from e
 
     def _fp8_autocast(self, first_micro_batch: Optional[bool]):
         """backend=te: te.autocast with the recipe, and TE's weight caching told which micro-batch
@@ -528,7 +517,9 @@ class Trainer:
         with validation follows the same trajectory as one without, and a checkpoint written
         right after validation resumes exactly.
         """
-        snapshot = _fp8_state_snapshot(self.raw_model)
+        from .nn import fp8_state_snapshot, restore_fp8_state
+
+        snapshot = fp8_state_snapshot(self.raw_model)
         te_snapshot = self.te_run.snapshot(self.raw_model) if self.te_run else None
         self.model.eval()
         total, n = 0.0, 0
@@ -537,12 +528,16 @@ class Trainer:
                 if self.graphs:
                     self.graphs.mark()
                 with self.autocast(), self._fp8_autocast(None):
-                    out = self.model(x, y)
+                    try:
+                        out = self.model(x, y)
+                    except RuntimeError as e:
+                        self._raise_if_nondeterministic(e)
+                        raise
                 total += float(out.ce_loss)
                 n += 1
         finally:
             self.model.train()
-            _fp8_state_restore(self.raw_model, snapshot)
+            restore_fp8_state(self.raw_model, snapshot)
             if self.te_run:
                 self.te_run.restore(self.raw_model, te_snapshot)
         return total / max(1, n)
@@ -633,6 +628,7 @@ class Trainer:
                 "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
                 "kernel_options": self.kernel_options.as_dict(),
                 "compile": tcfg.compile, "compile_mode": tcfg.compile_mode if tcfg.compile else None,
+                "deterministic": tcfg.deterministic,
                 "cuda_graph_skips": result.cuda_graph_skips,
                 "peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None,
             }, indent=2) + "\n", encoding="utf-8")
@@ -645,6 +641,10 @@ class Trainer:
         return result
 
     def close(self) -> None:
-        """End the process group :meth:`setup` started (nothing when it started none)."""
-        if self.ctx is not None:
-            self.ctx.close()
+        """End the process group :meth:`setup` started (nothing when it started none) and undo the
+        process-wide switches of ``trainer.deterministic``."""
+        try:
+            if self.ctx is not None:
+                self.ctx.close()
+        finally:
+            self._process_settings.close()

@@ -14,7 +14,8 @@ from .convert import (
 )
 from .linear import Float8Linear
 from .telemetry import collect_telemetry, set_telemetry
-from .scaling import discard_delayed_scaling, pinned_scales, set_delayed_scaling_update, sync_delayed_scaling
+from .scaling import (discard_delayed_scaling, fp8_state_snapshot, pinned_scales, restore_fp8_state,
+                      set_delayed_scaling_update, sync_delayed_scaling)
 
 __all__ = [
     "AuditReport",
@@ -36,4 +37,6 @@ __all__ = [
     "sync_delayed_scaling",
     "discard_delayed_scaling",
     "pinned_scales",
+    "fp8_state_snapshot",
+    "restore_fp8_state",
 ]

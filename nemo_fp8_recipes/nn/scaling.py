@@ -27,7 +27,7 @@ or non-finite amax keeps the previous scale.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List
 
 import torch
 import torch.nn as nn
@@ -42,6 +42,8 @@ __all__ = [
     "pinned_scales",
     "set_delayed_scaling_update",
     "sync_delayed_scaling",
+    "fp8_state_snapshot",
+    "restore_fp8_state",
 ]
 
 UPDATE_MODES = ("lazy", "step")
@@ -152,3 +154,25 @@ def pinned_scales(model: nn.Module) -> Dict[str, List[str]]:
         if ops:
             out[name] = ops
     return out
+
+
+def fp8_state_snapshot(model: nn.Module) -> Dict[str, Dict[str, Any]]:
+    """A copy of every FP8 linear's state besides its parameters (scaling buffers, extra state),
+    to put back with :func:`restore_fp8_state` (e.g. around an evaluation that must not advance
+    delayed scaling)."""
+    snap = {}
+    for name, m in fp8_modules(model).items():
+        params = {n for n, _ in m.named_parameters(recurse=False)}
+        snap[name] = {k: (v.detach().clone() if torch.is_tensor(v) else v)
+                      for k, v in m.state_dict().items() if k not in params}
+    return snap
+
+
+def restore_fp8_state(model: nn.Module, snap: Dict[str, Dict[str, Any]]) -> None:
+    """Put back a :func:`fp8_state_snapshot` (through ``load_state_dict``, which also drops any
+    cached FP8 weight copies, as a resumed run starts without them)."""
+    for name, m in fp8_modules(model).items():
+        if name in snap:
+            result = m.load_state_dict(snap[name], strict=False)
+            if result.unexpected_keys:  # pragma: no cover - a snapshot always matches its module
+                raise RuntimeError(f"FP8 state restore of {name}: unexpected {result.unexpected_keys}")
