@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 
 from .checkpoint import CheckpointError
 from .data import DataError
+from .run_names import with_sweep_names
 from .train_config import (CONFIG_DIR, CONFIG_NAME, ConfigError, build_policy, build_recipe, resolve_device,
                            validate_overrides)
 from .train_logging import logging_as_it_was, quiet_failing_log_files
@@ -123,6 +124,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     so a bad key or option fails at once with the valid choices listed.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    if "-m" in args or "--multirun" in args:
+        args = with_sweep_names(args)  # each job its own run directory: bf16-seed1, bf16-seed2, ...
     if not any(a.startswith("-") for a in args):
         problem = validate_overrides(args)
         if problem:

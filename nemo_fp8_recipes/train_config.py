@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
+from .run_names import register_resolvers
+
 if TYPE_CHECKING:  # annotations only: importing this module needs no torch
     import torch
 
@@ -35,14 +37,12 @@ __all__ = [
     "TrainerConfig",
     "uses_cuda_graphs",
     "RunConfig",
-    "register_resolvers",
     "list_group_options",
     "compose_config",
     "validate_overrides",
     "trainer_config",
     "run_config",
     "recipe_overrides",
-    "run_name",
     "build_recipe",
     "build_policy",
     "build_kernel_options",
@@ -173,24 +173,11 @@ class RunConfig:
     tag: Optional[str]
     dir: str
     tensorboard: bool
+    sweep: List[str] = dataclasses.field(default_factory=list)
 
 
 # ---- resolvers ---------------------------------------------------------------------------------
-def run_name(recipe: str, tag: Optional[str] = None) -> str:
-    """Run directory leaf: ``<recipe>`` or ``<recipe>-<tag>``."""
-    tag = "" if tag is None else str(tag).strip()
-    return f"{recipe}-{tag}" if tag else str(recipe)
-
-
-def register_resolvers() -> None:
-    """Register the ``fp8.*`` OmegaConf resolvers the configs use (idempotent)."""
-    from omegaconf import OmegaConf
-
-    if not OmegaConf.has_resolver("fp8.run_name"):
-        OmegaConf.register_new_resolver("fp8.run_name", run_name)
-
-
-register_resolvers()
+register_resolvers()  # the fp8.* resolvers the configs use (run naming)
 
 
 # ---- composition -------------------------------------------------------------------------------

@@ -154,3 +154,25 @@ def test_configs_ship_inside_the_package():
     assert (REPO / "configs").resolve() == Path(CONFIG_DIR).resolve()
     manifest = (REPO / "MANIFEST.in").read_text()
     assert "nemo_fp8_recipes/configs" in manifest and "*.yaml" in manifest
+
+
+def test_sweeps_name_each_job_by_the_keys_they_vary():
+    """``nemo-fp8-train -m`` adds run.sweep=[the swept keys] (recipe and model are already in the
+    path; run.*, hydra, cluster and submit never name a run); each key becomes part of the run's
+    name, so no two jobs of a sweep share a directory."""
+    from nemo_fp8_recipes.run_names import swept_keys, with_sweep_names
+    from nemo_fp8_recipes.train_config import compose_config
+
+    args = ["recipe=bf16,blockwise", "model=llama3_tiny,moe_tiny", "trainer.seed=1,2", "run.tag=a,b",
+            "policy.first_layers_bf16=range(0,2)", "trainer.compile=true,false", "run.root=x,y", "trainer.lr=1e-3"]
+    assert swept_keys(args) == ["trainer.seed", "policy.first_layers_bf16", "trainer.compile"]
+    assert with_sweep_names(["-m", *args])[-1] == "run.sweep=[trainer.seed,policy.first_layers_bf16,trainer.compile]"
+    assert with_sweep_names(["-m", "recipe=bf16,blockwise"]) == ["-m", "recipe=bf16,blockwise"]  # nothing to add
+    assert with_sweep_names(["trainer.seed=1,2", "run.sweep=[]"])[-1] == "run.sweep=[]"  # yours is kept
+    cfg = compose_config(["recipe=blockwise", "run.tag=x", "trainer.seed=7", "policy.first_layers_bf16=2",
+                          "trainer.compile=false", "run.sweep=[trainer.seed,policy.first_layers_bf16,trainer.compile]"])
+    assert cfg.run.dir == "runs/llama3_tiny/blockwise-x-seed7-first_layers_bf16_2-compile_false"
+    cfg = compose_config(["trainer.lr=0.001", "model.optim.lr=0.002", "run.sweep=[trainer.lr,model.optim.lr]"])
+    assert cfg.run.dir == "runs/llama3_tiny/blockwise-trainer.lr0.001-model.optim.lr0.002"  # same leaf: full keys
+    cfg = compose_config(["data=text", "data.paths=[/a/b]", "run.sweep=[data,data.paths]"])
+    assert cfg.run.dir == "runs/llama3_tiny/blockwise-data_text-paths____a_b__"

@@ -221,8 +221,13 @@ def test_sweep_gives_one_job_per_recipe_side_by_side(tmp_path, capsys):
     assert not (tmp_path / "dry").exists()
     with pytest.raises(ConfigError, match="add -m"):
         plan_jobs(["recipe=bf16,tensorwise"], cwd=tmp_path)
-    with pytest.raises(ConfigError, match="share a run directory"):
-        plan_jobs(["trainer.lr=1e-3,2e-3"], multirun=True, cwd=tmp_path)
+    # a sweep over any other key names each job's run by it (run.sweep), so no two share one
+    lr = plan_jobs(["trainer.lr=1e-3,2e-3", "trainer.seed=1,2", f"run.root={tmp_path}"], multirun=True, cwd=tmp_path)
+    assert [j.run_dir.name for j in lr] == ["blockwise-lr0.001-seed1", "blockwise-lr0.001-seed2",
+                                            "blockwise-lr0.002-seed1", "blockwise-lr0.002-seed2"]
+    assert "run.sweep=[trainer.lr,trainer.seed]" in launch_argv(lr[0].script)
+    with pytest.raises(ConfigError, match="share a run directory"):  # unless the naming is turned off
+        plan_jobs(["trainer.lr=1e-3,2e-3", "run.sweep=[]"], multirun=True, cwd=tmp_path)
 
 
 def test_dry_run_prints_the_script_only(tmp_path, capsys):

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..train_config import ConfigError, compose_config, run_name, typed_config, validate_overrides
+from ..run_names import run_name, with_sweep_names
+from ..train_config import ConfigError, compose_config, typed_config, validate_overrides
 from .slurm import (
     ContainerSpec,
     ShellExpr,
@@ -245,7 +246,7 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
         job_name = check_job_name(str(cl.job_name))
     else:
         size = f"{cl.nodes * cl.gpus_per_node}x{gpu_type}" if cl.gpus_per_node > 0 else f"{cl.nodes}xcpu"
-        job_name = check_job_name(f"{model}-{size}-{run_name(recipe.name, rcfg.tag)}",
+        job_name = check_job_name(f"{model}-{size}-{run_name(recipe.name, rcfg.tag, rcfg.sweep, _root_=cfg)}",
                                   "the job name derived from model, GPUs, recipe and run.tag (or set cluster.job_name)")
 
     image = cl.container.image
@@ -426,7 +427,8 @@ def plan_jobs(overrides: Sequence[str], *, multirun: bool = False, cwd: Optional
                 f"'{o}': {PROG} renders its own sbatch scripts and takes no hydra.* overrides. For Hydra's "
                 "submitit launcher use the trainer: nemo-fp8-train -m hydra/launcher=submitit_nemo ..."
             )
-    combos = expand_sweep(_with_cluster_default(overrides), multirun)
+    # every job of a sweep gets its own run directory, named by the keys swept (run.sweep)
+    combos = expand_sweep(with_sweep_names(_with_cluster_default(overrides)), multirun)
     jobs = []
     for combo in combos:
         ours, theirs = list(combo), []
