@@ -219,12 +219,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             logdir = str(out)
         print(f"TensorBoard: tensorboard --logdir {logdir}   (Custom Scalars tab: overlay + deviation)")
     if not comparison.passed:
-        lines = "\n".join(f"  {s.name}: {'; '.join(s.reasons) or _pct(s.gate_rel_dev)}" for s in comparison.failures)
-        print(f"GATE FAILED (max |rel dev| <= {_pct(comparison.max_rel_dev)} over the baseline's last "
-              f"{comparison.last} steps):\n{lines}", file=sys.stderr)
+        lines = "\n".join(f"  {name}: {why}" for name, why in comparison.failures)
+        rule = (f"95% interval over seeds within ±{_pct(comparison.max_rel_dev)}" if comparison.seeded else
+                f"max |rel dev| <= {_pct(comparison.max_rel_dev)} over the baseline's last {comparison.last} steps")
+        print(f"GATE FAILED ({rule}):\n{lines}", file=sys.stderr)
         return 1
     if comparison.max_rel_dev is not None:
-        print(f"gate passed: every run within {_pct(comparison.max_rel_dev)} of {comparison.baseline}")
+        if comparison.seeded:
+            print(f"gate passed: every group's 95% interval over seeds within ±{_pct(comparison.max_rel_dev)} of "
+                  f"{comparison.baseline}")
+        else:
+            print(f"gate passed: every run within {_pct(comparison.max_rel_dev)} of {comparison.baseline} "
+                  "(one seed each: this cannot separate FP8 from seed noise; see the notes)")
     return 0
 
 

@@ -6,9 +6,12 @@ The definitions of the numbers computed from the curves are in :mod:`nemo_fp8_re
 from __future__ import annotations
 
 import difflib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+from .compare_groups import read_run_config
 
 __all__ = [
     "DEFAULT_TAG",
@@ -106,7 +109,8 @@ def resolve_run_dirs(paths: Sequence[str]) -> List[Path]:
 class RunSeries:
     """One run's curve: ``steps`` (ascending) and ``values`` of ``tag``; ``tokens_per_s`` values
     (empty when not logged); ``tags``: every scalar tag of the run; ``problems``: damaged event
-    files (:func:`check_event_file`), one line each."""
+    files (:func:`check_event_file`), one line each; from its ``config.yaml``, what groups it with
+    the same configuration's other seeds (:mod:`nemo_fp8_recipes.compare_groups`)."""
 
     name: str
     path: str
@@ -116,6 +120,9 @@ class RunSeries:
     tokens_per_s: List[float] = field(default_factory=list)
     tags: List[str] = field(default_factory=list)
     problems: List[str] = field(default_factory=list)
+    seed: Optional[int] = None  #: trainer.seed of its config.yaml (None: not a nemo-fp8-train run)
+    deterministic: Optional[bool] = None  #: trainer.deterministic of its config.yaml
+    variant: Optional[str] = None  #: what it trained, all but the seed (runs differing in the seed only share it)
 
 
 def _accumulator(path: Path):
@@ -184,8 +191,12 @@ def load_run(path: Path, tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG
         by_step[int(e.step)] = float(e.value)
     steps = sorted(by_step)
     tps = [float(e.value) for e in acc.Scalars(tokens_tag)] if tokens_tag in tags else []
+    seed, deterministic, variant, problem = read_run_config(path)
+    if problem:
+        print(f"nemo-fp8-compare: warning: {problem}", file=sys.stderr)
     return RunSeries(name=name, path=str(path), tag=tag, steps=steps, values=[by_step[s] for s in steps],
-                     tokens_per_s=tps, tags=tags, problems=problems)
+                     tokens_per_s=tps, tags=tags, problems=problems, seed=seed, deterministic=deterministic,
+                     variant=variant)
 
 
 def _run_names(paths: Sequence[Path]) -> List[str]:

@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from .compare_groups import (GroupStats, NoiseFloor, first_per_seed, group_label, group_runs, group_statistics,
+                             interval_text)
 from .compare_io import TOKENS_TAG, CompareError, RunSeries
 
 __all__ = [
@@ -24,8 +26,8 @@ __all__ = [
     "compare_runs",
 ]
 
-JSON_VERSION = 2
-_JSON_VERSIONS = (1, 2)  # 1: before event-file checks and gate reasons; still re-imported
+JSON_VERSION = 3
+_JSON_VERSIONS = (1, 2, 3)  # 1: before event-file checks and gate reasons; 2: before seeds; still re-imported
 
 
 def moving_average(values: Sequence[float], n: int) -> List[float]:
@@ -60,9 +62,11 @@ def _abs_max(xs: Sequence[float]) -> Optional[float]:
 
 @dataclass
 class RunStats:
-    """One row of the table (fractions, not percent). ``None`` = not applicable (baseline) or
-    not available (no tokens/s logged, no aligned steps). ``reasons``: why the run cannot be
-    judged in full (it ended before the baseline, damaged event files, ...) or failed the gate."""
+    """One row of the per-run table (fractions, not percent). ``None`` = not applicable (baseline)
+    or not available (no tokens/s logged, no aligned steps, no baseline run of its seed).
+    ``paired_with``: the baseline run it is compared with (the baseline group's run of the same
+    seed, or the baseline run). ``reasons``: why the run cannot be judged in full (it ended before
+    the baseline, damaged event files, ...) or failed the gate."""
 
     name: str
     path: str
@@ -79,12 +83,18 @@ class RunStats:
     speedup: Optional[float]
     passed: Optional[bool]
     reasons: List[str] = field(default_factory=list)
+    seed: Optional[int] = None
+    group: Optional[str] = None
+    paired_with: Optional[str] = None
+    window_mean_rel_dev: Optional[float] = None
 
 
 @dataclass
 class Comparison:
     """The result of :func:`compare_runs`: settings, the runs' curves, per-run stats and the
-    per-step deviations ``{run: (steps, rel_dev)}``."""
+    per-step deviations ``{run: (steps, rel_dev)}``; with several seeds of a configuration
+    (``seeded``), the seed table ``groups``, the ``noise`` floor, each group's per-step deviation
+    with its interval ``group_deviations`` and the baseline's per-step ``seed_spread``."""
 
     tag: str
     baseline: str
@@ -95,56 +105,107 @@ class Comparison:
     stats: List[RunStats]
     deviations: Dict[str, Tuple[List[int], List[float]]]
     tokens_tag: str = TOKENS_TAG
+    groups: List[GroupStats] = field(default_factory=list)
+    noise: Optional[NoiseFloor] = None
+    group_deviations: Dict[str, Tuple[List[int], List[float], List[float], List[float]]] = field(default_factory=dict)
+    seed_spread: Tuple[List[int], List[float]] = field(default_factory=lambda: ([], []))
+    seeded: bool = False
 
     @property
     def passed(self) -> bool:
-        """No run failed the gate (always True without ``max_rel_dev``)."""
-        return all(s.passed is not False for s in self.stats)
+        """No run (with several seeds: no group) failed the gate (always True without ``max_rel_dev``)."""
+        judged = self.groups if self.seeded else self.stats
+        return all(s.passed is not False for s in judged)
 
     @property
-    def failures(self) -> List[RunStats]:
-        """The runs that failed the gate."""
-        return [s for s in self.stats if s.passed is False]
+    def failures(self) -> List[Tuple[str, str]]:
+        """``(name, why)`` of each run (with several seeds: each group) that failed the gate."""
+        if self.seeded:
+            return [(g.label, "; ".join(g.reasons)) for g in self.groups if g.passed is False]
+        return [(s.name, "; ".join(s.reasons) or _pct(s.gate_rel_dev)) for s in self.stats if s.passed is False]
 
     def curve(self, name: str) -> Tuple[List[int], List[float]]:
         """The (smoothed) curve of run ``name`` as used for every number."""
         r = next(r for r in self.runs if r.name == name)
         return r.steps, moving_average(r.values, self.smooth)
 
+    def group_members(self, label: str) -> List[RunSeries]:
+        """The runs of group ``label`` (one per seed, by seed)."""
+        g = next(g for g in self.groups if g.label == label)
+        return [next(r for r in self.runs if r.name == n) for n in g.runs]
+
     # ---- tables ----
     def settings_line(self) -> str:
         """One line describing how the numbers were computed."""
         sm = "none" if self.smooth <= 1 else f"trailing moving average over {self.smooth} points"
-        gate = (f"max |rel dev| over the baseline's last {self.last} steps <= {_pct(self.max_rel_dev)}, "
-                "every run reaching the baseline's last step"
-                if self.max_rel_dev is not None else "off (--max-rel-dev)")
+        if self.max_rel_dev is None:
+            gate = "off (--max-rel-dev)"
+        elif self.seeded:
+            gate = (f"the 95% interval over seeds of the final-loss deviation within ±{_pct(self.max_rel_dev)} "
+                    "(one seed: max |rel dev| over the baseline's last steps), every run reaching the baseline's "
+                    "last step")
+        else:
+            gate = (f"max |rel dev| over the baseline's last {self.last} steps <= {_pct(self.max_rel_dev)}, "
+                    "every run reaching the baseline's last step")
         return (f"tag `{self.tag}`, baseline **{self.baseline}**, smoothing: {sm}, final loss: mean over "
                 f"the last {self.last} steps, gate: {gate}")
 
-    def to_markdown(self) -> str:
-        """The table as Markdown (deviations in percent)."""
-        head = ["run", "final loss", "final vs baseline", "max \\|rel dev\\|", "mean \\|rel dev\\|",
-                f"max \\|rel dev\\| last {self.last}", "tokens/s", "speedup", "gate"]
-        lines = [self.settings_line(), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    def _run_table(self) -> List[str]:
+        seeds = self.seeded
+        head = ["run", *(["seed"] if seeds else []), "final loss", "final vs baseline", "max \\|rel dev\\|",
+                "mean \\|rel dev\\|", f"max \\|rel dev\\| last {self.last}", "tokens/s", "speedup",
+                *([] if seeds else ["gate"])]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for s in self.stats:
             name = f"{s.name} (baseline)" if s.baseline else s.name
             gate = "—" if s.passed is None else ("pass" if s.passed else "**FAIL**")
-            row = [name, _num(s.final_loss, 4), _pct(s.final_vs_baseline, signed=True), _pct(s.max_rel_dev),
-                   _pct(s.mean_rel_dev), _pct(s.gate_rel_dev), _num(s.tokens_per_s, 0, thousands=True),
-                   "—" if s.speedup is None else f"{s.speedup:.2f}×", gate]
+            row = [name, *([str(s.seed) if s.seed is not None else "?"] if seeds else []), _num(s.final_loss, 4),
+                   _pct(s.final_vs_baseline, signed=True), _pct(s.max_rel_dev), _pct(s.mean_rel_dev),
+                   _pct(s.gate_rel_dev), _num(s.tokens_per_s, 0, thousands=True),
+                   "—" if s.speedup is None else f"{s.speedup:.2f}×", *([] if seeds else [gate])]
             lines.append("| " + " | ".join(row) + " |")
-        notes = [f"- **{s.name}**: {why}" for s in self.stats for why in s.reasons]
+        return lines
+
+    def _group_table(self) -> List[str]:
+        head = ["run group", "seeds", "final loss (mean ± sd)", "final vs baseline [95% interval]",
+                f"mean \\|rel dev\\| last {self.last} [95% interval]", "tokens/s", "speedup", "gate"]
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for g in self.groups:
+            name = f"{g.label} (baseline)" if g.baseline else g.label
+            seeds = ", ".join("?" if s is None else str(s) for s in g.seeds)
+            if not g.baseline and g.method not in ("paired", "one seed"):
+                seeds += f" ({g.method})"
+            fl = _num(g.final_loss, 4) + (f" ± {g.final_loss_sd:.4f}" if g.final_loss_sd is not None else "")
+            gate = "—" if g.passed is None else ("pass" if g.passed else "**FAIL**")
+            row = [name, seeds, fl, "—" if g.baseline else interval_text(g.final_vs_baseline, g.interval),
+                   "—" if g.baseline else interval_text(g.mean_abs_dev, g.mean_abs_dev_interval, signed=False),
+                   _num(g.tokens_per_s, 0, thousands=True), "—" if g.speedup is None else f"{g.speedup:.2f}×", gate]
+            lines.append("| " + " | ".join(row) + " |")
+        return lines
+
+    def to_markdown(self) -> str:
+        """The tables as Markdown (deviations in percent): with several seeds the seed table, the
+        noise floor and the per-run table (each run against the baseline run of its seed)."""
+        lines = [self.settings_line(), ""]
+        if self.seeded:
+            lines += self._group_table()
+            lines += ["", f"Noise floor: seed to seed, {self.noise.seed_text()}; same seed run again, "
+                      f"{self.noise.rerun_text()}.", "", "Per run, against the baseline run of the same seed:", ""]
+        lines += self._run_table()
+        notes = [f"- **{g.label}**: {why}" for g in self.groups for why in (g.reasons + g.notes if self.seeded
+                                                                             else g.notes)]
+        notes += [f"- **{s.name}**: {why}" for s in self.stats for why in s.reasons]
         if notes:
-            lines += ["", "Notes:", *notes]
+            lines += ["", "Notes:", *dict.fromkeys(notes)]
         return "\n".join(lines) + "\n"
 
     def to_csv(self) -> str:
-        """The table as CSV, full precision, fractions (not percent); empty cells = n/a."""
+        """The per-run table as CSV, full precision, fractions (not percent); empty cells = n/a."""
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        cols = ["run", "path", "baseline", "last_step", "aligned_steps", "final_loss", "final_vs_baseline",
-                "max_rel_dev", "mean_rel_dev", "gate_rel_dev", "gate_first_step", "gate_last_step",
-                "tokens_per_s", "speedup", "passed", "reasons"]
+        cols = ["run", "path", "baseline", "seed", "group", "paired_with", "last_step", "aligned_steps", "final_loss",
+                "final_vs_baseline", "max_rel_dev", "mean_rel_dev", "window_mean_rel_dev", "gate_rel_dev",
+                "gate_first_step", "gate_last_step", "tokens_per_s", "speedup", "passed", "reasons"]
         w.writerow(cols)
         for s in self.stats:
             d = asdict(s)
@@ -152,7 +213,24 @@ class Comparison:
             d["gate_first_step"], d["gate_last_step"] = gw
             d["run"] = d.pop("name")
             d["reasons"] = "; ".join(d["reasons"]) or None
-            w.writerow(["" if d[c] is None else repr(d[c]) if isinstance(d[c], float) else d[c] for c in cols])
+            w.writerow([_cell(d[c]) for c in cols])
+        return buf.getvalue()
+
+    def groups_csv(self) -> str:
+        """The seed table as CSV (one row per group; fractions; interval bounds in their own columns)."""
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        cols = ["group", "baseline", "method", "seeds", "runs", "final_loss", "final_loss_sd", "final_vs_baseline",
+                "interval_low", "interval_high", "mean_abs_dev", "mean_abs_dev_low", "mean_abs_dev_high",
+                "tokens_per_s", "speedup", "deterministic", "passed", "reasons", "notes"]
+        w.writerow(cols)
+        for g in self.groups:
+            iv, mv = g.interval or (None, None), g.mean_abs_dev_interval or (None, None)
+            w.writerow([_cell(v) for v in (
+                g.label, g.baseline, g.method, " ".join("?" if x is None else str(x) for x in g.seeds), " ".join(g.runs),
+                g.final_loss, g.final_loss_sd, g.final_vs_baseline, iv[0], iv[1], g.mean_abs_dev, mv[0], mv[1],
+                g.tokens_per_s, g.speedup, g.deterministic, g.passed, "; ".join(g.reasons) or None,
+                "; ".join(g.notes) or None)])
         return buf.getvalue()
 
     def to_dict(self) -> dict:
@@ -164,6 +242,11 @@ class Comparison:
             "runs": [asdict(r) for r in self.runs],
             "results": [asdict(s) for s in self.stats],
             "deviations": {k: {"steps": v[0], "rel_dev": v[1]} for k, v in self.deviations.items()},
+            "seeded": self.seeded,
+            "groups": [asdict(g) for g in self.groups],
+            "noise": asdict(self.noise) if self.noise else None,
+            "group_deviations": {k: {"steps": v[0], "mean": v[1], "low": v[2], "high": v[3]}
+                                 for k, v in self.group_deviations.items()},
             "passed": self.passed,
         }
 
@@ -209,6 +292,10 @@ class Comparison:
                             tokens_tag=tokens_tag)
 
 
+def _cell(v):
+    return "" if v is None else repr(v) if isinstance(v, float) else v
+
+
 def _finite(obj):
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
@@ -235,32 +322,46 @@ def _num(x: Optional[float], digits: int, thousands: bool = False) -> str:
     return f"{x:,.{digits}f}" if thousands else f"{x:.{digits}f}"
 
 
-def _pick_baseline(runs: Sequence[RunSeries], baseline: Optional[str]) -> RunSeries:
+def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str]) -> str:
+    """The baseline group's label: the group ``baseline`` names (its label, or one of its runs by
+    name or directory); by default the group labelled ``bf16``, else one whose label starts with
+    ``bf16-``, else the first."""
+    runs = [r for members in groups.values() for r in members]
+    label_of = {r.name: label for label, members in groups.items() for r in members}
     if baseline is not None:
+        if baseline in groups:
+            return baseline
         for r in runs:
             if baseline in (r.name, r.path) or Path(r.path).name == baseline:
-                return r
+                return label_of[r.name]
         try:
             want = Path(baseline).expanduser().resolve()
         except (OSError, RuntimeError):
             want = None
         for r in runs:
             if want is not None and Path(r.path).expanduser().resolve() == want:
-                return r
+                return label_of[r.name]
+        for r in runs:  # a run's name without its seed (bf16 for bf16-seed1)
+            if group_label(r.name, r.seed) == baseline:
+                return label_of[r.name]
+        named = ", ".join(f"{r.name} ({r.path})" for r in runs)
+        extra = [g for g in groups if g not in label_of]
         raise CompareError(f"--baseline {baseline!r} is not one of the runs (give a run's name or its "
-                           f"directory): {', '.join(f'{r.name} ({r.path})' for r in runs)}")
-    for r in runs:
-        if r.name == "bf16" or Path(r.path).name == "bf16":
-            return r
-    for r in runs:
-        if Path(r.path).name.startswith("bf16-"):
-            return r
-    return runs[0]
+                           f"directory{', or a group: ' + ', '.join(extra) if extra else ''}): {named}")
+    for label, members in groups.items():
+        if label == "bf16" or any(Path(r.path).name == "bf16" or group_label(r.name, r.seed) == "bf16"
+                                  for r in members):
+            return label
+    for label, members in groups.items():
+        if label.rsplit("/", 1)[-1].startswith("bf16-"):
+            return label
+    return next(iter(groups))
 
 
 def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, smooth: int = 1, last: int = 100,
                  max_rel_dev: Optional[float] = None, tokens_tag: str = TOKENS_TAG) -> Comparison:
-    """Compute the table (see the module docstring for every definition)."""
+    """Compute the tables (see the docstrings of :mod:`nemo_fp8_recipes.compare` and, for seeds,
+    :mod:`nemo_fp8_recipes.compare_groups` for every definition)."""
     if not runs:
         raise CompareError("no runs to compare")
     if isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 1:
@@ -270,15 +371,19 @@ def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, s
     if max_rel_dev is not None and not (math.isfinite(max_rel_dev) and max_rel_dev >= 0):
         raise CompareError(f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {max_rel_dev}; "
                            "leave it out to compare without a gate")
-    base = _pick_baseline(runs, baseline)
     for r in runs:
         if not r.steps:
             raise CompareError(f"run {r.name} ({r.path}) has no {r.tag} values"
                                + (f" ({'; '.join(r.problems)})" if r.problems else ""))
+    groups = group_runs(runs)
+    seeded = any(len(members) > 1 for members in groups.values())
+    if not seeded:  # one run per configuration: each is known by its own name
+        groups = {members[0].name: members for members in groups.values()}
+    base_label = _pick_baseline(groups, baseline)
+    label_of = {r.name: label for label, members in groups.items() for r in members}
+    base_runs = groups[base_label]
+    base_by_seed = first_per_seed(base_runs)
     curves = {r.name: dict(zip(r.steps, moving_average(r.values, smooth))) for r in runs}
-    base_curve = curves[base.name]
-    base_tps = _median(base.tokens_per_s)
-    base_end = base.steps[-1]
 
     def final(r: RunSeries) -> float:
         c = curves[r.name]
@@ -286,55 +391,77 @@ def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, s
         window = [c[s] for s in r.steps if s > end - last] or [c[end]]
         return sum(window) / len(window)
 
-    base_final = final(base)
+    finals = {r.name: final(r) for r in runs}
+    tps = {r.name: _median(r.tokens_per_s) for r in runs}
     stats: List[RunStats] = []
     deviations: Dict[str, Tuple[List[int], List[float]]] = {}
     for r in runs:
-        c = curves[r.name]
-        tps = _median(r.tokens_per_s)
-        speedup = tps / base_tps if (tps is not None and base_tps) else None
-        fl = final(r)
-        if r is base:
-            stats.append(RunStats(name=r.name, path=r.path, baseline=True, last_step=r.steps[-1],
-                                  aligned_steps=len(r.steps), final_loss=fl, final_vs_baseline=None,
+        common = dict(name=r.name, path=r.path, last_step=r.steps[-1], final_loss=finals[r.name],
+                      tokens_per_s=tps[r.name], seed=r.seed, group=label_of[r.name])
+        if label_of[r.name] == base_label:
+            partner = base_by_seed[r.seed]
+            stats.append(RunStats(**common, baseline=True, aligned_steps=len(r.steps), final_vs_baseline=None,
                                   max_rel_dev=None, mean_rel_dev=None, gate_rel_dev=None, gate_window=None,
-                                  tokens_per_s=tps, speedup=1.0 if tps is not None else None,
-                                  passed=None, reasons=[f"damaged event file: {p}" for p in r.problems]))
+                                  speedup=1.0 if tps[r.name] is not None else None, passed=None,
+                                  paired_with=None if partner is r else partner.name,
+                                  reasons=[f"damaged event file: {p}" for p in r.problems]))
             continue
-        aligned = [s for s in r.steps if s in base_curve]
-        dev = [(c[s] - base_curve[s]) / base_curve[s] if base_curve[s] != 0 else math.inf for s in aligned]
-        deviations[r.name] = (aligned, dev)
-        # The gate window is anchored at the baseline's last step, so a run that stopped early
-        # (or whose events were cut short) is never judged on its first steps only.
-        in_window = [(s, d) for s, d in zip(aligned, dev) if s > base_end - last]
-        if in_window:
-            gate_dev = _abs_max([d for _, d in in_window])
-            window = (in_window[0][0], in_window[-1][0])
-        else:
-            gate_dev, window = None, None
-        mean_dev = (sum(abs(d) if math.isfinite(d) else math.inf for d in dev) / len(dev)) if dev else None
-        reasons = [f"damaged event file: {p}" for p in r.problems]
-        if base.problems:
-            reasons.append(f"the baseline {base.name} has a damaged event file")
-        if r.steps[-1] < base_end:
-            reasons.append(f"ended at step {r.steps[-1]}, before the baseline's last step {base_end} "
-                           "(stopped early, or its event file was cut short): only a run that reaches it is judged")
-        if not in_window:
-            reasons.append(f"no step of the gate window (steps > {base_end - last}, the baseline's last {last}) "
-                           "was logged by both runs")
-        passed = None
-        if max_rel_dev is not None:
-            passed = not reasons and gate_dev is not None and gate_dev <= max_rel_dev
-            if not reasons and gate_dev is not None and gate_dev > max_rel_dev:
-                reasons.append(f"max |rel dev| {_pct(gate_dev)} over steps {window[0]}..{window[1]} is above "
-                               f"{_pct(max_rel_dev)}")
-        stats.append(RunStats(
-            name=r.name, path=r.path, baseline=False, last_step=r.steps[-1], aligned_steps=len(aligned),
-            final_loss=fl, final_vs_baseline=(fl - base_final) / base_final if base_final else None,
-            max_rel_dev=_abs_max(dev), mean_rel_dev=mean_dev, gate_rel_dev=gate_dev, gate_window=window,
-            tokens_per_s=tps, speedup=speedup, passed=passed, reasons=reasons,
-        ))
-    stats.sort(key=lambda st: not st.baseline)  # baseline row first, the rest in the order given
+        base = base_by_seed.get(r.seed) if seeded else base_runs[0]
+        if base is None:
+            stats.append(RunStats(**common, baseline=False, aligned_steps=0, final_vs_baseline=None, max_rel_dev=None,
+                                  mean_rel_dev=None, gate_rel_dev=None, gate_window=None, speedup=None, passed=None,
+                                  reasons=[f"no {base_label} run of seed {r.seed} to pair it with"]))
+            continue
+        row, deviations[r.name] = _run_stats(r, base, curves, finals, tps, last, None if seeded else max_rel_dev,
+                                             common)
+        stats.append(row)
+    stats.sort(key=lambda st: not st.baseline)  # baseline rows first, the rest in the order given
+    by_name = {s.name: s for s in stats}
+    group_rows, noise, group_devs, spread = group_statistics(
+        groups, base_label, curves, finals, by_name, last=last, max_rel_dev=max_rel_dev, seeded=seeded)
     tags = list(dict.fromkeys(r.tag for r in runs))  # one per trainer when runs of both are compared
-    return Comparison(tag=" / ".join(tags), baseline=base.name, smooth=smooth, last=last, max_rel_dev=max_rel_dev,
-                      runs=list(runs), stats=stats, deviations=deviations, tokens_tag=tokens_tag)
+    return Comparison(tag=" / ".join(tags), baseline=base_label, smooth=smooth, last=last, max_rel_dev=max_rel_dev,
+                      runs=list(runs), stats=stats, deviations=deviations, tokens_tag=tokens_tag, groups=group_rows,
+                      noise=noise, group_deviations=group_devs, seed_spread=spread, seeded=seeded)
+
+
+def _run_stats(r: RunSeries, base: RunSeries, curves, finals, tps, last: int, max_rel_dev: Optional[float],
+               common: dict) -> Tuple[RunStats, Tuple[List[int], List[float]]]:
+    """One run against its baseline run ``base`` (the per-run gate only when ``max_rel_dev``), and
+    its per-step deviation ``(steps, rel_dev)``."""
+    c, base_curve, base_end = curves[r.name], curves[base.name], base.steps[-1]
+    aligned = [s for s in r.steps if s in base_curve]
+    dev = [(c[s] - base_curve[s]) / base_curve[s] if base_curve[s] != 0 else math.inf for s in aligned]
+    # The gate window is anchored at the baseline's last step, so a run that stopped early
+    # (or whose events were cut short) is never judged on its first steps only.
+    in_window = [(s, d) for s, d in zip(aligned, dev) if s > base_end - last]
+    if in_window:
+        gate_dev = _abs_max([d for _, d in in_window])
+        window = (in_window[0][0], in_window[-1][0])
+        window_mean = sum(abs(d) if math.isfinite(d) else math.inf for _, d in in_window) / len(in_window)
+    else:
+        gate_dev, window, window_mean = None, None, None
+    mean_dev = (sum(abs(d) if math.isfinite(d) else math.inf for d in dev) / len(dev)) if dev else None
+    reasons = [f"damaged event file: {p}" for p in r.problems]
+    if base.problems:
+        reasons.append(f"the baseline {base.name} has a damaged event file")
+    if r.steps[-1] < base_end:
+        reasons.append(f"ended at step {r.steps[-1]}, before the baseline's last step {base_end} "
+                       "(stopped early, or its event file was cut short): only a run that reaches it is judged")
+    if not in_window:
+        reasons.append(f"no step of the gate window (steps > {base_end - last}, the baseline's last {last}) "
+                       "was logged by both runs")
+    passed = None
+    if max_rel_dev is not None:
+        passed = not reasons and gate_dev is not None and gate_dev <= max_rel_dev
+        if not reasons and gate_dev is not None and gate_dev > max_rel_dev:
+            reasons.append(f"max |rel dev| {_pct(gate_dev)} over steps {window[0]}..{window[1]} is above "
+                           f"{_pct(max_rel_dev)}")
+    fl, base_final = finals[r.name], finals[base.name]
+    tps_r, tps_b = tps[r.name], tps[base.name]
+    out = RunStats(**common, baseline=False, aligned_steps=len(aligned),
+                   final_vs_baseline=(fl - base_final) / base_final if base_final else None,
+                   max_rel_dev=_abs_max(dev), mean_rel_dev=mean_dev, gate_rel_dev=gate_dev, gate_window=window,
+                   speedup=tps_r / tps_b if (tps_r is not None and tps_b) else None, passed=passed, reasons=reasons,
+                   paired_with=base.name, window_mean_rel_dev=window_mean)
+    return out, (aligned, dev)

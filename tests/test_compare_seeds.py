@@ -1,0 +1,206 @@
+"""nemo-fp8-compare over seeds, on real event files of short CPU runs of the embedded trainer.
+
+A session fixture trains bf16, tensorwise and blockwise at seeds 1, 2 and 3 deterministically
+(one ``nemo-fp8-train -m`` sweep: the run directories are named by the seed), BF16 at two other
+seeds under another tag (a group sharing no seed with the baseline), and BF16 seed 1 again in
+another directory (a same-seed rerun). Every number of the seed table is recomputed here with
+numpy from the raw event records and Student's t from a printed table.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nemo_fp8_recipes.compare import Comparison, compare_runs, load_runs, main, plot
+from nemo_fp8_recipes.compare_groups import group_label, mean_interval, t_quantile, welch_interval
+from nemo_fp8_recipes.compare_outputs import DEVIATION_HIGH_TAG, DEVIATION_LOW_TAG, DEVIATION_TAG
+from nemo_fp8_recipes.train import main as train_main
+
+from test_compare import raw_scalars
+
+RECIPES, SEEDS, STEPS, LAST = ("bf16", "tensorwise", "blockwise"), (1, 2, 3), 20, 6
+TINY = ["model.num_layers=1", "model.dim=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_dim=128",
+        "trainer.seq_len=32", "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "trainer.warmup_steps=4",
+        f"trainer.max_steps={STEPS}", "trainer.log_interval=2", "trainer.val_interval=10", "trainer.val_steps=1",
+        "trainer.progress=false", "trainer.device=cpu", "trainer.checkpoint=false", "trainer.telemetry_interval=0",
+        "data.max_files=20", "trainer.deterministic=true"]
+#: Student's t, 97.5% quantile (two-sided 95%), from the printed tables
+T975 = {1: 12.706204736174705, 2: 4.302652729911275, 3: 3.182446305284263, 4: 2.7764451051977987,
+        10: 2.2281388519649385, 30: 2.0422724563012373}
+
+
+@pytest.fixture(scope="session")
+def seeds(tmp_path_factory):
+    """The runs (see the module docstring): ``(parent, rerun_dir, other_dirs)``."""
+    root = tmp_path_factory.mktemp("seed_runs")
+    cache = tmp_path_factory.mktemp("seed_tokens")
+    common = [*TINY, f"data.cache_dir={cache}"]
+    assert train_main(["-m", f"recipe={','.join(RECIPES)}", f"trainer.seed={','.join(map(str, SEEDS))}",
+                       f"run.root={root}", *common]) == 0
+    assert train_main(["-m", "recipe=bf16", "trainer.seed=4,5", "run.tag=other", f"run.root={root}", *common]) == 0
+    assert train_main(["recipe=bf16", "trainer.seed=1", "run.sweep=[trainer.seed]", f"run.root={root / 'again'}",
+                       *common]) == 0
+    parent = root / "llama3_tiny"
+    names = sorted(p.name for p in parent.iterdir())
+    assert names == sorted([f"{r}-seed{s}" for r in RECIPES for s in SEEDS] + ["bf16-other-seed4", "bf16-other-seed5"])
+    return parent, root / "again" / "llama3_tiny" / "bf16-seed1"
+
+
+def _finals(run_dir: Path, last: int = LAST) -> float:
+    raw = raw_scalars(run_dir, "train/loss")
+    steps = np.array(sorted(raw))
+    return float(np.mean([raw[s] for s in steps if s > steps[-1] - last]))
+
+
+def _groups_csv(path: Path) -> dict:
+    return {row["group"]: row for row in csv.DictReader(io.StringIO(path.read_text()))}
+
+
+def test_t_quantiles_match_the_printed_table():
+    for df, t in T975.items():
+        assert t_quantile(0.975, df) == pytest.approx(t, rel=1e-9)
+    assert t_quantile(0.025, 4) == pytest.approx(-T975[4], rel=1e-9)
+    assert t_quantile(0.975, 1e7) == pytest.approx(1.959963984540054, rel=1e-6)  # the normal limit
+    assert T975[2] < t_quantile(0.975, 1.5) < T975[1]  # Welch's fractional degrees of freedom
+    with pytest.raises(ValueError):
+        t_quantile(1.0, 3)
+
+
+def test_interval_helpers():
+    m, ci = mean_interval([0.01, 0.02, 0.03])
+    assert m == pytest.approx(0.02) and ci == pytest.approx((0.02 - T975[2] * 0.01 / math.sqrt(3),
+                                                             0.02 + T975[2] * 0.01 / math.sqrt(3)))
+    assert mean_interval([0.5])[1] is None
+    diff, ci = welch_interval([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
+    assert diff == 0 and ci[0] < 0 < ci[1]
+    assert group_label("bf16-seed1", 1) == "bf16" and group_label("a/bf16-x-seed12-y", 12) == "a/bf16-x-y"
+    assert group_label("bf16", 1) == "bf16" and group_label("bf16-seed2", 1) == "bf16-seed2"
+
+
+def test_seed_table_matches_an_independent_computation(seeds, tmp_path, capsys):
+    parent, rerun = seeds
+    out = tmp_path / "out"
+    dirs = [str(parent / f"{r}-seed{s}") for r in RECIPES for s in SEEDS]
+    assert main([*dirs, "--last", str(LAST), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    rows = _groups_csv(out / "compare_groups.csv")
+    assert list(rows) == list(RECIPES) and rows["bf16"]["baseline"] == "True"
+    base = {s: _finals(parent / f"bf16-seed{s}") for s in SEEDS}
+    for r in ("tensorwise", "blockwise"):
+        row = rows[r]
+        assert row["method"] == "paired" and row["seeds"] == "1 2 3"
+        dev = np.array([(_finals(parent / f"{r}-seed{s}") - base[s]) / base[s] for s in SEEDS])
+        half = T975[2] * dev.std(ddof=1) / math.sqrt(3)
+        assert float(row["final_vs_baseline"]) == pytest.approx(dev.mean(), rel=1e-9, abs=1e-15)
+        assert float(row["interval_low"]) == pytest.approx(dev.mean() - half, rel=1e-9, abs=1e-15)
+        assert float(row["interval_high"]) == pytest.approx(dev.mean() + half, rel=1e-9, abs=1e-15)
+        finals = [_finals(parent / f"{r}-seed{s}") for s in SEEDS]
+        assert float(row["final_loss"]) == pytest.approx(np.mean(finals), rel=1e-12)
+        assert float(row["final_loss_sd"]) == pytest.approx(np.std(finals, ddof=1), rel=1e-9)
+        # each run is compared with the BF16 run of its own seed
+        runs = {x["run"]: x for x in csv.DictReader(io.StringIO((out / "compare.csv").read_text()))}
+        for s in SEEDS:
+            assert runs[f"{r}-seed{s}"]["paired_with"] == f"bf16-seed{s}" and runs[f"{r}-seed{s}"]["passed"] == ""
+    b = np.array(list(base.values()))
+    data = json.loads((out / "compare.json").read_text())
+    assert data["seeded"] is True and data["noise"]["seeds"] == list(SEEDS)
+    assert data["noise"]["seed_sd"] == pytest.approx(b.std(ddof=1) / b.mean(), rel=1e-9)
+    assert data["noise"]["seed_max_pair"] == pytest.approx((b.max() - b.min()) / b.mean(), rel=1e-9)
+    assert data["noise"]["deterministic"] is True and data["noise"]["reruns"] == []
+    assert "same seed run again, 0 (every run deterministic" in printed
+    assert "| bf16 (baseline) | 1, 2, 3 |" in printed
+
+
+def test_a_rerun_of_a_seed_is_the_measured_rerun_floor(seeds, tmp_path, capsys):
+    parent, rerun = seeds
+    assert main([str(parent / "bf16-seed1"), str(parent / "bf16-seed2"), str(rerun), str(parent / "blockwise-seed1"),
+                 str(parent / "blockwise-seed2"), "--last", str(LAST), "--out", str(tmp_path), "--no-png"]) == 0
+    noise = json.loads((tmp_path / "compare.json").read_text())["noise"]
+    assert len(noise["reruns"]) == 1 and noise["reruns"][0]["seed"] == 1
+    assert noise["reruns"][0]["final_dev"] == 0.0 and noise["reruns"][0]["max_rel_dev"] == 0.0  # deterministic
+    assert "measured on 1 rerun pair(s): final loss differs by up to 0.000%" in capsys.readouterr().out
+
+
+def test_a_group_without_common_seeds_gets_welchs_interval(seeds, tmp_path):
+    parent, _ = seeds
+    dirs = [parent / f"bf16-seed{s}" for s in SEEDS] + [parent / "bf16-other-seed4", parent / "bf16-other-seed5"]
+    assert main([*map(str, dirs), "--last", str(LAST), "--out", str(tmp_path), "--no-png", "--no-events"]) == 0
+    row = _groups_csv(tmp_path / "compare_groups.csv")["bf16-other"]
+    a = np.array([_finals(parent / f"bf16-other-seed{s}") for s in (4, 5)])
+    b = np.array([_finals(parent / f"bf16-seed{s}") for s in SEEDS])
+    va, vb = a.var(ddof=1) / 2, b.var(ddof=1) / 3
+    df = (va + vb) ** 2 / (va ** 2 / 1 + vb ** 2 / 2)
+    half = t_quantile(0.975, df) * math.sqrt(va + vb) / b.mean()
+    assert row["method"] == "unpaired"
+    assert float(row["final_vs_baseline"]) == pytest.approx((a.mean() - b.mean()) / b.mean(), rel=1e-9)
+    assert float(row["interval_high"]) - float(row["final_vs_baseline"]) == pytest.approx(half, rel=1e-9)
+
+
+def test_the_gate_decides_on_the_interval(seeds, tmp_path, capsys):
+    parent, _ = seeds
+    dirs = [str(parent / f"{r}-seed{s}") for r in RECIPES for s in SEEDS]
+    args = [*dirs, "--last", str(LAST), "--out", str(tmp_path), "--no-png", "--no-events"]
+    cmp = compare_runs(load_runs(dirs), last=LAST)
+    reach = {g.label: max(abs(g.interval[0]), abs(g.interval[1])) for g in cmp.groups if not g.baseline}
+    worst, best = max(reach, key=reach.get), min(reach, key=reach.get)
+    assert reach[worst] > reach[best] > 0
+    capsys.readouterr()
+    assert main(args + ["--max-rel-dev", repr(0.5 * (reach[worst] + reach[best]))]) == 1
+    err = capsys.readouterr().err
+    assert "GATE FAILED (95% interval over seeds" in err and f"  {worst}: " in err and f"  {best}: " not in err
+    assert "cannot show the deviation within it" in err or "deviation shown beyond" in err
+    rows = _groups_csv(tmp_path / "compare_groups.csv")
+    assert rows[worst]["passed"] == "False" and rows[best]["passed"] == "True"
+    assert main(args + ["--max-rel-dev", repr(reach[worst] * 1.0001)]) == 0
+    assert "every group's 95% interval over seeds within" in capsys.readouterr().out
+    # an interval entirely beyond the threshold: shown beyond it
+    lo = min(min(abs(g.interval[0]), abs(g.interval[1])) for g in cmp.groups if not g.baseline
+             and g.interval[0] * g.interval[1] > 0) if any(
+        not g.baseline and g.interval[0] * g.interval[1] > 0 for g in cmp.groups) else None
+    if lo is not None:
+        assert main(args + ["--max-rel-dev", repr(lo * 0.5)]) == 1
+        assert "deviation shown beyond" in capsys.readouterr().err
+
+
+def test_one_seed_says_it_cannot_separate_fp8_from_noise(seeds, tmp_path, capsys):
+    parent, _ = seeds
+    assert main([str(parent / "bf16-seed1"), str(parent / "tensorwise-seed1"), "--last", str(LAST),
+                 "--max-rel-dev", "0.5", "--out", str(tmp_path), "--no-png", "--no-events"]) == 0
+    out = capsys.readouterr().out
+    assert "one seed: this comparison cannot separate the recipe from seed noise" in out
+    assert "this cannot separate FP8 from seed noise" in out  # the gate line says it too
+
+
+def test_seeded_outputs_reimport_and_draw_bands(seeds, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    parent, _ = seeds
+    dirs = [str(parent / f"{r}-seed{s}") for r in RECIPES for s in SEEDS]
+    out = tmp_path / "first"
+    assert main([*dirs, "--last", str(LAST), "--max-rel-dev", "0.5", "--out", str(out)]) == 0
+    again = Comparison.from_json((out / "compare.json").read_text())
+    assert again.to_markdown() == (out / "compare.md").read_text()
+    assert again.groups_csv() == (out / "compare_groups.csv").read_text()
+    # the TensorBoard runs per group: the mean deviation and its interval per step
+    cmp = compare_runs(load_runs(dirs), last=LAST)
+    for label in ("tensorwise", "blockwise"):
+        acc = EventAccumulator(str(out / "deviation" / label))
+        acc.Reload()
+        steps, mean, lo, hi = cmp.group_deviations[label]
+        for tag, want in ((DEVIATION_TAG, mean), (DEVIATION_LOW_TAG, lo), (DEVIATION_HIGH_TAG, hi)):
+            assert [e.step for e in acc.Scalars(tag)] == steps
+            assert [e.value for e in acc.Scalars(tag)] == pytest.approx(want, rel=1e-6, abs=1e-9)
+        assert all(a <= m <= b for a, m, b in zip(lo, mean, hi))
+    fig = plot(cmp)
+    ax_loss, ax_dev = fig.axes[:2]
+    assert sorted(line.get_label() for line in ax_loss.get_lines()) == [
+        "bf16 (3 seeds, baseline)", "blockwise (3 seeds)", "tensorwise (3 seeds)"]
+    bands = [c.get_label() for c in ax_dev.collections]
+    assert "bf16 seed-to-seed spread (±1 sd)" in bands
