@@ -1,7 +1,7 @@
-"""The numerics study (benchmarks/numerics_study.py): the trainer's multirun commands it builds for
-the full study, and one smoke study on CPU — two recipes trained by one ``nemo-fp8-train -m``,
-compared by ``nemo-fp8-compare`` and reported — whose report is checked against the runs' own
-event files and summaries."""
+"""The numerics study (benchmarks/numerics_study.py): the runs it plans for the full study, and one
+smoke study on CPU — two recipes at two seeds, two runs side by side, compared by
+``nemo-fp8-compare`` over seeds and reported — whose report is checked against the runs' own event
+files, summaries and the comparison's JSON."""
 
 from __future__ import annotations
 
@@ -33,44 +33,73 @@ def _settings(ns, *argv):
     return ns.settings(ns._parser().parse_args(list(argv)))
 
 
-def test_full_study_commands(ns):
-    """Every recipe at the study seed, mxfp8 in its own multirun with emulation (Hopper has no
-    MXFP8 GEMMs), the BF16 noise-floor seed tagged into its own run directory; the budget is
-    600 steps x 8 x 1024 = 4,915,200 tokens per run; extra overrides reach every run."""
-    a = _settings(ns, "trainer.lr=1e-3")
-    main, emulated, noise = ns.commands(a)
-    assert main[:3] == ["-m", "recipe=bf16,delayed,tensorwise,blockwise", "trainer.seed=1234"]
-    assert emulated[:4] == ["-m", "recipe=mxfp8", "recipe.emulate=true", "trainer.seed=1234"]
-    assert noise[:4] == ["-m", "recipe=bf16", "trainer.seed=4321", "run.tag=seed${trainer.seed}"]
-    for cmd in (main, emulated, noise):
-        for o in ("model=llama3_150m", "trainer.max_steps=600", "trainer.seq_len=1024", "trainer.global_batch_size=8",
-                  "trainer.val_steps=16", "run.root=runs/numerics", "trainer.lr=1e-3"):
-            assert o in cmd, (o, cmd)
-    assert a.global_batch * a.seq_len * a.steps == 4_915_200
-    dirs = ns.run_dirs(a)
-    assert dirs["bf16-seed4321"] == Path("runs/numerics/llama3_150m/bf16-seed4321")
-    assert set(dirs) == {*ns.RECIPES, "bf16-seed4321"}
-    one = ns.commands(_settings(ns, "--recipes", "bf16,blockwise", "--noise-seeds", ""))
-    assert len(one) == 1 and one[0][1] == "recipe=bf16,blockwise"  # nothing emulated, no noise floor
+def test_full_study_runs(ns, tmp_path):
+    """Every recipe at every seed, deterministic, seed by seed; mxfp8 emulated (Hopper has no MXFP8
+    GEMMs); the runs named as the trainer's seed sweep names them; 40,960,000 tokens a run; the
+    corpus and extra overrides reach every run."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "hello"}\n')
+    a = _settings(ns, "--corpus", str(corpus), "trainer.lr=1e-3")
+    js = ns.jobs(a)
+    assert [j["name"] for j in js[:5]] == [f"{r}-seed1" for r in ns.RECIPES] and len(js) == 15
+    assert js[-1]["name"] == "mxfp8-seed3" and js[-1]["dir"] == Path("runs/study/llama3_150m/mxfp8-seed3")
+    for j in js:
+        for o in ("model=llama3_150m", "trainer.max_steps=1250", "trainer.seq_len=1024", "trainer.global_batch_size=32",
+                  "trainer.deterministic=true", "run.sweep=[trainer.seed]", "trainer.lr=1e-3", "data=jsonl",
+                  f"data.paths=[{corpus.resolve()}]", "trainer.compile_mode=reduce-overhead", f"trainer.seed={j['seed']}"):
+            assert o in j["argv"], (o, j["argv"])
+        assert ("recipe.emulate=true" in j["argv"]) == (j["recipe"] == "mxfp8")
+    assert a.global_batch * a.seq_len * a.steps == 40_960_000
+    plain, emulated = ns.sweep_commands(a)
+    assert plain[:3] == ["-m", "recipe=bf16,tensorwise,blockwise,delayed", "trainer.seed=1,2,3"]
+    assert emulated[:4] == ["-m", "recipe=mxfp8", "recipe.emulate=true", "trainer.seed=1,2,3"]
+    # the sweep would name its runs exactly as the jobs do
+    from nemo_fp8_recipes.run_names import with_sweep_names
+    from nemo_fp8_recipes.train_config import compose_config
+
+    assert [o for o in with_sweep_names(plain) if o.startswith("run.sweep=")] == ["run.sweep=[trainer.seed]"]
+    job = js[7]
+    assert Path(compose_config(job["argv"]).run.dir) == job["dir"]
     with pytest.raises(ValueError, match="must include bf16"):
         _settings(ns, "--recipes", "tensorwise")
+    with pytest.raises(ValueError, match="distinct seeds"):
+        _settings(ns, "--seeds", "1,1")
+    with pytest.raises(ValueError, match="no such file"):
+        _settings(ns, "--corpus", str(tmp_path / "missing.jsonl"))
 
 
 def test_bad_arguments_exit_2(ns, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         ns.main(["--recipes", "bf16,fp4", "--dry-run"])
-    assert e.value.code == 2 and "valid: bf16, delayed, tensorwise, blockwise, mxfp8" in capsys.readouterr().err
+    assert e.value.code == 2 and "valid: bf16, tensorwise, blockwise, delayed, mxfp8" in capsys.readouterr().err
     assert ns.main(["--report-only", "--root", str(tmp_path)]) == 2
-    assert "no bf16 run" in capsys.readouterr().err
+    assert "no complete bf16 run" in capsys.readouterr().err
+
+
+def test_run_states(ns, tmp_path):
+    d = tmp_path / "bf16-seed1"
+    assert ns.run_state(d, 10) == "new"
+    d.mkdir()
+    (d / "events.out.tfevents.1").write_text("x")
+    assert ns.run_state(d, 10) == "stale"
+    (d / "checkpoints").mkdir()
+    (d / "checkpoints" / "step_00000005.pt").write_text("x")
+    assert ns.run_state(d, 10) == "resumable"
+    (d / "summary.json").write_text(json.dumps({"steps": 10}))
+    assert ns.run_state(d, 10) == "complete" and ns.run_state(d, 20) == "resumable"
 
 
 @pytest.fixture(scope="module")
 def smoke(ns, tmp_path_factory):
     """The smoke study, run once: (report.json, its directory, what it printed)."""
     root = tmp_path_factory.mktemp("numerics")
+    stale = root / "llama3_tiny" / "tensorwise-seed2"  # an earlier run that died: moved aside, trained again
+    stale.mkdir(parents=True)
+    (stale / "events.out.tfevents.0.old").write_text("stale")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = ns.main(["--smoke", "--root", str(root), "--recipes", "bf16,tensorwise", "--noise-seeds", ""])
+        rc = ns.main(["--preset", "smoke", "--root", str(root), "--recipes", "bf16,tensorwise", "--seeds", "1,2",
+                      "--parallel", "2"])
     assert rc == 0, out.getvalue()[-3000:]
     rdir = root / "llama3_tiny"
     return json.loads((rdir / "report.json").read_text()), rdir, out.getvalue()
@@ -81,37 +110,48 @@ def _final(run_dir: Path, tag: str, last: int):
 
     r = load_run(run_dir, tag)
     window = [v for s, v in zip(r.steps, r.values) if s > r.steps[-1] - last]
-    return dict(zip(r.steps, r.values)), sum(window) / len(window)
+    return sum(window) / len(window)
 
 
 def test_smoke_study_reports_what_the_runs_logged(smoke):
     rep, rdir, printed = smoke
-    assert "$ nemo-fp8-train -m recipe=bf16,tensorwise trainer.seed=1234 model=llama3_tiny" in printed
-    assert "$ nemo-fp8-compare" in printed
-    assert rep["smoke"] and rep["steps"] == 4 and rep["last"] == 2 and set(rep["runs"]) == {"bf16", "tensorwise"}
-    for tag, key in (("train/loss", "train"), ("val/loss", "val")):
-        base_curve, base = _final(rdir / "bf16", tag, rep["last"])
-        curve, final = _final(rdir / "tensorwise", tag, rep["last"])
-        assert math.isclose(rep["runs"]["bf16"][f"{key}_loss"], base, rel_tol=1e-12)
-        assert math.isclose(rep["runs"]["tensorwise"][f"{key}_loss"], final, rel_tol=1e-12)
-        assert math.isclose(rep["runs"]["tensorwise"][f"{key}_vs_bf16"], final / base - 1, rel_tol=1e-9)
-        devs = [abs(v / base_curve[s] - 1) for s, v in curve.items() if s in base_curve]
-        assert len(devs) >= 2 and math.isclose(rep["runs"]["tensorwise"][f"{key}_max_rel_dev"], max(devs),
-                                               rel_tol=1e-9)
-        assert rep["runs"]["bf16"][f"{key}_vs_bf16"] is None
-    cmp = {r["name"]: r for r in json.loads((rdir / "compare" / "train" / "compare.json").read_text())["results"]}
-    for name, r in rep["runs"].items():
-        summary = json.loads((rdir / name / "summary.json").read_text())
-        assert r["complete"] and r["steps"] == summary["steps"] == 4
-        assert r["tokens_per_s"] == cmp[name]["tokens_per_s"] > 0
-    tw = rep["runs"]["tensorwise"]
-    assert tw["goal"] == 0.005 and tw["within_goal"] == (abs(tw["train_vs_bf16"]) <= 0.005)
-    assert rep["runs"]["bf16"]["goal"] is None and rep["noise_floor"] == {}
+    assert "#   nemo-fp8-train -m recipe=bf16,tensorwise trainer.seed=1,2 model=llama3_tiny" in printed
+    assert "$ nemo-fp8-compare" in printed and "moved to" in printed
+    assert any(p.name.startswith("tensorwise-seed2.incomplete-") for p in rdir.iterdir())
+    assert rep["preset"] == "smoke" and rep["steps"] == 6 and rep["last"] == 2 and set(rep["recipes"]) == {
+        "bf16", "tensorwise"}
+    tw = rep["recipes"]["tensorwise"]
+    assert tw["complete_seeds"] == [1, 2] and rep["recipes"]["bf16"]["complete_seeds"] == [1, 2]
+    for tag, key, last in (("train/loss", "train", 2), ("val/loss", "val", 1)):
+        devs = []
+        for s in (1, 2):
+            base = _final(rdir / f"bf16-seed{s}", tag, last)
+            final = _final(rdir / f"tensorwise-seed{s}", tag, last)
+            assert math.isclose(tw[f"per_seed_{key}"][str(s)], final / base - 1, rel_tol=1e-9, abs_tol=1e-15)
+            devs.append(final / base - 1)
+        assert math.isclose(tw[f"{key}_vs_bf16"], sum(devs) / 2, rel_tol=1e-9, abs_tol=1e-15)
+        lo, hi = tw[f"{key}_interval"]
+        assert lo <= tw[f"{key}_vs_bf16"] <= hi
+        assert tw[f"goal_{key}"] in ("met", "missed", "unresolved")
+    for s in (1, 2):
+        log = (rdir / f"tensorwise-seed{s}" / "stdout.log").read_text()
+        assert "deterministic: on" in log
+        assert json.loads((rdir / f"tensorwise-seed{s}" / "summary.json").read_text())["deterministic"] is True
     md = (rdir / "report.md").read_text()
     assert md.startswith("# Numerics study (SMOKE") and md in printed
     row = next(line for line in md.splitlines() if line.startswith("| tensorwise |"))
-    assert f"{tw['train_loss']:.4f}" in row and f"{100 * tw['train_vs_bf16']:+.3f}%" in row and "±0.50%" in row
+    assert f"{100 * tw['train_vs_bf16']:+.2f}%" in row and "±0.50%" in row
+    assert "Noise floor (train loss): BF16 seed to seed" in md and "0 (deterministic)" in md
     for tag in ("train", "val"):
         cmp = json.loads((rdir / "compare" / tag / "compare.json").read_text())
-        assert cmp["settings"]["baseline"] == "bf16" and cmp["settings"]["last"] == 2
+        assert cmp["settings"]["baseline"] == "bf16" and cmp["seeded"] is True
     assert (rdir / "compare" / "train" / "compare.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_a_second_call_trains_nothing_again(ns, smoke, capsys):
+    rep, rdir, _ = smoke
+    before = {p: p.stat().st_mtime for p in rdir.glob("*/events.out.tfevents.*")}
+    assert ns.main(["--preset", "smoke", "--root", str(rdir.parent), "--recipes", "bf16,tensorwise", "--seeds",
+                    "1,2"]) == 0
+    assert "bf16-seed1: complete, not trained again" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime for p in rdir.glob("*/events.out.tfevents.*")} == before
