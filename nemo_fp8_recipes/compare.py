@@ -73,7 +73,8 @@ from .compare_io import (
     resolve_run_dirs,
 )
 from .compare_outputs import DEVIATION_TAG, plot, tensorboard_layout, write_deviation_events, write_outputs
-from .compare_stats import JSON_VERSION, Comparison, RunStats, _pct, compare_runs, moving_average
+from .compare_groups import pct
+from .compare_stats import JSON_VERSION, Comparison, RunStats, compare_runs, moving_average
 
 __all__ = [
     "DEFAULT_TAG",
@@ -220,16 +221,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"TensorBoard: tensorboard --logdir {logdir}   (Custom Scalars tab: overlay + deviation)")
     if not comparison.passed:
         lines = "\n".join(f"  {name}: {why}" for name, why in comparison.failures)
-        rule = (f"95% interval over seeds within ±{_pct(comparison.max_rel_dev)}" if comparison.seeded else
-                f"max |rel dev| <= {_pct(comparison.max_rel_dev)} over the baseline's last {comparison.last} steps")
+        rule = (f"95% interval over seeds within ±{pct(comparison.max_rel_dev)}" if comparison.seeded else
+                f"max |rel dev| <= {pct(comparison.max_rel_dev)} over the baseline's last {comparison.last} steps")
         print(f"GATE FAILED ({rule}):\n{lines}", file=sys.stderr)
         return 1
     if comparison.max_rel_dev is not None:
         if comparison.seeded:
-            print(f"gate passed: every group's 95% interval over seeds within ±{_pct(comparison.max_rel_dev)} of "
+            print(f"gate passed: every group's 95% interval over seeds within ±{pct(comparison.max_rel_dev)} of "
                   f"{comparison.baseline}")
         else:
-            print(f"gate passed: every run within {_pct(comparison.max_rel_dev)} of {comparison.baseline} "
+            print(f"gate passed: every run within {pct(comparison.max_rel_dev)} of {comparison.baseline} "
                   "(one seed each: this cannot separate FP8 from seed noise; see the notes)")
     return 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .compare_groups import (GroupStats, NoiseFloor, first_per_seed, group_label, group_runs, group_statistics,
-                             interval_text)
+                             interval_text, pct)
 from .compare_io import TOKENS_TAG, CompareError, RunSeries
 
 __all__ = [
@@ -122,7 +122,7 @@ class Comparison:
         """``(name, why)`` of each run (with several seeds: each group) that failed the gate."""
         if self.seeded:
             return [(g.label, "; ".join(g.reasons)) for g in self.groups if g.passed is False]
-        return [(s.name, "; ".join(s.reasons) or _pct(s.gate_rel_dev)) for s in self.stats if s.passed is False]
+        return [(s.name, "; ".join(s.reasons) or pct(s.gate_rel_dev)) for s in self.stats if s.passed is False]
 
     def curve(self, name: str) -> Tuple[List[int], List[float]]:
         """The (smoothed) curve of run ``name`` as used for every number."""
@@ -141,11 +141,11 @@ class Comparison:
         if self.max_rel_dev is None:
             gate = "off (--max-rel-dev)"
         elif self.seeded:
-            gate = (f"the 95% interval over seeds of the final-loss deviation within ±{_pct(self.max_rel_dev)} "
+            gate = (f"the 95% interval over seeds of the final-loss deviation within ±{pct(self.max_rel_dev)} "
                     "(one seed: max |rel dev| over the baseline's last steps), every run reaching the baseline's "
                     "last step")
         else:
-            gate = (f"max |rel dev| over the baseline's last {self.last} steps <= {_pct(self.max_rel_dev)}, "
+            gate = (f"max |rel dev| over the baseline's last {self.last} steps <= {pct(self.max_rel_dev)}, "
                     "every run reaching the baseline's last step")
         return (f"tag `{self.tag}`, baseline **{self.baseline}**, smoothing: {sm}, final loss: mean over "
                 f"the last {self.last} steps, gate: {gate}")
@@ -160,8 +160,8 @@ class Comparison:
             name = f"{s.name} (baseline)" if s.baseline else s.name
             gate = "—" if s.passed is None else ("pass" if s.passed else "**FAIL**")
             row = [name, *([str(s.seed) if s.seed is not None else "?"] if seeds else []), _num(s.final_loss, 4),
-                   _pct(s.final_vs_baseline, signed=True), _pct(s.max_rel_dev), _pct(s.mean_rel_dev),
-                   _pct(s.gate_rel_dev), _num(s.tokens_per_s, 0, thousands=True),
+                   pct(s.final_vs_baseline, signed=True), pct(s.max_rel_dev), pct(s.mean_rel_dev),
+                   pct(s.gate_rel_dev), _num(s.tokens_per_s, 0, thousands=True),
                    "—" if s.speedup is None else f"{s.speedup:.2f}×", *([] if seeds else [gate])]
             lines.append("| " + " | ".join(row) + " |")
         return lines
@@ -306,14 +306,6 @@ def _finite(obj):
     return obj
 
 
-def _pct(x: Optional[float], signed: bool = False) -> str:
-    if x is None:
-        return "—"
-    if not math.isfinite(x):
-        return "inf"
-    return f"{100 * x:+.3f}%" if signed else f"{100 * x:.3f}%"
-
-
 def _num(x: Optional[float], digits: int, thousands: bool = False) -> str:
     if x is None:
         return "n/a"
@@ -455,8 +447,8 @@ def _run_stats(r: RunSeries, base: RunSeries, curves, finals, tps, last: int, ma
     if max_rel_dev is not None:
         passed = not reasons and gate_dev is not None and gate_dev <= max_rel_dev
         if not reasons and gate_dev is not None and gate_dev > max_rel_dev:
-            reasons.append(f"max |rel dev| {_pct(gate_dev)} over steps {window[0]}..{window[1]} is above "
-                           f"{_pct(max_rel_dev)}")
+            reasons.append(f"max |rel dev| {pct(gate_dev)} over steps {window[0]}..{window[1]} is above "
+                           f"{pct(max_rel_dev)}")
     fl, base_final = finals[r.name], finals[base.name]
     tps_r, tps_b = tps[r.name], tps[base.name]
     out = RunStats(**common, baseline=False, aligned_steps=len(aligned),

@@ -26,6 +26,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def import_benchmark(name: str):
+    """The module ``benchmarks/<name>.py``, imported with ``benchmarks/`` on ``sys.path`` as when the
+    script runs (it may import its siblings), which is taken off again afterwards."""
+    import importlib
+    import sys
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    sys.path.insert(0, path)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(path)
+
+
 def gpu_skip_reason():
     if not torch.cuda.is_available():
         return "needs a CUDA GPU (none found: CPU-only machine); run these tests on a CUDA GPU"

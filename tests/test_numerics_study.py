@@ -9,24 +9,18 @@ import contextlib
 import io
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import import_benchmark
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
 def ns():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import numerics_study
-
-        yield numerics_study
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return import_benchmark("numerics_study")
 
 
 def _settings(ns, *argv):

@@ -10,23 +10,17 @@ import json
 import lzma
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import import_benchmark
+
 
 
 @pytest.fixture(scope="module")
 def sc():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import study_corpus
-
-        yield study_corpus
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return import_benchmark("study_corpus")
 
 
 RST = """\
