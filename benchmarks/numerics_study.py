@@ -228,7 +228,7 @@ def compare(dirs: Sequence[Path], out: Path, tag: str, last: int, max_rel_dev: O
 
 
 def _interval(xs: Sequence[float]):
-    from nemo_fp8_recipes.compare_groups import mean_interval
+    from nemo_fp8_recipes.compare import mean_interval
 
     return mean_interval(list(xs)) if xs else (None, None)
 

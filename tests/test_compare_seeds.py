@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from nemo_fp8_recipes.compare import Comparison, compare_runs, load_runs, main, plot
-from nemo_fp8_recipes.compare_groups import group_label, mean_interval, t_quantile, welch_interval
-from nemo_fp8_recipes.compare_outputs import DEVIATION_HIGH_TAG, DEVIATION_LOW_TAG, DEVIATION_TAG
+from nemo_fp8_recipes.compare import group_label, mean_interval, t_quantile, welch_interval
+from nemo_fp8_recipes.compare import DEVIATION_HIGH_TAG, DEVIATION_LOW_TAG, DEVIATION_TAG
 from nemo_fp8_recipes.train import main as train_main
 
 from test_compare import raw_scalars

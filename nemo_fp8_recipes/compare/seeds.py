@@ -50,6 +50,12 @@ __all__ = [
     "t_quantile",
     "mean_interval",
     "welch_interval",
+    "median",
+    "pct",
+    "interval_text",
+    "seed_key",
+    "first_per_seed",
+    "group_statistics",
 ]
 
 #: config keys that do not change what a run trains (besides trainer.seed, the pairing key)
@@ -317,7 +323,8 @@ def _all_known(flags: Sequence[Optional[bool]]) -> Optional[bool]:
     return all(flags)
 
 
-def _median(xs: Sequence[float]) -> Optional[float]:
+def median(xs: Sequence[float]) -> Optional[float]:
+    """The median of the finite values of ``xs`` (None when there is none)."""
     xs = sorted(x for x in xs if x is not None and math.isfinite(x))
     if not xs:
         return None
@@ -336,7 +343,7 @@ def group_statistics(groups: Dict[str, List], base_label: str, curves: Dict[str,
     the per-step deviation of each group (``{label: (steps, mean, low, high)}``, the interval
     across paired seeds; low = high = mean with one seed) and the baseline's per-step seed spread
     (``(steps, sd / mean)``, empty with one seed). ``run_stats``: each run's
-    :class:`~nemo_fp8_recipes.compare_stats.RunStats` against its paired baseline run."""
+    :class:`~nemo_fp8_recipes.compare.statistics.RunStats` against its paired baseline run."""
     base_seed_runs = first_per_seed(groups[base_label])
     base_finals = [finals[r.name] for r in base_seed_runs.values()]
     base_mean = sum(base_finals) / len(base_finals)
@@ -346,8 +353,8 @@ def group_statistics(groups: Dict[str, List], base_label: str, curves: Dict[str,
         seed_runs = first_per_seed(members)
         fl_values = [finals[r.name] for r in seed_runs.values()]
         fl, sd = _mean_sd(fl_values)
-        tps = _median([run_stats[r.name].tokens_per_s for r in seed_runs.values()])
-        base_tps = _median([run_stats[r.name].tokens_per_s for r in base_seed_runs.values()])
+        tps = median([run_stats[r.name].tokens_per_s for r in seed_runs.values()])
+        base_tps = median([run_stats[r.name].tokens_per_s for r in base_seed_runs.values()])
         row = GroupStats(label=label, baseline=label == base_label, runs=[r.name for r in seed_runs.values()],
                          seeds=list(seed_runs), method="baseline", final_loss=fl,
                          final_loss_sd=sd if len(fl_values) > 1 else None, tokens_per_s=tps,

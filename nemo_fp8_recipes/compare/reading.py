@@ -1,7 +1,7 @@
 """Reading ``nemo-fp8-compare``'s input: finding run directories (those holding TensorBoard
 ``events.out.tfevents.*`` files), checking every event file record by record, and reading one
 scalar curve per run with TensorBoard's ``EventAccumulator`` (:func:`load_run`, :func:`load_runs`).
-The definitions of the numbers computed from the curves are in :mod:`nemo_fp8_recipes.compare`."""
+The definitions of the numbers computed from the curves are in :mod:`nemo_fp8_recipes.compare.cli`."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from .compare_groups import read_run_config
+from .seeds import read_run_config
 
 __all__ = [
     "DEFAULT_TAG",
@@ -24,13 +24,15 @@ __all__ = [
     "check_event_file",
     "load_run",
     "load_runs",
+    "run_names",
+    "EVENTS_GLOB",
 ]
 
 DEFAULT_TAG = "train/loss"
 #: The training loss as each trainer logs it: nemo-fp8-train, Megatron-Bridge / Megatron-LM.
 LOSS_TAGS = (DEFAULT_TAG, "lm loss")
 TOKENS_TAG = "tokens_per_s"
-_EVENTS_GLOB = "events.out.tfevents.*"
+EVENTS_GLOB = "events.out.tfevents.*"
 _MARKER = "compare.json"  # an output directory of this tool: never a run
 
 
@@ -40,7 +42,7 @@ class CompareError(ValueError):
 
 # ---- finding and reading runs ---------------------------------------------------------------------
 def _has_events(d: Path) -> bool:
-    return d.is_dir() and any(d.glob(_EVENTS_GLOB))
+    return d.is_dir() and any(d.glob(EVENTS_GLOB))
 
 
 def find_runs(parent: Path, max_depth: int = 3) -> List[Path]:
@@ -73,7 +75,7 @@ def _listing(parent: Path) -> str:
     if not parent.is_dir():
         return f"{parent} does not exist either"
     if not runs:
-        return f"no runs (directories with {_EVENTS_GLOB} files) under {parent}"
+        return f"no runs (directories with {EVENTS_GLOB} files) under {parent}"
     return f"runs found under {parent}: " + ", ".join(str(r.relative_to(parent)) or "." for r in runs)
 
 
@@ -110,7 +112,7 @@ class RunSeries:
     """One run's curve: ``steps`` (ascending) and ``values`` of ``tag``; ``tokens_per_s`` values
     (empty when not logged); ``tags``: every scalar tag of the run; ``problems``: damaged event
     files (:func:`check_event_file`), one line each; from its ``config.yaml``, what groups it with
-    the same configuration's other seeds (:mod:`nemo_fp8_recipes.compare_groups`)."""
+    the same configuration's other seeds (:mod:`nemo_fp8_recipes.compare.seeds`)."""
 
     name: str
     path: str
@@ -173,7 +175,7 @@ def load_run(path: Path, tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG
     every event file is checked record by record first (:func:`check_event_file`). ``tag=None``:
     the run's training loss under the name its trainer logs it (:data:`LOSS_TAGS`)."""
     path = Path(path)
-    problems = [p for f in sorted(path.glob(_EVENTS_GLOB)) for p in [check_event_file(f)] if p]
+    problems = [p for f in sorted(path.glob(EVENTS_GLOB)) for p in [check_event_file(f)] if p]
     acc = _accumulator(path)
     tags = sorted(acc.Tags().get("scalars", []))
     name = name or path.name
@@ -199,7 +201,8 @@ def load_run(path: Path, tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG
                      variant=variant)
 
 
-def _run_names(paths: Sequence[Path]) -> List[str]:
+def run_names(paths: Sequence[Path]) -> List[str]:
+    """Unique names for run directories: their own names, with the parent added where two share one."""
     names = [p.name for p in paths]
     if len(set(names)) == len(names):
         return names
@@ -212,4 +215,4 @@ def _run_names(paths: Sequence[Path]) -> List[str]:
 def load_runs(paths: Sequence[str], tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG) -> List[RunSeries]:
     """:func:`resolve_run_dirs` + :func:`load_run` for each, with unique names."""
     dirs = resolve_run_dirs(paths)
-    return [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, _run_names(dirs))]
+    return [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, run_names(dirs))]

@@ -45,9 +45,9 @@ and ``deviation/<run>/`` TensorBoard runs holding the scalar ``compare/rel_dev``
 ``tensorboard --logdir <parent>`` shows the deviation chart of the custom-scalars layout
 (:func:`tensorboard_layout`, written into every training run by the trainer) next to the overlay.
 
-This module is the command line; the code behind it, re-exported here: reading runs
-(:mod:`.compare_io`), the numbers and their tables (:mod:`.compare_stats`), the files written
-(:mod:`.compare_outputs`).
+This module is the command line; the code behind it: reading runs (:mod:`.reading`), the
+numbers and their tables (:mod:`.statistics`), the seed groups (:mod:`.seeds`), the files
+written (:mod:`.outputs`).
 """
 
 from __future__ import annotations
@@ -59,46 +59,12 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .compare_io import (
-    DEFAULT_TAG,
-    LOSS_TAGS,
-    TOKENS_TAG,
-    CompareError,
-    RunSeries,
-    _run_names,
-    check_event_file,
-    find_runs,
-    load_run,
-    load_runs,
-    resolve_run_dirs,
-)
-from .compare_outputs import DEVIATION_TAG, plot, tensorboard_layout, write_deviation_events, write_outputs
-from .compare_groups import pct
-from .compare_stats import JSON_VERSION, Comparison, RunStats, compare_runs, moving_average
+from .outputs import write_outputs
+from .reading import DEFAULT_TAG, TOKENS_TAG, CompareError, load_run, resolve_run_dirs, run_names
+from .seeds import pct
+from .statistics import Comparison, compare_runs
 
-__all__ = [
-    "DEFAULT_TAG",
-    "LOSS_TAGS",
-    "TOKENS_TAG",
-    "DEVIATION_TAG",
-    "CompareError",
-    "RunSeries",
-    "RunStats",
-    "Comparison",
-    "tensorboard_layout",
-    "find_runs",
-    "resolve_run_dirs",
-    "check_event_file",
-    "load_run",
-    "load_runs",
-    "moving_average",
-    "compare_runs",
-    "plot",
-    "write_outputs",
-    "write_deviation_events",
-    "JSON_VERSION",
-    "main",
-]
+__all__ = ["main"]
 
 
 # ---- command line -----------------------------------------------------------------------------------
@@ -194,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             dirs = resolve_run_dirs(args.runs)
             tag = args.tag  # None: each run's training loss (train/loss, or Megatron-Bridge's "lm loss")
             tokens_tag = args.tokens_tag or TOKENS_TAG
-            runs = [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, _run_names(dirs))]
+            runs = [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, run_names(dirs))]
             comparison = compare_runs(runs, baseline=args.baseline, smooth=1 if args.smooth is None else args.smooth,
                                       last=100 if args.last is None else args.last, max_rel_dev=args.max_rel_dev,
                                       tokens_tag=tokens_tag)
@@ -234,6 +200,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   "(one seed each: this cannot separate FP8 from seed noise; see the notes)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from .compare_io import _EVENTS_GLOB, CompareError
-from .compare_stats import Comparison
+from .reading import EVENTS_GLOB, CompareError
+from .statistics import Comparison
 
 __all__ = [
     "DEVIATION_TAG",
@@ -152,7 +152,7 @@ def write_deviation_events(comparison: Comparison, out_dir: Path) -> List[Path]:
     for name, tags in series.items():
         d = Path(out_dir) / "deviation" / name.replace("/", "__")
         d.mkdir(parents=True, exist_ok=True)
-        for old in d.glob(_EVENTS_GLOB):
+        for old in d.glob(EVENTS_GLOB):
             old.unlink()
         w = SummaryWriter(log_dir=str(d))
         w.add_custom_scalars(tensorboard_layout())

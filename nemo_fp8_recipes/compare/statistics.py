@@ -1,6 +1,6 @@
 """The numbers of ``nemo-fp8-compare``: smoothing, the baseline, relative deviation, final loss,
 throughput and the pass/fail gate (:func:`compare_runs`, every definition in the docstring of
-:mod:`nemo_fp8_recipes.compare`), and the :class:`Comparison` they make, with its Markdown, CSV
+:mod:`nemo_fp8_recipes.compare.cli`), and the :class:`Comparison` they make, with its Markdown, CSV
 and JSON forms (:meth:`Comparison.from_json` re-imports the JSON and computes everything again)."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .compare_groups import (GroupStats, NoiseFloor, first_per_seed, group_label, group_runs, group_statistics,
-                             interval_text, pct)
-from .compare_io import TOKENS_TAG, CompareError, RunSeries
+from .reading import TOKENS_TAG, CompareError, RunSeries
+from .seeds import (GroupStats, NoiseFloor, first_per_seed, group_label, group_runs, group_statistics, interval_text,
+                    median, pct)
 
 __all__ = [
     "JSON_VERSION",
@@ -44,14 +44,6 @@ def moving_average(values: Sequence[float], n: int) -> List[float]:
             acc -= window.pop(0)
         out.append(acc / len(window))
     return out
-
-
-def _median(xs: Sequence[float]) -> Optional[float]:
-    xs = sorted(x for x in xs if math.isfinite(x))
-    if not xs:
-        return None
-    m = len(xs) // 2
-    return xs[m] if len(xs) % 2 else 0.5 * (xs[m - 1] + xs[m])
 
 
 def _abs_max(xs: Sequence[float]) -> Optional[float]:
@@ -352,8 +344,8 @@ def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str]) 
 
 def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, smooth: int = 1, last: int = 100,
                  max_rel_dev: Optional[float] = None, tokens_tag: str = TOKENS_TAG) -> Comparison:
-    """Compute the tables (see the docstrings of :mod:`nemo_fp8_recipes.compare` and, for seeds,
-    :mod:`nemo_fp8_recipes.compare_groups` for every definition)."""
+    """Compute the tables (see the docstrings of :mod:`nemo_fp8_recipes.compare.cli` and, for seeds,
+    :mod:`nemo_fp8_recipes.compare.seeds` for every definition)."""
     if not runs:
         raise CompareError("no runs to compare")
     if isinstance(smooth, bool) or not isinstance(smooth, int) or smooth < 1:
@@ -384,7 +376,7 @@ def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, s
         return sum(window) / len(window)
 
     finals = {r.name: final(r) for r in runs}
-    tps = {r.name: _median(r.tokens_per_s) for r in runs}
+    tps = {r.name: median(r.tokens_per_s) for r in runs}
     stats: List[RunStats] = []
     deviations: Dict[str, Tuple[List[int], List[float]]] = {}
     for r in runs:
