@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from nemo_fp8_recipes import PrecisionPolicy, get_recipe, list_recipes
-from nemo_fp8_recipes.integrations import bridge, bridge_launch, nemo2
+from nemo_fp8_recipes.integrations import bridge, nemo2
+from nemo_fp8_recipes.integrations.bridge import launch as bridge_launch
 from nemo_fp8_recipes.integrations.validate import BRIDGE_MIXED_PRECISION_FIELDS, RECIPE_OWNED_FIELDS, validate_config
 from nemo_fp8_recipes.train_config import compose_config, list_group_options
 

@@ -147,7 +147,7 @@ def megatron_mixed_precision(recipe: Union[str, Recipe], policy: Optional[Precis
 def nemo2_model_overrides(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None) -> Dict[str, Any]:
     """Model-config fields the plugin does not carry: ``moe_router_dtype="fp32"`` and, when the
     policy needs per-module BF16 overrides, ``quant_recipe`` (set them on ``llm.GPTConfig``)."""
-    from .bridge import bridge_model_fields
+    from .bridge.precision import bridge_model_fields
 
     return bridge_model_fields(recipe, policy)
 

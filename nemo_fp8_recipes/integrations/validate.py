@@ -269,7 +269,7 @@ def _default_model() -> str:
 def _bridge_builds_our_model(args: Sequence[str]) -> bool:
     """Whether a Megatron-Bridge launch builds the model from our config (``backend.provider``),
     so that ``model.<our field>`` overrides are ours; else they are the Bridge provider's."""
-    from .bridge_recipes import BridgeLaunchError, provider_mode
+    from .bridge.recipes import BridgeLaunchError, provider_mode
 
     def value(key: str, default=None):
         return next((a.split("=", 1)[1] for a in args if a.split("=", 1)[0].lstrip("+") == key), default)

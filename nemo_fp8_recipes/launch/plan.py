@@ -325,14 +325,14 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
                     comment: List[str]) -> Tuple[List[str], List[str]]:
     """The program + arguments torchrun starts for ``backend=megatron_bridge``, and warnings.
     Runs the pre-launch validator for ``cluster.gpu_type`` (errors refuse the job)."""
-    from ..integrations.bridge import bridge_recipe_name
+    from ..integrations.bridge.recipes import bridge_recipe_name
     from ..integrations.validate import parse_gpu, validate_config
 
     if cl.gpus_per_node < 1:
         raise ConfigError("backend=megatron_bridge needs GPUs: set cluster.gpus_per_node >= 1")
     if br.entry not in BRIDGE_ENTRIES:
         raise ConfigError(f"submit.bridge.entry={br.entry!r} is not valid; choose one of: {', '.join(BRIDGE_ENTRIES)}")
-    from ..integrations.bridge import provider_mode
+    from ..integrations.bridge.recipes import provider_mode
 
     try:
         mode = provider_mode(str(cfg.model.name), cfg.backend.get("provider", "auto"), cfg.backend.get("recipe_fn"))
@@ -363,7 +363,8 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
         warnings.append(f"cluster.gpu_type={cl.gpu_type} is not a GPU the pre-launch check knows; set it to e.g. "
                         "H100, H200 or B200 so the recipe is checked against the nodes' GPUs")
 
-    from ..integrations.bridge import BridgeLaunchError, check_world_size, launch_plan
+    from ..integrations.bridge.launch import check_world_size, launch_plan
+    from ..integrations.bridge.recipes import BridgeLaunchError
 
     try:
         plan = launch_plan(cfg, list(theirs), [o for o in overrides if not _override_key(o).startswith("cluster")])

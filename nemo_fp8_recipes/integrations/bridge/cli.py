@@ -69,32 +69,9 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from .bridge_launch import (_use_prebuilt_dataset_helpers, build_bridge_config, check_world_size, launch_plan,
-                            provider_kwargs, trainer_settings)
-from .bridge_precision import (bridge_mixed_precision_config, bridge_mixed_precision_kwargs, bridge_model_fields,
-                               expected_model_fields)
-from .bridge_recipes import (BRIDGE_RECIPES, PROVIDER_MODES, PUBLISHED_RECIPES, BridgeLaunchError,
-                             PublishedRecipe, bridge_recipe_name, provider_mode)
+from .launch import build_bridge_config, check_world_size, launch_plan, use_prebuilt_dataset_helpers
 
-__all__ = [
-    "BRIDGE_RECIPES",
-    "PUBLISHED_RECIPES",
-    "PublishedRecipe",
-    "BridgeLaunchError",
-    "provider_mode",
-    "provider_kwargs",
-    "trainer_settings",
-    "launch_plan",
-    "bridge_recipe_name",
-    "bridge_mixed_precision_kwargs",
-    "bridge_mixed_precision_config",
-    "bridge_model_fields",
-    "expected_model_fields",
-    "build_bridge_config",
-    "PROVIDER_MODES",
-    "check_world_size",
-    "main",
-]
+__all__ = ["main"]
 
 
 def _is_rank0() -> bool:
@@ -135,10 +112,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m nemo_fp8_recipes.integrations.bridge [--gpu h100] [--cuda 12.8] <overrides>``: validate,
     build and run Megatron-Bridge pretraining with our recipe (``backend.dry_run=true``: resolve,
     print and stop, without importing Bridge)."""
-    from ..train_config import build_policy, build_recipe
-    from ..train_config import ConfigError, compose_config, validate_overrides
-    from .callbacks import bridge_callback
-    from .validate import parse_gpu, split_overrides, validate_config
+    from ...train_config import build_policy, build_recipe
+    from ...train_config import ConfigError, compose_config, validate_overrides
+    from ..callbacks import bridge_callback
+    from ..validate import parse_gpu, split_overrides, validate_config
 
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
@@ -193,7 +170,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     try:
         container, expected = build_bridge_config(cfg, theirs, ours)
-        _use_prebuilt_dataset_helpers()
+        use_prebuilt_dataset_helpers()
     except (ValueError, ImportError) as e:
         print(f"nemo-fp8 bridge: {e}", file=sys.stderr)
         return 2
@@ -214,6 +191,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                          "audit cannot run; use Megatron-Bridge >= 0.2 (0.6.2 is what this launcher is checked with)")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

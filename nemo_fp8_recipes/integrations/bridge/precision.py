@@ -12,19 +12,20 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional, Union
 
-from ..policy import PrecisionPolicy
-from ..recipes import Recipe, get_recipe
-from .megatron import MegatronFP8Config, megatron_config
+from ...policy import PrecisionPolicy
+from ...recipes import Recipe, get_recipe
+from ..megatron import MegatronFP8Config, megatron_config
 
 __all__ = [
     "bridge_mixed_precision_kwargs",
     "bridge_mixed_precision_config",
     "bridge_model_fields",
     "expected_model_fields",
+    "MODEL_FP8_FIELDS",
 ]
 
 #: The FP8 fields ``setup()`` copies onto the model config, which must survive to train start.
-_MODEL_FP8_FIELDS = (
+MODEL_FP8_FIELDS = (
     "fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad",
     "fp8_dot_product_attention", "fp8_multi_head_attention", "first_last_layers_bf16",
     "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
@@ -57,7 +58,7 @@ def bridge_mixed_precision_kwargs(recipe: Union[str, Recipe], policy: Optional[P
                   num_layers_at_start_in_bf16=0, num_layers_at_end_in_bf16=0)
         return kw
     mc = _mc(r, policy, fp8_param_gather)
-    for k in _MODEL_FP8_FIELDS:
+    for k in MODEL_FP8_FIELDS:
         kw[k] = mc[k]
     kw["fp8_param"] = bool(fp8_param_gather)
     kw["fp8_param_gather"] = bool(fp8_param_gather)
@@ -90,6 +91,6 @@ def bridge_model_fields(recipe: Union[str, Recipe], policy: Optional[PrecisionPo
 def expected_model_fields(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None) -> Dict[str, Any]:
     """What the model config must carry at train start (checked by the Bridge callback)."""
     kw = bridge_mixed_precision_kwargs(recipe, policy)
-    out = {k: kw[k] for k in ("fp8",) + _MODEL_FP8_FIELDS if k in kw}
+    out = {k: kw[k] for k in ("fp8",) + MODEL_FP8_FIELDS if k in kw}
     out["moe_router_dtype"] = "fp32"
     return out

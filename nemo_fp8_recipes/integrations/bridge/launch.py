@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..policy import PrecisionPolicy
-from ..recipes import Recipe
-from .bridge_precision import (_MODEL_FP8_FIELDS, bridge_mixed_precision_config, bridge_mixed_precision_kwargs,
+from ...policy import PrecisionPolicy
+from ...recipes import Recipe
+from .precision import (MODEL_FP8_FIELDS, bridge_mixed_precision_config, bridge_mixed_precision_kwargs,
                                bridge_model_fields, expected_model_fields)
-from .bridge_recipes import PUBLISHED_RECIPES, BridgeLaunchError, bridge_recipe_name, provider_mode
-from .te import prepare_te_env
+from .recipes import PUBLISHED_RECIPES, BridgeLaunchError, bridge_recipe_name, provider_mode
+from ..te import prepare_te_env
 
 __all__ = [
     "provider_kwargs",
@@ -26,6 +26,7 @@ __all__ = [
     "check_world_size",
     "launch_plan",
     "build_bridge_config",
+    "use_prebuilt_dataset_helpers",
 ]
 
 log = logging.getLogger(__name__)
@@ -141,9 +142,9 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
     builds from it."""
     from omegaconf import OmegaConf
 
-    from ..models import ModelConfig
-    from ..train_config import build_policy, build_recipe
-    from ..train_config import run_config, trainer_config
+    from ...models import ModelConfig
+    from ...train_config import build_policy, build_recipe
+    from ...train_config import run_config, trainer_config
 
     r = build_recipe(cfg.recipe)
     p = build_policy(cfg.get("policy"))
@@ -159,7 +160,7 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
         "te_env": {}, "pass_through": list(bridge_overrides),
     }
     if r.is_fp8:
-        from .te import te_env
+        from ..te import te_env
 
         plan["te_env"] = te_env(r)
     if mode == "recipe":
@@ -230,7 +231,7 @@ def _check_recipe_owned(container, r: Recipe, p: Optional[PrecisionPolicy], fpg:
     want = bridge_mixed_precision_kwargs(r, p, fp8_param_gather=fpg)
     mp = container.mixed_precision
     changed = {k: (getattr(mp, k, None), v) for k, v in want.items()
-               if k in _MODEL_FP8_FIELDS and getattr(mp, k, None) != v}
+               if k in MODEL_FP8_FIELDS and getattr(mp, k, None) != v}
     if changed:
         raise ValueError(
             "the pass-through overrides changed recipe-owned mixed_precision fields: "
@@ -250,7 +251,7 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
     ``fp8_param_gather`` apply) -> our model-only fields -> a check that the recipe-owned fields
     are unchanged and that the world size holds one model replica.
     """
-    from ..train_config import build_policy, build_recipe
+    from ...train_config import build_policy, build_recipe
 
     plan = launch_plan(cfg, bridge_overrides, our_overrides)
     r = build_recipe(cfg.recipe)
@@ -343,7 +344,7 @@ def _offline_container():
     )
 
 
-def _use_prebuilt_dataset_helpers() -> None:
+def use_prebuilt_dataset_helpers() -> None:
     """Bridge compiles megatron-core's dataset helpers with ``make`` at start and exits if that
     fails; a wheel install ships them compiled but without the Makefile. Then use the compiled
     module (logged); with neither, stop with the fix."""
