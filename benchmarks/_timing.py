@@ -309,7 +309,8 @@ def benchmark_device(smoke: bool, info=None) -> str:
     ``info`` (a :class:`~nemo_fp8_recipes.recipes.DeviceInfo`) stands in for the GPU in tests."""
     import torch
 
-    from nemo_fp8_recipes.recipes import check_supported, describe_device, get_recipe
+    from nemo_fp8_recipes.hardware import describe_device
+    from nemo_fp8_recipes.recipes import check_supported, get_recipe
 
     if smoke:
         return "cpu"
@@ -331,9 +332,8 @@ def recipe_mode(recipe: str, device) -> Tuple[str, str]:
     cores), ``("emulated", reason)`` (CPU smoke runs only) or ``("skipped", reason)`` where the
     GPU lacks the format (e.g. mxfp8 on Hopper), with ``check_supported``'s reason. A benchmark
     never times the emulation on a GPU."""
-    from nemo_fp8_recipes.recipes import (
-        check_supported, describe_device, get_recipe, uses_real_fp8_gemm,
-    )
+    from nemo_fp8_recipes.hardware import describe_device
+    from nemo_fp8_recipes.recipes import check_supported, get_recipe, uses_real_fp8_gemm
 
     info = describe_device(device)
     r = get_recipe(recipe)

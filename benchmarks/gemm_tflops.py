@@ -50,7 +50,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench, benchmark_device, error_status, fmt, fmt_tflops, recipe_mode, table, write_json,
+    bench,
+    benchmark_device,
+    error_status,
+    fmt,
+    fmt_tflops,
+    recipe_mode,
+    table,
+    write_json,
 )
 
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402

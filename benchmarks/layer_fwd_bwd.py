@@ -117,23 +117,41 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import (  # noqa: E402
-    bench_interleaved, bench_one, bench_samples, benchmark_device, capture_graphs, error_status, fmt, fmt_tflops,
-    free_memory, gpu_cell, gpu_monitor, graph_replay, recipe_mode, table, write_json,
+    bench_interleaved,
+    bench_one,
+    bench_samples,
+    benchmark_device,
+    capture_graphs,
+    error_status,
+    fmt,
+    fmt_tflops,
+    free_memory,
+    gpu_cell,
+    gpu_monitor,
+    graph_replay,
+    recipe_mode,
+    table,
+    write_json,
 )
 from _torchao import RECIPES as TORCHAO_RECIPES  # noqa: E402
 from _torchao import convert_torchao, torchao_status  # noqa: E402
 
+from nemo_fp8_recipes.config import COMPILE_MODES, CUDA_GRAPH_MODES  # noqa: E402
 from nemo_fp8_recipes.models import load_model_config  # noqa: E402
 from nemo_fp8_recipes.models.llama import FeedForward, TransformerBlock, precompute_rope  # noqa: E402
 from nemo_fp8_recipes.nn import (  # noqa: E402
-    Float8Linear, apply_kernel_options, convert_model, invalidate_weight_cache, set_delayed_scaling_update,
-    set_graph_weight_cache, sync_delayed_scaling,
+    Float8Linear,
+    apply_kernel_options,
+    convert_model,
+    invalidate_weight_cache,
+    set_delayed_scaling_update,
+    set_graph_weight_cache,
+    sync_delayed_scaling,
 )
 from nemo_fp8_recipes.options import KernelOptions  # noqa: E402
 from nemo_fp8_recipes.policy import PrecisionPolicy  # noqa: E402
 from nemo_fp8_recipes.quant.launch import set_fast_launch  # noqa: E402
 from nemo_fp8_recipes.recipes import get_recipe  # noqa: E402
-from nemo_fp8_recipes.train_config import COMPILE_MODES, CUDA_GRAPH_MODES  # noqa: E402
 
 MODELS = {"8b": "llama3_8b", "70b": "llama3_70b", "405b": "llama31_405b"}
 TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}

@@ -56,9 +56,20 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import bench_interleaved, capture_graphs, gpu_cell, gpu_monitor, table, write_json  # noqa: E402
+from _timing import (  # noqa: E402
+    bench_interleaved,
+    capture_graphs,
+    gpu_cell,
+    gpu_monitor,
+    table,
+    write_json,
+)
 
-from nemo_fp8_recipes.nn import Float8Linear, set_wgrad_accumulation_fusion, sync_delayed_scaling  # noqa: E402
+from nemo_fp8_recipes.nn import (  # noqa: E402
+    Float8Linear,
+    set_wgrad_accumulation_fusion,
+    sync_delayed_scaling,
+)
 from nemo_fp8_recipes.recipes import check_supported, get_recipe  # noqa: E402
 
 SHAPES = {"8b": (4096, 14336), "70b": (8192, 28672), "405b": (16384, 53248)}

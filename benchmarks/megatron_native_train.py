@@ -111,7 +111,9 @@ def build_te_model(args, recipe, policy, device: torch.device):
     """A GPTModel with Transformer Engine's layer spec and our fields for backend ``te`` (FP8 and the
     first/last BF16 layers through TransformerConfig; per-module overrides through quant_recipe)."""
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.transformer import TransformerConfig
 
     from nemo_fp8_recipes.integrations.megatron import megatron_config
@@ -138,7 +140,10 @@ def build_model(args, recipe, policy, device: torch.device):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
-    from nemo_fp8_recipes.integrations.megatron import convert_megatron_model, megatron_config
+    from nemo_fp8_recipes.integrations.megatron import (
+        convert_megatron_model,
+        megatron_config,
+    )
 
     llama = args.arch == "llama"
     cfg = TransformerConfig(
@@ -182,7 +187,13 @@ def batches(args, device: torch.device):
             return w[:, :-1], w[:, 1:]
 
         return get
-    from nemo_fp8_recipes.data import ByteTokenizer, DataConfig, PackedTokens, TrainBatches, load_corpus
+    from nemo_fp8_recipes.data import (
+        ByteTokenizer,
+        DataConfig,
+        PackedTokens,
+        TrainBatches,
+        load_corpus,
+    )
 
     corpus = load_corpus(DataConfig(source="stdlib", max_bytes=8_000_000), ByteTokenizer())
     tb = TrainBatches(PackedTokens(corpus.train, args.seq, "train"), seed=args.seed,
@@ -192,7 +203,8 @@ def batches(args, device: torch.device):
 
 def train_one(args, recipe_name: str, device: torch.device) -> dict:
     from nemo_fp8_recipes import PrecisionPolicy, audit, get_recipe
-    from nemo_fp8_recipes.recipes import describe_device, uses_real_fp8_gemm
+    from nemo_fp8_recipes.hardware import describe_device
+    from nemo_fp8_recipes.recipes import uses_real_fp8_gemm
 
     recipe = get_recipe(recipe_name)
     policy = PrecisionPolicy(first_layers_bf16=args.first_layers_bf16, last_layers_bf16=args.last_layers_bf16,

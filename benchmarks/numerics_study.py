@@ -158,9 +158,9 @@ def check_parallel_fits(a: argparse.Namespace) -> Optional[str]:
         return None
     from omegaconf import OmegaConf
 
-    from nemo_fp8_recipes.memory import estimate_training_memory, format_bytes
+    from nemo_fp8_recipes.config import compose_config
     from nemo_fp8_recipes.models import ModelConfig
-    from nemo_fp8_recipes.train_config import compose_config
+    from nemo_fp8_recipes.trainer.memory import estimate_training_memory, format_bytes
 
     cfg = compose_config([j for j in jobs(a)[0]["argv"] if not j.startswith("data.paths")])
     mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))

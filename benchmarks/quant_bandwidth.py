@@ -234,14 +234,14 @@ def host_overhead(dev: str, calls: int, rounds: int = 2) -> list:
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     # the 1x128 rows kernel launched directly, every argument precomputed: Triton's own launch cost
     raw = dict(GROUP=128, NG=1, BLOCK_R=64, num_warps=2, MODE=1, FMAX=448.0, EMAX=8,
-               TOP_MANT=tk._top_mant(Format.E4M3), IS_E4M3=True, HW_CVT=tk._hw_cvt(x))
+               TOP_MANT=tk.common.top_mant(Format.E4M3), IS_E4M3=True, HW_CVT=tk.common.hw_cvt(x))
     cases = [
         ("torch.empty (one FP8 output)", lambda: torch.empty((256, 512), dtype=torch.float8_e4m3fn, device=dev)),
         ("a PyTorch element-wise op (x + 1), for scale", lambda: x.add(1)),
         ("Triton launch alone (1x128 rows kernel, arguments ready)",
-         lambda: tk._quant_rows_kernel[(16,)](x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw)),
+         lambda: tk.groups.quant_rows_kernel[(16,)](x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw)),
         ("direct launch alone (the same kernel through quant.launch's cache)",
-         lambda: launch(tk._quant_rows_kernel, (16,), x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw)),
+         lambda: launch(tk.groups.quant_rows_kernel, (16,), x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw)),
         ("quantize_rows 1x128 (1 kernel)", lambda: tk.quantize_rows(x, "e4m3", 128, "pow2")),
         ("quantize_cols_t 1x128 (1 kernel)", lambda: tk.quantize_cols_t(x, "e4m3", 128, "pow2")),
         ("quantize_auto 1x128 (dispatch + 1 kernel)", lambda: quantize_auto(x, "e4m3", "1x128", "pow2")),

@@ -279,7 +279,7 @@ def compare_backends(results: list, root: Path, args) -> dict:
 
 def _model_shape(args) -> dict:
     """Layers, width, heads and vocabulary of ``--model`` with the ``model.*`` overrides of ``extra``."""
-    from nemo_fp8_recipes.train_config import compose_config
+    from nemo_fp8_recipes.config import compose_config
 
     keep = [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
     m = compose_config([f"model={args.model}", *keep]).model

@@ -9,6 +9,9 @@ initialise CUDA. Quick start::
     print(nfr.audit(model).table())
 """
 
+from .integrations.megatron import megatron_config
+from .integrations.te import to_te_recipe
+from .integrations.validate import validate
 from .nn import (
     AuditReport,
     Float8Linear,
@@ -22,9 +25,6 @@ from .nn import (
     set_wgrad_accumulation_fusion,
     sync_delayed_scaling,
 )
-from .integrations.megatron import megatron_config
-from .integrations.te import to_te_recipe
-from .integrations.validate import validate
 from .policy import Decision, PrecisionPolicy
 from .recipes import (
     Recipe,

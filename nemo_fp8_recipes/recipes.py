@@ -29,10 +29,6 @@ from .hardware import DeviceInfo, describe_device
 
 __all__ = [
     "RecipeName",
-    "Format",
-    "ScaleRounding",
-    "Granularity",
-    "GemmConfig",
     "Recipe",
     "BF16Recipe",
     "DelayedScalingRecipe",
@@ -45,8 +41,6 @@ __all__ = [
     "require_supported",
     "uses_real_fp8_gemm",
     "UnsupportedRecipeError",
-    "DeviceInfo",
-    "describe_device",
 ]
 
 

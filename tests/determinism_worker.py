@@ -25,8 +25,8 @@ def _param_digest(model) -> str:
 
 
 def main(spec_path: str, out_path: str, root: str) -> int:
+    from nemo_fp8_recipes.config import compose_config
     from nemo_fp8_recipes.train import train
-    from nemo_fp8_recipes.train_config import compose_config
 
     with open(spec_path, encoding="utf-8") as f:
         spec = json.load(f)

@@ -35,8 +35,8 @@ def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
     dist.init_process_group("gloo")
+    from nemo_fp8_recipes.config import compose_config
     from nemo_fp8_recipes.train import train
-    from nemo_fp8_recipes.train_config import compose_config
 
     rank = dist.get_rank()
     for run in spec["runs"]:

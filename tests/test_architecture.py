@@ -1,8 +1,11 @@
 """The package's import graph flows one way: no module imports, at module level or inside a
 function, a module that imports it back (directly or through others). Package ``__init__``
 re-exports are not edges (they gather the public API, importing a package's submodules).
-No module grows past the size limit, and ``NEMO_FP8_*`` variables are read in
-``nemo_fp8_recipes/options.py`` only."""
+The modules form layers, and nothing imports upward (core vocabulary -> quantisation and policy ->
+nn -> models and data -> configuration -> trainer / integrations / launch -> command lines;
+``compare`` stands apart); a module's ``__all__`` names what it defines; no private name is
+imported across modules; ``NEMO_FP8_*`` variables are read in ``nemo_fp8_recipes/options.py``
+only."""
 
 from __future__ import annotations
 
@@ -103,18 +106,145 @@ def test_importing_the_package_installs_no_optimizer_hook():
     assert out.stdout.split() == ["0", "1"]
 
 
-# ---- module size and environment ------------------------------------------------------------------
-#: modules allowed past the size limit, with the reason (none today)
-_LONG_MODULES: dict = {}
-_MAX_LINES = 650
+# ---- layers ---------------------------------------------------------------------------------------
+#: The package's layers, lowest first: a module imports from its own layer and those below it only.
+#: Module names are matched by their longest listed prefix. ``compare`` stands apart: it imports
+#: nothing of the package but itself, and any layer may use it.
+LAYERS = {
+    "nemo_fp8_recipes.formats": 0, "nemo_fp8_recipes.hardware": 0, "nemo_fp8_recipes.recipes": 0,
+    "nemo_fp8_recipes.options": 0, "nemo_fp8_recipes.versions": 0, "nemo_fp8_recipes._io": 0,
+    "nemo_fp8_recipes.determinism": 0,
+    "nemo_fp8_recipes.policy": 1, "nemo_fp8_recipes.quant": 1,
+    "nemo_fp8_recipes.nn": 2,
+    "nemo_fp8_recipes.models": 3, "nemo_fp8_recipes.data": 3,
+    "nemo_fp8_recipes.config": 4,
+    "nemo_fp8_recipes.trainer": 5, "nemo_fp8_recipes.integrations": 5, "nemo_fp8_recipes.launch": 5,
+    # the command lines
+    "nemo_fp8_recipes.train": 6, "nemo_fp8_recipes.trainer.cli": 6, "nemo_fp8_recipes.integrations.bridge.cli": 6,
+    "nemo_fp8_recipes.launch.submit": 6,
+}
+LAYER_NAMES = ("core vocabulary", "quantisation and policy", "nn", "models and data", "configuration",
+               "trainer / integrations / launch", "command lines")
+APART = "nemo_fp8_recipes.compare"
 
 
-def test_no_library_module_is_over_the_size_limit():
-    long = {str(p.relative_to(ROOT)): n for p in ROOT.rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > _MAX_LINES and str(p.relative_to(ROOT)) not in _LONG_MODULES}
-    assert not long, f"modules over {_MAX_LINES} lines (split them by concern, or list them with a reason): {long}"
+def _layer(name: str):
+    if name == APART or name.startswith(APART + "."):
+        return "apart"
+    if name.endswith(".__main__"):  # python -m <package>: a command line
+        return 6
+    parts = name.split(".")
+    for n in range(len(parts), 0, -1):
+        key = ".".join(parts[:n])
+        if key in LAYERS:
+            return LAYERS[key]
+    return None
 
 
+def _import_edges(name: str, path: Path, mods) -> set:
+    """Every module or package of ours that ``name`` imports, anywhere in it (packages included)."""
+    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = []
+        if isinstance(node, ast.ImportFrom):
+            base = pkg
+            for _ in range(max(node.level - 1, 0)):
+                base = base.rpartition(".")[0]
+            mod = node.module if not node.level else (f"{base}.{node.module}" if node.module else base)
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        for t in targets:
+            while t not in mods and "." in t:
+                t = t.rpartition(".")[0]
+            if t in mods and t != name:
+                out.add(t)
+    return out
+
+
+def _upward(graph) -> list:
+    """``(importer, imported)`` edges that point to a higher layer, or out of ``compare``. Package
+    ``__init__`` modules gather their package's API and are not importers here."""
+    bad = []
+    for src, targets in graph.items():
+        ls = _layer(src)
+        for t in sorted(targets):
+            lt = _layer(t)
+            if ls == "apart":
+                if lt != "apart":
+                    bad.append((src, t))
+            elif lt not in ("apart", None) and ls is not None and lt > ls:
+                bad.append((src, t))
+    return bad
+
+
+def test_nothing_imports_upward():
+    mods = _modules()
+    unplaced = sorted(m for m in mods if m != "nemo_fp8_recipes" and _layer(m) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
+    graph = {m: _import_edges(m, p, mods) for m, p in mods.items() if p.name != "__init__.py"}
+    bad = [f"{a} ({LAYER_NAMES[_layer(a)] if _layer(a) != 'apart' else 'compare'}) imports {b} "
+           f"({LAYER_NAMES[_layer(b)] if _layer(b) != 'apart' else 'compare'})" for a, b in _upward(graph)]
+    assert not bad, "imports pointing upward:\n" + "\n".join(bad)
+
+
+def test_the_layering_check_finds_an_upward_import():
+    graph = {"nemo_fp8_recipes.nn.linear": {"nemo_fp8_recipes.quant.ops", "nemo_fp8_recipes.trainer.run"},
+             "nemo_fp8_recipes.trainer.run": {"nemo_fp8_recipes.nn.linear", "nemo_fp8_recipes.compare.reading"},
+             "nemo_fp8_recipes.compare.reading": {"nemo_fp8_recipes.config"}}
+    assert _upward(graph) == [("nemo_fp8_recipes.nn.linear", "nemo_fp8_recipes.trainer.run"),
+                              ("nemo_fp8_recipes.compare.reading", "nemo_fp8_recipes.config")]
+
+
+def _defined_names(tree) -> set:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                for n in ast.walk(t):
+                    if isinstance(n, ast.Name):
+                        names.add(n.id)
+        elif isinstance(node, ast.If):  # names defined under a guard (e.g. an optional import's fallback)
+            names |= _defined_names(ast.Module(body=node.body + node.orelse, type_ignores=[]))
+    return names
+
+
+def _all_names(tree) -> list:
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+    return []
+
+
+def test_a_module_exports_only_what_it_defines():
+    """``__all__`` lists names the module defines; a package's ``__init__`` (its facade) aside."""
+    bad = {}
+    for p in ROOT.rglob("*.py"):
+        if p.name == "__init__.py":
+            continue
+        tree = ast.parse(p.read_text())
+        foreign = sorted(set(_all_names(tree)) - _defined_names(tree))
+        if foreign:
+            bad[str(p.relative_to(ROOT))] = foreign
+    assert not bad, f"__all__ names a module does not define (import them from where they live): {bad}"
+
+
+def test_no_private_name_is_imported_across_modules():
+    bad = []
+    for p in ROOT.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("nemo_fp8_recipes")):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private:
+                    bad.append(f"{p.relative_to(ROOT)}: from {'.' * node.level}{node.module or ''} import "
+                               f"{', '.join(private)}")
+    assert not bad, "private names imported from another module (make them public where they live):\n" + "\n".join(bad)
+
+
+# ---- environment ----------------------------------------------------------------------------------
 def _nemo_env_reads(tree) -> list:
     """``NEMO_FP8_*`` names a module reads: ``os.environ.get/[...]``, ``os.getenv``, ``environ.get``."""
     found = []
@@ -143,8 +273,8 @@ def test_the_environment_read_finder_finds_a_read():
 
 def test_settings_read_from_the_environment(monkeypatch, tmp_path):
     from nemo_fp8_recipes.data import default_cache_dir
-    from nemo_fp8_recipes.distributed import _timeout_minutes
     from nemo_fp8_recipes.options import env_setting
+    from nemo_fp8_recipes.trainer.distributed import _timeout_minutes
 
     monkeypatch.setenv("NEMO_FP8_CACHE_DIR", str(tmp_path))
     assert default_cache_dir() == tmp_path

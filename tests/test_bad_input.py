@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from nemo_fp8_recipes.config import compose_config, trainer_config
 from nemo_fp8_recipes.data import DataConfig, DataError, load_corpus
 from nemo_fp8_recipes.integrations.validate import main as check_main
 from nemo_fp8_recipes.nn import Float8Linear, convert_model
@@ -24,7 +25,6 @@ from nemo_fp8_recipes.policy import PrecisionPolicy
 from nemo_fp8_recipes.recipes import get_recipe
 from nemo_fp8_recipes.train import main as train_main
 from nemo_fp8_recipes.train import train
-from nemo_fp8_recipes.train_config import compose_config, trainer_config
 
 TINY = [
     "model.num_layers=1", "model.dim=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_dim=128",
@@ -164,8 +164,8 @@ def test_the_memory_estimate_follows_a_measured_run(tmp_path, token_cache):
     """The estimate against the peak resident memory of a real run in a fresh process."""
     from omegaconf import OmegaConf
 
-    from nemo_fp8_recipes.memory import estimate_training_memory
     from nemo_fp8_recipes.models import ModelConfig
+    from nemo_fp8_recipes.trainer.memory import estimate_training_memory
 
     args = ["model=llama3_150m", "model.num_layers=2", "recipe=tensorwise", "trainer.seq_len=256",
             "trainer.micro_batch_size=4", "trainer.global_batch_size=4", "trainer.max_steps=2",
@@ -255,15 +255,14 @@ def test_backend_te_without_transformer_engine_stops_at_once(tmp_path, token_cac
 def test_backend_te_refuses_what_te_cannot_run(extra, words, monkeypatch, tmp_path):
     """The checks after Transformer Engine is found, with the TE/GPU probe and the device answer
     replaced by a Hopper machine's (no TE is needed to see the refusals)."""
-    from nemo_fp8_recipes import recipes as recipes_mod
-    from nemo_fp8_recipes import train as train_mod
-    from nemo_fp8_recipes.integrations import te_model
-    from nemo_fp8_recipes.recipes import DeviceInfo
-    from nemo_fp8_recipes.train_config import trainer_config
+    from nemo_fp8_recipes import hardware
+    from nemo_fp8_recipes.config import build_recipe, trainer_config
+    from nemo_fp8_recipes.hardware import DeviceInfo
+    from nemo_fp8_recipes.trainer import te_backend as te_model
 
     hopper = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), cuda_version=(12, 9))
     monkeypatch.setattr(te_model, "te_backend_problem", lambda device: None)
-    monkeypatch.setattr(recipes_mod, "describe_device", lambda device=None: hopper)
+    monkeypatch.setattr(hardware, "describe_device", lambda device=None: hopper)
     cfg = compose_config(["backend=te", *extra])
-    problem = te_model.te_run_problem(train_mod.build_recipe(cfg.recipe), torch.device("cuda"), trainer_config(cfg))
+    problem = te_model.te_run_problem(build_recipe(cfg.recipe), torch.device("cuda"), trainer_config(cfg))
     assert problem and words in problem

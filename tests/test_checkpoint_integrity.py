@@ -23,10 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_fp8_recipes.checkpoint import (CheckpointError, CheckpointManager, load_checkpoint,
-                                         state_checksums)
+from nemo_fp8_recipes.config import compose_config
 from nemo_fp8_recipes.train import main, train
-from nemo_fp8_recipes.train_config import compose_config
+from nemo_fp8_recipes.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    load_checkpoint,
+    state_checksums,
+)
 
 TINY = [
     "model.num_layers=2", "model.dim=256", "model.num_heads=4", "model.num_kv_heads=2",
@@ -118,7 +122,7 @@ def test_truncated_and_empty_checkpoints_name_the_older_one_that_loads(two_check
 def test_the_nan_error_names_a_checkpoint_that_verifies(tmp_path, token_cache):
     nan = ["recipe=bf16", "trainer.lr=1e30", "trainer.min_lr=1e30", "trainer.warmup_steps=0", "trainer.grad_clip=0",
            "trainer.max_steps=6", "trainer.ckpt_interval=1"]
-    from nemo_fp8_recipes.train import NonFiniteLossError
+    from nemo_fp8_recipes.trainer import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError) as info:
         train(_cfg(tmp_path / "runs", token_cache, *nan))
@@ -206,7 +210,7 @@ _ZYGOTE = r"""
 import os, sys
 import torch  # noqa: F401
 from nemo_fp8_recipes.train import train
-from nemo_fp8_recipes.train_config import compose_config
+from nemo_fp8_recipes.config import compose_config
 args = sys.argv[1:]
 for line in sys.stdin:
     if line.strip() != "go":

@@ -20,8 +20,8 @@ import pytest
 
 from nemo_fp8_recipes.compare import (
     DEVIATION_TAG,
-    Comparison,
     CompareError,
+    Comparison,
     compare_runs,
     load_runs,
     main,
@@ -29,8 +29,8 @@ from nemo_fp8_recipes.compare import (
     plot,
     tensorboard_layout,
 )
+from nemo_fp8_recipes.config import compose_config
 from nemo_fp8_recipes.train import train
-from nemo_fp8_recipes.train_config import compose_config
 
 RECIPES = ("bf16", "tensorwise", "blockwise")
 STEPS, LOG_EVERY = 30, 2
@@ -62,7 +62,9 @@ def sweep(tmp_path_factory):
 def raw_scalars(run_dir: Path, tag: str) -> dict:
     """{step: value} of a scalar, read record by record (TensorBoard's legacy loader keeps the raw
     ``simple_value``): independent of the EventAccumulator the compare tool uses."""
-    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
+    from tensorboard.backend.event_processing.event_file_loader import (
+        LegacyEventFileLoader,
+    )
 
     out = {}
     for path in sorted(glob.glob(str(run_dir / "events.out.tfevents.*"))):

@@ -17,13 +17,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from nemo_fp8_recipes.compare import Comparison, compare_runs, load_runs, main, plot
-from nemo_fp8_recipes.compare import group_label, mean_interval, t_quantile, welch_interval
-from nemo_fp8_recipes.compare import DEVIATION_HIGH_TAG, DEVIATION_LOW_TAG, DEVIATION_TAG
-from nemo_fp8_recipes.train import main as train_main
-
 from test_compare import raw_scalars
+
+from nemo_fp8_recipes.compare import (
+    DEVIATION_HIGH_TAG,
+    DEVIATION_LOW_TAG,
+    DEVIATION_TAG,
+    Comparison,
+    compare_runs,
+    group_label,
+    load_runs,
+    main,
+    mean_interval,
+    plot,
+    t_quantile,
+    welch_interval,
+)
+from nemo_fp8_recipes.train import main as train_main
 
 RECIPES, SEEDS, STEPS, LAST = ("bf16", "tensorwise", "blockwise"), (1, 2, 3), 20, 6
 TINY = ["model.num_layers=1", "model.dim=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_dim=128",

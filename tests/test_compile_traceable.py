@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from conftest import NUMERICS_REPORT
+
 from nemo_fp8_recipes import check_supported
 from nemo_fp8_recipes.nn import (
     Float8Linear,
@@ -843,8 +843,8 @@ def test_gpu_blockwise_mm_operator_matches_the_dispatch_and_float64(weight_block
     rec, why = _gpu_recipe("blockwise")
     if why is not None:
         pytest.skip(why)
-    from nemo_fp8_recipes.quant.gemm import blockwise_matmul
     from nemo_fp8_recipes.quant.ops import blockwise_mm
+    from nemo_fp8_recipes.quant.scaled_mm import blockwise_matmul
 
     g = torch.Generator(device="cuda").manual_seed(5)
     N, K = 768, 1152

@@ -12,19 +12,21 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from nemo_fp8_recipes.data import DataConfig
-from nemo_fp8_recipes.models import ModelConfig, list_model_configs
-from nemo_fp8_recipes.recipes import get_recipe, list_recipes
-from nemo_fp8_recipes.train import build_policy, build_recipe, main
-from nemo_fp8_recipes.train_config import (
+from nemo_fp8_recipes.config import (
     CONFIG_DIR,
     GROUPS,
+    build_policy,
+    build_recipe,
     compose_config,
     list_group_options,
     run_config,
     trainer_config,
     validate_overrides,
 )
+from nemo_fp8_recipes.data import DataConfig
+from nemo_fp8_recipes.models import ModelConfig, list_model_configs
+from nemo_fp8_recipes.recipes import get_recipe, list_recipes
+from nemo_fp8_recipes.train import main
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = list_group_options("recipe")
@@ -160,8 +162,7 @@ def test_sweeps_name_each_job_by_the_keys_they_vary():
     """``nemo-fp8-train -m`` adds run.sweep=[the swept keys] (recipe and model are already in the
     path; run.*, hydra, cluster and submit never name a run); each key becomes part of the run's
     name, so no two jobs of a sweep share a directory."""
-    from nemo_fp8_recipes.run_names import swept_keys, with_sweep_names
-    from nemo_fp8_recipes.train_config import compose_config
+    from nemo_fp8_recipes.config import compose_config, swept_keys, with_sweep_names
 
     args = ["recipe=bf16,blockwise", "model=llama3_tiny,moe_tiny", "trainer.seed=1,2", "run.tag=a,b",
             "policy.first_layers_bf16=range(0,2)", "trainer.compile=true,false", "run.root=x,y", "trainer.lr=1e-3"]

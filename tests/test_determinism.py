@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import te_skip_reason
 
 from nemo_fp8_recipes.recipes import check_supported, list_recipes
-
-from conftest import te_skip_reason
 
 WORKER = Path(__file__).with_name("determinism_worker.py")
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from nemo_fp8_recipes.checkpoint import load_checkpoint
+from nemo_fp8_recipes.config import compose_config
 from nemo_fp8_recipes.recipes import list_recipes
 from nemo_fp8_recipes.train import train
-from nemo_fp8_recipes.train_config import compose_config
+from nemo_fp8_recipes.trainer.checkpoint import load_checkpoint
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),

@@ -11,8 +11,8 @@ import os
 
 import pytest
 import torch
-
 from fp8_ref import structured
+
 from nemo_fp8_recipes.quant import launch as fl
 from nemo_fp8_recipes.quant.reference import quantize
 
@@ -146,7 +146,7 @@ def test_each_specialisation_gets_its_own_kernel(restore_switch):
         ref = quantize(src.float(), "e4m3", "tensor")
         assert torch.equal(a.data.view(torch.uint8), ref.data.view(torch.uint8))
         assert torch.equal(a.scale_inv, ref.scale_inv.to(a.scale_inv.device))
-    keys = [k for k in fl._CACHE.get(tk._cast_kernel, {})]
+    keys = [k for k in fl._CACHE.get(tk.tensor.cast_kernel, {})]
     specs = {k[1] for k in keys}
     assert len(specs) >= 3, specs  # aligned, misaligned, odd length: three compiled kernels
 
@@ -236,7 +236,7 @@ def test_hook_assigned_as_plain_function_and_pre_run_hooks(restore_switch):
         assert fl.launch_counts() == {"direct": 0, "triton": 1} and seen == ["exit"]
     finally:
         knobs.runtime.launch_exit_hook = old
-    kernel = tk._quant_rows_kernel
+    kernel = tk.groups.quant_rows_kernel
     kernel.add_pre_run_hook(lambda *a, **k: seen.append("pre"))
     try:
         fl.launch_counts(reset=True)
@@ -263,7 +263,7 @@ def test_debug_knob_gets_its_own_kernel(restore_switch):
         assert fl.launch_counts() == {"direct": 0, "triton": 1}  # a new specialisation
         tk.quantize_rows(x, "e4m3", 128, "fp32")
         assert fl.launch_counts()["direct"] == 1
-    keys = list(fl._CACHE[tk._quant_rows_kernel])
+    keys = list(fl._CACHE[tk.groups.quant_rows_kernel])
     assert {k[3] for k in keys} >= {False, True}
     ref = quantize(x.float(), "e4m3", "1x128", "fp32")
     assert torch.equal(q.data.view(torch.uint8), ref.data.view(torch.uint8))

@@ -57,8 +57,8 @@ def run_overrides(recipe: str, workdir: Path) -> List[str]:
 
 def run_losses(recipe: str, workdir: Path) -> Dict[int, float]:
     """Train the golden run of ``recipe`` in this process (one intra-op thread) -> ``{step: loss}``."""
+    from nemo_fp8_recipes.config import compose_config
     from nemo_fp8_recipes.train import train
-    from nemo_fp8_recipes.train_config import compose_config
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

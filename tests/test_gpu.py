@@ -4,10 +4,15 @@ raises the clear error unless emulated. Skipped on CPU with the reason."""
 
 import pytest
 import torch
-
 from conftest import NUMERICS_REPORT
 from fp8_ref import structured
-from nemo_fp8_recipes import UnsupportedRecipeError, check_supported, convert_model, get_recipe
+
+from nemo_fp8_recipes import (
+    UnsupportedRecipeError,
+    check_supported,
+    convert_model,
+    get_recipe,
+)
 from nemo_fp8_recipes.nn import Float8Linear
 
 pytestmark = pytest.mark.gpu

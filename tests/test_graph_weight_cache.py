@@ -10,9 +10,24 @@ import io
 
 import pytest
 import torch
+from test_compile_traceable import (
+    TRACED,
+    SwiGLU,
+    _data,
+    _fp8,
+    _gpu_pair,
+    _gpu_recipe,
+    _pair,
+    _step,
+)
 
-from test_compile_traceable import TRACED, SwiGLU, _data, _fp8, _gpu_pair, _gpu_recipe, _pair, _step
-from nemo_fp8_recipes.nn import Float8Linear, audit, convert_model, invalidate_weight_cache, set_graph_weight_cache
+from nemo_fp8_recipes.nn import (
+    Float8Linear,
+    audit,
+    convert_model,
+    invalidate_weight_cache,
+    set_graph_weight_cache,
+)
 from nemo_fp8_recipes.recipes import get_recipe
 
 

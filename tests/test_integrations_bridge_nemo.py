@@ -17,10 +17,14 @@ import pytest
 import torch
 
 from nemo_fp8_recipes import PrecisionPolicy, get_recipe, list_recipes
+from nemo_fp8_recipes.config import compose_config, list_group_options
 from nemo_fp8_recipes.integrations import bridge, nemo2
 from nemo_fp8_recipes.integrations.bridge import launch as bridge_launch
-from nemo_fp8_recipes.integrations.validate import BRIDGE_MIXED_PRECISION_FIELDS, RECIPE_OWNED_FIELDS, validate_config
-from nemo_fp8_recipes.train_config import compose_config, list_group_options
+from nemo_fp8_recipes.integrations.validate import validate_config
+from nemo_fp8_recipes.integrations.validate_checks import (
+    BRIDGE_MIXED_PRECISION_FIELDS,
+    RECIPE_OWNED_FIELDS,
+)
 
 # Megatron-Bridge 0.6.2 MixedPrecisionConfig defaults that FP8 runs must not inherit
 BRIDGE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent",
@@ -199,7 +203,7 @@ def test_bridge_provider_fields_from_our_model_configs():
 def test_bridge_trainer_mapping_and_local_inputs(tmp_path, capsys):
     from pathlib import Path
 
-    from nemo_fp8_recipes.train_config import trainer_config
+    from nemo_fp8_recipes.config import trainer_config
 
     cfg = compose_config(["backend=megatron_bridge", "model=llama3_150m", "trainer.max_steps=50",
                           "trainer.ckpt_interval=0", "trainer.val_interval=0", "trainer.lr=1e-3"])
@@ -260,8 +264,8 @@ def test_the_offline_launcher_against_bridge_and_megatron_core_source():
     GPTModelProvider / TransformerConfig / ModelParallelConfig, the trainer mapping's in Bridge's
     config classes; the published recipes' parallel layouts are the ones Bridge's recipe files
     set; the names the launcher imports exist."""
+    from nemo_fp8_recipes.config import trainer_config
     from nemo_fp8_recipes.models.config import load_model_config
-    from nemo_fp8_recipes.train_config import trainer_config
 
     broot = BRIDGE_SRC.parents[1]  # .../megatron/bridge
     mc = MCORE_SRC / "megatron"
@@ -401,7 +405,9 @@ def test_lightning_callback():
 
 def _nemo_plugin_importable():
     try:
-        from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision  # noqa: F401
+        from nemo.lightning.pytorch.plugins.mixed_precision import (
+            MegatronMixedPrecision,  # noqa: F401
+        )
     except Exception as e:  # noqa: BLE001 - any import failure: skip with it
         return f"NeMo 2.x is not installed here ({type(e).__name__}: {e}); pip install nemo_toolkit==2.7.3 " \
                "'megatron-core==0.16.1' 'lightning<=2.4' to run this"
@@ -417,7 +423,9 @@ def test_nemo2_plugin_is_the_real_megatron_mixed_precision(recipe):
     if why:
         pytest.skip(why)
     from megatron.core.transformer import TransformerConfig
-    from nemo.lightning.pytorch.plugins.mixed_precision import update_config_with_dtype_overrides
+    from nemo.lightning.pytorch.plugins.mixed_precision import (
+        update_config_with_dtype_overrides,
+    )
 
     pol = PrecisionPolicy() if recipe in ("delayed", "bf16") else PrecisionPolicy(first_layers_bf16=1,
                                                                                  last_layers_bf16=1)

@@ -13,9 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from megatron_utils import build_tiny_gpt_model, megatron_available, teardown_megatron
-from nemo_fp8_recipes import PolicyViolation, PrecisionPolicy, audit, get_recipe, list_recipes, megatron_config
+
+from nemo_fp8_recipes import (
+    PolicyViolation,
+    PrecisionPolicy,
+    audit,
+    get_recipe,
+    list_recipes,
+    megatron_config,
+)
 from nemo_fp8_recipes.integrations.megatron import (
     DELAYED_FIRST_LAST_MSG,
     MEGATRON_FP8_FIELDS,
@@ -123,7 +130,10 @@ def gpt():
 
 
 def test_te_precision_config_matches_the_intended_megatron_modules(gpt, tmp_path):
-    from megatron.core.quantization.utils import get_quant_config_or_none, load_quantization_recipe
+    from megatron.core.quantization.utils import (
+        get_quant_config_or_none,
+        load_quantization_recipe,
+    )
 
     pol = PrecisionPolicy(attention_projections="bf16", exclude=("*.layers.2.mlp.linear_fc1",))
     mc = megatron_config("blockwise", pol)
@@ -239,7 +249,10 @@ def _counting_policy(calls, **kw):
 
 
 def test_native_swap_decides_each_module_once_and_checks_alignment_on_the_weight():
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
 
     from nemo_fp8_recipes.nn.convert import conversion_state
 
@@ -279,7 +292,10 @@ class _Switch:
 
 
 def test_te_hooks_apply_and_audit_the_policy_on_a_megatron_tree():
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
 
     from nemo_fp8_recipes.integrations.callbacks import TEPrecisionHooks
 

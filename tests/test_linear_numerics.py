@@ -4,9 +4,9 @@ reference, for every recipe and every GEMM (docs/recipes.md), on inputs with str
 import numpy as np
 import pytest
 import torch
-
 from conftest import NUMERICS_REPORT
 from fp8_ref import quantize_groups, scale_for, structured
+
 from nemo_fp8_recipes.nn import Float8Linear
 from nemo_fp8_recipes.options import KernelOptions
 from nemo_fp8_recipes.recipes import get_recipe

@@ -18,7 +18,12 @@ from nemo_fp8_recipes.models import (
     list_model_configs,
     load_model_config,
 )
-from nemo_fp8_recipes.models.llama import Attention, FeedForward, apply_rope, precompute_rope
+from nemo_fp8_recipes.models.llama import (
+    Attention,
+    FeedForward,
+    apply_rope,
+    precompute_rope,
+)
 from nemo_fp8_recipes.nn import Float8Linear, audit, convert_model
 from nemo_fp8_recipes.policy import PrecisionPolicy, Role
 from nemo_fp8_recipes.recipes import get_recipe
@@ -357,7 +362,7 @@ def test_outlier_stress_rejects_bad_values(bad, match):
 def test_outlier_stress_is_a_hydra_override():
     from omegaconf import OmegaConf
 
-    from nemo_fp8_recipes.train_config import compose_config
+    from nemo_fp8_recipes.config import compose_config
 
     cfg = compose_config(["model=llama3_150m", "model.outlier_channels=2", "model.outlier_scale=1e4"])
     mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model))

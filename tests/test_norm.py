@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-
 from fp8_ref import structured
+
 from nemo_fp8_recipes.quant.reference import quantize
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install triton)")
@@ -283,8 +283,8 @@ def test_no_handover_where_it_would_not_be_shared(fused_on_cpu, monkeypatch):
     """Delayed scaling (a scale per module), telemetry, evaluation (no grad) and
     ``KernelOptions(shared_input=False)`` leave the quantisation to the linears; the norm's values stay."""
     from nemo_fp8_recipes.nn import apply_kernel_options, set_telemetry
+    from nemo_fp8_recipes.nn.shared_input import input_prequantization
     from nemo_fp8_recipes.options import KernelOptions
-    from nemo_fp8_recipes.nn.linear import input_prequantization
 
     norm = fused_on_cpu
     x = structured(64, 256, seed=41).to(DEV, torch.bfloat16)

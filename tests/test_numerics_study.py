@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from conftest import import_benchmark
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -48,8 +47,7 @@ def test_full_study_runs(ns, tmp_path):
     assert plain[:3] == ["-m", "recipe=bf16,tensorwise,blockwise,delayed", "trainer.seed=1,2,3"]
     assert emulated[:4] == ["-m", "recipe=mxfp8", "recipe.emulate=true", "trainer.seed=1,2,3"]
     # the sweep would name its runs exactly as the jobs do
-    from nemo_fp8_recipes.run_names import with_sweep_names
-    from nemo_fp8_recipes.train_config import compose_config
+    from nemo_fp8_recipes.config import compose_config, with_sweep_names
 
     assert [o for o in with_sweep_names(plain) if o.startswith("run.sweep=")] == ["run.sweep=[trainer.seed]"]
     job = js[7]

@@ -9,10 +9,21 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
 from megatron_utils import build_tiny_gpt_model, megatron_available
-from nemo_fp8_recipes import PolicyViolation, PrecisionPolicy, audit, convert_model, get_recipe
-from nemo_fp8_recipes.nn import Float8Linear, collect_telemetry, fp8_modules, set_telemetry
+
+from nemo_fp8_recipes import (
+    PolicyViolation,
+    PrecisionPolicy,
+    audit,
+    convert_model,
+    get_recipe,
+)
+from nemo_fp8_recipes.nn import (
+    Float8Linear,
+    collect_telemetry,
+    fp8_modules,
+    set_telemetry,
+)
 from nemo_fp8_recipes.policy import HIGH_PRECISION_ROLES, classify, layer_index
 
 D, F_, V, L = 128, 256, 256, 4
@@ -671,8 +682,13 @@ def test_a_weight_that_does_not_change_follows_its_amax_history(schedule):
 def test_a_skipped_non_finite_step_does_not_pin_the_scales():
     """discard_delayed_scaling drops a bad step's amaxes; kept, an Inf pins the scale for the whole
     history (TE's rule: a non-finite amax keeps the previous scale), which telemetry reports."""
-    from nemo_fp8_recipes.nn import (collect_telemetry, discard_delayed_scaling, pinned_scales,
-                                     set_delayed_scaling_update, sync_delayed_scaling)
+    from nemo_fp8_recipes.nn import (
+        collect_telemetry,
+        discard_delayed_scaling,
+        pinned_scales,
+        set_delayed_scaling_update,
+        sync_delayed_scaling,
+    )
 
     def fresh():
         torch.manual_seed(0)

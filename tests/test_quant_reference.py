@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from fp8_ref import quantize_groups, round_fp8, structured
+
 from nemo_fp8_recipes.quant.reference import (
     amax_to_scale,
     e8m0_exponent,
@@ -178,7 +178,7 @@ def test_saturation_counts_clamp_losses_not_scale_rounding():
     """Current scaling cannot saturate: an amax element an ulp above 448 after the FP32 scale is
     rounded (5.6875 in BF16: 448 * scale_inv(5.6875) < 5.6875) still rounds to 448 without
     the clamp, so it is not counted; a delayed scale that is too large is."""
-    from nemo_fp8_recipes.recipes import Format
+    from nemo_fp8_recipes.formats import Format
 
     x = torch.full((4, 64), 5.6875)
     x[0, :8] = 1.0

@@ -6,11 +6,9 @@ import sys
 
 import pytest
 
+from nemo_fp8_recipes.formats import Format, Granularity, ScaleRounding
+from nemo_fp8_recipes.hardware import DeviceInfo
 from nemo_fp8_recipes.recipes import (
-    DeviceInfo,
-    Format,
-    Granularity,
-    ScaleRounding,
     UnsupportedRecipeError,
     check_supported,
     get_recipe,

@@ -19,19 +19,18 @@ from pathlib import Path
 
 import pytest
 
+from nemo_fp8_recipes.config import ConfigError
+from nemo_fp8_recipes.launch.plan import BRIDGE_PRESETS, plan_jobs
+from nemo_fp8_recipes.launch.sbatch import job_state, parse_job_id, wait_for_job
 from nemo_fp8_recipes.launch.slurm import (
     ContainerSpec,
     SlurmJob,
     SlurmSpecError,
     check_job_name,
-    job_state,
-    parse_job_id,
     render_command,
     render_sbatch,
-    wait_for_job,
 )
-from nemo_fp8_recipes.launch.submit import BRIDGE_PRESETS, main, plan_jobs
-from nemo_fp8_recipes.train_config import ConfigError
+from nemo_fp8_recipes.launch.submit import main
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGE = "nvcr.io#nvidia/nemo:25.04"
@@ -351,7 +350,7 @@ def test_submitit_launcher_preset_composes():
                         reason="hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)")
     from hydra import compose, initialize_config_dir
 
-    from nemo_fp8_recipes.train_config import CONFIG_DIR
+    from nemo_fp8_recipes.config import CONFIG_DIR
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="train", overrides=["hydra/launcher=submitit_nemo", "recipe=mxfp8"],
@@ -446,7 +445,10 @@ def test_the_real_sbatch_expands_the_abbreviations_we_refuse(slurm_env, tmp_path
     ``--output`` would, and every prefix of one of our options that the check refuses is either
     expanded to it by sbatch or refused by sbatch as ambiguous; the exact names we let through
     (--gpus, --ntasks) are options of their own."""
-    from nemo_fp8_recipes.launch.slurm import _OWN_SBATCH_OPTIONS, reserved_sbatch_option
+    from nemo_fp8_recipes.launch.slurm import (
+        _OWN_SBATCH_OPTIONS,
+        reserved_sbatch_option,
+    )
 
     log = tmp_path / "abbrev-%j.out"
     script = tmp_path / "abbrev.sbatch"

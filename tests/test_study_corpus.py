@@ -13,9 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from conftest import import_benchmark
-
 
 
 @pytest.fixture(scope="module")
@@ -337,7 +335,12 @@ def test_build_from_fake_debs(sc, tmp_path, capsys):
     assert not (tmp_path / "out2/corpus.jsonl.xz").exists()
 
     # the trainer's JSONL loader reads it: one document a record, the text in "text"
-    from nemo_fp8_recipes.data import DataConfig, iter_documents, list_source_files, load_corpus
+    from nemo_fp8_recipes.data import (
+        DataConfig,
+        iter_documents,
+        list_source_files,
+        load_corpus,
+    )
 
     cfg = DataConfig(source="jsonl", paths=(str(out / "corpus.jsonl"),), cache_dir=str(tmp_path / "cache"))
     got = list(iter_documents(cfg, list_source_files(cfg)))

@@ -15,7 +15,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from fp8_ref import structured
 
 from nemo_fp8_recipes import PrecisionPolicy, get_recipe
@@ -205,7 +204,9 @@ def _init_megatron():
 
 def _te_gpt(key: str, policy: PrecisionPolicy, layers: int = 4):
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
     from megatron.core.transformer import TransformerConfig
 
     from nemo_fp8_recipes.integrations.megatron import megatron_config
@@ -420,8 +421,8 @@ _TRAIN = _BASE + ["backend=te", "backend.strict_audit=true"]
 
 
 def _train_te(tmp_path, *extra, backend="te"):
+    from nemo_fp8_recipes.config import compose_config
     from nemo_fp8_recipes.train import train
-    from nemo_fp8_recipes.train_config import compose_config
 
     base = _TRAIN if backend == "te" else _BASE + [f"backend={backend}"]
     return train(compose_config(base + [f"run.root={tmp_path}", *extra]))
@@ -460,7 +461,7 @@ def test_trainer_backend_te_resume_reproduces_the_loss_curve(tmp_path):
     assert resumed.start_step == 6
     for s, loss in resumed.losses.items():
         assert loss == pytest.approx(full.losses[s], rel=1e-6, abs=1e-6), s  # TE's kernels are deterministic here
-    from nemo_fp8_recipes.checkpoint import load_checkpoint
+    from nemo_fp8_recipes.trainer.checkpoint import load_checkpoint
 
     state = load_checkpoint(ckpt6)
     assert state["backend"] == "te" and any(k.endswith("_extra_state") for k in state["model"])
@@ -471,7 +472,11 @@ def test_te_linear_state_is_checkpointed_without_pickle(tmp_path):
     load restores amax histories and scales exactly, and the restored module computes the same
     output; validation's snapshot/restore puts the state back in place."""
     from nemo_fp8_recipes.integrations.te import te_autocast, to_te_recipe
-    from nemo_fp8_recipes.integrations.te_model import convert_to_te, restore_te_state, snapshot_te_state
+    from nemo_fp8_recipes.trainer.te_backend import (
+        convert_to_te,
+        restore_te_state,
+        snapshot_te_state,
+    )
 
     recipe = get_recipe("delayed")
 
@@ -508,7 +513,7 @@ def test_te_linear_state_is_checkpointed_without_pickle(tmp_path):
 
 
 def test_trainer_checkpoints_cross_backends_only_when_forced(tmp_path):
-    from nemo_fp8_recipes.checkpoint import CheckpointError
+    from nemo_fp8_recipes.trainer.checkpoint import CheckpointError
 
     native = _train_te(tmp_path / "n", "recipe=tensorwise", backend="native")
     ckpt = native.run_dir / "checkpoints" / "step_00000006.pt"

@@ -15,11 +15,18 @@ import pytest
 import torch
 
 from nemo_fp8_recipes import recipes as recipes_mod
-from nemo_fp8_recipes.checkpoint import CheckpointError, CheckpointManager, load_checkpoint, save_checkpoint
+from nemo_fp8_recipes.config import ConfigError, compose_config
+from nemo_fp8_recipes.hardware import DeviceInfo
 from nemo_fp8_recipes.nn import Float8Linear, audit
-from nemo_fp8_recipes.recipes import DeviceInfo, check_supported, list_recipes
-from nemo_fp8_recipes.train import NonFiniteLossError, main, train
-from nemo_fp8_recipes.train_config import ConfigError, compose_config
+from nemo_fp8_recipes.recipes import check_supported, list_recipes
+from nemo_fp8_recipes.train import main, train
+from nemo_fp8_recipes.trainer import NonFiniteLossError
+from nemo_fp8_recipes.trainer.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 # A 2-layer model whose GEMM dims are multiples of 128, so every projection is FP8 under every
 # recipe (blockwise needs 128), with GQA (4 heads, 2 KV heads); 256 tokens per step.
@@ -140,7 +147,7 @@ def test_auto_resume_continues_and_a_finished_run_is_a_no_op(tmp_path, token_cac
 def test_resume_applies_the_current_hyperparameters(tmp_path, token_cache):
     """A resumed run uses the *current* lr schedule and AdamW settings, not the checkpoint's
     (e.g. resuming with a lower lr after a divergence must lower it)."""
-    from nemo_fp8_recipes.train import lr_at
+    from nemo_fp8_recipes.trainer.optim import lr_at
 
     base = ["recipe=tensorwise", "trainer.log_interval=1", "trainer.val_interval=0", "trainer.ckpt_interval=4"]
     train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=4", "trainer.lr=3e-3"))
@@ -151,7 +158,7 @@ def test_resume_applies_the_current_hyperparameters(tmp_path, token_cache):
     cfg = _cfg(tmp_path, token_cache, *base, *new, "trainer.force_resume=true")
     resumed = train(cfg)
     assert resumed.start_step == 4
-    from nemo_fp8_recipes.train_config import trainer_config
+    from nemo_fp8_recipes.config import trainer_config
 
     tcfg = trainer_config(cfg)
     lrs = [h["lr"] for h in resumed.history]
@@ -205,7 +212,7 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_p
     # no exception handling), exactly like a kill -9 or a node failure mid-write.
     script = textwrap.dedent(f"""
         import os, torch
-        from nemo_fp8_recipes.checkpoint import load_checkpoint, save_checkpoint
+        from nemo_fp8_recipes.trainer.checkpoint import load_checkpoint, save_checkpoint
         state = load_checkpoint({str(ckpt_dir / 'step_00000004.pt')!r})
         class Die:
             def __reduce__(self):

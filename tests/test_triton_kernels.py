@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from fp8_ref import structured
+
 from nemo_fp8_recipes.options import KernelOptions
 from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto
 from nemo_fp8_recipes.quant.reference import quantize
@@ -192,7 +192,7 @@ def test_group_scale_grids_are_written_outer_dim_major(tk, quantize_dual, group,
     one-read pair) writes its ``[rows, groups]`` scale grid with strides ``(1, rows)`` — the layout the
     block-scaled GEMM reads — so ``gemm.outer_major`` hands it over without a copy; the values
     are the reference's (the other tests here)."""
-    from nemo_fp8_recipes.quant.gemm import outer_major
+    from nemo_fp8_recipes.quant.scaled_mm import outer_major
 
     x = structured(200, 384, seed=3).to(DEV, torch.bfloat16)
     qs = [tk.quantize_rows(x, "e4m3", group, rounding), tk.quantize_cols_t(x, "e4m3", group, rounding),
@@ -417,10 +417,10 @@ def test_tensors_beyond_32_bit_offsets_are_refused_with_what_to_do():
                 call(t)
     # what fits passes the check: the largest offset just inside, and a view with a large row
     # stride along a non-contiguous last dim (the wrappers copy it first)
-    tk._require_triton(torch.empty(2**31 - 1, dtype=torch.bfloat16, device="meta"))
-    tk._require_triton(torch.empty(4, 2**31, device="meta")[:, :1].t())  # shape (1, 4), strides (1, 2^31)
+    tk.common.require_triton(torch.empty(2**31 - 1, dtype=torch.bfloat16, device="meta"))
+    tk.common.require_triton(torch.empty(4, 2**31, device="meta")[:, :1].t())  # shape (1, 4), strides (1, 2^31)
     with pytest.raises(ValueError, match="2,147,483,648 elements"):
-        tk._require_triton(torch.empty(2**31, dtype=torch.bfloat16, device="meta"))
+        tk.common.require_triton(torch.empty(2**31, dtype=torch.bfloat16, device="meta"))
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
@@ -513,7 +513,7 @@ def test_delayed_commit_kernel_matches_advance_delayed_scaling(tk, L, algo):
     overflows), flag set or not, margins 0 and 3, E4M3 and E5M2."""
     import dataclasses
 
-    from nemo_fp8_recipes.nn.scaling import advance_delayed_scaling
+    from nemo_fp8_recipes.quant.delayed import advance_delayed_scaling
     from nemo_fp8_recipes.recipes import get_recipe
 
     g = torch.Generator().manual_seed(L)
@@ -574,10 +574,10 @@ def test_delayed_linear_with_the_fused_kernels_matches_the_reference_path(tk, sc
     bit for bit, as with the reference quantisers and the PyTorch history update. Two
     micro-batches per step, the second with the smaller amax, so that "max over the step" and
     "latest value" differ."""
+    import dataclasses
+
     from nemo_fp8_recipes.nn import Float8Linear, sync_delayed_scaling
     from nemo_fp8_recipes.recipes import get_recipe
-
-    import dataclasses
 
     r = dataclasses.replace(get_recipe("delayed"), amax_history_len=4)
 
@@ -732,7 +732,7 @@ def test_gpu_code_uses_one_direct_rounding_on_sm90_only(aot, fmt, monkeypatch):
     """What the hardware-conversion path relies on, checked on the code this Triton generates:
     for sm_90 an FP32 -> FP8 cast is the direct ``cvt.rn.satfinite.<fmt>x2.f32`` (one rounding).
     For sm_89 the lowering depends on the Triton version — Triton 3.6 (the GPU machine's) goes
-    through FP16, i.e. two roundings; 3.9 converts directly — so ``_cvt_capable`` stays False
+    through FP16, i.e. two roundings; 3.9 converts directly — so ``cvt_capable`` stays False
     below sm_90 whatever this Triton does there (the explicit rounding is exact everywhere)."""
     assert aot[f"cast_{fmt}_sm90"]["direct_f32_cvt"] and not aot[f"cast_{fmt}_sm90"]["via_f16_cvt"]
     sm89 = aot[f"cast_{fmt}_sm89"]
@@ -742,10 +742,10 @@ def test_gpu_code_uses_one_direct_rounding_on_sm90_only(aot, fmt, monkeypatch):
     try:
         for cap, expect in (((8, 9), False), ((9, 0), True), ((10, 0), True)):
             monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i, c=cap: c)
-            tk._cvt_capable.cache_clear()
-            assert tk._cvt_capable(0) is expect, cap
+            tk.common.cvt_capable.cache_clear()
+            assert tk.common.cvt_capable(0) is expect, cap
     finally:
-        tk._cvt_capable.cache_clear()
+        tk.common.cvt_capable.cache_clear()
 
 
 def test_every_kernel_compiles_for_sm90(aot):
@@ -789,7 +789,7 @@ def test_swiglu_fused_pair_equals_quantising_the_activation(tk, dtype, fmt):
     assert _same_codes(b.data, ref.data.t())
     assert torch.equal(a.amax.reshape(()), ref.amax.reshape(()).float())
     written = torch.full_like(u, float("nan"))
-    amax = tk._tensor_amax(u, gate=g, act_out=written)
+    amax = tk.tensor.tensor_amax(u, gate=g, act_out=written)
     assert torch.equal(amax.reshape(()), ref.amax.reshape(()).float())
     if ON_GPU:
         bits = torch.int16 if dtype == torch.bfloat16 else torch.int32

@@ -4,11 +4,11 @@ cuBLASLt accumulating FP8 GEMM against a float64 reference on the GPU (``gpu``-m
 
 import pytest
 import torch
-
 from fp8_ref import structured
+
 from nemo_fp8_recipes import check_supported, get_recipe
-from nemo_fp8_recipes.distributed import DistContext, wrap_model
 from nemo_fp8_recipes.nn import Float8Linear, set_wgrad_accumulation_fusion
+from nemo_fp8_recipes.trainer.distributed import DistContext, wrap_model
 
 K, N, M = 256, 128, 64
 
@@ -176,7 +176,7 @@ def test_cublaslt_accumulate_matches_float64(name):
     _real_gemms_or_skip(name)
     from nemo_fp8_recipes.quant.cublaslt import fp8_matmul_accumulate
     from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto
-    from nemo_fp8_recipes.quant.gemm import outer_major
+    from nemo_fp8_recipes.quant.scaled_mm import outer_major
 
     r = get_recipe(name)
     tokens, n_out, k_in = 1024, 768, 512

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from typing import Callable, Sequence
 
+
 def live_at_peak(events: Sequence[dict], base_bytes: int, top: int = 12) -> dict:
     """Replay a CUDA caching-allocator trace (``torch.cuda.memory._snapshot()["device_traces"]``,
     oldest event first): ``alloc`` adds a block, ``free_requested`` removes it (when

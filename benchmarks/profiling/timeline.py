@@ -16,8 +16,8 @@ from _timing import table
 KERNEL_CLASSES = (
     ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm",
               "aten::_scaled_mm", "aten::matmul")),
-    ("quantise (Triton)", ("_quant_rows", "_quant_cols", "_quant_block", "_quant_dual", "_cast_kernel",
-                           "_cast_dual", "_amax_atomic", "_delayed_commit")),
+    ("quantise (Triton)", ("quant_rows", "quant_cols", "quant_block", "quant_dual", "cast_kernel",
+                           "cast_dual", "amax_atomic", "delayed_commit")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
 )
 

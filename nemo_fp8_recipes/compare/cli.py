@@ -60,7 +60,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .outputs import write_outputs
-from .reading import DEFAULT_TAG, TOKENS_TAG, CompareError, load_run, resolve_run_dirs, run_names
+from .reading import (
+    DEFAULT_TAG,
+    TOKENS_TAG,
+    CompareError,
+    load_run,
+    resolve_run_dirs,
+    run_names,
+)
 from .seeds import pct
 from .statistics import Comparison, compare_runs
 

@@ -15,8 +15,17 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .reading import TOKENS_TAG, CompareError, RunSeries
-from .seeds import (GroupStats, NoiseFloor, first_per_seed, group_label, group_runs, group_statistics, interval_text,
-                    median, pct)
+from .seeds import (
+    GroupStats,
+    NoiseFloor,
+    first_per_seed,
+    group_label,
+    group_runs,
+    group_statistics,
+    interval_text,
+    median,
+    pct,
+)
 
 __all__ = [
     "JSON_VERSION",

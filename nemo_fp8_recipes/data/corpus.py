@@ -36,9 +36,9 @@ from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .tokenizer import ByteTokenizer
 from .._io import fsync_dir as _fsync_dir
 from ..options import env_setting
+from .tokenizer import ByteTokenizer
 
 __all__ = [
     "DataConfig",

@@ -34,9 +34,10 @@ from typing import Any, Dict, List, Optional, Union
 import torch
 import torch.nn as nn
 
+from ..formats import Granularity
 from ..nn import Float8Linear
 from ..policy import Decision, PrecisionPolicy
-from ..recipes import Granularity, Recipe, get_recipe
+from ..recipes import Recipe, get_recipe
 from .te import TEUnsupportedError, te_env, te_recipe_spec
 
 __all__ = [
@@ -320,7 +321,10 @@ def megatron_config(
 
 def megatron_linear_classes():
     """``(ColumnParallelLinear, RowParallelLinear)`` from megatron-core (imported lazily)."""
-    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+    )
 
     return ColumnParallelLinear, RowParallelLinear
 

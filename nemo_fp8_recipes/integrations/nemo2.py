@@ -76,7 +76,9 @@ _NEUTRAL = {"first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 0, "
 
 def _installed_signature() -> Optional[set]:
     try:
-        from nemo.lightning.pytorch.plugins.mixed_precision import MegatronMixedPrecision  # type: ignore
+        from nemo.lightning.pytorch.plugins.mixed_precision import (
+            MegatronMixedPrecision,  # type: ignore
+        )
     except Exception:  # noqa: BLE001 - NeMo absent
         return None
     return set(inspect.signature(MegatronMixedPrecision.__init__).parameters) - {"self"}

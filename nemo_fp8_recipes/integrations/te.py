@@ -46,7 +46,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Optional, Tuple, Union
 
-from ..recipes import Format, Granularity, Recipe, ScaleRounding, get_recipe
+from ..formats import Format, Granularity, ScaleRounding
+from ..recipes import Recipe, get_recipe
 from ..versions import version_tuple
 
 __all__ = [

@@ -44,16 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
+from ..hardware import GPUS, DeviceInfo, describe_device, gpu_by_key, normalise_gpu_name
 from ..policy import PrecisionPolicy
-from ..recipes import DeviceInfo, Recipe, describe_device, get_recipe
+from ..recipes import Recipe, get_recipe
+from ..versions import version_tuple
 from .megatron import megatron_config
 from .te import TEUnsupportedError, te_available, te_recipe_spec
-from ..hardware import GPUS, gpu_by_key, normalise_gpu_name
-from ..versions import version_tuple
 from .te import te_version as _installed_te_version
 from .validate_checks import (
-    BRIDGE_MIXED_PRECISION_FIELDS,
-    RECIPE_OWNED_FIELDS,
     TE_BACKENDS,
     Finding,
     bridge_mixed_precision_fields,
@@ -84,9 +82,6 @@ from .validate_checks import (
 
 __all__ = [
     "BACKENDS",
-    "BRIDGE_MIXED_PRECISION_FIELDS",
-    "RECIPE_OWNED_FIELDS",
-    "Finding",
     "ValidationReport",
     "ValidationError",
     "validate",
@@ -261,7 +256,7 @@ def split_overrides(args: Sequence[str], backend: Optional[str] = None) -> Tuple
 
 
 def _default_model() -> str:
-    from ..train_config import compose_config
+    from ..config import compose_config
 
     return str(compose_config([]).model.name)
 
@@ -484,7 +479,7 @@ def validate_config(cfg, framework_overrides: Sequence[str] = (), *, device=None
     overrides (the arguments :func:`split_overrides` did not claim)."""
     from omegaconf import OmegaConf
 
-    from ..train_config import build_policy, build_recipe
+    from ..config import build_policy, build_recipe
 
     r = build_recipe(cfg.recipe)
     p = build_policy(cfg.get("policy"))
@@ -509,7 +504,7 @@ def validate_config(cfg, framework_overrides: Sequence[str] = (), *, device=None
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``nemo-fp8-check [--gpu h100] [--cuda 12.9] [--te 2.9] [--json out.json] [--strict]
     <hydra overrides> <framework overrides>``."""
-    from ..train_config import validate_overrides
+    from ..config import validate_overrides
 
     parser = argparse.ArgumentParser(
         prog="nemo-fp8-check",
@@ -551,7 +546,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if problem:
         print(f"nemo-fp8-check: {problem}", file=sys.stderr)
         return 2
-    from ..train_config import compose_config
+    from ..config import compose_config
 
     cfg = compose_config(ours)
     try:

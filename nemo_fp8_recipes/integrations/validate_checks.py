@@ -16,8 +16,9 @@ import re
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
+from ..hardware import DeviceInfo
 from ..policy import PrecisionPolicy
-from ..recipes import DeviceInfo, Recipe, check_supported
+from ..recipes import Recipe, check_supported
 from .megatron import DELAYED_FIRST_LAST_MSG, megatron_config
 from .te import (
     TE_MIN_AUTOCAST_VERSION,

@@ -7,18 +7,8 @@ Local runs need no launcher (``nemo-fp8-train``); Hydra's submitit launcher is c
 GPU library; SLURM commands are only run when a job is submitted.
 """
 
-from .slurm import (
-    ContainerSpec,
-    JobState,
-    SbatchError,
-    ShellExpr,
-    SlurmJob,
-    SlurmSpecError,
-    job_state,
-    render_sbatch,
-    submit_script,
-    wait_for_job,
-)
+from .sbatch import JobState, SbatchError, job_state, submit_script, wait_for_job
+from .slurm import ContainerSpec, ShellExpr, SlurmJob, SlurmSpecError, render_sbatch
 
 __all__ = [
     "ContainerSpec",

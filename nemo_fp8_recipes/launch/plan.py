@@ -15,20 +15,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from ..run_names import run_name, with_sweep_names
-from ..train_config import ConfigError, compose_config, typed_config, validate_overrides
+from ..config import (
+    ConfigError,
+    compose_config,
+    run_name,
+    typed_config,
+    validate_overrides,
+    with_sweep_names,
+)
 from .slurm import (
     ContainerSpec,
     ShellExpr,
     SlurmJob,
     SlurmSpecError,
+    check_arg,
     check_job_name,
     check_path,
     check_program,
+    check_word,
     render_sbatch,
     torchrun_args,
-    _check_arg,
-    _check_word,
 )
 
 __all__ = [
@@ -211,11 +217,10 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
     the pass-through overrides that are Bridge's) into a :class:`PlannedJob`.
 
     Pure apart from reading the config: nothing is written or submitted. Raises
-    :class:`~nemo_fp8_recipes.train_config.ConfigError` (incl. :class:`SlurmSpecError`) with the
+    :class:`~nemo_fp8_recipes.config.ConfigError` (incl. :class:`SlurmSpecError`) with the
     key and what is allowed.
     """
-    from ..train_config import build_recipe
-    from ..train_config import run_config, trainer_config
+    from ..config import build_recipe, run_config, trainer_config
 
     cwd = Path(cwd or os.getcwd())
     if cfg.cluster.get("name") != "slurm":
@@ -240,7 +245,7 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
     run_dir_overridden = run_dir if any(_override_key(o) == "run.dir" for o in overrides) else None
     chdir = _absolute(cl.chdir, cwd) if cl.chdir else cwd
     model = cfg.model.name
-    gpu_type = _check_word(cl.gpu_type, "cluster.gpu_type", "a GPU name such as H100")
+    gpu_type = check_word(cl.gpu_type, "cluster.gpu_type", "a GPU name such as H100")
     check_path(str(run_dir), "run.dir (made from run.root, model, recipe and run.tag)")
     if cl.job_name:
         job_name = check_job_name(str(cl.job_name))
@@ -340,13 +345,13 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if fn is not None:
-        _check_word(fn, "backend.recipe_fn", "a recipe function name of megatron.bridge.recipes")
+        check_word(fn, "backend.recipe_fn", "a recipe function name of megatron.bridge.recipes")
     elif br.entry == "run_recipe":
         raise ConfigError(f"submit.bridge.entry=run_recipe runs a Bridge recipe function, and model={cfg.model.name} "
                           "is built from our model config (backend.provider=ours); use submit.bridge.entry=nemo_fp8, "
                           "or name a function with backend.recipe_fn=<name>")
     for o in theirs:
-        _check_arg(o, "Megatron-Bridge override")
+        check_arg(o, "Megatron-Bridge override")
 
     # The validator of nemo-fp8-check, for the GPUs the job asks for (not this machine).
     try:
@@ -391,8 +396,8 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
         return ["-m", "nemo_fp8_recipes.integrations.bridge", *ours, *theirs, *dirs], warnings
 
     preset = br.mixed_precision or BRIDGE_PRESETS[recipe.name]
-    _check_word(preset, "submit.bridge.mixed_precision", "a mixed-precision preset name")
-    _check_word(br.dataset, "submit.bridge.dataset", "a run_recipe.py --dataset choice")
+    check_word(preset, "submit.bridge.mixed_precision", "a mixed-precision preset name")
+    check_word(br.dataset, "submit.bridge.dataset", "a run_recipe.py --dataset choice")
     variables["BRIDGE_DIR"] = check_path(br.dir, "submit.bridge.dir")
     warnings.append(
         f"submit.bridge.entry=run_recipe runs Bridge's preset {preset} with its own FP8 settings (e.g. amax "
@@ -421,7 +426,7 @@ def plan_jobs(overrides: Sequence[str], *, multirun: bool = False, cwd: Optional
     """Compose and plan every job of ``overrides`` (``cluster=slurm`` unless given; a ``-m`` sweep
     gives one job per combination). Raises ConfigError before anything is written."""
     for o in overrides:
-        _check_arg(o, "override")
+        check_arg(o, "override")
         key = _override_key(o)
         if key.startswith("hydra"):
             raise ConfigError(
@@ -437,7 +442,7 @@ def plan_jobs(overrides: Sequence[str], *, multirun: bool = False, cwd: Optional
             from ..integrations.validate import split_overrides
 
             ours, theirs = split_overrides(combo, backend="megatron_bridge")
-        problem = validate_overrides(ours, this_machine=False)  # the job runs on the cluster's nodes
+        problem = validate_overrides(ours)  # (what depends on the machine is checked on the nodes)
         if problem:
             raise ConfigError(problem)
         jobs.append(plan_job(compose_config(ours), ours, framework_overrides=theirs, cwd=cwd))

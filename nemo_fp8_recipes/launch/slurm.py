@@ -35,18 +35,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-from ..train_config import ConfigError
-from .sbatch import (TERMINAL_STATES, JobState, SbatchError, job_state, parse_job_id, submit_script, wait_for_job,
-                     write_json)
+from ..config import ConfigError
 
 __all__ = [
     "SlurmSpecError",
-    "SbatchError",
     "ShellExpr",
     "ContainerSpec",
     "SlurmJob",
-    "JobState",
-    "TERMINAL_STATES",
+    "check_arg",
+    "check_word",
     "check_job_name",
     "check_partition",
     "check_account",
@@ -59,11 +56,6 @@ __all__ = [
     "render_sbatch",
     "render_command",
     "torchrun_args",
-    "parse_job_id",
-    "submit_script",
-    "job_state",
-    "wait_for_job",
-    "write_json",
 ]
 
 
@@ -204,11 +196,11 @@ def check_mount(mount: str, key: str = "cluster.container.mounts") -> str:
     return text
 
 
-def _check_word(value, key: str, what: str) -> str:
+def check_word(value, key: str, what: str) -> str:
     return _need(_WORD_RE, value, key, f"use {what}: letters, digits and _ . - (starting with a letter, digit or _)")
 
 
-def _check_arg(value, key: str) -> str:
+def check_arg(value, key: str) -> str:
     text = str(value)
     if "\n" in text or "\r" in text or "\0" in text:
         raise SlurmSpecError(f"{key} {text!r} is not allowed: arguments must be one line (no newline or NUL)")
@@ -344,14 +336,14 @@ class SlurmJob:
         check_env(self.env)
         for k, v in self.variables.items():
             _need(_ENV_KEY_RE, k, "script variable", "use letters, digits and _")
-            _check_arg(v, f"script variable {k}")
+            check_arg(v, f"script variable {k}")
         for a in self.command:
             if not isinstance(a, ShellExpr):
-                _check_arg(a, "launch argument")
+                check_arg(a, "launch argument")
         if not self.command:
             raise SlurmSpecError("the launch command is empty")
         for c in self.comment:
-            _check_arg(c, "script comment (an override?)")
+            check_arg(c, "script comment (an override?)")
         self.container.validate()
         return self
 

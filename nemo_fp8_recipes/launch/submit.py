@@ -41,39 +41,17 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from ..train_config import ConfigError
+from ..config import ConfigError
 from .plan import (
-    BACKENDS,
-    BRIDGE_ENTRIES,
-    BRIDGE_PRESETS,
     PROG,
-    BridgeLaunchConfig,
-    ContainerConfig,
     PlannedJob,
-    SlurmClusterConfig,
-    SubmitConfig,
-    expand_sweep,
-    plan_job,
     plan_jobs,
-    trainer_overrides,
 )
 from .sbatch import SbatchError, submit_script, wait_for_job, write_json
 from .slurm import render_command
 
 __all__ = [
-    "SlurmClusterConfig",
-    "ContainerConfig",
-    "SubmitConfig",
-    "BridgeLaunchConfig",
-    "PlannedJob",
-    "BRIDGE_PRESETS",
-    "expand_sweep",
-    "plan_job",
-    "plan_jobs",
-    "trainer_overrides",
     "main",
-    "BACKENDS",
-    "BRIDGE_ENTRIES",
 ]
 
 

@@ -15,8 +15,8 @@ import torch
 
 from .config import MODEL_CONFIG_DIR, ModelConfig, list_model_configs, load_model_config
 from .llama import (
-    MoE,
     ModelOutput,
+    MoE,
     OutlierGain,
     RMSNorm,
     Transformer,

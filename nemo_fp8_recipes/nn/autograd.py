@@ -12,7 +12,18 @@ import torch
 import torch.nn as nn
 
 from ..recipes import Recipe
-from .gemms import GO, IN, W, check_device, fprop, grads, quantize_current, quantize_delayed, quantize_weight, unpack
+from .gemms import (
+    GO,
+    IN,
+    W,
+    check_device,
+    fprop,
+    grads,
+    quantize_current,
+    quantize_delayed,
+    quantize_weight,
+    unpack,
+)
 from .shared_input import input_quantizer
 from .wgrad_fusion import wgrad_target
 

@@ -23,16 +23,16 @@ import torch.nn as nn
 
 from ..options import KernelOptions, default_kernel_options
 from ..policy import GEMM_ROLES, Decision, PrecisionPolicy, Role, layer_index
-from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
 from ..quant.launch import set_fast_launch
-from .linear import Float8Linear, check_wgrad_fusion, fp8_modules
+from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
+from .linear import Float8Linear, fp8_modules
+from .wgrad_fusion import check_wgrad_fusion
 
 __all__ = [
     "SwapFactory",
     "apply_kernel_options",
     "conversion_state",
     "convert_model",
-    "fp8_modules",
     "hp_gemm_counts",
     "infer_num_layers",
     "invalidate_weight_cache",
@@ -379,7 +379,7 @@ def set_wgrad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> int
     Because the gradient is added inside the GEMM, autograd's AccumulateGrad does not run for
     the weight: hooks registered on it (DDP's and FSDP's gradient reduction,
     ``register_post_accumulate_grad_hook``) would be skipped. So it is for one process or a
-    loop that reduces gradients itself; :func:`nemo_fp8_recipes.distributed.wrap_model` refuses
+    loop that reduces gradients itself; :func:`nemo_fp8_recipes.trainer.distributed.wrap_model` refuses
     a model that has it on.
     ``torch.autograd.grad`` and ``backward(inputs=...)`` without the weight are detected and get
     the usual returned gradient. Weights that are not FP32 and weights with gradient hooks

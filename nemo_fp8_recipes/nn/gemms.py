@@ -13,11 +13,12 @@ from typing import Optional
 
 import torch
 
+from ..formats import Granularity, ScaleRounding
 from ..quant.dispatch import quantize_auto as quantize
 from ..quant.dispatch import quantize_pair_auto, triton_enabled
 from ..quant.gemm import scaled_matmul
 from ..quant.reference import QuantizedTensor
-from ..recipes import Granularity, Recipe, ScaleRounding
+from ..recipes import Recipe
 
 __all__ = ["GO", "IN", "OPERANDS", "W", "accumulate_wgrad", "check_device", "contiguous_codes", "fprop", "grads",
            "operand_spec", "pack_meta", "pack_tensors", "quantize_current", "quantize_delayed", "quantize_plain",

@@ -51,20 +51,35 @@ from typing import Callable, Dict, Optional
 import torch
 import torch.nn as nn
 
+from ..formats import Granularity, ScaleRounding
 from ..options import KernelOptions, default_kernel_options
 from ..quant.delayed import advance_delayed_scaling
 from ..quant.dispatch import quantize_auto as quantize
-from ..quant.dispatch import accumulate_amax, quantize_pair_auto, triton_enabled
-from ..quant.reference import STAT_NAMES, quantization_stats
-from ..recipes import Granularity, Recipe, ScaleRounding
-from .autograd import Float8LinearDelayedTracedFn, Float8LinearFn, Float8LinearTracedFn, Float8SwiGLULinearFn
-from .gemms import OPERANDS, W, check_device, operand_spec, pack_meta, pack_tensors, quantize_plain, quantize_weight
-from .shared_input import input_prequantization, share_input_quantization
+from ..quant.dispatch import quantize_pair_auto, triton_enabled
+from ..quant.reference import STAT_NAMES, accumulate_amax, quantization_stats
+from ..recipes import Recipe
+from .autograd import (
+    Float8LinearDelayedTracedFn,
+    Float8LinearFn,
+    Float8LinearTracedFn,
+    Float8SwiGLULinearFn,
+)
+from .gemms import (
+    OPERANDS,
+    W,
+    check_device,
+    operand_spec,
+    pack_meta,
+    pack_tensors,
+    quantize_plain,
+    quantize_weight,
+)
 from .weight_cache import GRAPH_CACHED, OPTIMIZER_GENERATION, install_optimizer_hook
-from .wgrad_fusion import check_wgrad_fusion
 
-__all__ = ["Float8Linear", "OPERANDS", "check_wgrad_fusion", "fp8_modules", "input_prequantization",
-           "share_input_quantization"]
+__all__ = [
+    "Float8Linear",
+    "fp8_modules",
+]
 
 
 def _out_dtype_for(x: torch.Tensor) -> torch.dtype:

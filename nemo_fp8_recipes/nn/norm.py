@@ -34,9 +34,9 @@ from typing import Optional
 
 import torch
 
+from ..formats import Granularity
 from ..options import KernelOptions
 from ..quant.dispatch import triton_enabled
-from ..recipes import Granularity
 from .shared_input import input_prequantization, share_input_quantization
 
 __all__ = ["fused_norm_enabled", "rms_norm", "rms_norm_reference"]

@@ -37,7 +37,6 @@ from .linear import fp8_modules
 
 __all__ = [
     "UPDATE_MODES",
-    "advance_delayed_scaling",
     "discard_delayed_scaling",
     "pinned_scales",
     "set_delayed_scaling_update",

@@ -10,9 +10,9 @@ from typing import Optional, Tuple
 import torch
 import torch.nn as nn
 
+from ..formats import Format, Granularity, ScaleRounding
 from ..options import KernelOptions
 from ..quant.reference import QuantizedTensor
-from ..recipes import Format, Granularity, ScaleRounding
 from .gemms import IN, operand_spec
 
 __all__ = ["SHARED_INPUT", "input_prequantization", "input_quantizer", "is_fp8_linear", "share_input_quantization"]

@@ -8,7 +8,8 @@ from typing import Dict, List
 import torch.nn as nn
 
 from ..policy import Role
-from .linear import OPERANDS, fp8_modules
+from .gemms import OPERANDS
+from .linear import fp8_modules
 
 __all__ = ["collect_telemetry", "set_telemetry", "telemetry_group"]
 

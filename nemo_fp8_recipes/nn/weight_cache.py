@@ -12,7 +12,6 @@ from __future__ import annotations
 import weakref
 
 import torch.nn as nn
-
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 __all__ = ["GRAPH_CACHED", "OPTIMIZER_GENERATION", "install_optimizer_hook"]

@@ -13,10 +13,14 @@ from typing import Optional
 
 import torch
 
-from ..recipes import Granularity, ScaleRounding
+from ..formats import Granularity, ScaleRounding
 from .reference import QuantizedTensor, accumulate_amax, quantize
 
-__all__ = ["accumulate_amax", "quantize_auto", "quantize_pair_auto", "triton_enabled"]
+__all__ = [
+    "quantize_auto",
+    "quantize_pair_auto",
+    "triton_enabled",
+]
 
 
 def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
@@ -34,7 +38,7 @@ def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
 
         if not triton_kernels.HAVE_TRITON:
             raise RuntimeError("triton=True: Triton is not installed (`pip install triton`)")
-        if x.device.type != "cuda" and not triton_kernels._interpreting():
+        if x.device.type != "cuda" and not triton_kernels.interpreting():
             raise RuntimeError(f"triton=True: the Triton kernels run on CUDA tensors (got {x.device.type}), or on "
                                "CPU under Triton's interpreter (TRITON_INTERPRET=1 set before Triton is imported)")
         return True
@@ -64,7 +68,7 @@ def quantize_auto(
     (one read of ``x``)."""
     _check_amax_out(granularity, scale, amax_out)
     if not triton_enabled(x, triton):
-        return _fold_amax(quantize(x, fmt, granularity, rounding, dim=dim, scale=scale), amax_out)
+        return fold_amax_block(quantize(x, fmt, granularity, rounding, dim=dim, scale=scale), amax_out)
     from . import triton_kernels as tk
 
     g = Granularity(granularity)
@@ -89,7 +93,7 @@ def _check_amax_out(granularity, scale, amax_out) -> None:
 
 
 @torch.no_grad()
-def _fold_amax(q: QuantizedTensor, amax_out: Optional[torch.Tensor]) -> QuantizedTensor:
+def fold_amax_block(q: QuantizedTensor, amax_out: Optional[torch.Tensor]) -> QuantizedTensor:
     """The reference path's ``amax_out`` contract: max-accumulate ``q.amax`` into it and return
     ``q`` carrying it."""
     if amax_out is None:
@@ -131,7 +135,7 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
                 return tk.quantize_tensor_dual(x, fmt, rounding, scale=scale, amax_out=amax_out, gate=gate)
         x = torch.nn.functional.silu(gate) * x
     if not triton_enabled(x, triton):
-        a = _fold_amax(quantize(x, fmt, g, rounding, dim=-1, scale=scale), amax_out)
+        a = fold_amax_block(quantize(x, fmt, g, rounding, dim=-1, scale=scale), amax_out)
         b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(
             x, fmt, g, rounding, dim=0)
         return a, b

@@ -22,9 +22,19 @@ import torch
 import torch.nn.functional as F
 
 from .reference import QuantizedTensor
-from .scaled_mm import blockwise_matmul, has_scaled_mm_v2, outer_major, pad_rows, scalar_scale, to_blocked_e8m0
+from .scaled_mm import (
+    blockwise_matmul,
+    has_scaled_mm_v2,
+    pad_rows,
+    scalar_scale,
+    to_blocked_e8m0,
+)
 
-__all__ = ["blockwise_matmul", "outer_major", "scaled_matmul", "emulated_matmul", "real_matmul", "to_blocked_e8m0"]
+__all__ = [
+    "scaled_matmul",
+    "emulated_matmul",
+    "real_matmul",
+]
 
 
 def emulated_matmul(

@@ -40,8 +40,11 @@ from typing import Tuple
 import torch
 from torch import Tensor
 
-from ..recipes import ScaleRounding
-from .reference import as_format, scale_grid  # as_format: how the kernels read ``fmt``, so fake and real agree
+from ..formats import ScaleRounding
+from .reference import (  # as_format: how the kernels read ``fmt``, so fake and real agree
+    as_format,
+    scale_grid,
+)
 
 __all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair", "tensor_pair_scaled",
            "tensor_scaled"]

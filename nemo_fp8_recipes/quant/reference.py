@@ -23,7 +23,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..recipes import Format, Granularity, ScaleRounding
+from ..formats import Format, Granularity, ScaleRounding
 
 __all__ = [
     "QuantizedTensor",

@@ -69,7 +69,7 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
 
-from .launch import build_bridge_config, check_world_size, launch_plan, use_prebuilt_dataset_helpers
+from .launch import build_bridge_config, launch_plan, use_prebuilt_dataset_helpers
 
 __all__ = ["main"]
 
@@ -112,8 +112,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m nemo_fp8_recipes.integrations.bridge [--gpu h100] [--cuda 12.8] <overrides>``: validate,
     build and run Megatron-Bridge pretraining with our recipe (``backend.dry_run=true``: resolve,
     print and stop, without importing Bridge)."""
-    from ...train_config import build_policy, build_recipe
-    from ...train_config import ConfigError, compose_config, validate_overrides
+    from ...config import (
+        ConfigError,
+        build_policy,
+        build_recipe,
+        compose_config,
+        validate_overrides,
+    )
     from ..callbacks import bridge_callback
     from ..validate import parse_gpu, split_overrides, validate_config
 

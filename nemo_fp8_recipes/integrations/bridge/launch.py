@@ -15,10 +15,20 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ...policy import PrecisionPolicy
 from ...recipes import Recipe
-from .precision import (MODEL_FP8_FIELDS, bridge_mixed_precision_config, bridge_mixed_precision_kwargs,
-                               bridge_model_fields, expected_model_fields)
-from .recipes import PUBLISHED_RECIPES, BridgeLaunchError, bridge_recipe_name, provider_mode
 from ..te import prepare_te_env
+from .precision import (
+    MODEL_FP8_FIELDS,
+    bridge_mixed_precision_config,
+    bridge_mixed_precision_kwargs,
+    bridge_model_fields,
+    expected_model_fields,
+)
+from .recipes import (
+    PUBLISHED_RECIPES,
+    BridgeLaunchError,
+    bridge_recipe_name,
+    provider_mode,
+)
 
 __all__ = [
     "provider_kwargs",
@@ -142,9 +152,8 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
     builds from it."""
     from omegaconf import OmegaConf
 
+    from ...config import build_policy, build_recipe, run_config, trainer_config
     from ...models import ModelConfig
-    from ...train_config import build_policy, build_recipe
-    from ...train_config import run_config, trainer_config
 
     r = build_recipe(cfg.recipe)
     p = build_policy(cfg.get("policy"))
@@ -251,7 +260,7 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
     ``fp8_param_gather`` apply) -> our model-only fields -> a check that the recipe-owned fields
     are unchanged and that the world size holds one model replica.
     """
-    from ...train_config import build_policy, build_recipe
+    from ...config import build_policy, build_recipe
 
     plan = launch_plan(cfg, bridge_overrides, our_overrides)
     r = build_recipe(cfg.recipe)
@@ -260,7 +269,9 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
     if r.is_fp8:
         prepare_te_env(r)  # before anything imports Transformer Engine
     try:
-        from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides  # type: ignore
+        from megatron.bridge.training.utils.omegaconf_utils import (
+            process_config_with_overrides,  # type: ignore
+        )
         if plan["provider"] == "recipe":  # every model family's recipes (diffusion ones need diffusers)
             import megatron.bridge.recipes as bridge_recipes  # type: ignore
     except ImportError as e:
@@ -314,8 +325,18 @@ def _offline_container():
     decay, mock data until ``backend.data_path`` is set); the launch plan's settings (batch sizes,
     steps, learning rate, logging) are applied on top."""
     from megatron.bridge.training.config import (  # type: ignore
-        CheckpointConfig, ConfigContainer, DistributedInitConfig, GPTDatasetConfig, LoggerConfig, OptimizerConfig,
-        RNGConfig, SchedulerConfig, TokenizerConfig, TrainingConfig, ValidationConfig)
+        CheckpointConfig,
+        ConfigContainer,
+        DistributedInitConfig,
+        GPTDatasetConfig,
+        LoggerConfig,
+        OptimizerConfig,
+        RNGConfig,
+        SchedulerConfig,
+        TokenizerConfig,
+        TrainingConfig,
+        ValidationConfig,
+    )
     from megatron.core.distributed import DistributedDataParallelConfig  # type: ignore
 
     return ConfigContainer(

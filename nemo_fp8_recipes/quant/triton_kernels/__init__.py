@@ -25,102 +25,41 @@ One read of the source, one write of the FP8 codes and the scales, no intermedia
 One module per kernel family: :mod:`.tensor` (per-tensor amax, casts and pairs, the delayed
 commit), :mod:`.swiglu` (the SwiGLU evaluated in the per-tensor kernels, and its backward),
 :mod:`.groups` (1xN rows, transposed columns), :mod:`.blocks` (128x128) and :mod:`.norm`
-(RMSNorm); :mod:`._primitives` holds the device functions they share (FP8 rounding, scale rule,
-amax bits, tile order) and :mod:`._common` the host side (the optional Triton import, the checks
+(RMSNorm); :mod:`.primitives` holds the device functions they share (FP8 rounding, scale rule,
+amax bits, tile order) and :mod:`.common` the host side (the optional Triton import, the checks
 before a launch, the launch-configuration table :data:`LAUNCH`). The rounding rules are
-described in :mod:`._primitives`.
+described in :mod:`.primitives`.
 
-Callers reach everything through this package (``triton_kernels.<name>``), which is also where
-tests replace a function; the names outside ``__all__`` are internal but used by
-``quant/dispatch``, the tests (which compile the kernels ahead of time and check the helpers)
-and the benchmarks.
+Callers reach the quantisers, the launch table and the Triton checks through this package
+(``triton_kernels.<name>``), which is also where tests replace a function; the kernels and
+device functions themselves are reached in their modules (``triton_kernels.tensor.cast_kernel``):
+by the tests, which compile them ahead of time and check the helpers, and by the benchmarks.
 """
 
 from __future__ import annotations
 
-from ..launch import launch as _launch
-from ._common import (
-    HAVE_TRITON,
-    INT32_MAX,
-    LAUNCH,
-    _MODE,
-    _cdiv,
-    _cvt_capable,
-    _e8m0_view,
-    _group_r,
-    _hw_cvt,
-    _interpreting,
-    _require_triton,
-    _top_mant,
-    launch_config,
-)
 from .blocks import quantize_blocks128
+from .common import HAVE_TRITON, INT32_MAX, LAUNCH, interpreting, launch_config
 from .groups import quantize_cols_t, quantize_rows
-from .norm import RMSNORM_MAX_D, _row_warps, rmsnorm_backward, rmsnorm_forward
-from .swiglu import _act_args, _check_gate, _gate_args, gate_fusable, swiglu_backward
-from .tensor import (
-    _amax_accumulator,
-    _per_tensor_amax,
-    _scale_inv_of_empty,
-    _tensor_amax,
-    _tensor_scale_args,
-    delayed_commit,
-    quantize_tensor,
-    quantize_tensor_dual,
-)
+from .norm import RMSNORM_MAX_D, rmsnorm_backward, rmsnorm_forward
+from .swiglu import gate_fusable, swiglu_backward
+from .tensor import delayed_commit, quantize_tensor, quantize_tensor_dual
 
 __all__ = [
     "HAVE_TRITON",
-    "quantize_rows",
-    "quantize_cols_t",
+    "INT32_MAX",
+    "LAUNCH",
+    "RMSNORM_MAX_D",
+    "delayed_commit",
+    "gate_fusable",
+    "interpreting",
+    "launch_config",
     "quantize_blocks128",
+    "quantize_cols_t",
+    "quantize_rows",
     "quantize_tensor",
     "quantize_tensor_dual",
-    "delayed_commit",
-    "swiglu_backward",
-    "rmsnorm_forward",
     "rmsnorm_backward",
-    "RMSNORM_MAX_D",
+    "rmsnorm_forward",
+    "swiglu_backward",
 ]
-
-# The names above outside ``__all__``, referenced once so that each import counts as used.
-_INTERNAL = (_launch, INT32_MAX, LAUNCH, _MODE, _cdiv, _cvt_capable, _e8m0_view, _group_r, _hw_cvt, _interpreting,
-             _require_triton, _top_mant, launch_config, _row_warps, _act_args, _check_gate, _gate_args, gate_fusable,
-             _amax_accumulator, _per_tensor_amax, _scale_inv_of_empty, _tensor_amax, _tensor_scale_args)
-
-if HAVE_TRITON:  # the kernels and device functions, defined only where Triton is installed
-    from ._primitives import (
-        _abs_bits,
-        _abs_bits16,
-        _amax_from_bits,
-        _bf16_to_f32,
-        _f32_bits_of_bits16,
-        _fp8_cast,
-        _group_amax,
-        _rne_bf16,
-        _round_fp8,
-        _scale_from_amax,
-        _tile_ids,
-        _trans_codes,
-    )
-    from .blocks import _quant_block_kernel
-    from .groups import _quant_cols_t_kernel, _quant_last_groups, _quant_rows_kernel
-    from .norm import _rmsnorm_bwd_kernel, _rmsnorm_fwd_kernel
-    from .swiglu import _exp, _load_act, _swiglu, _swiglu_bwd_kernel
-    from .tensor import (
-        _amax_atomic_kernel,
-        _cast_dual_kernel,
-        _cast_kernel,
-        _delayed_commit_kernel,
-        _fold_amax,
-        _fold_amax_2d,
-        _fold_amax_bits,
-        _tensor_scale,
-    )
-
-    _INTERNAL += (_abs_bits, _abs_bits16, _amax_from_bits, _bf16_to_f32, _f32_bits_of_bits16, _fp8_cast, _group_amax,
-                  _rne_bf16, _round_fp8, _scale_from_amax, _tile_ids, _trans_codes, _quant_block_kernel,
-                  _quant_cols_t_kernel, _quant_last_groups, _quant_rows_kernel,
-                  _rmsnorm_bwd_kernel, _rmsnorm_fwd_kernel, _exp, _load_act, _swiglu, _swiglu_bwd_kernel,
-                  _amax_atomic_kernel, _cast_dual_kernel, _cast_kernel, _delayed_commit_kernel, _fold_amax,
-                  _fold_amax_2d, _fold_amax_bits, _tensor_scale)

@@ -9,17 +9,27 @@ from typing import Optional
 
 import torch
 
-from ...recipes import Format, ScaleRounding
+from ...formats import Format, ScaleRounding
 from ..launch import launch as _launch
 from ..reference import QuantizedTensor, as_format, scale_grid
 from . import groups, tensor
-from ._common import HAVE_TRITON, LAUNCH, _MODE, _e8m0_view, _hw_cvt, _require_triton, _top_mant, tl, triton
+from .common import (
+    HAVE_TRITON,
+    LAUNCH,
+    SCALE_MODE_ID,
+    e8m0_view,
+    hw_cvt,
+    require_triton,
+    tl,
+    top_mant,
+    triton,
+)
 
 if HAVE_TRITON:
-    from ._primitives import _rne_bf16
+    from .primitives import rne_bf16
 
     @triton.jit
-    def _rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_ptr, q_ptr, si_ptr, e8_ptr, R, D, G,
+    def rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_ptr, q_ptr, si_ptr, e8_ptr, R, D, G,
                             stride_x, stride_y, inv_d, eps, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
                             AMAX: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
                             FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
@@ -40,17 +50,17 @@ if HAVE_TRITON:
         rstd = tl.math.div_rn(1.0, tl.sqrt_rn(ms + eps))
         y = (x * rstd) * w
         if OUT_BF16:
-            y = _rne_bf16(y)  # the store's rounding made explicit (the interpreter truncates)
+            y = rne_bf16(y)  # the store's rounding made explicit (the interpreter truncates)
         tl.store(y_ptr + row * stride_y + cols, y.to(y_ptr.dtype.element_ty), mask=m)
         tl.store(rstd_ptr + row, rstd)
         if AMAX:
-            tensor._fold_amax(amax_ptr, y)
+            tensor.fold_amax_block(amax_ptr, y)
         if GROUP > 0:
             NG: tl.constexpr = BLOCK_D // GROUP
             tl.debug_barrier()  # this program's stores of y are visible to all its threads
             offs = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
             y2 = tl.load(y_ptr + row * stride_y + offs, mask=offs < D, other=0.0).to(tl.float32)
-            codes, si, e8 = groups._quant_last_groups(tl.reshape(y2, (1, NG, GROUP)), q_ptr.dtype.element_ty,
+            codes, si, e8 = groups.quant_last_groups(tl.reshape(y2, (1, NG, GROUP)), q_ptr.dtype.element_ty,
                                                       FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
             tl.store(q_ptr + row * D + offs, tl.reshape(codes, (NG, GROUP)), mask=offs < D)
             gi = tl.arange(0, NG)
@@ -59,7 +69,7 @@ if HAVE_TRITON:
                 tl.store(e8_ptr + gi * R + row, tl.reshape(e8, (NG,)).to(tl.uint8), mask=gi < G)
 
     @triton.jit
-    def _rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, D, stride_dy, stride_x, inv_d,
+    def rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, D, stride_dy, stride_x, inv_d,
                             ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DW: tl.constexpr,
                             OUT_BF16: tl.constexpr):
         # ROWS consecutive rows per program: dx = rstd * (dy*w - xh * mean(dy*w*xh)),
@@ -83,7 +93,7 @@ if HAVE_TRITON:
             c = tl.sum(dt * xh, axis=0) * inv_d
             dx = (dt - xh * c) * r
             if OUT_BF16:
-                dx = _rne_bf16(dx)
+                dx = rne_bf16(dx)
             tl.store(dx_ptr + row * D + cols, dx.to(dx_ptr.dtype.element_ty), mask=mr)
             if HAS_DW:
                 acc += dy * xh
@@ -95,7 +105,7 @@ if HAVE_TRITON:
 RMSNORM_MAX_D = 16384
 
 
-def _row_warps(block_d: int, elems_per_thread: int) -> int:
+def row_warps(block_d: int, elems_per_thread: int) -> int:
     """Warps for a row of ``block_d`` elements, ``elems_per_thread`` per thread (1 to 16)."""
     return int(min(16, max(1, block_d // (32 * elems_per_thread))))
 
@@ -116,7 +126,7 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
     * ``rows=(fmt, group, rounding)``: ``y`` quantised in 1x``group`` groups along its rows, the
       same codes and scales as :func:`~.groups.quantize_rows` of ``y``, from the same pass.
     Otherwise ``amax``/``q`` are None."""
-    _require_triton(x2)
+    require_triton(x2)
     R, D = x2.shape
     if x2.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the fused RMSNorm takes BF16 or FP32 input, not {x2.dtype}")
@@ -144,18 +154,18 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
     G = -(-D // group) if group else 1
     qd = torch.empty((R, D), dtype=fmt.dtype, device=dev) if group else y
     si = scale_grid(R, G, torch.float32, dev) if group else rstd
-    mx = _MODE[rounding] >= 2
+    mx = SCALE_MODE_ID[rounding] >= 2
     e8 = scale_grid(R, G, torch.uint8, dev) if group and mx else si
     if R:
-        _launch(_rmsnorm_fwd_kernel, (R,), x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, R, D, G,
+        _launch(rmsnorm_fwd_kernel, (R,), x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, R, D, G,
                 x2.stride(0), y.stride(0), 1.0 / D, float(eps), BLOCK_D=block_d,
                 OUT_BF16=x2.dtype == torch.bfloat16, AMAX=amax, GROUP=group,
-                MODE=_MODE[rounding], FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=_top_mant(fmt),
-                IS_E4M3=fmt is Format.E4M3, HW_CVT=_hw_cvt(x2),
-                num_warps=_row_warps(block_d, LAUNCH["rmsnorm"]["elems_per_thread"]))
+                MODE=SCALE_MODE_ID[rounding], FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=top_mant(fmt),
+                IS_E4M3=fmt is Format.E4M3, HW_CVT=hw_cvt(x2),
+                num_warps=row_warps(block_d, LAUNCH["rmsnorm"]["elems_per_thread"]))
     if group:
         q = QuantizedTensor(data=qd, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
-                            scale_e8m0=_e8m0_view(e8) if mx else None)
+                            scale_e8m0=e8m0_view(e8) if mx else None)
     return y, rstd, acc, q
 
 
@@ -164,7 +174,7 @@ def rmsnorm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
     """Gradients of :func:`rmsnorm_forward`'s ``y`` for ``dy2`` (``[R, D]``): ``(dx`` in ``x2``'s
     dtype, ``dw`` in ``weight``'s dtype or None) in one pass over ``dy`` and ``x``; ``dw`` is
     summed in FP32 from per-program partial sums."""
-    _require_triton(dy2, x2)
+    require_triton(dy2, x2)
     R, D = x2.shape
     if dy2.stride(-1) != 1:
         dy2 = dy2.contiguous()
@@ -178,10 +188,10 @@ def rmsnorm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
     part = torch.empty((max(progs, 1), D), dtype=torch.float32, device=x2.device) if need_dw else dx
     block_d = max(triton.next_power_of_2(D), 16)
     if R:
-        _launch(_rmsnorm_bwd_kernel, (progs,), dy2, x2, w, rstd, dx, part, R, D, dy2.stride(0), x2.stride(0), 1.0 / D,
+        _launch(rmsnorm_bwd_kernel, (progs,), dy2, x2, w, rstd, dx, part, R, D, dy2.stride(0), x2.stride(0), 1.0 / D,
                 ROWS=per, BLOCK_D=block_d, HAS_DW=need_dw,
                 OUT_BF16=dx.dtype == torch.bfloat16,
-                num_warps=_row_warps(block_d, cfg["elems_per_thread"]))
+                num_warps=row_warps(block_d, cfg["elems_per_thread"]))
     dw = None
     if need_dw:
         dw = (part[:progs].sum(0) if R else torch.zeros(D, dtype=torch.float32, device=x2.device)).to(weight.dtype)

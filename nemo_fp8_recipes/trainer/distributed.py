@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from .options import env_setting
+from ..options import env_setting
 
 __all__ = [
     "DATA_PARALLEL_MODES",

@@ -40,9 +40,9 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
-from ..distributed import DistContext
 from ..policy import Decision, PrecisionPolicy
 from ..recipes import Recipe
+from .distributed import DistContext
 
 log = logging.getLogger("nemo_fp8_recipes.train")  # (the trainer's: TERun logs into the run)
 
@@ -70,7 +70,7 @@ class TEConversion:
 def te_backend_problem(device: torch.device) -> Optional[str]:
     """Why ``backend=te`` cannot run here (None when it can): Transformer Engine not importable, or
     no CUDA GPU. The message names the fix."""
-    from .te import te_available
+    from ..integrations.te import te_available
 
     ok, why = te_available()
     if not ok:
@@ -162,9 +162,8 @@ def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPo
     same weights (FP32 parameters, the master weights; TE casts them under autocast), in place.
     Linears the policy keeps in high precision, and everything that is not a linear, stay as they
     are. ``micro``: the trainer's micro-batch position (TE's weight caching)."""
+    from ..integrations.te import to_te_recipe
     from ..nn.convert import infer_num_layers, set_submodule
-
-    from .te import to_te_recipe
 
     cls = _te_linear_class()
     te_recipe = to_te_recipe(recipe) if recipe.is_fp8 else None
@@ -193,7 +192,7 @@ def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPo
 
 def te_modules(model: nn.Module) -> Dict[str, nn.Module]:
     """``{name: module}`` of the Transformer Engine modules of ``model``."""
-    from .te import is_te_module
+    from ..integrations.te import is_te_module
 
     return {n: m for n, m in model.named_modules() if n and is_te_module(m)}
 
@@ -201,7 +200,7 @@ def te_modules(model: nn.Module) -> Dict[str, nn.Module]:
 def te_autocast_for(recipe: Recipe, amax_reduction_group=None):
     """A factory of fresh ``te.autocast`` contexts for ``recipe`` (BF16: FP8 off), reducing
     delayed-scaling amaxes over ``amax_reduction_group``."""
-    from .te import te_autocast, to_te_recipe
+    from ..integrations.te import te_autocast, to_te_recipe
 
     if not recipe.is_fp8:
         return lambda: te_autocast(None, enabled=False)
@@ -232,7 +231,7 @@ class TERun:
     reads, the run-time hooks (audit, telemetry) and the te.autocast factory."""
 
     def __init__(self, raw_model, recipe, policy, backend_cfg, ctx: DistContext, telemetry: bool) -> None:
-        from .callbacks import TEPrecisionHooks
+        from ..integrations.callbacks import TEPrecisionHooks
         
         self.micro = MicroBatchState()
         self.conversion = convert_to_te(raw_model, recipe, policy, self.micro)
@@ -252,7 +251,7 @@ class TERun:
     def audit(self):
         """TE's audit of what ran (strict: raises on a violation), with the linears the policy kept
         out of FP8 (plain PyTorch modules here) listed beside the TE modules."""
-        from .callbacks import TEAuditRow
+        from ..integrations.callbacks import TEAuditRow
 
         rep = self.hooks.check()
         have = {r.name for r in rep.rows}
@@ -265,9 +264,9 @@ class TERun:
 
 def te_run_problem(recipe, device: torch.device, tcfg) -> Optional[str]:
     """Why ``backend=te`` cannot run as configured, naming the fix, or None (``tcfg``: the
-    trainer's :class:`~nemo_fp8_recipes.train_config.TrainerConfig`); the trainer stops at once
+    trainer's :class:`~nemo_fp8_recipes.config.TrainerConfig`); the trainer stops at once
     with it."""
-    from ..recipes import describe_device
+    from ..hardware import describe_device
 
     problem = te_backend_problem(device)
     if problem:
@@ -288,7 +287,7 @@ def te_run_problem(recipe, device: torch.device, tcfg) -> Optional[str]:
     if tcfg.fuse_wgrad_accumulation:
         return ("trainer.fuse_wgrad_accumulation=true is the native FP8 linear's; with backend=te use "
                 "trainer.fuse_wgrad_accumulation=false")
-    from .te import te_check_supported
+    from ..integrations.te import te_check_supported
 
     ok, why = te_check_supported(recipe)  # TE's own check on this GPU, after ours
     if not ok:

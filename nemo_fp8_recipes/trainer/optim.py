@@ -14,7 +14,7 @@ from typing import Tuple
 
 import torch
 
-from .train_config import TrainerConfig
+from ..config import TrainerConfig
 
 __all__ = ["lr_at", "build_optimizer", "apply_hyperparameters"]
 

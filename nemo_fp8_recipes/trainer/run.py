@@ -1,11 +1,10 @@
-"""The embedded trainer's run: :class:`Trainer` (setup, step, evaluate, checkpoint, log, finish).
+"""The embedded trainer's run: :class:`Trainer` (setup, step, evaluate, checkpoint, log, finish)
+and :func:`train` (``Trainer(cfg).run()``); the command line is :mod:`.cli`.
 
-:func:`nemo_fp8_recipes.train.train` is ``Trainer(cfg).run()``; the command line is in
-:mod:`nemo_fp8_recipes.train`. Reading order: ``setup`` checks the config (the checks live in
-:mod:`nemo_fp8_recipes.train_config`) and builds device, data, model, optimizer and the resumed
-state; ``run`` loops over ``step`` (one optimizer step with gradient accumulation), then logs
-(:mod:`nemo_fp8_recipes.train_logging`), validates and checkpoints when due; ``finish`` writes
-the summary (:class:`~nemo_fp8_recipes.train_result.TrainResult`).
+Reading order: ``setup`` checks the config (:mod:`.checks`) and builds device, data, model,
+optimizer and the resumed state; ``run`` loops over ``step`` (one optimizer step with gradient
+accumulation), then logs (:mod:`.logs`), validates and checkpoints (:mod:`.checkpoint`) when due;
+``finish`` writes the summary (:class:`~.result.TrainResult`).
 """
 
 from __future__ import annotations
@@ -24,24 +23,60 @@ from typing import Any, Dict, Optional
 import numpy as np
 import torch
 
-from .checkpoint import (CHECKPOINT_FORMAT, CheckpointManager, capture_rng_state, check_compatible,
-                         load_for_resume, load_model_state, resolve_resume, restore_rng_state)
-from .data import ByteTokenizer, PackedTokens, TrainBatches, ValBatches, load_corpus
-from .determinism import deterministic_mode, explain_nondeterministic_op
-from .distributed import (DistContext, all_reduce_sum, barrier, dist_world_size, full_tensor, grad_sync,
-                          init_distributed, reduce_telemetry, state_dicts, wrap_model)
-from .integrations.te_model import TERun, te_run_problem
-from .logging_utils import MetricsWriter, format_count, format_duration, peak_tflops
-from .models import Transformer
-from .train_config import (ConfigError, build_kernel_options, build_policy, build_recipe, check_batch_split,
-                           check_compile_mode, check_cpu_compile, check_embedded_run, check_memory,
-                           model_and_data_configs, resolve_device)
-from .train_compile import compile_model
-from .train_logging import LogWindow, record_audit
-from .train_optim import apply_hyperparameters, build_optimizer
-from .train_result import NonFiniteLossError, StepStats, TrainingError, TrainResult
+from ..config import (
+    ConfigError,
+    build_kernel_options,
+    build_policy,
+    build_recipe,
+    resolve_device,
+)
+from ..data import ByteTokenizer, PackedTokens, TrainBatches, ValBatches, load_corpus
+from ..determinism import deterministic_mode, explain_nondeterministic_op
+from ..models import Transformer
+from .checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointManager,
+    capture_rng_state,
+    check_compatible,
+    load_for_resume,
+    load_model_state,
+    resolve_resume,
+    restore_rng_state,
+)
+from .checks import (
+    check_batch_split,
+    check_compile_mode,
+    check_cpu_compile,
+    check_embedded_run,
+    check_memory,
+    model_and_data_configs,
+)
+from .compile import compile_model
+from .distributed import (
+    DistContext,
+    all_reduce_sum,
+    barrier,
+    dist_world_size,
+    full_tensor,
+    grad_sync,
+    init_distributed,
+    reduce_telemetry,
+    state_dicts,
+    wrap_model,
+)
+from .logs import (
+    LogWindow,
+    MetricsWriter,
+    format_count,
+    format_duration,
+    peak_tflops,
+    record_audit,
+)
+from .optim import apply_hyperparameters, build_optimizer
+from .result import NonFiniteLossError, StepStats, TrainingError, TrainResult
+from .te_backend import TERun, te_run_problem
 
-__all__ = ["Trainer"]
+__all__ = ["Trainer", "train"]
 
 log = logging.getLogger("nemo_fp8_recipes.train")
 
@@ -111,10 +146,10 @@ class Trainer:
     def _configure(self) -> None:
         """Validate the config and resolve what the run runs with: recipe, policy, kernel
         options, device and process group, model and data configs. Everything that can fail
-        before any work fails here (the checks are in :mod:`nemo_fp8_recipes.train_config`)."""
+        before any work fails here (the checks are in :mod:`nemo_fp8_recipes.trainer.checks`)."""
         from omegaconf import open_dict
 
-        from .recipes import require_supported
+        from ..recipes import require_supported
 
         cfg = self.cfg
         self.tcfg, self.rcfg, self.backend = check_embedded_run(cfg)
@@ -167,8 +202,13 @@ class Trainer:
     def _build_model(self) -> None:
         """The seeded model on the device, converted to the recipe (our FP8 linears, or TE's with
         backend=te), with the per-step FP8 options, then wrapped for data parallelism."""
-        from .nn import (apply_kernel_options, convert_model, set_delayed_scaling_update, set_graph_weight_cache,
-                         set_wgrad_accumulation_fusion)
+        from ..nn import (
+            apply_kernel_options,
+            convert_model,
+            set_delayed_scaling_update,
+            set_graph_weight_cache,
+            set_wgrad_accumulation_fusion,
+        )
 
         tcfg, ctx, recipe = self.tcfg, self.ctx, self.recipe
         _seed_everything(tcfg.seed)
@@ -214,8 +254,8 @@ class Trainer:
 
     def _hint_small_gemms(self, raw_model: torch.nn.Module) -> None:
         """Warn when every FP8 GEMM is below the recipe's measured FP8/BF16 crossover (GPU runs)."""
-        from .nn import fp8_modules
-        from .policy import linear_shape, small_gemm_hint
+        from ..nn import fp8_modules
+        from ..policy import linear_shape, small_gemm_hint
 
         if self.te_run is not None:
             mods = [raw_model.get_submodule(n) for n, d in self.te_run.conversion.decisions.items() if d.fp8]
@@ -259,7 +299,8 @@ class Trainer:
         (compiled) model that runs forward, and the result to fill."""
         from omegaconf import OmegaConf
 
-        from .recipes import describe_device, uses_real_fp8_gemm
+        from ..hardware import describe_device
+        from ..recipes import uses_real_fp8_gemm
 
         cfg, tcfg, ctx = self.cfg, self.tcfg, self.ctx
         real_fp8 = self.recipe.is_fp8 and uses_real_fp8_gemm(self.recipe, self.device)
@@ -333,7 +374,7 @@ class Trainer:
         """One optimizer step: ``accum`` micro-batches forward and backward (gradients summed),
         the loss averaged over ranks, gradient clipping, the non-finite check, the optimizer,
         delayed-scaling and scheduler updates."""
-        from .nn import discard_delayed_scaling, set_telemetry, sync_delayed_scaling
+        from ..nn import discard_delayed_scaling, set_telemetry, sync_delayed_scaling
 
         tcfg, ctx, step = self.tcfg, self.ctx, self.global_step
         self.mid_step = True
@@ -455,7 +496,7 @@ class Trainer:
     def write_audit(self) -> None:
         """The precision audit of the first step (what ran in FP8, per module and GEMM), in the
         run directory, TensorBoard and the log."""
-        from .nn import audit
+        from ..nn import audit
 
         report = self.te_run.audit() if self.te_run else audit(self.raw_model)
         # (the native audit prints the kernel options itself)
@@ -466,7 +507,7 @@ class Trainer:
 
     def log_telemetry(self) -> None:
         """FP8 statistics per layer group (amax, scale, under/overflow) of this step, to TensorBoard."""
-        from .nn import collect_telemetry, set_telemetry
+        from ..nn import collect_telemetry, set_telemetry
 
         tel = self.te_run.hooks.collect_telemetry() if self.te_run else collect_telemetry(self.raw_model, reset=True)
         self.writer.scalars(reduce_telemetry(tel, self.ctx), self.global_step)
@@ -517,7 +558,7 @@ class Trainer:
         with validation follows the same trajectory as one without, and a checkpoint written
         right after validation resumes exactly.
         """
-        from .nn import fp8_state_snapshot, restore_fp8_state
+        from ..nn import fp8_state_snapshot, restore_fp8_state
 
         snapshot = fp8_state_snapshot(self.raw_model)
         te_snapshot = self.te_run.snapshot(self.raw_model) if self.te_run else None
@@ -648,3 +689,24 @@ class Trainer:
                 self.ctx.close()
         finally:
             self._process_settings.close()
+
+
+def train(cfg) -> TrainResult:
+    """Run the embedded trainer on a composed config (``DictConfig``) and return what it did:
+    ``Trainer(cfg).run()``, then the process group is closed whatever happened.
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) every rank calls it: data parallelism with
+    ``trainer.data_parallel`` (ddp | fsdp2, :mod:`nemo_fp8_recipes.trainer.distributed`); rank 0 logs,
+    writes TensorBoard, the audit and checkpoints. Every rank returns the same losses.
+
+    Raises :class:`ConfigError`, :class:`~nemo_fp8_recipes.data.DataError`,
+    :class:`~nemo_fp8_recipes.recipes.UnsupportedRecipeError`, :class:`CheckpointError` or
+    :class:`NonFiniteLossError` with actionable messages; :func:`main` prints them cleanly.
+    """
+    trainer = Trainer(cfg)
+    level = log.level  # a non-main rank logs warnings only while it trains
+    try:
+        return trainer.run()
+    finally:
+        log.setLevel(level)
+        trainer.close()

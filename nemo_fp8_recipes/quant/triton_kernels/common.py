@@ -24,10 +24,10 @@ except Exception:  # pragma: no cover - depends on the environment
     libdevice = None
     HAVE_TRITON = False
 
-from ...recipes import Format, ScaleRounding
+from ...formats import Format, ScaleRounding
 
 #: The scale rule of each rounding, as the kernels' ``MODE`` constexpr (``>= 2``: E8M0 scales).
-_MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
+SCALE_MODE_ID = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
 
 
 #: Launch configurations (tile sizes and warps) per kernel. They change the speed, never the
@@ -37,7 +37,7 @@ _MODE = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 
 #: :func:`launch_config`.
 LAUNCH = {
     # group_r (tiled kernels): the order the tiles run in, bands of group_r row tiles
-    # (_tile_ids; 0 = all rows of tiles, row tiles fastest)
+    # (tile_ids; 0 = all rows of tiles, row tiles fastest)
     # groups: scaling groups per tile along the grouped dim (1x128 / 1x32 rows and columns).
     # 1x32 rows: 0.119 ms with 16 groups per tile (each row's load a contiguous 1 KiB), 0.202 with 1
     "rows128": {"block_r": 64, "num_warps": 2, "groups": 1, "group_r": 0},
@@ -97,27 +97,27 @@ def launch_config(kernel: str, **cfg):
         LAUNCH[kernel].update(old)
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
     """Whether Triton runs kernels under its CPU interpreter (``TRITON_INTERPRET=1``), read at
     each call."""
     return os.environ.get("TRITON_INTERPRET", "0") in ("1", "true", "True")
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     """Ceiling division on the host (``triton.cdiv`` is a JIT function: a few µs per Python call)."""
     return -(-a // b)
 
 
-def _hw_cvt(x: torch.Tensor) -> bool:
+def hw_cvt(x: torch.Tensor) -> bool:
     """Whether the store's FP8 cast is the GPU's hardware RNE conversion (compiled for CUDA) rather
-    than the interpreter's CPU emulation, which needs the explicit rounding of ``_round_fp8``."""
-    if not x.is_cuda or _interpreting():
+    than the interpreter's CPU emulation, which needs the explicit rounding of ``round_to_fp8``."""
+    if not x.is_cuda or interpreting():
         return False
-    return _cvt_capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return cvt_capable(x.device.index if x.device.index is not None else torch.cuda.current_device())
 
 
 @functools.lru_cache(maxsize=None)
-def _cvt_capable(index: int) -> bool:
+def cvt_capable(index: int) -> bool:
     # Triton lowers an FP32 -> FP8 cast to the direct cvt.rn.satfinite.{e4m3,e5m2}x2.f32 (one
     # rounding) on sm_90+; for sm_89, Triton 3.6 goes through FP16 (two roundings, which can
     # differ from one) while 3.9 converts directly. Below sm_90 the kernels therefore keep the
@@ -127,8 +127,8 @@ def _cvt_capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
-def _group_r(cfg: dict, n_r: int) -> int:
-    """The ``group_r`` of a launch configuration (row tiles per band, :func:`_tile_ids`; 0 or
+def tile_group_rows(cfg: dict, n_r: int) -> int:
+    """The ``group_r`` of a launch configuration (row tiles per band, :func:`tile_ids`; 0 or
     absent = all of them: row tiles fastest over the whole grid)."""
     g = int(cfg.get("group_r", 0))
     return n_r if g <= 0 else min(g, n_r)
@@ -139,7 +139,7 @@ def _group_r(cfg: dict, n_r: int) -> int:
 INT32_MAX = 2**31 - 1
 
 
-def _require_triton(*tensors: torch.Tensor):
+def require_triton(*tensors: torch.Tensor):
     """Triton is there, and each of ``tensors`` (the sources; every output a kernel writes has the
     same number of elements or fewer) can be addressed with 32-bit element offsets — else a clear
     error instead of wrapped offsets that would read and write the wrong elements."""
@@ -160,12 +160,12 @@ def _require_triton(*tensors: torch.Tensor):
                 "(same codes, slower)")
 
 
-def _top_mant(fmt: Format) -> int:
+def top_mant(fmt: Format) -> int:
     # ceil rule: bump the exponent when amax's significand 1.m exceeds fmax / 2^emax (1.75 E4M3)
     top = fmt.max / float(2**fmt.emax)
     return int(round((top - 1.0) * (1 << 23)))
 
 
-def _e8m0_view(e8: torch.Tensor) -> torch.Tensor:
+def e8m0_view(e8: torch.Tensor) -> torch.Tensor:
     """The E8M0 scales the kernels write as ``uint8``, viewed as ``float8_e8m0fnu``."""
     return e8.view(torch.float8_e8m0fnu)

@@ -16,7 +16,7 @@ Three things make such a run train as the default mode does (:class:`CudaGraphRe
   the end, and written to ``summary.json``.
 
 The configuration checks (a CUDA device, one process) are
-:func:`nemo_fp8_recipes.train_config.check_compile_mode`.
+:func:`nemo_fp8_recipes.trainer.checks.check_compile_mode`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .train_config import uses_cuda_graphs
+from ..config import uses_cuda_graphs
 
 __all__ = ["CudaGraphReplays", "compile_model", "cuda_graph_skips"]
 

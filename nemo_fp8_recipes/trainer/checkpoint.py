@@ -32,10 +32,11 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 import torch
-from ._io import fsync_dir as _fsync_dir
+
+from .._io import fsync_dir as _fsync_dir
+from ..config import TrainerConfig
+from ..models.config import ModelConfig
 from .distributed import load_state_dicts
-from .models.config import ModelConfig
-from .train_config import TrainerConfig
 
 __all__ = [
     "CheckpointError",

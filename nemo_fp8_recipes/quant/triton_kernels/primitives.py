@@ -15,12 +15,12 @@ against the reference, ties and subnormals included).
 
 from __future__ import annotations
 
-from ._common import HAVE_TRITON, triton, tl
+from .common import HAVE_TRITON, tl, triton
 
 if HAVE_TRITON:
 
     @triton.jit
-    def _round_fp8(y, FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
+    def round_to_fp8(y, FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
                    NO_INF: tl.constexpr = False):
         """Saturating RNE of FP32 ``y`` for the FP8 store that follows.
 
@@ -80,8 +80,8 @@ if HAVE_TRITON:
         return tl.where(nan, y, r)
 
     @triton.jit
-    def _fp8_cast(r, ELEM: tl.constexpr, IS_E4M3: tl.constexpr, NO_INF: tl.constexpr = False):
-        """The FP8 codes of ``_round_fp8``'s result. The conversion saturates (``satfinite``:
+    def fp8_cast(r, ELEM: tl.constexpr, IS_E4M3: tl.constexpr, NO_INF: tl.constexpr = False):
+        """The FP8 codes of ``round_to_fp8``'s result. The conversion saturates (``satfinite``:
         ±Inf would become ±57344), so E5M2's infinities, which the reference keeps, are written
         as their codes (0x7C / 0xFC) explicitly (unless ``NO_INF``: there are none)."""
         c = r.to(ELEM)
@@ -92,13 +92,13 @@ if HAVE_TRITON:
         return c
 
     @triton.jit
-    def _trans_codes(codes):
+    def trans_codes(codes):
         """The transpose of a 2-D tile of FP8 codes, moved as bytes (the layout conversion
         through shared memory then carries 1 byte per element, not the 4 of the FP32 values)."""
         return tl.trans(codes.to(tl.uint8, bitcast=True)).to(codes.dtype, bitcast=True)
 
     @triton.jit
-    def _bf16_to_f32(xb, EXACT: tl.constexpr):
+    def bf16_to_f32(xb, EXACT: tl.constexpr):
         """FP32 values of a BF16 tile. ``EXACT`` (no hardware conversion: Triton's interpreter,
         whose BF16 -> FP32 conversion loses BF16 subnormals): the 16 bits shifted into place,
         which is what the conversion is; otherwise the compiler's conversion (the same values)."""
@@ -107,7 +107,7 @@ if HAVE_TRITON:
         return xb.to(tl.float32)
 
     @triton.jit
-    def _rne_bf16(x):
+    def rne_bf16(x):
         """FP32 ``x`` rounded to the nearest BF16 value (ties to even), still as FP32 — explicit
         on the bits, so the interpreter (whose BF16 cast truncates) and the GPU agree."""
         b = x.to(tl.int32, bitcast=True)
@@ -115,7 +115,7 @@ if HAVE_TRITON:
         return tl.where(x != x, x, r)
 
     @triton.jit
-    def _scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr,
+    def scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr,
                          MARGIN_DIV: tl.constexpr = 1.0):
         """(scale s, scale_inv, e8m0 biased exponent) per group, same rules as reference.py.
         ``MARGIN_DIV`` (FP32 and pow2 modes): ``2**margin`` of delayed scaling, divided out of
@@ -153,7 +153,7 @@ if HAVE_TRITON:
             return s, si, tl.where(bad, 255, e + 127)
 
     @triton.jit
-    def _tile_ids(n_r, n_c, group_r):
+    def tile_ids(n_r, n_c, group_r):
         """(row tile, column tile) of this program in a 1-D grid of ``n_r * n_c`` tiles, visited in
         bands of ``group_r`` row tiles: within a band the row tiles vary fastest, then the column
         tiles. ``group_r >= n_r``: row tiles fastest over the whole grid; ``1``: column tiles
@@ -166,31 +166,31 @@ if HAVE_TRITON:
         return first + (pid % per_band) % rows_in_band, (pid % per_band) // rows_in_band
 
     @triton.jit
-    def _abs_bits(x):
+    def abs_bits(x):
         """The IEEE bits of FP32 ``x`` with the sign cleared, as int32: they order like the
         magnitudes, with every NaN pattern above +Inf, so one integer max gives the amax and NaN
         at once (two instructions per element instead of the five of a float max plus a NaN flag)."""
         return x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
     @triton.jit
-    def _abs_bits16(xb):
-        """:func:`_abs_bits` of a BF16 tile, on its 16 bits (int16; reduce them in that width).
-        BF16 is FP32's top half, so :func:`_f32_bits_of_bits16` of their max gives the FP32 bits
+    def abs_bits16(xb):
+        """:func:`abs_bits` of a BF16 tile, on its 16 bits (int16; reduce them in that width).
+        BF16 is FP32's top half, so :func:`f32_bits_of_bits16` of their max gives the FP32 bits
         of the amax exactly (NaN patterns above +Inf, as there) — half the registers of the FP32
         tile, which is why the ``bf16_tile`` kernels keep the tile in BF16."""
         return xb.to(tl.int16, bitcast=True) & 0x7FFF
 
     @triton.jit
-    def _f32_bits_of_bits16(m):
-        """The FP32 bits (int32) of BF16 bits ``m`` from :func:`_abs_bits16` (non-negative)."""
+    def f32_bits_of_bits16(m):
+        """The FP32 bits (int32) of BF16 bits ``m`` from :func:`abs_bits16` (non-negative)."""
         return m.to(tl.int32) << 16
 
     @triton.jit
-    def _amax_from_bits(m):
-        """The amax of a max of :func:`_abs_bits`: its float value, NaN for a NaN pattern."""
+    def amax_from_bits(m):
+        """The amax of a max of :func:`abs_bits`: its float value, NaN for a NaN pattern."""
         return tl.where(m > 0x7F800000, float("nan"), m.to(tl.float32, bitcast=True))
 
     @triton.jit
-    def _group_amax(x, axis: tl.constexpr):
-        """max|x| along ``axis``, NaN if a NaN is there (:func:`_abs_bits`)."""
-        return _amax_from_bits(tl.max(_abs_bits(x), axis=axis))
+    def group_amax(x, axis: tl.constexpr):
+        """max|x| along ``axis``, NaN if a NaN is there (:func:`abs_bits`)."""
+        return amax_from_bits(tl.max(abs_bits(x), axis=axis))

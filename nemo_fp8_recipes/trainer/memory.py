@@ -35,7 +35,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .models import ModelConfig
+from ..models import ModelConfig
 
 __all__ = ["MemoryEstimate", "estimate_training_memory", "available_memory", "check_fits", "format_bytes"]
 

@@ -1,4 +1,5 @@
-"""Hydra side of the embedded trainer: the packaged config tree, composition, and clear errors.
+"""The Hydra layer every command line shares: the packaged config tree, composition, typed views of
+its blocks, how runs are named, and clear errors.
 
 The configs live inside the package (``nemo_fp8_recipes/configs``; the repository's top-level
 ``configs/`` is a symlink to it), so the installed ``nemo-fp8-train`` finds them wherever it is
@@ -7,8 +8,13 @@ installed. Groups mirror the registries: ``recipe/<key>.yaml`` for every key of
 ``data/``. The ``trainer`` and ``run`` blocks are validated against typed dataclasses here, so a
 misspelt key or a wrong type fails before anything runs, with the valid keys listed.
 
-Only the trainer imports this module; the core (recipes, policy, quant, nn) knows nothing of
-Hydra.
+The command lines (the trainer, the Bridge launcher, the validator, SLURM submission) import it;
+the core (recipes, policy, quant, nn, models, data) knows nothing of Hydra.
+
+Runs are named ``<recipe>[-<tag>][-<key><value>...]`` (:func:`run_name`): the keys of
+``run.sweep`` are those a sweep varies, so every job of ``nemo-fp8-train -m ... trainer.seed=1,2,3``
+has its own run (``bf16-seed1``, ``bf16-seed2``, ...); ``nemo-fp8-train -m`` and
+``nemo-fp8-submit -m`` fill ``run.sweep`` (:func:`with_sweep_names`).
 """
 
 from __future__ import annotations
@@ -19,15 +25,10 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
-
-from .run_names import register_resolvers
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 if TYPE_CHECKING:  # annotations only: importing this module needs no torch
     import torch
-
-    from .data import DataConfig
-    from .models import ModelConfig
 
 __all__ = [
     "CONFIG_DIR",
@@ -37,6 +38,10 @@ __all__ = [
     "TrainerConfig",
     "uses_cuda_graphs",
     "RunConfig",
+    "run_name",
+    "register_resolvers",
+    "swept_keys",
+    "with_sweep_names",
     "list_group_options",
     "compose_config",
     "validate_overrides",
@@ -47,15 +52,8 @@ __all__ = [
     "build_policy",
     "build_kernel_options",
     "resolve_device",
-    "NO_CPU_COMPILE",
-    "check_embedded_run",
-    "check_batch_split",
-    "model_and_data_configs",
     "COMPILE_MODES",
     "CUDA_GRAPH_MODES",
-    "check_compile_mode",
-    "check_cpu_compile",
-    "check_memory",
 ]
 
 #: Absolute path of the packaged Hydra config directory.
@@ -176,8 +174,79 @@ class RunConfig:
     sweep: List[str] = dataclasses.field(default_factory=list)
 
 
-# ---- resolvers ---------------------------------------------------------------------------------
-register_resolvers()  # the fp8.* resolvers the configs use (run naming)
+# ---- run names and the resolvers ---------------------------------------------------------------
+def _sweep_component(key: str, value: Any, leaf: str) -> str:
+    """``seed1`` for ``trainer.seed=1``, ``first_layers_bf16_2`` for ``policy.first_layers_bf16=2``:
+    the key's last part and the value, joined by ``_`` unless a letter meets a digit; characters
+    other than letters, digits and ``.+-_`` become ``_``."""
+    from omegaconf import DictConfig
+
+    if isinstance(value, DictConfig):  # a config group: its option's name
+        value = value.get("name", key)
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    sep = "" if leaf[-1:].isalpha() and text[:1].isdigit() else "_"
+    return re.sub(r"[^A-Za-z0-9.+_-]", "_", f"{leaf}{sep}{text}")
+
+
+def run_name(recipe: str, tag: Optional[str] = None, sweep: Sequence[str] = (), *, _root_=None) -> str:
+    """Run directory leaf: ``<recipe>[-<tag>]``, then one ``-<key><value>`` per key of ``sweep``
+    (``run.sweep``; the values are read from the config, ``_root_``), e.g. ``bf16-seed1``."""
+    from omegaconf import OmegaConf
+
+    tag = "" if tag is None else str(tag).strip()
+    parts = [f"{recipe}-{tag}" if tag else str(recipe)]
+    keys = [str(k) for k in (sweep or ())]
+    leaves = [k.rsplit(".", 1)[-1] for k in keys]
+    for key, leaf in zip(keys, leaves):
+        value = OmegaConf.select(_root_, key, default=None) if _root_ is not None else None
+        parts.append(_sweep_component(key, value, leaf if leaves.count(leaf) == 1 else key))
+    return "-".join(parts)
+
+
+#: keys a sweep may vary that never name a run: the place it is written, the name itself, launchers
+_NOT_NAMING = ("recipe", "model", "run.tag", "run.root", "run.dir", "run.sweep")
+
+
+def swept_keys(overrides: Sequence[str]) -> List[str]:
+    """The keys that ``overrides`` sweep (``trainer.seed=1,2,3``, ``range()``, ``choice()``) and
+    that must name each job's run: all but ``recipe`` and ``model`` (already in the run's path),
+    ``run.*`` and the ``hydra``, ``cluster`` and ``submit`` blocks. Unparsable overrides give []
+    (Hydra reports them)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides=[o for o in overrides if not o.startswith("-")])
+    except Exception:  # noqa: BLE001 - Hydra says what is wrong when it parses them itself
+        return []
+    keys = []
+    for o in parsed:
+        key = o.key_or_group.split("@", 1)[0]
+        head = key.split(".", 1)[0].split("/", 1)[0]
+        if o.is_sweep_override() and key not in _NOT_NAMING and head not in ("hydra", "cluster", "submit"):
+            keys.append(key)
+    return keys
+
+
+def with_sweep_names(overrides: Sequence[str]) -> List[str]:
+    """``overrides`` plus ``run.sweep=[<swept keys>]`` when they sweep keys that must name the runs
+    (:func:`swept_keys`) and do not set ``run.sweep`` themselves: every job of a sweep then has its
+    own run directory (``bf16-seed1``, ``bf16-seed2``, ...) instead of resuming another's."""
+    out = list(overrides)
+    keys = swept_keys(out)
+    if keys and not any(_override_key(o) == "run.sweep" for o in out):
+        out.append(f"run.sweep=[{','.join(keys)}]")
+    return out
+
+
+def register_resolvers() -> None:
+    """Register the ``fp8.*`` OmegaConf resolvers the configs use (idempotent)."""
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("fp8.run_name"):
+        OmegaConf.register_new_resolver("fp8.run_name", run_name)
+
+
+register_resolvers()
 
 
 # ---- composition -------------------------------------------------------------------------------
@@ -267,13 +336,13 @@ def _dict_override_keys(key: str, overrides: Sequence[str]) -> List[str]:
     return []
 
 
-def validate_overrides(overrides: Sequence[str], *, this_machine: bool = True) -> Optional[str]:
+def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
     """Compose with ``overrides``; return None if fine, else a clean, actionable message.
 
     Bad group options list the group's options (Hydra's message); unknown keys list the valid
-    keys of their parent node with a close-match hint; the typed ``trainer``/``run`` blocks are
-    checked too. ``this_machine=False`` (a job rendered for other nodes) leaves out what depends on
-    the machine it runs on (Transformer Engine installed, a GPU).
+    keys of their parent node with a close-match hint; the typed ``trainer``/``run`` blocks and the
+    recipe, policy, model and data blocks are checked too. Nothing here depends on the machine
+    (whether Transformer Engine imports, a GPU): the trainer checks that where it runs.
     """
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
@@ -300,13 +369,13 @@ def validate_overrides(overrides: Sequence[str], *, this_machine: bool = True) -
     try:
         trainer_config(cfg)
         run_config(cfg)
-        _check_blocks(cfg, this_machine)
+        _check_blocks(cfg)
     except ConfigError as e:
         return str(e)
     return None
 
 
-def _check_blocks(cfg, this_machine: bool = True) -> None:
+def _check_blocks(cfg) -> None:
     """The recipe, policy, model and data blocks as their owners validate them, so a bad value
     fails here, before Hydra starts a run (and writes a run directory)."""
     from omegaconf import OmegaConf
@@ -315,12 +384,6 @@ def _check_blocks(cfg, this_machine: bool = True) -> None:
     build_policy(cfg.get("policy"))
     if cfg.backend.get("name") not in ("native", "te"):
         return  # Bridge's recipe function may define the model; its own validator checks it
-    if cfg.backend.get("name") == "te" and this_machine:
-        from .integrations.te_model import te_backend_problem
-
-        problem = te_backend_problem(resolve_device(str(cfg.trainer.device)))
-        if problem:
-            raise ConfigError(problem)
     from .data import DataConfig, DataError
     from .models import ModelConfig
 
@@ -465,72 +528,7 @@ def recipe_overrides(recipe_node) -> Dict[str, Any]:
     return _prune_none(values)
 
 
-# ---- what the embedded trainer checks before any work ---------------------------------------
-#: recipes whose emulation torch.compile's CPU (C++) backend cannot compile
-NO_CPU_COMPILE = ("blockwise", "mxfp8")
-
-
-def check_embedded_run(cfg) -> Tuple[TrainerConfig, RunConfig, str]:
-    """The typed ``trainer`` and ``run`` blocks and the backend name of a composed config, after
-    checking that the embedded trainer runs it (no missing value, backend native or te, cluster
-    local); the errors name the launcher that runs the other cases."""
-    from omegaconf import OmegaConf
-
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError(f"missing mandatory value(s): {', '.join(missing)}")
-    tcfg = trainer_config(cfg)
-    rcfg = run_config(cfg)
-    backend = str(cfg.backend.name)
-    if backend not in ("native", "te"):
-        raise ConfigError(
-            f"the embedded trainer runs backend=native or backend=te, got backend={backend}; launch "
-            "Megatron-Bridge with `torchrun ... -m nemo_fp8_recipes.integrations.bridge <overrides>` "
-            "or submit it with `nemo-fp8-submit backend=megatron_bridge ...`"
-        )
-    if cfg.cluster.name != "local":
-        raise ConfigError(
-            f"the embedded trainer runs cluster=local, got cluster={cfg.cluster.name}; submit "
-            f"cluster={cfg.cluster.name} jobs with `nemo-fp8-submit <same overrides>`"
-        )
-    return tcfg, rcfg, backend
-
-
-def check_batch_split(tcfg: TrainerConfig, world: int) -> None:
-    """The global batch must split into whole micro-batches on each of ``world`` data-parallel ranks."""
-    if tcfg.global_batch_size % (tcfg.micro_batch_size * world):
-        raise ConfigError(
-            f"trainer.global_batch_size ({tcfg.global_batch_size}) must be a multiple of "
-            f"trainer.micro_batch_size ({tcfg.micro_batch_size}) x {world} data-parallel ranks; "
-            f"e.g. trainer.global_batch_size={tcfg.micro_batch_size * world * max(1, tcfg.grad_accum // world)}"
-        )
-
-
-def model_and_data_configs(cfg, tcfg: TrainerConfig, vocab_size: int) -> Tuple["ModelConfig", "DataConfig"]:
-    """The ``model`` and ``data`` blocks as their typed configs, checked against the trainer: the
-    model's vocabulary holds the tokenizer's ``vocab_size`` ids and its context ``trainer.seq_len``."""
-    from omegaconf import OmegaConf
-
-    from .data import DataConfig, DataError
-    from .models import ModelConfig
-
-    try:
-        mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-        dcfg = DataConfig.from_dict(OmegaConf.to_container(cfg.data, resolve=True))
-    except DataError:
-        raise
-    except (ValueError, TypeError) as e:
-        raise ConfigError(str(e)) from None
-    if mcfg.vocab_size < vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={mcfg.vocab_size} is smaller than the byte tokenizer's "
-            f"{vocab_size} ids; use model.vocab_size=512 (or any value >= {vocab_size})"
-        )
-    if tcfg.seq_len > mcfg.max_seq_len:
-        raise ConfigError(f"trainer.seq_len={tcfg.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
-    return mcfg, dcfg
-
-
+# ---- torch.compile modes ---------------------------------------------------------------------------
 #: torch.compile's modes (``trainer.compile_mode``); the ones that replay the compiled graphs as CUDA graphs
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
@@ -539,57 +537,3 @@ CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 def uses_cuda_graphs(tcfg: TrainerConfig) -> bool:
     """Whether the compiled model replays its graphs as CUDA graphs (``trainer.compile_mode``)."""
     return tcfg.compile and tcfg.compile_mode in CUDA_GRAPH_MODES
-
-
-def check_compile_mode(tcfg: TrainerConfig, device: "torch.device", *, world_size: int) -> None:
-    """Refuse a CUDA-graph ``trainer.compile_mode`` where it cannot run as asked: it needs a CUDA
-    device (Inductor would silently skip the graphs on CPU) and one process (the gradient hooks of
-    DDP and FSDP2 run between the graph replays). (backend=te refuses ``trainer.compile`` itself.)"""
-    if not uses_cuda_graphs(tcfg):
-        return
-    mode = tcfg.compile_mode
-    if device.type != "cuda":
-        raise ConfigError(f"trainer.compile_mode={mode} replays the compiled graphs as CUDA graphs and needs a CUDA "
-                          f"device (this run: {device.type}); use trainer.compile_mode=default on CPU")
-    if world_size > 1:
-        raise ConfigError(f"trainer.compile_mode={mode} runs in one process only: under torchrun the "
-                          f"{tcfg.data_parallel} gradient hooks run between the CUDA-graph replays ({world_size} "
-                          "ranks); use trainer.compile_mode=default there")
-
-
-def check_cpu_compile(tcfg: TrainerConfig, recipe, device: "torch.device") -> None:
-    """Refuse ``trainer.compile=true`` on CPU for the recipes in :data:`NO_CPU_COMPILE`.
-
-    Inductor's C++ backend fails on the 1x128 / 1x32 block reshapes of these emulated quantisers
-    (AssertionError in CppScheduling.try_loop_split: two fused nodes end with different loop
-    ranges after the split; no config switch avoids it) after one to two minutes of compiling, so
-    the run is refused at start. On CUDA the Triton backend compiles them.
-    """
-    import torch
-
-    if tcfg.compile and device.type == "cpu" and recipe.name in NO_CPU_COMPILE:
-        raise ConfigError(
-            f"trainer.compile=true on CPU cannot compile recipe {recipe.name}: the C++ backend of torch.compile "
-            f"(torch {torch.__version__}) fails on its block-scaled quantisers after minutes of compiling. On CPU "
-            "use trainer.compile=false (the emulation computes the same numbers), or compile on a GPU "
-            f"(trainer.device=cuda); recipes that compile on CPU: "
-            + ", ".join(r for r in ("bf16", "delayed", "tensorwise") if r != recipe.name)
-        )
-
-
-def check_memory(tcfg: TrainerConfig, mcfg: "ModelConfig", recipe, device: "torch.device", *, world_size: int,
-                 bf16_activations: bool) -> None:
-    """Refuse a run whose estimated training memory does not fit ``device``, naming what would
-    fit (:func:`nemo_fp8_recipes.memory.check_fits`); ``trainer.memory_check=false`` skips it."""
-    if not tcfg.memory_check:
-        return
-    from .memory import check_fits
-
-    distributed = world_size > 1
-    shard = world_size if distributed and tcfg.data_parallel == "fsdp2" else 1
-    too_big = check_fits(mcfg, device, tokens_per_micro_batch=tcfg.micro_batch_size * tcfg.seq_len,
-                         fp8=recipe.is_fp8, activation_bytes=2 if bf16_activations else 4, shard=shard,
-                         where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} tokens"
-                               + (" per rank" if distributed else ""))
-    if too_big:
-        raise ConfigError(too_big)
