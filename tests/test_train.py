@@ -586,3 +586,45 @@ def test_gpu_cuda_graphs_train_like_the_default_compile(recipe, accum, tmp_path,
             assert float((a.float() - b.float()).norm()) <= 1e-2 * float(a.float().norm()) + 1e-6, name
     summary = json.loads((graphs.run_dir / "summary.json").read_text())
     assert summary["compile_mode"] == "reduce-overhead" and summary["cuda_graph_skips"] == 0
+
+
+def test_the_loop_talks_to_its_backend_through_the_protocol(tmp_path, token_cache):
+    """A backend given to the Trainer is the one that runs: the loop calls the protocol's methods —
+    the check and the conversion once, the autocast per forward (first micro-batch True, the others
+    False, validation None), telemetry on and collected on its steps, the FP8 state snapshotted and
+    restored around each validation, the audit once, and the post-optimizer hook after every step."""
+    from nemo_fp8_recipes.trainer import Trainer
+    from nemo_fp8_recipes.trainer.backends import NativeBackend
+
+    calls = []
+
+    class Recording(NativeBackend):
+        name = "recording"
+
+        def __getattribute__(self, attr):
+            if attr in ("check", "convert", "autocast", "audit", "start_telemetry", "collect_telemetry",
+                        "snapshot", "restore", "after_optimizer_step", "skipped_step"):
+                method = super().__getattribute__(attr)
+
+                def record(*args, **kwargs):
+                    calls.append((attr, args[0]) if attr == "autocast" else attr)
+                    return method(*args, **kwargs)
+                return record
+            return super().__getattribute__(attr)
+
+    cfg = _cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=4", "trainer.global_batch_size=8",
+               "trainer.val_interval=2", "trainer.telemetry_interval=2", "trainer.checkpoint=false")
+    trainer = Trainer(cfg, backend=Recording())
+    try:
+        result = trainer.run()
+    finally:
+        trainer.close()
+    assert result.final_step == 4 and calls[:2] == ["check", "convert"]
+    steps = [c for c in calls if c == "after_optimizer_step"]
+    assert len(steps) == 4 and calls.count("audit") == 1 and "skipped_step" not in calls
+    assert [c for c in calls if isinstance(c, tuple)] == ([("autocast", True), ("autocast", False)] * 2
+                                                          + [("autocast", None)] * 2) * 2
+    assert calls.count("start_telemetry") == calls.count("collect_telemetry") == 2
+    assert calls.count("snapshot") == calls.count("restore") == 2
+    summary = json.loads((result.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 4

@@ -24,7 +24,6 @@ import numpy as np
 import torch
 
 from ..config import (
-    ConfigError,
     build_kernel_options,
     build_policy,
     build_recipe,
@@ -74,7 +73,7 @@ from .logs import (
 )
 from .optim import apply_hyperparameters, build_optimizer
 from .result import NonFiniteLossError, StepStats, TrainingError, TrainResult
-from .te_backend import TERun, te_run_problem
+from .backends import Backend, make_backend
 
 __all__ = ["Trainer", "train"]
 
@@ -115,8 +114,10 @@ class Trainer:
     ``torch.compile`` if ``trainer.compile``: what runs forward).
     """
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, backend: Optional[Backend] = None) -> None:
         self.cfg = cfg  #: the composed config (``DictConfig``); setup records the kernel options in it
+        #: who computes the FP8 GEMMs (:class:`~.backends.Backend`); None: the ``backend`` config group's
+        self.backend = backend
         self.ctx: Optional[DistContext] = None
         self.result: Optional[TrainResult] = None
         self._process_settings = contextlib.ExitStack()  # trainer.deterministic's switches, undone by close()
@@ -149,26 +150,21 @@ class Trainer:
         before any work fails here (the checks are in :mod:`nemo_fp8_recipes.trainer.checks`)."""
         from omegaconf import open_dict
 
-        from ..recipes import require_supported
-
         cfg = self.cfg
-        self.tcfg, self.rcfg, self.backend = check_embedded_run(cfg)
+        self.tcfg, self.rcfg, backend_name = check_embedded_run(cfg)
         tcfg = self.tcfg
+        if self.backend is None:
+            self.backend = make_backend(backend_name, cfg.backend, telemetry=tcfg.telemetry_interval > 0)
         # before anything imports Transformer Engine or runs a kernel (process-wide; close() restores)
         self.determinism = self._process_settings.enter_context(
-            deterministic_mode(tcfg.deterministic, transformer_engine=self.backend == "te"))
+            deterministic_mode(tcfg.deterministic, transformer_engine=self.backend.uses_transformer_engine))
         device = resolve_device(tcfg.device)
         self.recipe = build_recipe(cfg.recipe)
         self.policy = build_policy(cfg.get("policy"))
         self.kernel_options = build_kernel_options(cfg.get("kernels"))
         with open_dict(cfg):  # the values it runs with (null = default) go into config.yaml
             cfg.kernels = self.kernel_options.as_dict()
-        if self.backend == "te":
-            problem = te_run_problem(self.recipe, device, tcfg)
-            if problem:
-                raise ConfigError(problem)
-        else:
-            require_supported(self.recipe, device)
+        self.backend.check(self.recipe, device, tcfg)
         check_batch_split(tcfg, dist_world_size())
         self.ctx = ctx = init_distributed(device)
         self.device = ctx.device
@@ -200,68 +196,25 @@ class Trainer:
             )
 
     def _build_model(self) -> None:
-        """The seeded model on the device, converted to the recipe (our FP8 linears, or TE's with
-        backend=te), with the per-step FP8 options, then wrapped for data parallelism."""
-        from ..nn import (
-            apply_kernel_options,
-            convert_model,
-            set_delayed_scaling_update,
-            set_graph_weight_cache,
-            set_wgrad_accumulation_fusion,
-        )
-
-        tcfg, ctx, recipe = self.tcfg, self.ctx, self.recipe
+        """The seeded model on the device, converted to the recipe by the backend (our FP8 linears,
+        or TE's with backend=te) with the per-step FP8 options, then wrapped for data parallelism."""
+        tcfg, ctx = self.tcfg, self.ctx
         _seed_everything(tcfg.seed)
         with torch.device(self.device):
             raw_model = Transformer(self.mcfg)
-        self.te_run: Optional[TERun] = None  # backend=te: conversion, micro-batch state, hooks, autocast
-        if self.backend == "te":
-            self.te_run = TERun(raw_model, recipe, self.policy, self.cfg.backend, ctx,
-                                telemetry=tcfg.telemetry_interval > 0)
-            apply_kernel_options(raw_model, self.kernel_options)  # (the native modules: the norms)
-        else:
-            convert_model(raw_model, recipe, self.policy, options=self.kernel_options)
+        self.backend.convert(raw_model, recipe=self.recipe, policy=self.policy, options=self.kernel_options,
+                             ctx=ctx, tcfg=tcfg, accum=self.accum)
         if self.device.type == "cuda" and ctx.is_main:
             self._hint_small_gemms(raw_model)
-        # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
-        set_delayed_scaling_update(raw_model, "step")
-        if tcfg.fuse_wgrad_accumulation:
-            if ctx.distributed:
-                raise ConfigError(f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks "
-                                  f"{tcfg.data_parallel} reduces with ({ctx.world_size} ranks); set it to false "
-                                  "under torchrun")
-            n_fused = set_wgrad_accumulation_fusion(raw_model)
-            if self.accum > 1:
-                log.info("fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 "
-                         "gradients inside the wgrad GEMM", n_fused, self.accum)
-            else:
-                log.warning("trainer.fuse_wgrad_accumulation=true has nothing to fuse with one micro-batch per "
-                            "step (global_batch_size = micro_batch_size): every backward starts from zeroed "
-                            "gradients")
-        self.n_cached = 0
-        if tcfg.compile and tcfg.compiled_weight_cache and recipe.is_fp8 and self.accum > 1:
-            if ctx.distributed and tcfg.data_parallel == "fsdp2":
-                log.info("compiled FP8 weight cache off under FSDP2: the sharded weights are quantised in the "
-                         "graph at every micro-batch")
-            else:  # (before DDP wraps the model and before it is compiled)
-                self.n_cached = set_graph_weight_cache(raw_model)
-                if self.n_cached:
-                    log.info("compiled FP8 weight cache: %d FP8 linears quantise their weights once per optimizer "
-                             "step, not in each of the %d micro-batches", self.n_cached, self.accum)
         self.raw_model = raw_model
         self.dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
                                    find_unused_parameters=self.mcfg.arch == "moe")  # unrouted experts get no grad
 
     def _hint_small_gemms(self, raw_model: torch.nn.Module) -> None:
         """Warn when every FP8 GEMM is below the recipe's measured FP8/BF16 crossover (GPU runs)."""
-        from ..nn import fp8_modules
         from ..policy import linear_shape, small_gemm_hint
 
-        if self.te_run is not None:
-            mods = [raw_model.get_submodule(n) for n, d in self.te_run.conversion.decisions.items() if d.fp8]
-        else:
-            mods = list(fp8_modules(raw_model).values())
-        shapes = [shape for shape in map(linear_shape, mods) if shape is not None]
+        shapes = [shape for shape in map(linear_shape, self.backend.fp8_gemm_modules(raw_model)) if shape is not None]
         hint = small_gemm_hint(self.recipe, self.policy, shapes)
         if hint:
             log.warning(hint)
@@ -278,7 +231,7 @@ class Trainer:
             return
         ckpt = load_for_resume(path, tcfg)
         forced = check_compatible(ckpt, path, self.recipe, self.mcfg, tcfg, self.corpus.fingerprint,
-                                  auto=tcfg.resume == "auto", backend=self.backend)
+                                  auto=tcfg.resume == "auto", backend=self.backend.name)
         load_model_state(self.dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
         self.scheduler.load_state_dict(ckpt["scheduler"])
         apply_hyperparameters(optimizer, self.scheduler, tcfg, int(ckpt["step"]))  # the current config's
@@ -334,7 +287,8 @@ class Trainer:
             self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
         self.result = TrainResult(run_dir=self.run_dir, start_step=self.start_step, final_step=self.start_step,
                                   skipped_steps=self.skipped, checkpoint=self.last_ckpt, world_size=ctx.world_size,
-                                  model=self.raw_model, compiled_weight_cache=self.n_cached)
+                                  model=self.raw_model,
+                                  compiled_weight_cache=self.backend.cached_weights)
 
     # ---- the loop ----
     def run(self) -> TrainResult:
@@ -374,14 +328,12 @@ class Trainer:
         """One optimizer step: ``accum`` micro-batches forward and backward (gradients summed),
         the loss averaged over ranks, gradient clipping, the non-finite check, the optimizer,
         delayed-scaling and scheduler updates."""
-        from ..nn import discard_delayed_scaling, set_telemetry, sync_delayed_scaling
-
         tcfg, ctx, step = self.tcfg, self.ctx, self.global_step
         self.mid_step = True
         t0 = time.perf_counter()
         self.telemetry_due = self.telemetry_on and (step + 1) % tcfg.telemetry_interval == 0
-        if self.telemetry_due and not self.te_run:
-            set_telemetry(self.raw_model, True)
+        if self.telemetry_due:
+            self.backend.start_telemetry(self.raw_model)
         loss_acc = torch.zeros((), device=self.device)
         aux_acc = torch.zeros((), device=self.device)
         for micro in range(self.accum):
@@ -407,16 +359,14 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             if tcfg.nan_policy == "stop":
                 raise NonFiniteLossError(step + 1, bad[0], bad[1], self.last_ckpt)
-            # the skipped batch's (non-finite) amaxes must not enter the delayed-scaling
-            # histories, where they would pin every scale for amax_history_len steps
-            discard_delayed_scaling(self.raw_model)
+            self.backend.skipped_step(self.raw_model)
             self.skipped += 1
             log.warning("step %d: non-finite %s (%s); batch skipped (%d skipped so far), its "
                         "delayed-scaling amaxes discarded", step + 1, bad[0], bad[1], self.skipped)
             if self.skipped > tcfg.max_skipped_steps:
                 raise NonFiniteLossError(step + 1, bad[0], bad[1], self.last_ckpt)
         else:
-            sync_delayed_scaling(self.raw_model)  # one amax all-reduce for the whole model
+            self.backend.after_optimizer_step(self.raw_model)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -436,7 +386,7 @@ class Trainer:
             self.graphs.mark()
         try:
             with grad_sync(self.dp_model, tcfg.data_parallel, self.ctx, micro == self.accum - 1), self.autocast(), \
-                    self._fp8_autocast(micro == 0):
+                    self.backend.autocast(micro == 0):
                 out = self.model(x, y)
                 (out.loss / tcfg.grad_accum).backward()
         except Exception as e:
@@ -454,14 +404,6 @@ class Trainer:
         msg = explain_nondeterministic_op(e, str(self.device)) if self.tcfg.deterministic else None
         if msg:
             raise TrainingError(msg) from e
-
-    def _fp8_autocast(self, first_micro_batch: Optional[bool]):
-        """backend=te: te.autocast with the recipe, and TE's weight caching told which micro-batch
-        this is (None: not a training step); native: nothing (the FP8 linears carry the recipe)."""
-        if self.te_run is None:
-            return contextlib.nullcontext()
-        self.te_run.micro.first = first_micro_batch
-        return self.te_run.autocast()
 
     def _after_step(self, stats: StepStats) -> None:
         """What follows each optimizer step: history and timing, the first step's audit, FP8
@@ -496,23 +438,15 @@ class Trainer:
     def write_audit(self) -> None:
         """The precision audit of the first step (what ran in FP8, per module and GEMM), in the
         run directory, TensorBoard and the log."""
-        from ..nn import audit
-
-        report = self.te_run.audit() if self.te_run else audit(self.raw_model)
-        # (the native audit prints the kernel options itself)
-        extra = f"kernel options (the native norms): {self.kernel_options.describe()}" if self.te_run else None
-        self.result.audit_table = record_audit(report, self.ctx, run_dir=self.run_dir, writer=self.writer,
-                                               step=self.global_step, extra=extra,
+        self.result.audit_table = record_audit(self.backend.audit(self.raw_model), self.ctx, run_dir=self.run_dir,
+                                               writer=self.writer, step=self.global_step,
+                                               extra=self.backend.audit_note(),
                                                data_parallel=self.tcfg.data_parallel)
 
     def log_telemetry(self) -> None:
         """FP8 statistics per layer group (amax, scale, under/overflow) of this step, to TensorBoard."""
-        from ..nn import collect_telemetry, set_telemetry
-
-        tel = self.te_run.hooks.collect_telemetry() if self.te_run else collect_telemetry(self.raw_model, reset=True)
+        tel = self.backend.collect_telemetry(self.raw_model)
         self.writer.scalars(reduce_telemetry(tel, self.ctx), self.global_step)
-        if not self.te_run:
-            set_telemetry(self.raw_model, False)
 
     def log_step(self, stats: StepStats) -> None:
         """The progress bar; every ``trainer.log_interval`` steps and at the last one, the
@@ -558,17 +492,14 @@ class Trainer:
         with validation follows the same trajectory as one without, and a checkpoint written
         right after validation resumes exactly.
         """
-        from ..nn import fp8_state_snapshot, restore_fp8_state
-
-        snapshot = fp8_state_snapshot(self.raw_model)
-        te_snapshot = self.te_run.snapshot(self.raw_model) if self.te_run else None
+        snapshot = self.backend.snapshot(self.raw_model)
         self.model.eval()
         total, n = 0.0, 0
         try:
             for x, y in self.val_batches.iter(self.device):
                 if self.graphs:
                     self.graphs.mark()
-                with self.autocast(), self._fp8_autocast(None):
+                with self.autocast(), self.backend.autocast(None):
                     try:
                         out = self.model(x, y)
                     except RuntimeError as e:
@@ -578,9 +509,7 @@ class Trainer:
                 n += 1
         finally:
             self.model.train()
-            restore_fp8_state(self.raw_model, snapshot)
-            if self.te_run:
-                self.te_run.restore(self.raw_model, te_snapshot)
+            self.backend.restore(self.raw_model, snapshot)
         return total / max(1, n)
 
     # ---- checkpoints and the end ----
@@ -613,7 +542,7 @@ class Trainer:
             # the train/loss logging window open at this step, so a resumed run logs the same mean
             "log_window": self.window.state(),
             "recipe": self.recipe.describe(),
-            "backend": self.backend,
+            "backend": self.backend.name,
             "model_config": self.mcfg.to_dict(),
             "trainer": dataclasses.asdict(tcfg),
             "config_yaml": OmegaConf.to_yaml(self.cfg, resolve=True),

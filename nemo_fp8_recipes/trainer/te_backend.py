@@ -44,9 +44,9 @@ from ..policy import Decision, PrecisionPolicy
 from ..recipes import Recipe
 from .distributed import DistContext
 
-log = logging.getLogger("nemo_fp8_recipes.train")  # (the trainer's: TERun logs into the run)
+log = logging.getLogger("nemo_fp8_recipes.train")  # (the trainer's: the TE backend logs into the run)
 
-__all__ = ["MicroBatchState", "TERun", "te_run_problem", "te_backend_problem", "convert_to_te", "te_modules", "te_autocast_for",
+__all__ = ["MicroBatchState", "TEBackend", "te_run_problem", "te_backend_problem", "convert_to_te", "te_modules", "te_autocast_for",
            "snapshot_te_state", "restore_te_state"]
 
 
@@ -226,29 +226,55 @@ def restore_te_state(model: nn.Module, snap: Dict[str, Any]) -> None:
             mods[n].reset_fp8_meta_tensors(tensors)
 
 
-class TERun:
-    """What ``backend=te`` adds to a run: the conversion, the micro-batch state TE's weight caching
-    reads, the run-time hooks (audit, telemetry) and the te.autocast factory."""
+class TEBackend:
+    """``backend=te`` for the trainer (:class:`~nemo_fp8_recipes.trainer.backends.Backend`):
+    ``te.Linear`` where the policy puts a linear in FP8, the micro-batch state TE's weight caching
+    reads, the run-time hooks (audit, telemetry) and ``te.autocast``; the norms stay the native
+    modules, run with the run's kernel options."""
 
-    def __init__(self, raw_model, recipe, policy, backend_cfg, ctx: DistContext, telemetry: bool) -> None:
-        from ..integrations.callbacks import TEPrecisionHooks
-        
+    name = "te"
+    uses_transformer_engine = True
+    cached_weights = 0  # (TE caches its FP8 weights per step itself: is_first_microbatch)
+
+    def __init__(self, backend_cfg, telemetry: bool) -> None:
+        self.backend_cfg = backend_cfg
+        self.telemetry = telemetry
         self.micro = MicroBatchState()
-        self.conversion = convert_to_te(raw_model, recipe, policy, self.micro)
+
+    def check(self, recipe, device: torch.device, tcfg) -> None:
+        from ..config import ConfigError
+
+        problem = te_run_problem(recipe, device, tcfg)
+        if problem:
+            raise ConfigError(problem)
+
+    def convert(self, model, *, recipe, policy, options, ctx: DistContext, tcfg, accum: int) -> None:
+        from ..integrations.callbacks import TEPrecisionHooks
+        from ..nn import apply_kernel_options
+
+        self.conversion = convert_to_te(model, recipe, policy, self.micro)
+        apply_kernel_options(model, options)  # (the native modules: the norms)
+        self.options = options
         group = None
         if ctx.distributed:
             import torch.distributed as dist
 
             group = dist.group.WORLD  # delayed scaling: amaxes max-reduced over the data-parallel ranks
-        self.autocast = te_autocast_for(recipe, amax_reduction_group=group)
-        self.hooks = TEPrecisionHooks(recipe, policy, strict=bool(backend_cfg.get("strict_audit", False)),
-                                      telemetry=telemetry)
-        self.hooks.attach(raw_model)
-        self.snapshot, self.restore = snapshot_te_state, restore_te_state
+        self._autocast = te_autocast_for(recipe, amax_reduction_group=group)
+        self.hooks = TEPrecisionHooks(recipe, policy, strict=bool(self.backend_cfg.get("strict_audit", False)),
+                                      telemetry=self.telemetry)
+        self.hooks.attach(model)
         log.info("backend te: %d linears are te.Linear (FP8 under te.autocast), %d kept in high precision",
                  self.conversion.swapped, len(self.conversion.decisions) - self.conversion.swapped)
 
-    def audit(self):
+    def fp8_gemm_modules(self, model) -> list:
+        return [model.get_submodule(n) for n, d in self.conversion.decisions.items() if d.fp8]
+
+    def autocast(self, first_micro_batch: Optional[bool]):
+        self.micro.first = first_micro_batch
+        return self._autocast()
+
+    def audit(self, model):
         """TE's audit of what ran (strict: raises on a violation), with the linears the policy kept
         out of FP8 (plain PyTorch modules here) listed beside the TE modules."""
         from ..integrations.callbacks import TEAuditRow
@@ -260,6 +286,27 @@ class TERun:
                 rep.rows.append(TEAuditRow(name, d.role, d.precision, d.reason + " (a PyTorch module)"))
         rep.rows.sort(key=lambda r: r.name)
         return rep
+
+    def audit_note(self) -> Optional[str]:
+        return f"kernel options (the native norms): {self.options.describe()}"
+
+    def start_telemetry(self, model) -> None:
+        pass  # the hooks record every step they are asked for
+
+    def collect_telemetry(self, model) -> Dict[str, float]:
+        return self.hooks.collect_telemetry()
+
+    def snapshot(self, model):
+        return snapshot_te_state(model)
+
+    def restore(self, model, snapshot) -> None:
+        restore_te_state(model, snapshot)
+
+    def after_optimizer_step(self, model) -> None:
+        pass  # TE advances its amax histories in te.autocast, reduced over the group given there
+
+    def skipped_step(self, model) -> None:
+        pass  # TE's amaxes of a skipped batch are already in its histories (docs/limitations.md)
 
 
 def te_run_problem(recipe, device: torch.device, tcfg) -> Optional[str]:
