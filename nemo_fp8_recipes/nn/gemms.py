@@ -84,8 +84,8 @@ def quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False
             q, si = ops.blocks128(t, fmt.value, rounding.value)
             q = QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
             # the pair's second copy (a weight's dgrad operand) is the transposed view, whose
-            # contiguous codes the compiler's own transpose writes: on the H200 that is faster
-            # than the one-pass pair kernel eager mode uses (0.19 vs 0.28 ms at 8192x14336 BF16)
+            # contiguous codes the compiler's own transpose writes: faster than the one-pass pair
+            # kernel eager mode uses (docs/internals/kernels.md)
             return (q, q.t()) if pair else q
     return quantize_plain(recipe, i, t, pair, triton=False)
 

@@ -111,10 +111,9 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
     transposed and contiguous). Per tensor, both copies come from one read of ``x`` after the
     amax pass (:func:`~.triton_kernels.quantize_tensor_dual`), or — with a given (delayed)
     scale — from a single pass that also takes the amax. For 1xN groups the row-wise and
-    the transposed column-wise kernels run one after the other: on an H200 the two take
-    0.109 + 0.152 ms (1x128) and 0.197 + 0.208 ms (1x32) at 8192x14336 against 0.361 and 0.498 ms
-    for a one-read kernel writing both, whose in-register transpose of a whole tile costs more
-    than the second read saves (benchmarks/quant_bandwidth.py, docs/internals/design-notes.md).
+    the transposed column-wise kernels run one after the other: a one-read kernel writing both
+    is slower, its in-register transpose of a whole tile costing more than the second read
+    saves (docs/internals/design-notes.md).
     128x128 blocks are symmetric: the Triton kernel writes the second copy's codes transposed
     and contiguous in the same pass (a weight's dgrad operand), same scale grid transposed.
     ``triton=False`` forces the reference quantisers (per-tensor and 128x128 copies are then

@@ -3,9 +3,9 @@
 ``kernel[grid](*args)`` runs Triton's ``JITFunction.run`` on every call: it re-binds and
 re-specialises the arguments, builds a string cache key from the options, checks the kernel's
 global variables, builds the profiler's launch metadata and then calls the compiled kernel's
-launcher — 19–33 µs of Python per launch on the H200 hosts (``benchmarks/quant_bandwidth.py
---host-overhead``), where the kernels themselves often take less. A compiled step that calls the
-quantiser operators waits for that host time (docs/internals/kernels.md).
+launcher: tens of µs of Python per launch (``benchmarks/quant_bandwidth.py --host-overhead``;
+docs/internals/kernels.md), where the kernels themselves often take less. A compiled step that
+calls the quantiser operators waits for that host time.
 
 :func:`launch` keeps, per kernel, the compiled kernels it has launched keyed by Triton's own
 specialisation of the arguments (the binder Triton generates for the kernel: dtypes, pointer

@@ -26,10 +26,8 @@ without it every real blockwise GEMM would be a graph break.
 The operators are registered with ``torch.library.Library`` (a schema, one
 ``CompositeExplicitAutograd`` kernel, a fake kernel), not ``torch.library.custom_op``: they are only
 called inside the FP8 linear's autograd functions, where no gradient flows through them, and the
-``custom_op`` wrapper's own Python layers cost the host time a compiled step waits for — measured on
-the H200 host: one ``tensor_pair`` call inside a compiled graph cost 291 µs with ``custom_op`` and 141
-µs this way, against 133 / 91 µs for the bare kernel wrapper in the same processes
-(``benchmarks/quant_bandwidth.py --host-overhead``). Called with inputs that require a gradient
+``custom_op`` wrapper's own Python layers roughly double the host time a compiled step waits for
+(docs/internals/design-notes.md has the measurement). Called with inputs that require a gradient
 while grad mode is on, PyTorch's autograd fallback warns that no gradient is defined for them.
 """
 

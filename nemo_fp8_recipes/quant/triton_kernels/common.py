@@ -30,47 +30,33 @@ from ...formats import Format, ScaleRounding
 SCALE_MODE_ID = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M0_CEIL: 2, ScaleRounding.E8M0_FLOOR: 3}
 
 
-#: Launch configurations (tile sizes and warps) per kernel. They change the speed, never the
-#: codes (every tile size gives the same bits: tests/test_triton_kernels.py). The values are the
-#: fastest of ``benchmarks/quant_bandwidth.py --sweep all``; the times below are GPU-only on an
-#: H200 for an 8192x14336 BF16 source (docs/internals/kernels.md). Override temporarily with
-#: :func:`launch_config`.
+#: Launch configurations (tile sizes, warps and options) per kernel. They change the speed, never
+#: the codes (every configuration gives the same bits: tests/test_triton_kernels.py). The values are
+#: the fastest of ``benchmarks/quant_bandwidth.py --sweep all``; docs/internals/kernels.md has the
+#: measured times behind each. Override temporarily with :func:`launch_config`. The options:
+#:
+#: - ``group_r``: the order tiles run in, bands of ``group_r`` row tiles (0: all row tiles of a
+#:   column of tiles, row tiles fastest; :func:`tile_ids`);
+#: - ``groups``: scaling groups per tile along the grouped dimension (1xN rows and columns);
+#: - ``bf16_tile``: a BF16 source's tile stays BF16 through the amax (fewer live registers);
+#: - ``amax_check``: kernels folding a per-tensor amax into one address read it first and skip
+#:   the atomic where their own amax is not larger;
+#: - ``fold_amax`` (delayed pair): the amax is taken inside the cast pass (one read) instead of by
+#:   the atomic amax pass first (two reads);
+#: - ``elems_per_thread`` (RMSNorm): one row per program, warps = row length / (32 x this);
+#:   ``rows_per_program`` (its backward): consecutive rows per program, each writing one partial
+#:   weight gradient.
 LAUNCH = {
-    # group_r (tiled kernels): the order the tiles run in, bands of group_r row tiles
-    # (tile_ids; 0 = all rows of tiles, row tiles fastest)
-    # groups: scaling groups per tile along the grouped dim (1x128 / 1x32 rows and columns).
-    # 1x32 rows: 0.119 ms with 16 groups per tile (each row's load a contiguous 1 KiB), 0.202 with 1
     "rows128": {"block_r": 64, "num_warps": 2, "groups": 1, "group_r": 0},
     "rows32": {"block_r": 16, "num_warps": 4, "groups": 16, "group_r": 0},
-    # bf16_tile (BF16 sources): the loaded tile kept in BF16 through the amax (fewer registers),
-    # with one group per program: 1x128 columns 0.107 ms (0.126 with FP32 tiles), 1x32 columns
-    # 0.099 ms (0.136). 1x32 columns, FP32 tiles: 2 warps and 128-column tiles 0.208 ms, against
-    # 0.385 for the sweep's starting configuration
     "cols_t128": {"block_c": 64, "num_warps": 2, "groups": 1, "group_r": 0, "bf16_tile": True},
     "cols_t32": {"block_c": 128, "num_warps": 2, "groups": 1, "group_r": 0, "bf16_tile": True},
     "blocks128": {"num_warps": 16, "group_r": 0},
-    # amax_check (the kernels that fold a per-tensor amax with one atomic per program into one
-    # address): read the accumulator first and skip the atomic where the program's amax is not
-    # larger. Amax pass + cast 0.145 ms (0.154 without), delayed cast 0.104 (0.106), delayed
-    # pair 0.157 (0.163; 0.152 with its 32x256 tiles, below)
     "tensor": {"block": 8192, "num_warps": 8, "amax_check": True},
-    # the per-tensor cast with a given scale (delayed scaling: one read, the amax folded in):
-    # 4096-element blocks 0.107 ms, 8192 (current scaling's) 0.112
     "tensor_delayed": {"block": 4096, "num_warps": 8, "amax_check": True},
-    # per-tensor codes + transpose (after the amax pass): 0.200 ms with 64x256 tiles (0.228 with
-    # the sweep's starting tile)
     "tensor_dual": {"block_r": 64, "block_c": 256, "num_warps": 8},
-    # given scale (delayed): fold_amax=True takes the amax inside the cast pass (one read),
-    # False runs the atomic amax pass first (two reads): 0.174 ms folded with 32x256 tiles and
-    # 4 warps, 0.201 ms for the best two-pass configuration (folded with larger tiles 0.25-0.39
-    # ms: their FP32 tile no longer fits the registers). bf16_tile (BF16 sources, folded amax):
-    # the amax on the tile's 16-bit magnitudes as loaded, fewer registers (0.161 ms with 64x128
-    # tiles against 0.174); with amax_check, 32x256 tiles and 4 warps are fastest: 0.152 ms
     "tensor_dual_delayed": {"block_r": 32, "block_c": 256, "num_warps": 4, "fold_amax": True, "bf16_tile": True,
                             "amax_check": True},
-    # fused RMSNorm: one row per program, warps = row length / (32 threads x elems_per_thread)
-    # (1 to 16); backward: rows_per_program consecutive rows per program (each program writes
-    # one partial weight gradient)
     "rmsnorm": {"elems_per_thread": 8},
     "rmsnorm_bwd": {"elems_per_thread": 8, "rows_per_program": 16},
 }

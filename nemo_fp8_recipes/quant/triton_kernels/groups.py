@@ -88,9 +88,9 @@ if HAVE_TRITON:
         rows = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         if BF16_TILE:
-            # the tile stays BF16 through the amax (abs_bits16): the FP32 tile of 128 values per
-            # thread keeps these kernels latency-bound (profiled on an H200: 167 registers per
-            # thread, 8 warps per SM)
+            # the tile stays BF16 through the amax (abs_bits16): an FP32 tile of 128 values per
+            # thread takes so many registers that these kernels become latency-bound
+            # (docs/internals/kernels.md)
             xb = tl.reshape(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0),
                             (NG, GROUP, BLOCK_C))
             mb = f32_bits_of_bits16(tl.max(abs_bits16(xb), axis=1))

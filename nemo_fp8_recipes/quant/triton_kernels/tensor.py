@@ -294,8 +294,8 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     n = x2.numel()
     # current scaling reads its operand twice (amax, then cast): with a gate, the amax pass
     # computes the activation once and writes it, and the cast reads it back — 10 bytes per
-    # element, as many as evaluating SiLU in both passes, which is ALU-bound (H200, 8192x14336:
-    # 0.65 ms, against 0.49 ms for materialising the activation with PyTorch)
+    # element, as many as evaluating SiLU in both passes, which is ALU-bound and slower
+    # (docs/internals/kernels.md)
     act = torch.empty_like(x2) if gate is not None and scale is None else None
     if amax is not None:
         amax, amax_in_cast = amax.reshape(1, 1), False
