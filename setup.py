@@ -4,6 +4,7 @@ Install for development with ``pip install -e ".[dev]"``. PyTorch is a requireme
 deliberately left unpinned above its floor: pick the build you need (CPU or CUDA) first, e.g.
 ``pip install torch==2.13.0`` on a CPU machine, then install this package.
 """
+
 from setuptools import find_packages, setup
 
 setup(
@@ -33,6 +34,9 @@ setup(
             "pytest-xdist>=3",  # the test command runs on every core (-n auto)
             # Triton: real kernels on GPU; on CPU its interpreter checks the kernels bit-exactly
             "triton>=3.2; platform_system == 'Linux'",
+            # lint and format check (ruff.toml; tests/test_architecture.py runs it): pinned, since
+            # its rules and formatting change between releases
+            "ruff==0.17.6",
         ],
         "megatron": ["megatron-core>=0.13"],
         # Hydra's submitit launcher for users who prefer `hydra/launcher=submitit_slurm`

@@ -19,8 +19,14 @@ import time
 from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 
-def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30,
-          cuda: Optional[bool] = None, window: int = 1) -> float:
+def bench(
+    fn: Callable[[int], object],
+    n_inputs: int,
+    warmup: int = 5,
+    iters: int = 30,
+    cuda: Optional[bool] = None,
+    window: int = 1,
+) -> float:
     """Median milliseconds per call of ``fn(i)`` (``i`` cycles over ``n_inputs`` rotating input
     sets so the L2 cache does not serve repeated reads). CUDA events on GPU, perf_counter on CPU;
     ``cuda`` forces one or the other (default: CUDA events when CUDA is available).
@@ -33,9 +39,16 @@ def bench(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: in
     return statistics.median(bench_samples(fn, n_inputs, warmup, iters, cuda, window))
 
 
-def bench_samples(fn: Callable[[int], object], n_inputs: int, warmup: int = 5, iters: int = 30,
-                  cuda: Optional[bool] = None, window: int = 1, start: int = 0,
-                  sync_each: bool = False) -> List[float]:
+def bench_samples(
+    fn: Callable[[int], object],
+    n_inputs: int,
+    warmup: int = 5,
+    iters: int = 30,
+    cuda: Optional[bool] = None,
+    window: int = 1,
+    start: int = 0,
+    sync_each: bool = False,
+) -> List[float]:
     """The ``iters`` per-call samples (ms) that :func:`bench` takes the median of; the inputs
     cycle from set ``start``. ``sync_each``: the ``window`` calls of a sample each wait for the
     GPU (a synchronisation after every call, inside the timed sample) instead of being queued
@@ -84,8 +97,9 @@ def host_us(fn: Callable[[], object], calls: int, sync: Callable[[], None]) -> f
     return (time.perf_counter() - t0) / calls * 1e6
 
 
-def capture_graphs(fn: Callable[[int], object], n_inputs: int,
-                   errors: Optional[list] = None, share_pool: bool = False) -> Optional[list]:
+def capture_graphs(
+    fn: Callable[[int], object], n_inputs: int, errors: Optional[list] = None, share_pool: bool = False
+) -> Optional[list]:
     """One CUDA graph of ``fn(i)`` per input set (after a warm-up of every set on a side
     stream, as capture requires), or ``None`` where CUDA is unavailable or ``fn`` cannot be
     captured (``errors``, if given, gets the reason appended). ``share_pool``: every graph
@@ -123,8 +137,9 @@ def capture_graphs(fn: Callable[[int], object], n_inputs: int,
     return graphs
 
 
-def bench_graph(fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30,
-                errors: Optional[list] = None) -> Optional[float]:
+def bench_graph(
+    fn: Callable[[int], object], n_inputs: int, warmup: int = 3, iters: int = 30, errors: Optional[list] = None
+) -> Optional[float]:
     """Median milliseconds of ``fn(i)`` replayed from CUDA graphs (one captured graph per input
     set, :func:`capture_graphs`): the GPU time alone, without the host's launch and Python
     overhead that :func:`bench` includes. ``None`` where CUDA is unavailable or ``fn`` cannot be
@@ -153,12 +168,22 @@ class _Unmonitored:
         return None
 
 
-def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, rounds: int,
-                      warmup: int, iters: int, window: int, b2b_warmup: int = 0,
-                      graphs: Optional[Dict[str, object]] = None,
-                      contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
-                      errors: Optional[Dict[str, BaseException]] = None, group: int = 1,
-                      monitor: Optional[Callable[[object], ContextManager]] = None) -> Dict[str, dict]:
+def bench_interleaved(
+    fns: Dict[str, Callable[[int], object]],
+    n_inputs: int,
+    device,
+    *,
+    rounds: int,
+    warmup: int,
+    iters: int,
+    window: int,
+    b2b_warmup: int = 0,
+    graphs: Optional[Dict[str, object]] = None,
+    contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
+    errors: Optional[Dict[str, BaseException]] = None,
+    group: int = 1,
+    monitor: Optional[Callable[[object], ContextManager]] = None,
+) -> Dict[str, dict]:
     """Several variants timed in ``rounds`` round-robin passes: each pass times every variant in
     turn (``ceil(iters / rounds)`` synchronised samples, then the back-to-back windows, then, for
     a variant in ``graphs``, the replays of its captured graphs), so a GPU whose clock drifts over
@@ -202,15 +227,23 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
             try:
                 with contexts.get(k, contextlib.nullcontext)():
                     with mons[k]["sync"]:
-                        samples[k]["ms"] += bench_samples(fn, n_inputs, warmup=w, iters=per_sync, cuda=cuda,
-                                                          window=group, sync_each=True)
+                        samples[k]["ms"] += bench_samples(
+                            fn, n_inputs, warmup=w, iters=per_sync, cuda=cuda, window=group, sync_each=True
+                        )
                     with mons[k]["b2b"]:
-                        samples[k]["ms_b2b"] += bench_samples(fn, n_inputs, warmup=b2b_warmup, iters=per_b2b,
-                                                              cuda=cuda, window=window)
+                        samples[k]["ms_b2b"] += bench_samples(
+                            fn, n_inputs, warmup=b2b_warmup, iters=per_b2b, cuda=cuda, window=window
+                        )
                     if graphs.get(k):
-                        samples[k]["ms_graph"] += bench_samples(graph_replay(graphs[k]), n_inputs, warmup=w,
-                                                                iters=per_sync, cuda=True, window=group,
-                                                                sync_each=True)
+                        samples[k]["ms_graph"] += bench_samples(
+                            graph_replay(graphs[k]),
+                            n_inputs,
+                            warmup=w,
+                            iters=per_sync,
+                            cuda=True,
+                            window=group,
+                            sync_each=True,
+                        )
             except Exception as e:  # noqa: BLE001 - one variant's failure (e.g. out of memory)
                 if errors is None:
                     raise
@@ -223,11 +256,15 @@ def bench_interleaved(fns: Dict[str, Callable[[int], object]], n_inputs: int, de
         if k in failed:
             continue
         sm = samples[k]
-        out[k] = {"ms": statistics.median(sm["ms"]), "ms_b2b": statistics.median(sm["ms_b2b"]),
-                  "ms_graph": statistics.median(sm["ms_graph"]) if sm["ms_graph"] else None,
-                  "gpu": mons[k]["sync"].summary(), "gpu_b2b": mons[k]["b2b"].summary(),
-                  "gpu_reason": mons[k]["sync"].reason,
-                  "samples": {kind: len(v) for kind, v in sm.items()}}
+        out[k] = {
+            "ms": statistics.median(sm["ms"]),
+            "ms_b2b": statistics.median(sm["ms_b2b"]),
+            "ms_graph": statistics.median(sm["ms_graph"]) if sm["ms_graph"] else None,
+            "gpu": mons[k]["sync"].summary(),
+            "gpu_b2b": mons[k]["b2b"].summary(),
+            "gpu_reason": mons[k]["sync"].reason,
+            "samples": {kind: len(v) for kind, v in sm.items()},
+        }
     return out
 
 
@@ -241,12 +278,32 @@ def gpu_monitor(device):
     return GpuMonitor
 
 
-def bench_one(fn: Callable[[int], object], n_inputs: int, device, *, warmup: int, iters: int, window: int,
-              b2b_warmup: int = 0, group: int = 1, monitor=None) -> dict:
+def bench_one(
+    fn: Callable[[int], object],
+    n_inputs: int,
+    device,
+    *,
+    warmup: int,
+    iters: int,
+    window: int,
+    b2b_warmup: int = 0,
+    group: int = 1,
+    monitor=None,
+) -> dict:
     """:func:`bench_interleaved` of one variant: its synchronised (``ms``) and back-to-back
     (``ms_b2b``) medians, with the monitors' summaries and the sample counts."""
-    return bench_interleaved({"": fn}, n_inputs, device, rounds=1, warmup=warmup, iters=iters, window=window,
-                             b2b_warmup=b2b_warmup, group=group, monitor=monitor)[""]
+    return bench_interleaved(
+        {"": fn},
+        n_inputs,
+        device,
+        rounds=1,
+        warmup=warmup,
+        iters=iters,
+        window=window,
+        b2b_warmup=b2b_warmup,
+        group=group,
+        monitor=monitor,
+    )[""]
 
 
 def graph_replay(graphs) -> Callable[[int], object]:
@@ -281,8 +338,10 @@ def gpu_cell(s: Optional[dict]) -> str:
     ``1980 MHz, 612 W`` (+ reasons), ``-`` without one."""
     if not s:
         return "-"
-    parts = [f"{s['sm_mhz_median']:.0f} MHz" if s.get("sm_mhz_median") is not None else None,
-             f"{s['power_w_mean']:.0f} W" if s.get("power_w_mean") is not None else None]
+    parts = [
+        f"{s['sm_mhz_median']:.0f} MHz" if s.get("sm_mhz_median") is not None else None,
+        f"{s['power_w_mean']:.0f} W" if s.get("power_w_mean") is not None else None,
+    ]
     cell = ", ".join(p for p in parts if p) or "-"
     return cell + (f" ({', '.join(s['clock_reasons'])})" if s.get("clock_reasons") else "")
 
@@ -361,4 +420,3 @@ def free_memory(dynamo: bool = True) -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-

@@ -34,9 +34,9 @@ def torchao_status() -> Tuple[Optional[str], str]:
     return getattr(torchao, "__version__", "unknown"), ""
 
 
-def convert_torchao(model: nn.Module, recipe: str,
-                    module_filter_fn: Callable[[nn.Module, str], bool],
-                    emulate: bool = False) -> nn.Module:
+def convert_torchao(
+    model: nn.Module, recipe: str, module_filter_fn: Callable[[nn.Module, str], bool], emulate: bool = False
+) -> nn.Module:
     """Convert ``model``'s linears chosen by ``module_filter_fn(module, fqn)`` to torchao
     ``Float8Linear`` with torchao's ``recipe`` (``tensorwise`` or ``rowwise``); in place,
     returns the model. ``emulate=True``: torchao's emulated FP8 GEMMs (CPU smoke runs)."""

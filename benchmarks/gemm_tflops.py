@@ -83,14 +83,26 @@ def fp8_operands(recipe, x, w, dy, gemm: str):
         return contiguous_codes(quantize_auto(t, f, g, r.scale_rounding, dim=dim))
 
     if gemm == "fprop":  # X [M,K] · W [N,K]ᵀ, contraction K
-        return (q(x, r.input_format, r.input_granularity, -1),
-                q(w, r.weight_format, r.weight_granularity, -1), r.fprop.fast_accum, torch.bfloat16)
+        return (
+            q(x, r.input_format, r.input_granularity, -1),
+            q(w, r.weight_format, r.weight_granularity, -1),
+            r.fprop.fast_accum,
+            torch.bfloat16,
+        )
     if gemm == "dgrad":  # dY [M,N] · (Wᵀ [K,N])ᵀ, contraction N
-        return (q(dy, r.grad_format, r.grad_granularity, -1),
-                q(w, r.weight_format, r.weight_granularity, 0), r.dgrad.fast_accum, torch.bfloat16)
+        return (
+            q(dy, r.grad_format, r.grad_granularity, -1),
+            q(w, r.weight_format, r.weight_granularity, 0),
+            r.dgrad.fast_accum,
+            torch.bfloat16,
+        )
     # wgrad: dYᵀ [N,M] · (Xᵀ [K,M])ᵀ, contraction M (tokens); FP32 out like Float8Linear
-    return (q(dy, r.grad_format, r.grad_granularity, 0),
-            q(x, r.input_format, r.input_granularity, 0), r.wgrad.fast_accum, torch.float32)
+    return (
+        q(dy, r.grad_format, r.grad_granularity, 0),
+        q(x, r.input_format, r.input_granularity, 0),
+        r.wgrad.fast_accum,
+        torch.float32,
+    )
 
 
 def bf16_gemm(x, w, dy, gemm: str):
@@ -121,8 +133,7 @@ def _gemm_fn(variant: str, mode: str, sets, gemm: str):
         return scaled_matmul(qa, qb, emulate=emulate, out_dtype=out_dtype, fast_accum=fast)
 
     _, _, fast, out_dtype = ops[0]
-    note = (f"{mode}, {'BF16' if out_dtype == torch.bfloat16 else 'FP32'} out"
-            f"{', fast accum' if fast else ''}")
+    note = f"{mode}, {'BF16' if out_dtype == torch.bfloat16 else 'FP32'} out{', fast accum' if fast else ''}"
     return run, note
 
 
@@ -131,13 +142,22 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="8b,70b,405b", help="comma list of " + ",".join(MODELS))
     p.add_argument("--tokens", type=int, default=8192, help="M, tokens per GEMM")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma list of " + ",".join(VARIANTS))
-    p.add_argument("--fc1", choices=("separate", "fused"), default="separate",
-                   help="separate: one of gate/up (N = ffn, as the package's Llama); fused: N = 2*ffn")
+    p.add_argument(
+        "--fc1",
+        choices=("separate", "fused"),
+        default="separate",
+        help="separate: one of gate/up (N = ffn, as the package's Llama); fused: N = 2*ffn",
+    )
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
-                   help="also run each variant back to back for about SECONDS (round-robin, twice) and "
-                        "read the board's energy counter: J per call, W, GFLOP/J, SM clock (0: off)")
+    p.add_argument(
+        "--energy",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also run each variant back to back for about SECONDS (round-robin, twice) and "
+        "read the board's energy counter: J per call, W, GFLOP/J, SM clock (0: off)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)
@@ -161,25 +181,47 @@ def main(argv=None) -> int:
 
     modes = {v: recipe_mode(VARIANTS[v] or "bf16", dev) for v in variants}
     name = torch.cuda.get_device_name() if cuda else "CPU (emulated FP8, smoke: no timing claims)"
-    header = {"benchmark": "gemm_tflops", "device": name, "torch": torch.__version__,
-              "tokens": a.tokens, "fc1": a.fc1, "warmup": a.warmup, "iters": a.iters, "energy_s": a.energy}
+    header = {
+        "benchmark": "gemm_tflops",
+        "device": name,
+        "torch": torch.__version__,
+        "tokens": a.tokens,
+        "fc1": a.fc1,
+        "warmup": a.warmup,
+        "iters": a.iters,
+        "energy_s": a.energy,
+    }
     res = []
     failed = False
     for v in variants:
         mode, reason = modes[v]
         if mode == "skipped":
-            res.append({"size": "all", "gemm": "all", "pass": "all", "variant": v,
-                        "recipe": VARIANTS[v], "status": f"skipped: {reason}", "ms": None,
-                        "tflops": None, "speedup": None})
+            res.append(
+                {
+                    "size": "all",
+                    "gemm": "all",
+                    "pass": "all",
+                    "variant": v,
+                    "recipe": VARIANTS[v],
+                    "status": f"skipped: {reason}",
+                    "ms": None,
+                    "tflops": None,
+                    "speedup": None,
+                }
+            )
     fc1_label = "fc1 (gate+up fused)" if a.fc1 == "fused" else "fc1 (gate or up)"
     for size, (d, f) in shapes.items():
         m = a.tokens
         for proj, n, k in ((fc1_label, 2 * f if a.fc1 == "fused" else f, d), ("fc2 (down)", d, f)):
             g = torch.Generator(device=dev).manual_seed(0)
-            sets = [(torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16),
-                     (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16),
-                     (torch.randn(m, n, device=dev, generator=g) * 1e-3).to(torch.bfloat16))
-                    for _ in range(N_SETS)]
+            sets = [
+                (
+                    torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16),
+                    (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16),
+                    (torch.randn(m, n, device=dev, generator=g) * 1e-3).to(torch.bfloat16),
+                )
+                for _ in range(N_SETS)
+            ]
             for gemm in PASSES:
                 out_r, out_c, contr = gemm_shape(m, n, k, gemm)
                 flops = 2.0 * out_r * out_c * contr
@@ -189,14 +231,28 @@ def main(argv=None) -> int:
                     mode, reason = modes[v]
                     if mode == "skipped":
                         continue
-                    row = {"size": size, "gemm": proj, "pass": gemm, "M": out_r, "N": out_c,
-                           "K": contr, "variant": v, "recipe": VARIANTS[v], "mode": mode}
+                    row = {
+                        "size": size,
+                        "gemm": proj,
+                        "pass": gemm,
+                        "M": out_r,
+                        "N": out_c,
+                        "K": contr,
+                        "variant": v,
+                        "recipe": VARIANTS[v],
+                        "mode": mode,
+                    }
                     try:
                         run, note = _gemm_fn(v, mode, sets, gemm)
                         ms = bench(run, N_SETS, warmup=a.warmup, iters=a.iters, cuda=cuda)
                         base_ms = ms if VARIANTS[v] is None else base_ms
-                        row.update(status="ok", note=note, ms=ms, tflops=flops / ms / 1e9,
-                                   speedup=None if base_ms is None else base_ms / ms)
+                        row.update(
+                            status="ok",
+                            note=note,
+                            ms=ms,
+                            tflops=flops / ms / 1e9,
+                            speedup=None if base_ms is None else base_ms / ms,
+                        )
                         if a.energy:
                             runs[v], rows_here[v] = run, row
                     except Exception as e:  # noqa: BLE001 - record it, go on with the others
@@ -235,12 +291,16 @@ def main(argv=None) -> int:
                 rv = by_v.get(v)
                 row.append("-" if rv is None else f"{fmt_tflops(rv['tflops'])} ({fmt(rv['speedup'], '.2f', 'x')})")
         rows.append(row)
-    print(f"{name}, torch {torch.__version__}, M = {a.tokens} tokens, GEMM only (operands "
-          f"pre-quantised), median of {a.iters}\n")
+    print(
+        f"{name}, torch {torch.__version__}, M = {a.tokens} tokens, GEMM only (operands "
+        f"pre-quantised), median of {a.iters}\n"
+    )
     print(table(headers, rows))
     if a.energy:
-        print(f"\nEnergy: each variant back to back for about {a.energy:g} s, round-robin twice (medians); "
-              "TFLOP/s, mean draw, GFLOP per joule, SM clock\n")
+        print(
+            f"\nEnergy: each variant back to back for about {a.energy:g} s, round-robin twice (medians); "
+            "TFLOP/s, mean draw, GFLOP per joule, SM clock\n"
+        )
         e_rows = []
         for key in keys:
             by_v = {r["variant"]: r for r in ok if (r["size"], r["gemm"], r["pass"]) == key and "energy" in r}
@@ -251,8 +311,10 @@ def main(argv=None) -> int:
                     row.append("-")
                     continue
                 g = e.get("gpu") or {}
-                row.append(f"{fmt_tflops(e['tflops'])}, {fmt(e['w'], '.0f', ' W')}, "
-                           f"{fmt(e['gflop_per_j'], '.0f', ' GFLOP/J')}, {fmt(g.get('sm_mhz_median'), '.0f', ' MHz')}")
+                row.append(
+                    f"{fmt_tflops(e['tflops'])}, {fmt(e['w'], '.0f', ' W')}, "
+                    f"{fmt(e['gflop_per_j'], '.0f', ' GFLOP/J')}, {fmt(g.get('sm_mhz_median'), '.0f', ' MHz')}"
+                )
             e_rows.append(row)
         print(table(["size", "GEMM", "pass"] + list(measured), e_rows))
         reasons = sorted({r["energy"]["energy_reason"] for r in ok if r.get("energy", {}).get("energy_reason")})
@@ -261,8 +323,12 @@ def main(argv=None) -> int:
     other = [r for r in res if r["status"] != "ok"]
     if other:
         print()
-        print(table(["size", "GEMM", "pass", "variant", "status"],
-                    [(r["size"], r["gemm"], r["pass"], r["variant"], r["status"]) for r in other]))
+        print(
+            table(
+                ["size", "GEMM", "pass", "variant", "status"],
+                [(r["size"], r["gemm"], r["pass"], r["variant"], r["status"]) for r in other],
+            )
+        )
     write_json(a.out, dict(header, results=res))
     return 1 if failed else 0
 

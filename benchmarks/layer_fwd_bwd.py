@@ -77,8 +77,8 @@ every variant of a size first (compiled, warmed up, all kept allocated), then ti
 round-robin, N passes each timing every variant in turn, so the GPU's clock drift over the run
 hits all of them alike: the GPU then runs at its sustained power draw throughout, as in training,
 rather than recovering while the next variant compiles (measured on the H200: 530-690 W in every
-variant's timing, against 200-460 W for some variants timed one after the other). ``compiled`` = ``torch.compile(block, dynamic=False)``
-(``--compile-mode reduce-overhead``: its graphs replayed as CUDA graphs); our
+variant's timing, against 200-460 W for some variants timed one after the other). ``compiled`` =
+``torch.compile(block, dynamic=False)`` (``--compile-mode reduce-overhead``: its graphs replayed as CUDA graphs); our
 current-scaling FP8 linears are traced there (no graph break: the quantisers and the
 block-scaled GEMM are custom operators, or with ``-inductor`` Inductor generates the quantisers
 from the reference and fuses them with the neighbouring ops), and so are the delayed-scaling ones
@@ -168,16 +168,18 @@ TORCHAO = {f"torchao-{r}": r for r in TORCHAO_RECIPES}
 #: formula; by default one Triton pass, which also takes the amax / the row codes of its output for
 #: the FP8 q/k/v and gate/up projections);
 #: ``<recipe>-triton-launch``: ``fast_launch=False`` (Triton's own ``kernel[grid](...)`` launch).
-OPTION_VARIANTS = {"tensorwise-inductor": ("tensorwise", {"triton": False}),
-                   "blockwise-inductor": ("blockwise", {"triton": False}),
-                   "tensorwise-unfused-swiglu": ("tensorwise", {"fused_swiglu": False}),
-                   "delayed-unfused-swiglu": ("delayed", {"fused_swiglu": False}),
-                   "tensorwise-unshared-input": ("tensorwise", {"shared_input": False}),
-                   "bf16-unfused-norm": ("bf16", {"fused_norm": False}),
-                   "tensorwise-unfused-norm": ("tensorwise", {"fused_norm": False}),
-                   "blockwise-unfused-norm": ("blockwise", {"fused_norm": False}),
-                   "tensorwise-triton-launch": ("tensorwise", {"fast_launch": False}),
-                   "blockwise-triton-launch": ("blockwise", {"fast_launch": False})}
+OPTION_VARIANTS = {
+    "tensorwise-inductor": ("tensorwise", {"triton": False}),
+    "blockwise-inductor": ("blockwise", {"triton": False}),
+    "tensorwise-unfused-swiglu": ("tensorwise", {"fused_swiglu": False}),
+    "delayed-unfused-swiglu": ("delayed", {"fused_swiglu": False}),
+    "tensorwise-unshared-input": ("tensorwise", {"shared_input": False}),
+    "bf16-unfused-norm": ("bf16", {"fused_norm": False}),
+    "tensorwise-unfused-norm": ("tensorwise", {"fused_norm": False}),
+    "blockwise-unfused-norm": ("blockwise", {"fused_norm": False}),
+    "tensorwise-triton-launch": ("tensorwise", {"fast_launch": False}),
+    "blockwise-triton-launch": ("blockwise", {"fast_launch": False}),
+}
 VARIANT_RECIPE = {v: r for v, (r, _) in OPTION_VARIANTS.items()}  # variant -> its recipe
 
 
@@ -195,19 +197,44 @@ TE_LAYER = {"te-bf16": "bf16", "te-delayed": "delayed", "te-tensorwise": "tensor
 TE_EAGER_NOTE = "TE eager"
 #: variants that only differ from their recipe in eager mode, with the reason their compiled row
 #: is skipped
-_SWIGLU_EAGER = ("the SwiGLU fusion is eager-only, so compiled this is the recipe's own row (Inductor fuses "
-                 "SiLU and the product itself)")
-_SHARE_EAGER = ("the shared input quantisation is eager-only, so compiled this is the recipe's own row (the "
-                "compiler de-duplicates the quantisations itself)")
-_NORM_EAGER = ("the fused RMSNorm is eager-only, so compiled this is the recipe's own row (Inductor fuses the "
-               "norm itself)")
-EAGER_ONLY = {"tensorwise-unfused-swiglu": _SWIGLU_EAGER, "delayed-unfused-swiglu": _SWIGLU_EAGER,
-              "tensorwise-unshared-input": _SHARE_EAGER, "bf16-unfused-norm": _NORM_EAGER,
-              "tensorwise-unfused-norm": _NORM_EAGER, "blockwise-unfused-norm": _NORM_EAGER}
-VARIANTS = ["bf16", "bf16-unfused-norm", "tensorwise", "tensorwise-inductor", "tensorwise-unfused-swiglu",
-            "tensorwise-unshared-input", "tensorwise-unfused-norm", "delayed", "delayed-unfused-swiglu", "blockwise",
-            "blockwise-inductor", "blockwise-unfused-norm", "tensorwise-triton-launch", "blockwise-triton-launch",
-            "mxfp8", *TORCHAO, *TE_LAYER]
+_SWIGLU_EAGER = (
+    "the SwiGLU fusion is eager-only, so compiled this is the recipe's own row (Inductor fuses "
+    "SiLU and the product itself)"
+)
+_SHARE_EAGER = (
+    "the shared input quantisation is eager-only, so compiled this is the recipe's own row (the "
+    "compiler de-duplicates the quantisations itself)"
+)
+_NORM_EAGER = (
+    "the fused RMSNorm is eager-only, so compiled this is the recipe's own row (Inductor fuses the norm itself)"
+)
+EAGER_ONLY = {
+    "tensorwise-unfused-swiglu": _SWIGLU_EAGER,
+    "delayed-unfused-swiglu": _SWIGLU_EAGER,
+    "tensorwise-unshared-input": _SHARE_EAGER,
+    "bf16-unfused-norm": _NORM_EAGER,
+    "tensorwise-unfused-norm": _NORM_EAGER,
+    "blockwise-unfused-norm": _NORM_EAGER,
+}
+VARIANTS = [
+    "bf16",
+    "bf16-unfused-norm",
+    "tensorwise",
+    "tensorwise-inductor",
+    "tensorwise-unfused-swiglu",
+    "tensorwise-unshared-input",
+    "tensorwise-unfused-norm",
+    "delayed",
+    "delayed-unfused-swiglu",
+    "blockwise",
+    "blockwise-inductor",
+    "blockwise-unfused-norm",
+    "tensorwise-triton-launch",
+    "blockwise-triton-launch",
+    "mxfp8",
+    *TORCHAO,
+    *TE_LAYER,
+]
 DEFAULT_VARIANTS = "bf16,tensorwise,delayed,blockwise,torchao-tensorwise,torchao-rowwise"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -278,21 +305,43 @@ class TELayer(nn.Module):
         self.key, self.block = key, block
         if key != "bf16":
             prepare_te_env(key)
-        common = dict(params_dtype=torch.float32, bias=False, init_method=self._init(cfg.init_std),
-                      output_layer_init_method=self._init(cfg.init_std))
+        common = dict(
+            params_dtype=torch.float32,
+            bias=False,
+            init_method=self._init(cfg.init_std),
+            output_layer_init_method=self._init(cfg.init_std),
+        )
         if block == "layer":
             self.layer = te.TransformerLayer(
-                hidden_size=cfg.dim, ffn_hidden_size=cfg.ffn_dim, num_attention_heads=cfg.num_heads,
-                num_gqa_groups=cfg.num_kv_heads, layernorm_epsilon=cfg.norm_eps, hidden_dropout=0.0,
-                attention_dropout=0.0, self_attn_mask_type="causal", normalization="RMSNorm", activation="swiglu",
-                attn_input_format="bshd", fuse_qkv_params=True, layer_number=1, **common)
+                hidden_size=cfg.dim,
+                ffn_hidden_size=cfg.ffn_dim,
+                num_attention_heads=cfg.num_heads,
+                num_gqa_groups=cfg.num_kv_heads,
+                layernorm_epsilon=cfg.norm_eps,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                self_attn_mask_type="causal",
+                normalization="RMSNorm",
+                activation="swiglu",
+                attn_input_format="bshd",
+                fuse_qkv_params=True,
+                layer_number=1,
+                **common,
+            )
             rope = te.attention.RotaryPositionEmbedding(cfg.head_dim, rotary_base=cfg.rope_theta)
             self.register_buffer("freqs", rope(seq), persistent=False)
         else:
-            self.layer = te.LayerNormMLP(cfg.dim, cfg.ffn_dim, eps=cfg.norm_eps, normalization="RMSNorm",
-                                         activation="swiglu", params_dtype=torch.float32, bias=False,
-                                         init_method=self._init(cfg.init_std),
-                                         output_layer_init_method=self._init(cfg.init_std))
+            self.layer = te.LayerNormMLP(
+                cfg.dim,
+                cfg.ffn_dim,
+                eps=cfg.norm_eps,
+                normalization="RMSNorm",
+                activation="swiglu",
+                params_dtype=torch.float32,
+                bias=False,
+                init_method=self._init(cfg.init_std),
+                output_layer_init_method=self._init(cfg.init_std),
+            )
 
     @staticmethod
     def _init(std: float):
@@ -319,8 +368,13 @@ def build(cfg, block: str, variant: str, dev: str, smoke: bool, seq: int = 8192)
         convert_torchao(model, TORCHAO[variant], policy_filter(policy), emulate=smoke)
     if VARIANT_RECIPE.get(variant, variant) != "bf16" and variant not in TORCHAO:
         # (the FP8 linears and the norms: convert_model applies the options to both)
-        convert_model(model, get_recipe(VARIANT_RECIPE.get(variant, variant)), policy,
-                      emulate=True if smoke else None, options=variant_options(variant))
+        convert_model(
+            model,
+            get_recipe(VARIANT_RECIPE.get(variant, variant)),
+            policy,
+            emulate=True if smoke else None,
+            options=variant_options(variant),
+        )
         set_delayed_scaling_update(model, "step")  # (delayed scaling: the trainer's schedule)
     else:  # BF16 and torchao: our norms, all options on but the variant's own
         apply_kernel_options(model, variant_options(variant))
@@ -336,10 +390,8 @@ class Inputs:
         shape = (a.batch, a.seq, cfg.dim)
         self.tokens = a.batch * a.seq
         self.n = a.input_sets
-        self.xs = [torch.randn(shape, device=dev, generator=g).to(x_dtype).requires_grad_()
-                   for _ in range(self.n)]
-        self._dys = {y_dtype: [(torch.randn(shape, device=dev, generator=g) * 1e-2).to(y_dtype)
-                               for _ in range(self.n)]}
+        self.xs = [torch.randn(shape, device=dev, generator=g).to(x_dtype).requires_grad_() for _ in range(self.n)]
+        self._dys = {y_dtype: [(torch.randn(shape, device=dev, generator=g) * 1e-2).to(y_dtype) for _ in range(self.n)]}
         self._y_dtype = y_dtype
 
     def grads(self, dtype: torch.dtype):
@@ -356,8 +408,7 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
     drop every compiled graph first (False in round-robin runs, whose other variants are kept)."""
     cuda = dev == "cuda"
     params = [q for q in model.parameters() if q.requires_grad]
-    out = {"status": "ok", "ms": None, "ms_b2b": None, "first_call_s": None, "peak_gib": None,
-           "graph_breaks": None}
+    out = {"status": "ok", "ms": None, "ms_b2b": None, "first_call_s": None, "peak_gib": None, "graph_breaks": None}
     try:
         for q in params:
             q.grad = None
@@ -382,8 +433,7 @@ def prepare(model: nn.Module, mode: str, inputs: Inputs, a, dev: str, *, reset_d
         if cuda:  # (the peaks of other variants and modes, and of this one's set-up, are behind)
             torch.cuda.reset_peak_memory_stats()
 
-        requant = ((a.requant_weights or a.micro_batches > 1)
-                   and any(type(m) is Float8Linear for m in model.modules()))
+        requant = (a.requant_weights or a.micro_batches > 1) and any(type(m) is Float8Linear for m in model.modules())
         delayed = any(type(m) is Float8Linear and m.recipe.is_delayed for m in model.modules())
         graphs = mode == "compiled" and a.compile_mode in CUDA_GRAPH_MODES
         calls = [0]
@@ -463,16 +513,31 @@ def measure(model: nn.Module, mode: str, inputs: Inputs, a, dev: str) -> dict:
     step, out = prepare(model, mode, inputs, a, dev)
     try:
         if step is not None:
-            take_timings(out, bench_one(step, inputs.n, dev, warmup=a.warmup, iters=a.iters, window=a.window,
-                                        group=a.micro_batches, monitor=gpu_monitor(dev)), dev)
+            take_timings(
+                out,
+                bench_one(
+                    step,
+                    inputs.n,
+                    dev,
+                    warmup=a.warmup,
+                    iters=a.iters,
+                    window=a.window,
+                    group=a.micro_batches,
+                    monitor=gpu_monitor(dev),
+                ),
+                dev,
+            )
             if cuda:
                 out["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             replay = None
             if a.cuda_graph:  # (after the peak: the graphs' memory pool is not the step's)
                 replay = graph_step(step, model, mode, inputs, a, out)
                 if replay is not None:  # (whole optimizer steps: K replays per sample)
-                    out["ms_graph"] = statistics.median(bench_samples(
-                        replay, inputs.n, warmup=2, iters=a.iters, cuda=cuda, window=a.micro_batches, sync_each=True))
+                    out["ms_graph"] = statistics.median(
+                        bench_samples(
+                            replay, inputs.n, warmup=2, iters=a.iters, cuda=cuda, window=a.micro_batches, sync_each=True
+                        )
+                    )
             if a.energy:
                 fns = {"step": step, **({"graph": replay} if replay is not None else {})}
                 for key, e in measure_energy(fns, inputs, a, dev).items():
@@ -498,8 +563,10 @@ def measure_energy(fns, inputs: Inputs, a, dev: str, contexts=None) -> dict:
         return energy_window(fns, inputs.n, dev, seconds=a.energy, contexts=contexts, group=a.micro_batches)
     except Exception as e:  # noqa: BLE001 - the energy reading fails, not the row
         traceback.print_exc()
-        return {k: {"ms": None, "j": None, "w": None, "gpu": None, "calls": None,
-                    "energy_reason": error_status(e)} for k in fns}
+        return {
+            k: {"ms": None, "j": None, "w": None, "gpu": None, "calls": None, "energy_reason": error_status(e)}
+            for k in fns
+        }
 
 
 def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
@@ -514,15 +581,16 @@ def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
     fp8 = [m for m in model.modules() if type(m) is Float8Linear]
     k = a.micro_batches if fp8 else 1  # (no FP8 weights of ours: nothing re-quantised between replays)
     if k > 1 and not all(m._graph_wcache_on and m.traceable() for m in fp8):
-        row["graph_status"] = ("not captured: with --micro-batches > 1 the FP8 weights are re-quantised between "
-                               "replays, in place, which only the compiled weight cache of a traced FP8 linear does "
-                               "(compiled mode, current scaling); an eager cache (eager mode, real MXFP8's island) would "
-                               "be rebuilt in new memory the graph does not read, and delayed scaling's histories advance "
-                               "between optimizer steps outside the graph")
+        row["graph_status"] = (
+            "not captured: with --micro-batches > 1 the FP8 weights are re-quantised between "
+            "replays, in place, which only the compiled weight cache of a traced FP8 linear does "
+            "(compiled mode, current scaling); an eager cache (eager mode, real MXFP8's island) would "
+            "be rebuilt in new memory the graph does not read, and delayed scaling's histories advance "
+            "between optimizer steps outside the graph"
+        )
         return None
     errors: list = []
-    graphs = capture_graphs((lambda i: step(i, refresh=False)) if k > 1 else step, inputs.n, errors,
-                            share_pool=True)
+    graphs = capture_graphs((lambda i: step(i, refresh=False)) if k > 1 else step, inputs.n, errors, share_pool=True)
     if graphs is None:
         row["graph_status"] = "not captured: " + (errors[0] if errors else "no CUDA device")
         return None
@@ -614,8 +682,9 @@ def _round_block(variant: str, model: nn.Module, inputs: Inputs):
         _clear_grads(model, inputs)
 
 
-def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str, res: list, header: dict,
-                    ao_reason: str) -> bool:
+def run_round_robin(
+    size: str, cfg, inputs: Inputs, variants, modes, a, dev: str, res: list, header: dict, ao_reason: str
+) -> bool:
     """Every variant of one size, each mode timed round-robin (``--rounds`` passes over all
     variants, :func:`bench_interleaved`), so the GPU's clock drift over the run (warming up,
     meeting its power cap) slows every variant alike. All variants' blocks stay allocated
@@ -684,12 +753,26 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
                         replay = graph_step(step, models[variant], mode, inputs, a, outs[variant])
                     if replay is not None:
                         replays[variant] = replay
-            times = bench_interleaved(steps, inputs.n, dev, rounds=a.rounds, warmup=1, iters=a.iters,
-                                      window=a.window, b2b_warmup=1, graphs=replays, contexts=blocks, errors=errors,
-                                      group=a.micro_batches, monitor=gpu_monitor(dev))
+            times = bench_interleaved(
+                steps,
+                inputs.n,
+                dev,
+                rounds=a.rounds,
+                warmup=1,
+                iters=a.iters,
+                window=a.window,
+                b2b_warmup=1,
+                graphs=replays,
+                contexts=blocks,
+                errors=errors,
+                group=a.micro_batches,
+                monitor=gpu_monitor(dev),
+            )
             if a.energy:
-                fns = {**{(v, "step"): f for v, f in steps.items() if v not in errors},
-                       **{(v, "graph"): f for v, f in replays.items() if v not in errors}}
+                fns = {
+                    **{(v, "step"): f for v, f in steps.items() if v not in errors},
+                    **{(v, "graph"): f for v, f in replays.items() if v not in errors},
+                }
                 got = measure_energy(fns, inputs, a, dev, contexts={key: blocks[key[0]] for key in fns})
                 for (variant, kind), e in got.items():
                     outs[variant]["energy" if kind == "step" else "energy_graph"] = e
@@ -703,7 +786,7 @@ def run_round_robin(size: str, cfg, inputs: Inputs, variants, modes, a, dev: str
                     with _round_block(variant, models[variant], inputs):
                         now_others = resident_bytes(dev) - base - held[variant]
                         for i in range(1, inputs.n):  # (the other input sets' gradients alive, as
-                            step(i)                   # in a one-variant run's steps)
+                            step(i)  # in a one-variant run's steps)
                         profile_extras(step, row, inputs, a, dev, others_bytes=now_others)
                 except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
                     traceback.print_exc()
@@ -723,20 +806,33 @@ def report_row(row: dict, cfg, inputs: Inputs, a, res: list, header: dict) -> bo
         row["tflops"] = model_flops(cfg, a.block, inputs.tokens, a.seq) / row["ms"] / 1e9
     res.append(row)
     took = "" if row["ms"] is None else f" {row['ms']:.2f} ms"
-    print(f"  {row['size']} {a.block} {row['variant']} {row['mode']}: {row['status']}{took}",
-          file=sys.stderr, flush=True)
+    print(
+        f"  {row['size']} {a.block} {row['variant']} {row['mode']}: {row['status']}{took}", file=sys.stderr, flush=True
+    )
     _add_ratios(res)
     write_json(a.out, dict(header, results=res))
     return (row["status"] or "").startswith("error")
 
 
-def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reason: str, *,
-              reset_dynamo: bool = True):
+def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reason: str, *, reset_dynamo: bool = True):
     """``(row fields, skip status or None, model or None)`` for one variant of one size."""
-    row0 = {"size": size, "block": a.block, "variant": variant, "dim": cfg.dim,
-            "ffn_dim": cfg.ffn_dim, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
-            "tokens": inputs.tokens, "fp8_linears": None, "ms": None, "tflops": None,
-            "first_call_s": None, "peak_gib": None, "graph_breaks": None, "ms_graph": None}
+    row0 = {
+        "size": size,
+        "block": a.block,
+        "variant": variant,
+        "dim": cfg.dim,
+        "ffn_dim": cfg.ffn_dim,
+        "heads": cfg.num_heads,
+        "kv_heads": cfg.num_kv_heads,
+        "tokens": inputs.tokens,
+        "fp8_linears": None,
+        "ms": None,
+        "tflops": None,
+        "first_call_s": None,
+        "peak_gib": None,
+        "graph_breaks": None,
+        "ms_graph": None,
+    }
     skip = None
     if variant in TORCHAO:
         skip = ao_reason or None
@@ -774,56 +870,93 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list of " + ",".join(VARIANTS))
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--input-dtype", choices=tuple(DTYPES), default="fp32",
-                   help="dtype of the block's input (fp32: the trainer's residual stream)")
+    p.add_argument(
+        "--input-dtype",
+        choices=tuple(DTYPES),
+        default="fp32",
+        help="dtype of the block's input (fp32: the trainer's residual stream)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=6)
     p.add_argument("--input-sets", type=int, default=2, help="rotating input/gradient sets")
-    p.add_argument("--window", type=int, default=4,
-                   help="steps queued back to back per timed window for the 'back to back' columns "
-                        "(no synchronisation between them, as in a training loop; default %(default)s)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=4,
+        help="steps queued back to back per timed window for the 'back to back' columns "
+        "(no synchronisation between them, as in a training loop; default %(default)s)",
+    )
     p.add_argument("--compile-backend", default="inductor")
-    p.add_argument("--compile-mode", default=None,
-                   choices=COMPILE_MODES,
-                   help="torch.compile mode (Inductor only; default: torch's default). reduce-overhead "
-                        "replays each compiled graph as a CUDA graph (no launch gaps)")
-    p.add_argument("--micro-batches", type=int, default=1, metavar="K",
-                   help="K micro-batches per optimizer step: our FP8 weights are re-quantised every K-th step "
-                        "(implies --requant-weights' behaviour for K = 1 steps) and the compiled FP8 linears read "
-                        "them from their compiled weight cache (set_graph_weight_cache); torchao casts its weights "
-                        "in every forward regardless (default 1)")
-    p.add_argument("--requant-weights", action="store_true",
-                   help="re-quantise our FP8 weights every step (one micro-batch per optimizer "
-                        "step, as torchao always does) instead of using the cached copies")
-    p.add_argument("--breakdown", action="store_true",
-                   help="also profile each variant and mode (torch.profiler) and report device time "
-                        "per kernel class (GEMM / Triton quantisers / attention / other) and the "
-                        "top kernels")
-    p.add_argument("--peak-report", action="store_true",
-                   help="also record one step's allocator history per variant and mode (CUDA) and "
-                        "list the largest blocks alive at its peak, with where each was allocated "
-                        "(JSON 'peak_live'). Under --compile-mode reduce-overhead the CUDA-graph "
-                        "replays take their memory from the graphs' pool, which the history does not show")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="time the variants of each size and mode round-robin: every variant is set "
-                        "up (compiled) first and kept, then --rounds passes each time every variant "
-                        "in turn (--iters / rounds samples each), so the GPU's clock drift over the "
-                        "run (warming up, meeting its power cap) slows all variants alike; a "
-                        "variant's peak memory is taken over its first call and warm-up, less what "
-                        "the other variants hold. 1 (default): each variant set up, timed and "
-                        "dropped in turn (less memory: one variant's block allocated at a time)")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="also capture every variant's whole step (fwd+bwd, compiled or eager) as CUDA graphs "
-                        "(one per input set, one memory pool per variant, held until the mode's timings end: about "
-                        "one more step's activations and gradients per variant) and time their replays: the GPU's "
-                        "time alone, without the host's launch and Python time (columns 'CUDA graph'; CUDA only; "
-                        "with --micro-batches K compiled only, the weight cache re-quantised before every K-th "
-                        "replay)")
-    p.add_argument("--energy", type=float, default=0.0, metavar="SECONDS",
-                   help="after the timings, run every variant's step back to back for about SECONDS, round-robin "
-                        "twice (and its graph replays with --cuda-graph), between two reads of the board's energy "
-                        "counter (NVML): joules per step, mean W, SM clock. At the power cap a step's time is its "
-                        "energy over the cap, so this says what bounds the ratios there (0: off)")
+    p.add_argument(
+        "--compile-mode",
+        default=None,
+        choices=COMPILE_MODES,
+        help="torch.compile mode (Inductor only; default: torch's default). reduce-overhead "
+        "replays each compiled graph as a CUDA graph (no launch gaps)",
+    )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        metavar="K",
+        help="K micro-batches per optimizer step: our FP8 weights are re-quantised every K-th step "
+        "(implies --requant-weights' behaviour for K = 1 steps) and the compiled FP8 linears read "
+        "them from their compiled weight cache (set_graph_weight_cache); torchao casts its weights "
+        "in every forward regardless (default 1)",
+    )
+    p.add_argument(
+        "--requant-weights",
+        action="store_true",
+        help="re-quantise our FP8 weights every step (one micro-batch per optimizer "
+        "step, as torchao always does) instead of using the cached copies",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also profile each variant and mode (torch.profiler) and report device time "
+        "per kernel class (GEMM / Triton quantisers / attention / other) and the "
+        "top kernels",
+    )
+    p.add_argument(
+        "--peak-report",
+        action="store_true",
+        help="also record one step's allocator history per variant and mode (CUDA) and "
+        "list the largest blocks alive at its peak, with where each was allocated "
+        "(JSON 'peak_live'). Under --compile-mode reduce-overhead the CUDA-graph "
+        "replays take their memory from the graphs' pool, which the history does not show",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="time the variants of each size and mode round-robin: every variant is set "
+        "up (compiled) first and kept, then --rounds passes each time every variant "
+        "in turn (--iters / rounds samples each), so the GPU's clock drift over the "
+        "run (warming up, meeting its power cap) slows all variants alike; a "
+        "variant's peak memory is taken over its first call and warm-up, less what "
+        "the other variants hold. 1 (default): each variant set up, timed and "
+        "dropped in turn (less memory: one variant's block allocated at a time)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also capture every variant's whole step (fwd+bwd, compiled or eager) as CUDA graphs "
+        "(one per input set, one memory pool per variant, held until the mode's timings end: about "
+        "one more step's activations and gradients per variant) and time their replays: the GPU's "
+        "time alone, without the host's launch and Python time (columns 'CUDA graph'; CUDA only; "
+        "with --micro-batches K compiled only, the weight cache re-quantised before every K-th "
+        "replay)",
+    )
+    p.add_argument(
+        "--energy",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="after the timings, run every variant's step back to back for about SECONDS, round-robin "
+        "twice (and its graph replays with --cuda-graph), between two reads of the board's energy "
+        "counter (NVML): joules per step, mean W, SM clock. At the power cap a step's time is its "
+        "energy over the cap, so this says what bounds the ratios there (0: off)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here (after every variant)")
     p.add_argument("--smoke", action="store_true", help="tiny emulated CPU run (no timing claims)")
     a = p.parse_args(argv)
@@ -839,12 +972,16 @@ def main(argv=None) -> int:
     if not (math.isfinite(a.energy) and a.energy >= 0):
         p.error("--energy is a duration in seconds (0: off)")
     if a.cuda_graph and a.compile_mode in CUDA_GRAPH_MODES and "compiled" in modes:
-        p.error(f"--cuda-graph captures the whole step itself; --compile-mode {a.compile_mode} already replays "
-                "each compiled graph as a CUDA graph (use one or the other)")
+        p.error(
+            f"--cuda-graph captures the whole step itself; --compile-mode {a.compile_mode} already replays "
+            "each compiled graph as a CUDA graph (use one or the other)"
+        )
     if a.rounds > 1 and a.compile_mode in CUDA_GRAPH_MODES and "compiled" in modes:
-        p.error(f"--rounds {a.rounds} interleaves the variants, whose CUDA-graph trees "
-                f"(--compile-mode {a.compile_mode}) are one per process and would be re-recorded at every "
-                "switch; use --rounds 1 with that mode")
+        p.error(
+            f"--rounds {a.rounds} interleaves the variants, whose CUDA-graph trees "
+            f"(--compile-mode {a.compile_mode}) are one per process and would be re-recorded at every "
+            "switch; use --rounds 1 with that mode"
+        )
     for s in sizes:
         if s not in MODELS:
             p.error(f"unknown size {s!r}; valid: {', '.join(MODELS)}")
@@ -862,8 +999,11 @@ def main(argv=None) -> int:
     if a.smoke:
         a.seq, a.batch, a.warmup, a.iters, a.input_sets = 64, 1, 0, 2, 2
         a.compile_backend = "aot_eager"  # Inductor's C++ build alone takes ~10 s per variant on CPU
-        cfgs = {"tiny": load_model_config("llama3_8b").replace(
-            name="tiny", dim=256, num_heads=2, num_kv_heads=1, ffn_dim=384, max_seq_len=a.seq)}
+        cfgs = {
+            "tiny": load_model_config("llama3_8b").replace(
+                name="tiny", dim=256, num_heads=2, num_kv_heads=1, ffn_dim=384, max_seq_len=a.seq
+            )
+        }
     ao_version, ao_reason = torchao_status()
     cudnn, cudnn_problem = cudnn_status() if cuda else (None, None)
     if cudnn_problem:
@@ -873,14 +1013,29 @@ def main(argv=None) -> int:
     y_dtype = x_dtype if a.block == "layer" or not cuda else torch.bfloat16
     name = torch.cuda.get_device_name() if cuda else "CPU (emulated FP8, smoke: no timing claims)"
     res = []
-    header = {"benchmark": "layer_fwd_bwd", "block": a.block, "device": name,
-              "torch": torch.__version__, "torchao": ao_version, "transformer_engine": _te_version(),
-              "cudnn": cudnn, "seq": a.seq, "batch": a.batch,
-              "input_dtype": a.input_dtype, "param_dtype": "fp32", "autocast": "bf16" if cuda else None,
-              "compile_backend": a.compile_backend, "compile_mode": a.compile_mode, "warmup": a.warmup,
-              "iters": a.iters, "rounds": a.rounds,
-              "requant_weights": a.requant_weights, "micro_batches": a.micro_batches,
-              "cuda_graph": a.cuda_graph, "energy_s": a.energy}
+    header = {
+        "benchmark": "layer_fwd_bwd",
+        "block": a.block,
+        "device": name,
+        "torch": torch.__version__,
+        "torchao": ao_version,
+        "transformer_engine": _te_version(),
+        "cudnn": cudnn,
+        "seq": a.seq,
+        "batch": a.batch,
+        "input_dtype": a.input_dtype,
+        "param_dtype": "fp32",
+        "autocast": "bf16" if cuda else None,
+        "compile_backend": a.compile_backend,
+        "compile_mode": a.compile_mode,
+        "warmup": a.warmup,
+        "iters": a.iters,
+        "rounds": a.rounds,
+        "requant_weights": a.requant_weights,
+        "micro_batches": a.micro_batches,
+        "cuda_graph": a.cuda_graph,
+        "energy_s": a.energy,
+    }
     failed = False
 
     for size, cfg in cfgs.items():
@@ -905,47 +1060,106 @@ def main(argv=None) -> int:
     free_memory()
 
     _add_ratios(res)
-    rows = [(r["size"], r["variant"], r["mode"] + (f" ({TE_EAGER_NOTE})" if r.get("ran") == "eager" else ""),
-             fmt(r["ms"], ".2f"), fmt_tflops(r["tflops"]),
-             fmt(r.get("speedup"), ".2f", "x"), fmt(r.get("vs_te"), ".3f", "x"),
-             fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
-             fmt(r.get("ms_b2b"), ".2f"), fmt(r.get("speedup_b2b"), ".2f", "x"),
-             fmt(r.get("vs_torchao_tensorwise_b2b"), ".2f", "x"),
-             *((fmt(r.get("ms_graph"), ".2f"), fmt(r.get("speedup_graph"), ".3f", "x"),
-                fmt(r.get("vs_torchao_tensorwise_graph"), ".3f", "x")) if a.cuda_graph else ()),
-             fmt(r["peak_gib"], ".1f"), gpu_cell(r.get("gpu")), gpu_cell(r.get("gpu_b2b")),
-             fmt(r["first_call_s"], ".1f"),
-             "-" if r["fp8_linears"] is None else r["fp8_linears"],
-             "-" if r.get("graph_breaks") is None else r["graph_breaks"], r["status"])
-            for r in sorted(res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]),
-                                                  variants.index(r["variant"])))]
-    wq_note = (f"re-quantised every {a.micro_batches} steps ({a.micro_batches} micro-batches per optimizer step; "
-               "compiled: the cached FP8 weights)" if a.micro_batches > 1 else
-               "re-quantised every step" if a.requant_weights else "cached (as between optimizer steps)")
+    rows = [
+        (
+            r["size"],
+            r["variant"],
+            r["mode"] + (f" ({TE_EAGER_NOTE})" if r.get("ran") == "eager" else ""),
+            fmt(r["ms"], ".2f"),
+            fmt_tflops(r["tflops"]),
+            fmt(r.get("speedup"), ".2f", "x"),
+            fmt(r.get("vs_te"), ".3f", "x"),
+            fmt(r.get("vs_torchao_tensorwise"), ".2f", "x"),
+            fmt(r.get("ms_b2b"), ".2f"),
+            fmt(r.get("speedup_b2b"), ".2f", "x"),
+            fmt(r.get("vs_torchao_tensorwise_b2b"), ".2f", "x"),
+            *(
+                (
+                    fmt(r.get("ms_graph"), ".2f"),
+                    fmt(r.get("speedup_graph"), ".3f", "x"),
+                    fmt(r.get("vs_torchao_tensorwise_graph"), ".3f", "x"),
+                )
+                if a.cuda_graph
+                else ()
+            ),
+            fmt(r["peak_gib"], ".1f"),
+            gpu_cell(r.get("gpu")),
+            gpu_cell(r.get("gpu_b2b")),
+            fmt(r["first_call_s"], ".1f"),
+            "-" if r["fp8_linears"] is None else r["fp8_linears"],
+            "-" if r.get("graph_breaks") is None else r["graph_breaks"],
+            r["status"],
+        )
+        for r in sorted(
+            res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]), variants.index(r["variant"]))
+        )
+    ]
+    wq_note = (
+        f"re-quantised every {a.micro_batches} steps ({a.micro_batches} micro-batches per optimizer step; "
+        "compiled: the cached FP8 weights)"
+        if a.micro_batches > 1
+        else "re-quantised every step"
+        if a.requant_weights
+        else "cached (as between optimizer steps)"
+    )
     what = "Llama layer (attention + SwiGLU MLP)" if a.block == "layer" else "SwiGLU MLP"
-    print(f"{name}, torch {torch.__version__}, torchao {ao_version or 'not installed'}; {what}, "
-          f"seq {a.seq} x batch {a.batch}, FP32 params, {a.input_dtype.upper()} input"
-          f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
-          f"{wq_note}\n")
-    print(table(["size", "variant", "mode", "ms (median)", "TFLOP/s", "vs BF16", "vs TE (same recipe)", "vs torchao tw",
-                 f"ms/step, {a.window} back to back", "vs BF16, b2b", "vs torchao tw, b2b",
-                 *(("ms, CUDA graph", "vs BF16, graph", "vs torchao tw, graph") if a.cuda_graph else ()),
-                 "peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)",
-                 "first call s", "FP8 linears", "graph breaks", "status"], rows))
+    print(
+        f"{name}, torch {torch.__version__}, torchao {ao_version or 'not installed'}; {what}, "
+        f"seq {a.seq} x batch {a.batch}, FP32 params, {a.input_dtype.upper()} input"
+        f"{', BF16 autocast' if cuda else ''}, fwd+bwd, median of {a.iters}; our FP8 weights "
+        f"{wq_note}\n"
+    )
+    print(
+        table(
+            [
+                "size",
+                "variant",
+                "mode",
+                "ms (median)",
+                "TFLOP/s",
+                "vs BF16",
+                "vs TE (same recipe)",
+                "vs torchao tw",
+                f"ms/step, {a.window} back to back",
+                "vs BF16, b2b",
+                "vs torchao tw, b2b",
+                *(("ms, CUDA graph", "vs BF16, graph", "vs torchao tw, graph") if a.cuda_graph else ()),
+                "peak GiB",
+                "SM clock, power (sync)",
+                "SM clock, power (b2b)",
+                "first call s",
+                "FP8 linears",
+                "graph breaks",
+                "status",
+            ],
+            rows,
+        )
+    )
     not_captured = [r for r in res if a.cuda_graph and r["status"] == "ok" and r.get("graph_status") != "ok"]
     if not_captured:
-        print("\nCUDA graph not timed: " + "; ".join(f"{r['size']} {r['variant']} {r['mode']}: "
-                                                     f"{r.get('graph_status') or 'not captured'}" for r in not_captured))
+        print(
+            "\nCUDA graph not timed: "
+            + "; ".join(
+                f"{r['size']} {r['variant']} {r['mode']}: {r.get('graph_status') or 'not captured'}"
+                for r in not_captured
+            )
+        )
     if a.energy:
-        print(f"\nEnergy: each step back to back for about {a.energy:g} s, round-robin twice (medians); "
-              "J vs BF16 = BF16's joules per step / this one's:\n")
+        print(
+            f"\nEnergy: each step back to back for about {a.energy:g} s, round-robin twice (medians); "
+            "J vs BF16 = BF16's joules per step / this one's:\n"
+        )
         print(energy_table(res, cfgs, modes, variants))
     prof = [r for r in res if r.get("breakdown")]
     if prof:
         from profiling.timeline import breakdown_table, timeline_table
 
-        print("\n" + breakdown_table(prof, ["size", "variant", "mode"],
-                                     ("gemm", "quantise (Triton)", "attention", "other"), top=4))
+        print(
+            "\n"
+            + breakdown_table(
+                prof, ["size", "variant", "mode"], ("gemm", "quantise (Triton)", "attention", "other"), top=4
+            )
+        )
         timed = [r for r in res if r.get("timeline")]
         if timed:
             print("\n" + timeline_table(timed, ["size", "variant", "mode"]))
@@ -967,11 +1181,16 @@ def cudnn_status():
     if v:
         return f"{v // 10000}.{v // 100 % 100}.{v % 100}", None
     lib = os.path.join(os.path.dirname(torch.__file__), os.pardir, "nvidia", "cudnn")
-    fix = (f"export CUDNN_HOME={os.path.realpath(lib)} LD_LIBRARY_PATH={os.path.realpath(lib)}/lib:$LD_LIBRARY_PATH"
-           if os.path.isdir(lib) else "put PyTorch's cuDNN first on LD_LIBRARY_PATH")
-    return None, (f"PyTorch cannot use cuDNN here ({err}): its attention would run other kernels than "
-                  f"te.TransformerLayer's cuDNN attention, and every comparison would time different attention. "
-                  f"Give it its own cuDNN before starting Python: {fix}")
+    fix = (
+        f"export CUDNN_HOME={os.path.realpath(lib)} LD_LIBRARY_PATH={os.path.realpath(lib)}/lib:$LD_LIBRARY_PATH"
+        if os.path.isdir(lib)
+        else "put PyTorch's cuDNN first on LD_LIBRARY_PATH"
+    )
+    return None, (
+        f"PyTorch cannot use cuDNN here ({err}): its attention would run other kernels than "
+        f"te.TransformerLayer's cuDNN attention, and every comparison would time different attention. "
+        f"Give it its own cuDNN before starting Python: {fix}"
+    )
 
 
 def _te_version():
@@ -986,18 +1205,31 @@ def energy_table(res, cfgs, modes, variants) -> str:
     """``--energy``'s table: per row (and per kind: the step, its CUDA-graph replay) the time
     and joules per step, mean draw, SM clock, and the joule ratio to BF16's same kind."""
     out = []
-    for r in sorted(res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]),
-                                        variants.index(r["variant"]))):
+    for r in sorted(
+        res, key=lambda r: (list(cfgs).index(r["size"]), modes.index(r["mode"]), variants.index(r["variant"]))
+    ):
         for kind, key in (("step", "energy"), ("CUDA graph", "energy_graph")):
             e = r.get(key)
             if not e:
                 continue
             gpu = e.get("gpu") or {}
-            out.append((r["size"], r["variant"], r["mode"], kind, fmt(e["ms"], ".2f"), fmt(e.get("j"), ".3f"),
-                        fmt(e.get("w"), ".0f"), fmt(gpu.get("sm_mhz_median"), ".0f"),
-                        fmt(r.get(key + "_vs_bf16"), ".3f", "x"), e.get("energy_reason") or ""))
-    return table(["size", "variant", "mode", "timed", "ms/step", "J/step", "W", "SM MHz", "J vs BF16", "energy not read"],
-                 out)
+            out.append(
+                (
+                    r["size"],
+                    r["variant"],
+                    r["mode"],
+                    kind,
+                    fmt(e["ms"], ".2f"),
+                    fmt(e.get("j"), ".3f"),
+                    fmt(e.get("w"), ".0f"),
+                    fmt(gpu.get("sm_mhz_median"), ".0f"),
+                    fmt(r.get(key + "_vs_bf16"), ".3f", "x"),
+                    e.get("energy_reason") or "",
+                )
+            )
+    return table(
+        ["size", "variant", "mode", "timed", "ms/step", "J/step", "W", "SM MHz", "J vs BF16", "energy not read"], out
+    )
 
 
 def _add_ratios(res) -> None:
@@ -1005,8 +1237,9 @@ def _add_ratios(res) -> None:
     for r in res:
         if r["status"] != "ok":
             continue
-        same = {o["variant"]: o for o in res
-                if o["size"] == r["size"] and o["mode"] == r["mode"] and o["status"] == "ok"}
+        same = {
+            o["variant"]: o for o in res if o["size"] == r["size"] and o["mode"] == r["mode"] and o["status"] == "ok"
+        }
         b, t = same.get("bf16"), same.get("torchao-tensorwise")
         r["speedup"] = b["ms"] / r["ms"] if b else None
         # ours over Transformer Engine's layer under the same recipe, timed in the same round
@@ -1016,8 +1249,7 @@ def _add_ratios(res) -> None:
         r["vs_torchao_tensorwise"] = t["ms"] / r["ms"] if t else None
         both = r.get("ms_b2b") is not None
         r["speedup_b2b"] = b["ms_b2b"] / r["ms_b2b"] if b and both and b.get("ms_b2b") else None
-        r["vs_torchao_tensorwise_b2b"] = (t["ms_b2b"] / r["ms_b2b"]
-                                          if t and both and t.get("ms_b2b") else None)
+        r["vs_torchao_tensorwise_b2b"] = t["ms_b2b"] / r["ms_b2b"] if t and both and t.get("ms_b2b") else None
         g = r.get("ms_graph")
         r["speedup_graph"] = b["ms_graph"] / g if g and b and b.get("ms_graph") else None
         r["vs_torchao_tensorwise_graph"] = t["ms_graph"] / g if g and t and t.get("ms_graph") else None

@@ -127,8 +127,7 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
             return up, down
         r = get_recipe(recipe.removesuffix("-step"))
         emulate = not check_supported(r, dev)[0] or dev == "cpu"
-        mods = (Float8Linear.from_linear(up, r, emulate=emulate),
-                Float8Linear.from_linear(down, r, emulate=emulate))
+        mods = (Float8Linear.from_linear(up, r, emulate=emulate), Float8Linear.from_linear(down, r, emulate=emulate))
         if recipe.endswith("-step"):
             for m in mods:
                 m.scaling_update = "step"
@@ -154,12 +153,12 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
         model = torch.nn.ModuleList([up, down])
         state = {"capturing": False}
 
-        def step(i, up=up, down=down, model=model, state=state,
-                 step_sync=recipe != "bf16" and recipe.endswith("-step")):
+        def step(
+            i, up=up, down=down, model=model, state=state, step_sync=recipe != "bf16" and recipe.endswith("-step")
+        ):
             # (no autocast weight-cast cache while a graph captures: its cached copies would be
             # allocated inside the capture)
-            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda",
-                                cache_enabled=not state["capturing"]):
+            with torch.autocast(dev, dtype=torch.bfloat16, enabled=dev == "cuda", cache_enabled=not state["capturing"]):
                 y = down(torch.relu(up(xs[i])))
             y.backward(dys[i])
             if step_sync:
@@ -182,26 +181,50 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
         steps[recipe] = step
         info[recipe] = {"peak": peak, "graph_err": graph_err}
     # phase 2: the timings, every variant in each of --rounds round-robin passes
-    times = bench_interleaved(steps, 3, dev, rounds=a.rounds, warmup=5, iters=a.iters,
-                              window=a.window, b2b_warmup=2, graphs=graphs, monitor=gpu_monitor(dev))
+    times = bench_interleaved(
+        steps,
+        3,
+        dev,
+        rounds=a.rounds,
+        warmup=5,
+        iters=a.iters,
+        window=a.window,
+        b2b_warmup=2,
+        graphs=graphs,
+        monitor=gpu_monitor(dev),
+    )
     base = times["bf16"]
     base_fused = times.get("bf16" + FUSED)
     for recipe, step in steps.items():
         t = times[recipe]
         ms, ms_b2b, graph_ms = t["ms"], t["ms_b2b"], t["ms_graph"]
         flops = 3 * 2 * 2 * a.tokens * d * f
-        res.append({"size": size, "recipe": recipe, "ms": ms, "tflops": flops / ms / 1e9,
-                    "speedup": base["ms"] / ms, "ms_b2b": ms_b2b, "speedup_b2b": base["ms_b2b"] / ms_b2b,
-                    "speedup_vs_bf16_fused": base_fused["ms"] / ms if base_fused else None,
-                    "speedup_b2b_vs_bf16_fused": base_fused["ms_b2b"] / ms_b2b if base_fused else None,
-                    "peak_gib": info[recipe]["peak"], "gpu": t["gpu"], "gpu_b2b": t["gpu_b2b"],
-                    "gpu_reason": t["gpu_reason"], "samples": t["samples"], "rounds": a.rounds})
+        res.append(
+            {
+                "size": size,
+                "recipe": recipe,
+                "ms": ms,
+                "tflops": flops / ms / 1e9,
+                "speedup": base["ms"] / ms,
+                "ms_b2b": ms_b2b,
+                "speedup_b2b": base["ms_b2b"] / ms_b2b,
+                "speedup_vs_bf16_fused": base_fused["ms"] / ms if base_fused else None,
+                "speedup_b2b_vs_bf16_fused": base_fused["ms_b2b"] / ms_b2b if base_fused else None,
+                "peak_gib": info[recipe]["peak"],
+                "gpu": t["gpu"],
+                "gpu_b2b": t["gpu_b2b"],
+                "gpu_reason": t["gpu_reason"],
+                "samples": t["samples"],
+                "rounds": a.rounds,
+            }
+        )
         if a.cuda_graph:
             graph_err = info[recipe]["graph_err"]
-            res[-1].update(ms_graph=graph_ms,
-                           speedup_graph=(base["ms_graph"] / graph_ms if graph_ms and base["ms_graph"]
-                                          else None),
-                           graph_status="ok" if graph_ms else (graph_err[0] if graph_err else "CUDA only"))
+            res[-1].update(
+                ms_graph=graph_ms,
+                speedup_graph=(base["ms_graph"] / graph_ms if graph_ms and base["ms_graph"] else None),
+                graph_status="ok" if graph_ms else (graph_err[0] if graph_err else "CUDA only"),
+            )
         if a.breakdown:
             from profiling.timeline import device_time_breakdown, gpu_timeline
 
@@ -231,39 +254,64 @@ def variants(a) -> list:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="8b,70b,405b",
-                   help="Llama 3 MLP shapes (8b, 70b, 405b) or any 'DxF' (model width x FFN width, "
-                        "e.g. 768x2048 for llama3_150m), comma-separated (default: %(default)s)")
+    p.add_argument(
+        "--sizes",
+        default="8b,70b,405b",
+        help="Llama 3 MLP shapes (8b, 70b, 405b) or any 'DxF' (model width x FFN width, "
+        "e.g. 768x2048 for llama3_150m), comma-separated (default: %(default)s)",
+    )
     p.add_argument("--tokens", type=int, default=8192)
-    p.add_argument("--recipes", default="tensorwise,delayed,delayed-step,blockwise",
-                   help="FP8 recipes to time against BF16; 'delayed-step' = delayed scaling with the "
-                        "once-per-step history update (default: %(default)s)")
+    p.add_argument(
+        "--recipes",
+        default="tensorwise,delayed,delayed-step,blockwise",
+        help="FP8 recipes to time against BF16; 'delayed-step' = delayed scaling with the "
+        "once-per-step history update (default: %(default)s)",
+    )
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--window", type=int, default=4,
-                   help="steps queued back to back per timed window for the 'back to back' columns "
-                        "(no synchronisation between them, as in a training loop; default %(default)s)")
-    p.add_argument("--rounds", type=int, default=5,
-                   help="round-robin passes over the variants: each pass times every variant in turn "
-                        "(--iters / rounds samples each), so clock drift over the run (the GPU warming "
-                        "up, meeting its power cap) slows every variant alike; 1 = one variant after "
-                        "the other (default %(default)s)")
+    p.add_argument(
+        "--window",
+        type=int,
+        default=4,
+        help="steps queued back to back per timed window for the 'back to back' columns "
+        "(no synchronisation between them, as in a training loop; default %(default)s)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="round-robin passes over the variants: each pass times every variant in turn "
+        "(--iters / rounds samples each), so clock drift over the run (the GPU warming "
+        "up, meeting its power cap) slows every variant alike; 1 = one variant after "
+        "the other (default %(default)s)",
+    )
     p.add_argument("--out", default=None)
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="also time each step replayed from a CUDA graph (GPU time without host overhead; "
-                        "CUDA only). Every variant's three graphs stay resident with their memory pools "
-                        "during the round-robin timing: at 405B time fewer --recipes per run")
-    p.add_argument("--breakdown", action="store_true",
-                   help="also profile each variant and report device time per kernel class "
-                        "(GEMM / Triton quantisers / other) and the top kernels, and trace the GPU's "
-                        "timeline (busy and idle time per step, back to back and synchronised)")
-    p.add_argument("--fused-wgrad", action="store_true",
-                   help="also time every variant (BF16 included) with its weight-gradient accumulation "
-                        "fused into the wgrad GEMM ('<name>+fused'; see above)")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="also time each step replayed from a CUDA graph (GPU time without host overhead; "
+        "CUDA only). Every variant's three graphs stay resident with their memory pools "
+        "during the round-robin timing: at 405B time fewer --recipes per run",
+    )
+    p.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also profile each variant and report device time per kernel class "
+        "(GEMM / Triton quantisers / other) and the top kernels, and trace the GPU's "
+        "timeline (busy and idle time per step, back to back and synchronised)",
+    )
+    p.add_argument(
+        "--fused-wgrad",
+        action="store_true",
+        help="also time every variant (BF16 included) with its weight-gradient accumulation "
+        "fused into the wgrad GEMM ('<name>+fused'; see above)",
+    )
     p.add_argument("--smoke", action="store_true")
     a = p.parse_args(argv)
     if a.fused_wgrad and torch.torch_version.TorchVersion(torch.__version__) < (2, 8):
-        p.error(f"--fused-wgrad needs torch >= 2.8 (its BF16 baseline uses mm/addmm with out_dtype); "
-                f"this is {torch.__version__}")
+        p.error(
+            f"--fused-wgrad needs torch >= 2.8 (its BF16 baseline uses mm/addmm with out_dtype); "
+            f"this is {torch.__version__}"
+        )
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         shapes = {k: parse_shape(k) for k in a.sizes.split(",") if k}
@@ -278,10 +326,12 @@ def main(argv=None) -> int:
         except torch.cuda.OutOfMemoryError as e:
             # every variant (and with --cuda-graph its graphs' memory pools) stays resident while
             # the variants are timed round-robin: say so, go on with the next size
-            failed[size] = (f"out of memory with all {len(variants(a))} variants resident"
-                            f"{' and their CUDA graphs' if a.cuda_graph else ''}: time fewer --recipes per run"
-                            f"{' or leave out --cuda-graph' if a.cuda_graph else ''} "
-                            f"({str(e).splitlines()[0][:160]})")
+            failed[size] = (
+                f"out of memory with all {len(variants(a))} variants resident"
+                f"{' and their CUDA graphs' if a.cuda_graph else ''}: time fewer --recipes per run"
+                f"{' or leave out --cuda-graph' if a.cuda_graph else ''} "
+                f"({str(e).splitlines()[0][:160]})"
+            )
             print(f"size {size}: {failed[size]}", file=sys.stderr)
         gc.collect()
         if dev == "cuda":
@@ -289,25 +339,55 @@ def main(argv=None) -> int:
     if not res:
         print("nothing was timed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()), file=sys.stderr)
         return 1
-    rows = [(r["size"], r["recipe"], f"{r['ms']:.2f}", f"{r['tflops']:.0f}", f"{r['speedup']:.2f}x",
-             f"{r['ms_b2b']:.2f}", f"{r['speedup_b2b']:.2f}x")
-            + ((f"{r['speedup_b2b_vs_bf16_fused']:.2f}x",) if a.fused_wgrad else ())
-            + ((("-" if r["ms_graph"] is None else f"{r['ms_graph']:.2f}"),
-                ("-" if r["speedup_graph"] is None else f"{r['speedup_graph']:.2f}x")) if a.cuda_graph else ())
-            + (f"{r['peak_gib']:.1f}", gpu_cell(r["gpu"]), gpu_cell(r["gpu_b2b"])) for r in res]
+    rows = [
+        (
+            r["size"],
+            r["recipe"],
+            f"{r['ms']:.2f}",
+            f"{r['tflops']:.0f}",
+            f"{r['speedup']:.2f}x",
+            f"{r['ms_b2b']:.2f}",
+            f"{r['speedup_b2b']:.2f}x",
+        )
+        + ((f"{r['speedup_b2b_vs_bf16_fused']:.2f}x",) if a.fused_wgrad else ())
+        + (
+            (
+                ("-" if r["ms_graph"] is None else f"{r['ms_graph']:.2f}"),
+                ("-" if r["speedup_graph"] is None else f"{r['speedup_graph']:.2f}x"),
+            )
+            if a.cuda_graph
+            else ()
+        )
+        + (f"{r['peak_gib']:.1f}", gpu_cell(r["gpu"]), gpu_cell(r["gpu_b2b"]))
+        for r in res
+    ]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke)"
     last = res[-1]
     no_gpu_log = "" if last["gpu"] or dev != "cuda" else f"; GPU clocks/power not recorded: {last['gpu_reason']}"
     print(f"{name}, torch {torch.__version__}, {a.tokens} tokens, up+down MLP projections fwd+bwd{no_gpu_log}\n")
-    print(table(["size", "recipe", "ms (median)", "TFLOP/s", "vs BF16",
-                 f"ms/step, {a.window} back to back", "vs BF16, back to back"]
-                + (["vs BF16+fused, back to back"] if a.fused_wgrad else [])
-                + (["ms, CUDA graph", "vs BF16, CUDA graph"] if a.cuda_graph else [])
-                + ["peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)"], rows))
+    print(
+        table(
+            [
+                "size",
+                "recipe",
+                "ms (median)",
+                "TFLOP/s",
+                "vs BF16",
+                f"ms/step, {a.window} back to back",
+                "vs BF16, back to back",
+            ]
+            + (["vs BF16+fused, back to back"] if a.fused_wgrad else [])
+            + (["ms, CUDA graph", "vs BF16, CUDA graph"] if a.cuda_graph else [])
+            + ["peak GiB", "SM clock, power (sync)", "SM clock, power (b2b)"],
+            rows,
+        )
+    )
     failed_graphs = [r for r in res if a.cuda_graph and r["graph_status"] != "ok"]
     if failed_graphs:
-        print("\nno CUDA-graph time for: " + "; ".join(f"{r['size']} {r['recipe']}: {r['graph_status']}"
-                                                     for r in failed_graphs))
+        print(
+            "\nno CUDA-graph time for: "
+            + "; ".join(f"{r['size']} {r['recipe']}: {r['graph_status']}" for r in failed_graphs)
+        )
     if a.breakdown:
         from profiling.timeline import breakdown_table, timeline_table
 
@@ -315,8 +395,9 @@ def main(argv=None) -> int:
         timed = [r for r in res if r.get("timeline")]
         if timed:
             print("\n" + timeline_table(timed, ["size", "recipe"], graph=a.cuda_graph))
-    write_json(a.out, {"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res,
-                       "failed_sizes": failed})
+    write_json(
+        a.out, {"device": name, "torch": torch.__version__, "tokens": a.tokens, "results": res, "failed_sizes": failed}
+    )
     if failed:
         print("\nnot timed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
     return 1 if failed else 0

@@ -59,9 +59,15 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--recipes", default="bf16,tensorwise,blockwise", help="comma-separated registry keys")
-    p.add_argument("--impl", choices=("native", "te"), default="native",
-                   help="native: local spec + our FP8 linears; te: Transformer Engine layer spec and TE's FP8")
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
+    p.add_argument(
+        "--impl",
+        choices=("native", "te"),
+        default="native",
+        help="native: local spec + our FP8 linears; te: Transformer Engine layer spec and TE's FP8",
+    )
+    p.add_argument(
+        "--micro-batches", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)"
+    )
     p.add_argument("--steps", type=int, default=50, help="optimizer steps per recipe (0 = build/convert/audit only)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
@@ -71,8 +77,12 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8)
     p.add_argument("--vocab", type=int, default=512, help="byte tokens need >= 257; a multiple of 128")
-    p.add_argument("--arch", choices=("llama", "gpt"), default="llama",
-                   help="llama: RMSNorm, SwiGLU, RoPE, no biases; gpt: LayerNorm, GELU, learned positions, biases")
+    p.add_argument(
+        "--arch",
+        choices=("llama", "gpt"),
+        default="llama",
+        help="llama: RMSNorm, SwiGLU, RoPE, no biases; gpt: LayerNorm, GELU, learned positions, biases",
+    )
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--first-layers-bf16", type=int, default=1)
@@ -122,15 +132,31 @@ def build_te_model(args, recipe, policy, device: torch.device):
         raise SystemExit("--impl te builds the Llama layer (RMSNorm, SwiGLU, RoPE); use --arch llama")
     mc = megatron_config(recipe, policy, backend="te")
     cfg = TransformerConfig(
-        num_layers=args.layers, hidden_size=args.hidden, ffn_hidden_size=args.ffn,
-        num_attention_heads=args.heads, num_query_groups=args.kv_heads, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=0.02,
-        normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        params_dtype=torch.float32, **mc.transformer_config_kwargs(),
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        ffn_hidden_size=args.ffn,
+        num_attention_heads=args.heads,
+        num_query_groups=args.kv_heads,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        params_dtype=torch.float32,
+        **mc.transformer_config_kwargs(),
     )
     torch.manual_seed(args.seed)
-    model = GPTModel(config=cfg, transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
-                     vocab_size=args.vocab, max_sequence_length=args.seq, position_embedding_type="rope")
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=get_gpt_layer_with_transformer_engine_spec(),
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq,
+        position_embedding_type="rope",
+    )
     return model.to(device)
 
 
@@ -168,9 +194,13 @@ def build_model(args, recipe, policy, device: torch.device):
     )
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
     torch.manual_seed(args.seed)
-    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=args.vocab,
-                     max_sequence_length=args.seq,
-                     position_embedding_type="rope" if llama else "learned_absolute")
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=spec,
+        vocab_size=args.vocab,
+        max_sequence_length=args.seq,
+        position_embedding_type="rope" if llama else "learned_absolute",
+    )
     model.to(device)
     convert_megatron_model(model, recipe, policy, device=device)
     return model
@@ -196,8 +226,9 @@ def batches(args, device: torch.device):
     )
 
     corpus = load_corpus(DataConfig(source="stdlib", max_bytes=8_000_000), ByteTokenizer())
-    tb = TrainBatches(PackedTokens(corpus.train, args.seq, "train"), seed=args.seed,
-                      micro_batch_size=args.micro_batch, grad_accum=1)
+    tb = TrainBatches(
+        PackedTokens(corpus.train, args.seq, "train"), seed=args.seed, micro_batch_size=args.micro_batch, grad_accum=1
+    )
     return lambda step: tb.get(step, 0, device)
 
 
@@ -207,8 +238,9 @@ def train_one(args, recipe_name: str, device: torch.device) -> dict:
     from nemo_fp8_recipes.recipes import uses_real_fp8_gemm
 
     recipe = get_recipe(recipe_name)
-    policy = PrecisionPolicy(first_layers_bf16=args.first_layers_bf16, last_layers_bf16=args.last_layers_bf16,
-                             num_layers=args.layers)
+    policy = PrecisionPolicy(
+        first_layers_bf16=args.first_layers_bf16, last_layers_bf16=args.last_layers_bf16, num_layers=args.layers
+    )
     t0 = time.perf_counter()
     hooks = None
     if args.impl == "te":
@@ -223,11 +255,16 @@ def train_one(args, recipe_name: str, device: torch.device) -> dict:
         mode = "no FP8" if not recipe.is_fp8 else "Transformer Engine FP8"
     else:
         model = build_model(args, recipe, policy, device)
-        mode = "no FP8" if not recipe.is_fp8 else ("real FP8 GEMMs" if uses_real_fp8_gemm(recipe, device) else "emulated")
+        mode = (
+            "no FP8" if not recipe.is_fp8 else ("real FP8 GEMMs" if uses_real_fp8_gemm(recipe, device) else "emulated")
+        )
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"\n=== {recipe_name} | {mode} on {describe_device(device)} | {n_params / 1e6:.1f}M params | "
-          f"{args.layers}x{args.hidden} ffn {args.ffn} heads {args.heads}/{args.kv_heads} seq {args.seq} "
-          f"mbs {args.micro_batch} | built+converted in {time.perf_counter() - t0:.1f}s", flush=True)
+    print(
+        f"\n=== {recipe_name} | {mode} on {describe_device(device)} | {n_params / 1e6:.1f}M params | "
+        f"{args.layers}x{args.hidden} ffn {args.ffn} heads {args.heads}/{args.kv_heads} seq {args.seq} "
+        f"mbs {args.micro_batch} | built+converted in {time.perf_counter() - t0:.1f}s",
+        flush=True,
+    )
     result = {"recipe": recipe_name, "impl": args.impl, "mode": mode, "params": n_params, "losses": []}
     if args.steps <= 0 and hooks is not None:
         raise SystemExit("--impl te needs --steps >= 1 (the TE audit records what ran)")
@@ -238,10 +275,16 @@ def train_one(args, recipe_name: str, device: torch.device) -> dict:
         return result
 
     get = batches(args, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1,
-                            fused=device.type == "cuda")
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, fused=device.type == "cuda"
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / max(1, args.warmup)) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps)))))
+        opt,
+        lambda s: (
+            min(1.0, (s + 1) / max(1, args.warmup))
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, s / args.steps))))
+        ),
+    )
     pos = torch.arange(args.seq, device=device).unsqueeze(0).expand(args.micro_batch, -1)
     model.train()
     times = []
@@ -274,30 +317,44 @@ def train_one(args, recipe_name: str, device: torch.device) -> dict:
             audit_rep = hooks.check() if hooks is not None else audit(model, strict=True)
             print(audit_rep.table(), flush=True)
         if (step + 1) % args.log_interval == 0 or step == 0 or step + 1 == args.steps:
-            print(f"{recipe_name} step {step + 1:4d} | loss {lv:.4f} | grad_norm {gn:.3f} | "
-                  f"{times[-1] * 1e3:.0f} ms", flush=True)
+            print(
+                f"{recipe_name} step {step + 1:4d} | loss {lv:.4f} | grad_norm {gn:.3f} | {times[-1] * 1e3:.0f} ms",
+                flush=True,
+            )
     steady = times[1:] or times
     tok_s = args.micro_batch * k_micro * args.seq * len(steady) / sum(steady)
     result["step_ms_median"] = 1e3 * sorted(steady)[len(steady) // 2]
     if device.type == "cuda":
         result["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     k = min(5, len(result["losses"]) // 2 or 1)
-    first = sum(l for _, l in result["losses"][:k]) / k
-    last = sum(l for _, l in result["losses"][-k:]) / k
-    result.update(first_loss_mean=first, last_loss_mean=last, loss_fell=last < first, tokens_per_s=tok_s,
-                  audit=_audit_summary(audit_rep) if hooks is None else _te_audit_summary(audit_rep))
+    first = sum(loss for _, loss in result["losses"][:k]) / k
+    last = sum(loss for _, loss in result["losses"][-k:]) / k
+    result.update(
+        first_loss_mean=first,
+        last_loss_mean=last,
+        loss_fell=last < first,
+        tokens_per_s=tok_s,
+        audit=_audit_summary(audit_rep) if hooks is None else _te_audit_summary(audit_rep),
+    )
     if hooks is not None:
         hooks.detach()
-    print(f"{recipe_name}: loss {first:.4f} (first {k}) -> {last:.4f} (last {k}), "
-          f"{'falls' if last < first else 'DOES NOT FALL'}; {tok_s / 1e3:.1f}k tok/s; "
-          f"policy {'held' if not audit_rep.violations else 'VIOLATED'}", flush=True)
+    print(
+        f"{recipe_name}: loss {first:.4f} (first {k}) -> {last:.4f} (last {k}), "
+        f"{'falls' if last < first else 'DOES NOT FALL'}; {tok_s / 1e3:.1f}k tok/s; "
+        f"policy {'held' if not audit_rep.violations else 'VIOLATED'}",
+        flush=True,
+    )
     return result
 
 
 def _te_audit_summary(rep) -> dict:
-    return {"violations": rep.violations, "fp8_off": rep.fp8_off,
-            "fp8_modules": sum(1 for r in rep.rows if r.decision == "fp8"),
-            "fp8_calls": sum(r.fp8_calls for r in rep.rows), "calls": sum(r.calls for r in rep.rows)}
+    return {
+        "violations": rep.violations,
+        "fp8_off": rep.fp8_off,
+        "fp8_modules": sum(1 for r in rep.rows if r.decision == "fp8"),
+        "fp8_calls": sum(r.fp8_calls for r in rep.rows),
+        "calls": sum(r.calls for r in rep.rows),
+    }
 
 
 def _audit_summary(rep) -> dict:
@@ -324,18 +381,29 @@ def main(argv=None) -> int:
 
         ok, why = te_available()
         if not ok or device.type != "cuda":
-            print(f"megatron_native_train: --impl te needs Transformer Engine on a CUDA GPU "
-                  f"({why if not ok else 'no GPU here'}); pip install '.[te]' there", file=sys.stderr)
+            print(
+                f"megatron_native_train: --impl te needs Transformer Engine on a CUDA GPU "
+                f"({why if not ok else 'no GPU here'}); pip install '.[te]' there",
+                file=sys.stderr,
+            )
             return 2
     if device.type != "cuda" and args.steps > 0:
-        print("megatron_native_train: the local spec's forward needs CUDA (Megatron's DotProductAttention); "
-              "on CPU use --steps 0 (build, convert, audit decisions)", file=sys.stderr)
+        print(
+            "megatron_native_train: the local spec's forward needs CUDA (Megatron's DotProductAttention); "
+            "on CPU use --steps 0 (build, convert, audit decisions)",
+            file=sys.stderr,
+        )
         return 2
     init_megatron(device, args.seed)
     import megatron.core
 
-    out = {"args": vars(args), "torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", "?"),
-           "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "runs": {}}
+    out = {
+        "args": vars(args),
+        "torch": torch.__version__,
+        "megatron_core": getattr(megatron.core, "__version__", "?"),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "runs": {},
+    }
     for name in [r.strip() for r in args.recipes.split(",") if r.strip()]:
         out["runs"][name] = train_one(args, name, device)
         # the last recipe's model, gradients and AdamW state sit in reference cycles (TE's and
@@ -348,8 +416,10 @@ def main(argv=None) -> int:
         print("\nrecipe       mode            first   last    falls  tok/s     fp8 modules  violations")
         for name, r in out["runs"].items():
             a = r["audit"]
-            print(f"{name:12s} {r['mode'][:15]:15s} {r['first_loss_mean']:.4f}  {r['last_loss_mean']:.4f}  "
-                  f"{str(r['loss_fell']):5s}  {r['tokens_per_s']:8.0f}  {a['fp8_modules']:11d}  {len(a['violations'])}")
+            print(
+                f"{name:12s} {r['mode'][:15]:15s} {r['first_loss_mean']:.4f}  {r['last_loss_mean']:.4f}  "
+                f"{str(r['loss_fell']):5s}  {r['tokens_per_s']:8.0f}  {a['fp8_modules']:11d}  {len(a['violations'])}"
+            )
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")

@@ -11,11 +11,11 @@ One command trains, compares and reports::
    an ordinary trainer run, the job the sweep ``nemo-fp8-train -m recipe=bf16,tensorwise,...
    trainer.seed=1,2,3 trainer.deterministic=true ...`` would run (it lands in the same directory,
    ``<root>/<model>/<recipe>-seed<N>``, its output in ``stdout.log`` there, beside the trainer's
-   ``train.log``); recipes of ``--emulate`` (mxfp8 on Hopper) get ``recipe.emulate=true``. Seeds run in order, all recipes
-   of a seed together, so a study cut short still pairs every seed it finished. A complete run is
-   not trained again; an interrupted one resumes from its checkpoint, or, without one, is moved
-   aside (``<dir>.incomplete-<time>``) and trained again. With ``--parallel N`` on a GPU the
-   trainer's memory estimate for N runs must fit the card.
+   ``train.log``); recipes of ``--emulate`` (mxfp8 on Hopper) get ``recipe.emulate=true``. Seeds
+   run in order, all recipes of a seed together, so a study cut short still pairs every seed it
+   finished. A complete run is not trained again; an interrupted one resumes from its checkpoint,
+   or, without one, is moved aside (``<dir>.incomplete-<time>``) and trained again. With
+   ``--parallel N`` on a GPU the trainer's memory estimate for N runs must fit the card.
 2. **Compare** with ``nemo-fp8-compare`` (baseline ``bf16``), which groups the runs by seed: the
    training loss (final loss = the mean over the last ``--last`` steps) into
    ``<root>/<model>/compare/train/`` and the validation loss (the last validation) into
@@ -57,15 +57,48 @@ FINE, PER_TENSOR = ("blockwise", "mxfp8"), ("tensorwise", "delayed")
 PRESETS = {
     # llama3_150m, 1250 steps x 32 sequences x 1024 tokens = 40,960,000 tokens a run; AdamW
     # (0.9/0.95, weight decay 0.1), peak lr 1.5e-3 after 100 warm-up steps, cosine to 1.5e-4
-    "full": dict(model="llama3_150m", steps=1250, seq_len=1024, micro_batch=16, global_batch=32, last=250,
-                 overrides=("trainer.warmup_steps=100", "trainer.log_interval=10", "trainer.val_interval=250",
-                            "trainer.val_steps=8", "trainer.telemetry_interval=0", "trainer.ckpt_interval=250",
-                            "trainer.ckpt_keep=1", "trainer.compile=true", "trainer.compile_mode=reduce-overhead")),
-    "smoke": dict(model="llama3_tiny", steps=6, seq_len=32, micro_batch=2, global_batch=4, last=2,
-                  overrides=("model.num_layers=1", "model.dim=128", "model.num_heads=2", "model.num_kv_heads=1",
-                             "model.ffn_dim=128", "data.max_files=20", "trainer.device=cpu", "trainer.warmup_steps=2",
-                             "trainer.log_interval=1", "trainer.val_interval=3", "trainer.val_steps=1",
-                             "trainer.checkpoint=false", "trainer.telemetry_interval=0")),
+    "full": dict(
+        model="llama3_150m",
+        steps=1250,
+        seq_len=1024,
+        micro_batch=16,
+        global_batch=32,
+        last=250,
+        overrides=(
+            "trainer.warmup_steps=100",
+            "trainer.log_interval=10",
+            "trainer.val_interval=250",
+            "trainer.val_steps=8",
+            "trainer.telemetry_interval=0",
+            "trainer.ckpt_interval=250",
+            "trainer.ckpt_keep=1",
+            "trainer.compile=true",
+            "trainer.compile_mode=reduce-overhead",
+        ),
+    ),
+    "smoke": dict(
+        model="llama3_tiny",
+        steps=6,
+        seq_len=32,
+        micro_batch=2,
+        global_batch=4,
+        last=2,
+        overrides=(
+            "model.num_layers=1",
+            "model.dim=128",
+            "model.num_heads=2",
+            "model.num_kv_heads=1",
+            "model.ffn_dim=128",
+            "data.max_files=20",
+            "trainer.device=cpu",
+            "trainer.warmup_steps=2",
+            "trainer.log_interval=1",
+            "trainer.val_interval=3",
+            "trainer.val_steps=1",
+            "trainer.checkpoint=false",
+            "trainer.telemetry_interval=0",
+        ),
+    ),
 }
 
 
@@ -102,9 +135,16 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
 
 def common_overrides(a: argparse.Namespace) -> List[str]:
     """The overrides every run gets (model, budget, determinism, run root, the preset, yours)."""
-    return [f"model={a.model}", f"trainer.max_steps={a.steps}", f"trainer.seq_len={a.seq_len}",
-            f"trainer.micro_batch_size={a.micro_batch}", f"trainer.global_batch_size={a.global_batch}",
-            "trainer.deterministic=true", f"run.root={a.root}", *a.overrides]
+    return [
+        f"model={a.model}",
+        f"trainer.max_steps={a.steps}",
+        f"trainer.seq_len={a.seq_len}",
+        f"trainer.micro_batch_size={a.micro_batch}",
+        f"trainer.global_batch_size={a.global_batch}",
+        "trainer.deterministic=true",
+        f"run.root={a.root}",
+        *a.overrides,
+    ]
 
 
 def sweep_commands(a: argparse.Namespace) -> List[List[str]]:
@@ -125,8 +165,13 @@ def jobs(a: argparse.Namespace) -> List[Dict[str, object]]:
     for seed in a.seeds:
         for r in a.recipes:
             name = f"{r}-seed{seed}"
-            argv = [f"recipe={r}", *(["recipe.emulate=true"] if r in a.emulate else []), f"trainer.seed={seed}",
-                    "run.sweep=[trainer.seed]", *common_overrides(a)]
+            argv = [
+                f"recipe={r}",
+                *(["recipe.emulate=true"] if r in a.emulate else []),
+                f"trainer.seed={seed}",
+                "run.sweep=[trainer.seed]",
+                *common_overrides(a),
+            ]
             out.append({"name": name, "recipe": r, "seed": seed, "dir": Path(a.root) / a.model / name, "argv": argv})
     return out
 
@@ -164,15 +209,21 @@ def check_parallel_fits(a: argparse.Namespace) -> Optional[str]:
 
     cfg = compose_config([j for j in jobs(a)[0]["argv"] if not j.startswith("data.paths")])
     mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    est = max(estimate_training_memory(mcfg, tokens_per_micro_batch=a.micro_batch * a.seq_len, fp8=fp8,
-                                       activation_bytes=2, cpu=False).total for fp8 in (False, True))
+    est = max(
+        estimate_training_memory(
+            mcfg, tokens_per_micro_batch=a.micro_batch * a.seq_len, fp8=fp8, activation_bytes=2, cpu=False
+        ).total
+        for fp8 in (False, True)
+    )
     total = torch.cuda.get_device_properties(0).total_memory
     fits = int(0.9 * total // est)
     if fits >= a.parallel:
         return None
-    return (f"--parallel {a.parallel}: each run needs about {format_bytes(est)} by the trainer's estimate, and "
-            f"{a.parallel} of them do not fit in 90% of this GPU's {format_bytes(total)}; use --parallel "
-            f"{max(1, fits)}")
+    return (
+        f"--parallel {a.parallel}: each run needs about {format_bytes(est)} by the trainer's estimate, and "
+        f"{a.parallel} of them do not fit in 90% of this GPU's {format_bytes(total)}; use --parallel "
+        f"{max(1, fits)}"
+    )
 
 
 def train_all(a: argparse.Namespace) -> List[str]:
@@ -196,8 +247,12 @@ def train_all(a: argparse.Namespace) -> List[str]:
             j["dir"].mkdir(parents=True, exist_ok=True)
             log = open(j["dir"] / "stdout.log", "a", encoding="utf-8")
             print(f"$ nemo-fp8-train {shlex.join(j['argv'])}   # -> {j['dir'] / 'stdout.log'}", flush=True)
-            proc = subprocess.Popen([sys.executable, "-m", "nemo_fp8_recipes.train", *j["argv"]], stdout=log,
-                                    stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "nemo_fp8_recipes.train", *j["argv"]],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
             running.append((j, proc, log, time.time()))
         time.sleep(0.5)
         for item in list(running):
@@ -209,8 +264,11 @@ def train_all(a: argparse.Namespace) -> List[str]:
             status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}; see its stdout.log)"
             if proc.returncode:
                 failed.append(j["name"])
-            print(f"{j['name']}: {status} in {time.time() - started:.0f} s ({len(todo)} waiting, {len(running)} "
-                  f"running, {time.time() - t0:.0f} s so far)", flush=True)
+            print(
+                f"{j['name']}: {status} in {time.time() - started:.0f} s ({len(todo)} waiting, {len(running)} "
+                f"running, {time.time() - t0:.0f} s so far)",
+                flush=True,
+            )
     return failed
 
 
@@ -219,8 +277,18 @@ def compare(dirs: Sequence[Path], out: Path, tag: str, last: int, max_rel_dev: O
     process); its JSON export, or None when it could not compare (its message is printed)."""
     from nemo_fp8_recipes.compare import main as compare_main
 
-    argv = [*map(str, dirs), "--tag", tag, "--last", str(last), "--baseline", "bf16", "--out", str(out),
-            *(["--max-rel-dev", str(max_rel_dev)] if max_rel_dev is not None else [])]
+    argv = [
+        *map(str, dirs),
+        "--tag",
+        tag,
+        "--last",
+        str(last),
+        "--baseline",
+        "bf16",
+        "--out",
+        str(out),
+        *(["--max-rel-dev", str(max_rel_dev)] if max_rel_dev is not None else []),
+    ]
     print(f"\n$ nemo-fp8-compare {shlex.join(argv)}", flush=True)
     rc = compare_main(argv)
     path = out / "compare.json"
@@ -266,15 +334,25 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
                 complete.append(s)
         goal = GOALS.get(r)
         recipes[r] = {
-            "seeds": (tr or {}).get("seeds", []), "complete_seeds": complete,
-            "train_loss": (tr or {}).get("final_loss"), "val_loss": (va or {}).get("final_loss"),
-            "train_vs_bf16": (tr or {}).get("final_vs_baseline"), "train_interval": (tr or {}).get("interval"),
-            "val_vs_bf16": (va or {}).get("final_vs_baseline"), "val_interval": (va or {}).get("interval"),
-            "tracking": (tr or {}).get("mean_abs_dev"), "tracking_interval": (tr or {}).get("mean_abs_dev_interval"),
-            "per_seed_train": (tr or {}).get("per_seed", {}), "per_seed_val": (va or {}).get("per_seed", {}),
-            "tracking_per_seed": {str(s): (runs[s] or {}).get("window_mean_rel_dev") for s in a.seeds
-                                  if runs[s] and not runs[s].get("baseline")},
-            "tokens_per_s": (tr or {}).get("tokens_per_s"), "goal": goal,
+            "seeds": (tr or {}).get("seeds", []),
+            "complete_seeds": complete,
+            "train_loss": (tr or {}).get("final_loss"),
+            "val_loss": (va or {}).get("final_loss"),
+            "train_vs_bf16": (tr or {}).get("final_vs_baseline"),
+            "train_interval": (tr or {}).get("interval"),
+            "val_vs_bf16": (va or {}).get("final_vs_baseline"),
+            "val_interval": (va or {}).get("interval"),
+            "tracking": (tr or {}).get("mean_abs_dev"),
+            "tracking_interval": (tr or {}).get("mean_abs_dev_interval"),
+            "per_seed_train": (tr or {}).get("per_seed", {}),
+            "per_seed_val": (va or {}).get("per_seed", {}),
+            "tracking_per_seed": {
+                str(s): (runs[s] or {}).get("window_mean_rel_dev")
+                for s in a.seeds
+                if runs[s] and not runs[s].get("baseline")
+            },
+            "tokens_per_s": (tr or {}).get("tokens_per_s"),
+            "goal": goal,
             "goal_train": _verdict((tr or {}).get("interval"), goal) if goal and tr else None,
             "goal_val": _verdict((va or {}).get("interval"), goal) if goal and va else None,
             "gate_passed": (tr or {}).get("passed"),
@@ -291,14 +369,33 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
             fa, pa = recipes[fine]["per_seed_val"], recipes[pt]["per_seed_val"]
             vseeds = [s for s in fa if s in pa]
             vdiff, vci = _interval([abs(fa[s]) - abs(pa[s]) for s in vseeds])
-            contrasts.append({"fine": fine, "per_tensor": pt, "seeds": seeds, "tracking_diff": diff,
-                              "tracking_interval": ci, "val_abs_diff": vdiff, "val_abs_interval": vci})
+            contrasts.append(
+                {
+                    "fine": fine,
+                    "per_tensor": pt,
+                    "seeds": seeds,
+                    "tracking_diff": diff,
+                    "tracking_interval": ci,
+                    "val_abs_diff": vdiff,
+                    "val_abs_interval": vci,
+                }
+            )
     noise = {tag: (c or {}).get("noise") for tag, c in cmp.items()}
-    return {"model": a.model, "steps": a.steps, "tokens_per_run": a.steps * a.global_batch * a.seq_len,
-            "seeds": a.seeds, "last": a.last, "preset": a.preset, "corpus": a.corpus or _corpus_of(a),
-            "overrides": a.overrides,
-            "emulated": a.emulate, "recipes": recipes, "contrasts": contrasts, "noise": noise,
-            "compare": {tag: str(Path(a.root) / a.model / "compare" / tag) for tag in cmp if cmp[tag]}}
+    return {
+        "model": a.model,
+        "steps": a.steps,
+        "tokens_per_run": a.steps * a.global_batch * a.seq_len,
+        "seeds": a.seeds,
+        "last": a.last,
+        "preset": a.preset,
+        "corpus": a.corpus or _corpus_of(a),
+        "overrides": a.overrides,
+        "emulated": a.emulate,
+        "recipes": recipes,
+        "contrasts": contrasts,
+        "noise": noise,
+        "compare": {tag: str(Path(a.root) / a.model / "compare" / tag) for tag in cmp if cmp[tag]},
+    }
 
 
 def _corpus_of(a: argparse.Namespace) -> Optional[str]:
@@ -328,14 +425,19 @@ def _ci(x, ci, signed: bool = True) -> str:
 def report_markdown(rep: dict) -> str:
     """``report.md``: the settings, one row per recipe, the noise floor, the contrasts."""
     smoke = rep["preset"] == "smoke"
-    lines = [f"# Numerics study{' (SMOKE: tiny CPU run, no conclusions)' if smoke else ''}", "",
-             f"{rep['model']}, {rep['steps']} steps, {rep['tokens_per_run']:,} tokens per run, seeds "
-             f"{', '.join(map(str, rep['seeds']))}, deterministic; deviations are FP8 minus BF16 at the same seed, "
-             f"relative to BF16, mean over seeds [95% interval]; train loss = mean over the last {rep['last']} steps, "
-             "val loss = the last validation; tracking = mean |relative deviation| of the training loss over the "
-             f"last {rep['last']} steps. Corpus: {rep['corpus'] or 'the trainer default (data=stdlib)'}.", "",
-             "| recipe | seeds | train loss | vs bf16 (train) | val loss | vs bf16 (val) | tracking | goal | "
-             "met (train / val) | tokens/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Numerics study{' (SMOKE: tiny CPU run, no conclusions)' if smoke else ''}",
+        "",
+        f"{rep['model']}, {rep['steps']} steps, {rep['tokens_per_run']:,} tokens per run, seeds "
+        f"{', '.join(map(str, rep['seeds']))}, deterministic; deviations are FP8 minus BF16 at the same seed, "
+        f"relative to BF16, mean over seeds [95% interval]; train loss = mean over the last {rep['last']} steps, "
+        "val loss = the last validation; tracking = mean |relative deviation| of the training loss over the "
+        f"last {rep['last']} steps. Corpus: {rep['corpus'] or 'the trainer default (data=stdlib)'}.",
+        "",
+        "| recipe | seeds | train loss | vs bf16 (train) | val loss | vs bf16 (val) | tracking | goal | "
+        "met (train / val) | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in rep["recipes"].items():
         base = name == "bf16"
         goal = "—" if r["goal"] is None else f"±{100 * r['goal']:.2f}%"
@@ -347,21 +449,28 @@ def report_markdown(rep: dict) -> str:
             f"{'—' if r['val_loss'] is None else format(r['val_loss'], '.4f')} | "
             f"{'—' if base else _ci(r['val_vs_bf16'], r['val_interval'])} | "
             f"{'—' if base else _ci(r['tracking'], r['tracking_interval'], False)} | {goal} | {met} | "
-            f"{'—' if r['tokens_per_s'] is None else format(r['tokens_per_s'], ',.0f')} |")
+            f"{'—' if r['tokens_per_s'] is None else format(r['tokens_per_s'], ',.0f')} |"
+        )
     for tag in ("train", "val"):
         n = rep["noise"].get(tag)
         if n:
             sd = "—" if n.get("seed_sd") is None else _pct(n["seed_sd"], False)
             pair = "—" if n.get("seed_max_pair") is None else _pct(n["seed_max_pair"], False)
-            lines += ["", f"Noise floor ({tag} loss): BF16 seed to seed, sd {sd} of the mean, two seeds differ by up "
-                          f"to {pair}; the same seed run again: "
-                          + ("0 (deterministic)" if n.get("deterministic") and not n.get("reruns") else
-                             "see compare/" + tag)]
+            lines += [
+                "",
+                f"Noise floor ({tag} loss): BF16 seed to seed, sd {sd} of the mean, two seeds differ by up "
+                f"to {pair}; the same seed run again: "
+                + ("0 (deterministic)" if n.get("deterministic") and not n.get("reruns") else "see compare/" + tag),
+            ]
     if rep["contrasts"]:
-        lines += ["", "Fine-grained against per-tensor scaling (paired by seed; negative = the fine-grained recipe "
-                      "tracks BF16 more closely):", "",
-                  "| recipes | seeds | tracking difference [95% interval] | \\|val deviation\\| difference | answer |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Fine-grained against per-tensor scaling (paired by seed; negative = the fine-grained recipe "
+            "tracks BF16 more closely):",
+            "",
+            "| recipes | seeds | tracking difference [95% interval] | \\|val deviation\\| difference | answer |",
+            "|---|---|---|---|---|",
+        ]
         for c in rep["contrasts"]:
             ci = c["tracking_interval"]
             if ci is None:
@@ -372,13 +481,18 @@ def report_markdown(rep: dict) -> str:
                 answer = f"{c['per_tensor']} tracks BF16 more closely"
             else:
                 answer = "not resolved: the difference is within what these seeds resolve"
-            lines.append(f"| {c['fine']} vs {c['per_tensor']} | {', '.join(c['seeds'])} | "
-                         f"{_ci(c['tracking_diff'], ci)} | {_ci(c['val_abs_diff'], c['val_abs_interval'])} | "
-                         f"{answer} |")
+            lines.append(
+                f"| {c['fine']} vs {c['per_tensor']} | {', '.join(c['seeds'])} | "
+                f"{_ci(c['tracking_diff'], ci)} | {_ci(c['val_abs_diff'], c['val_abs_interval'])} | "
+                f"{answer} |"
+            )
     if rep.get("unfinished"):
         lines += ["", f"Not compared (unfinished): {', '.join(rep['unfinished'])}."]
-    lines += ["", "Loss curves, per-step deviations with their intervals, and every number at full precision: "
-              + ", ".join(f"`{p}`" for p in rep["compare"].values())]
+    lines += [
+        "",
+        "Loss curves, per-step deviations with their intervals, and every number at full precision: "
+        + ", ".join(f"`{p}`" for p in rep["compare"].values()),
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -387,23 +501,44 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--root", default="runs/study", help="run root (default %(default)s)")
     p.add_argument("--recipes", default=",".join(RECIPES), help="comma list, bf16 included (default: all)")
     p.add_argument("--seeds", default="1,2,3", help="comma list of seeds, every recipe at each (default %(default)s)")
-    p.add_argument("--emulate", default="mxfp8",
-                   help="recipes trained with recipe.emulate=true, e.g. mxfp8 on Hopper (default %(default)s)")
-    p.add_argument("--corpus", default=None, metavar="JSONL",
-                   help="the training text (benchmarks/study_corpus.py builds one); default the trainer's (stdlib)")
-    p.add_argument("--parallel", type=int, default=1, metavar="N",
-                   help="runs side by side on the device (default 1; checked against the GPU's memory)")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="full",
-                   help="full: llama3_150m, 40,960,000 tokens a run, one GPU; smoke: a tiny CPU run for tests")
+    p.add_argument(
+        "--emulate",
+        default="mxfp8",
+        help="recipes trained with recipe.emulate=true, e.g. mxfp8 on Hopper (default %(default)s)",
+    )
+    p.add_argument(
+        "--corpus",
+        default=None,
+        metavar="JSONL",
+        help="the training text (benchmarks/study_corpus.py builds one); default the trainer's (stdlib)",
+    )
+    p.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="runs side by side on the device (default 1; checked against the GPU's memory)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="full",
+        help="full: llama3_150m, 40,960,000 tokens a run, one GPU; smoke: a tiny CPU run for tests",
+    )
     p.add_argument("--model", default=None, help="model config (default: the preset's)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=None)
     p.add_argument("--micro-batch", type=int, default=None)
     p.add_argument("--global-batch", type=int, default=None)
     p.add_argument("--last", type=int, default=None, help="final-loss window in steps (default: the preset's)")
-    p.add_argument("--max-rel-dev", type=float, default=None, metavar="X",
-                   help="gate on the training loss: fail (exit 1) a recipe whose 95%% interval of the final-loss "
-                        "deviation reaches beyond ±X (0.005 = 0.5%%)")
+    p.add_argument(
+        "--max-rel-dev",
+        type=float,
+        default=None,
+        metavar="X",
+        help="gate on the training loss: fail (exit 1) a recipe whose 95%% interval of the final-loss "
+        "deviation reaches beyond ±X (0.005 = 0.5%%)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the training commands only")
     p.add_argument("--report-only", action="store_true", help="compare and report existing runs (no training)")
     p.add_argument("extra", nargs="*", help="Hydra overrides for every run (e.g. trainer.lr=1e-3)")
@@ -436,14 +571,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     done = [j for j in jobs(a) if run_state(j["dir"], a.steps) == "complete"]
     unfinished = [j["name"] for j in jobs(a) if j not in done and j["dir"].exists()]
     if unfinished:
-        print(f"numerics_study: not compared, unfinished: {', '.join(unfinished)} (the same command again "
-              "finishes them)", file=sys.stderr)
+        print(
+            f"numerics_study: not compared, unfinished: {', '.join(unfinished)} (the same command again finishes them)",
+            file=sys.stderr,
+        )
     dirs = [j["dir"] for j in done]
     if not any(j["recipe"] == "bf16" for j in done):
         print(f"numerics_study: error: no complete bf16 run under {out} to compare against", file=sys.stderr)
         return 2
-    cmp = {"train": compare(dirs, out / "compare" / "train", "train/loss", a.last, a.max_rel_dev),
-           "val": compare(dirs, out / "compare" / "val", "val/loss", 1, None)}
+    cmp = {
+        "train": compare(dirs, out / "compare" / "train", "train/loss", a.last, a.max_rel_dev),
+        "val": compare(dirs, out / "compare" / "val", "val/loss", 1, None),
+    }
     if cmp["train"] is None:
         print("numerics_study: error: the training losses could not be compared (see above)", file=sys.stderr)
         return 2
@@ -454,8 +593,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n", encoding="utf-8")
     print("\n" + md + f"\nreport: {out / 'report.md'}, {out / 'report.json'}")
     if failed:
-        print(f"numerics_study: {len(failed)} run(s) failed: {', '.join(failed)}; the same command again resumes "
-              "or retrains them", file=sys.stderr)
+        print(
+            f"numerics_study: {len(failed)} run(s) failed: {', '.join(failed)}; the same command again resumes "
+            "or retrains them",
+            file=sys.stderr,
+        )
     return 1 if failed or cmp["train"].get("passed") is False else 0
 
 

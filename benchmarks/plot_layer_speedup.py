@@ -19,8 +19,14 @@ import sys
 from pathlib import Path
 
 #: one colour per recipe, the same in every plot of the docs
-RECIPE_COLORS = {"bf16": "tab:gray", "tensorwise": "tab:blue", "blockwise": "tab:green", "delayed": "tab:orange",
-                 "mxfp8": "tab:purple", "rowwise": "tab:brown"}
+RECIPE_COLORS = {
+    "bf16": "tab:gray",
+    "tensorwise": "tab:blue",
+    "blockwise": "tab:green",
+    "delayed": "tab:orange",
+    "mxfp8": "tab:purple",
+    "rowwise": "tab:brown",
+}
 #: line style and legend label per implementation
 IMPLS = {"ours": ("-", "ours, compiled"), "te": ("--", "TE layer, eager"), "torchao": (":", "torchao, compiled")}
 SIZES = ("8b", "70b", "405b")
@@ -40,7 +46,7 @@ def speedups(rows: list, mode: str = "compiled") -> dict:
         if r.get("mode") != mode or r.get("status") != "ok" or r.get("speedup") is None:
             continue
         v = r["variant"]
-        impl, recipe = next(((i, v[len(i) + 1:]) for i in ("te", "torchao") if v.startswith(i + "-")), ("ours", v))
+        impl, recipe = next(((i, v[len(i) + 1 :]) for i in ("te", "torchao") if v.startswith(i + "-")), ("ours", v))
         if recipe not in RECIPE_COLORS:
             continue
         out.setdefault((impl, recipe), {})[r["size"]] = r["speedup"]
@@ -61,8 +67,14 @@ def plot(rows: list, out: Path, title: str) -> None:
     xs = {s: i for i, s in enumerate(sizes)}
     for (impl, recipe), by_size in sorted(sp.items()):
         pts = [(xs[s], by_size[s]) for s in sizes if s in by_size]
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=RECIPE_COLORS[recipe],
-                linestyle=IMPLS[impl][0], label=f"{recipe} ({IMPLS[impl][1]})")
+        ax.plot(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            marker="o",
+            color=RECIPE_COLORS[recipe],
+            linestyle=IMPLS[impl][0],
+            label=f"{recipe} ({IMPLS[impl][1]})",
+        )
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(sizes)), [f"Llama 3 {s.upper()}" for s in sizes])
     ax.set_ylabel("speed-up over our compiled BF16 layer (×)")
@@ -87,8 +99,10 @@ def main(argv=None) -> int:
         rows += rows_of(data)
         first = data.get("runs", [data])[0]
         meta = {"device": first.get("device"), "seq": first.get("seq"), "date": data.get("date")}
-    title = a.title or (f"Llama 3 layer fwd+bwd, seq {meta['seq']}, real FP8 on {meta['device']}"
-                        + (f" ({meta['date']})" if meta.get("date") else ""))
+    title = a.title or (
+        f"Llama 3 layer fwd+bwd, seq {meta['seq']}, real FP8 on {meta['device']}"
+        + (f" ({meta['date']})" if meta.get("date") else "")
+    )
     plot(rows, Path(a.out), title)
     return 0
 

@@ -40,25 +40,38 @@ VARIANTS = [
     ("per-tensor (amax + cast)", "tensor", "e4m3", "fp32", -1, "one"),
     ("per-tensor cast + amax, scale given (delayed)", "tensor", "e4m3", "fp32", -1, "delayed"),
     ("per-tensor both copies: amax + one-read cast (tensorwise pair)", "tensor", "e4m3", "fp32", -1, "pair"),
-    ("per-tensor both copies + amax, scale given, one read (delayed pair)", "tensor", "e4m3", "fp32", -1,
-     "delayed-pair"),
+    (
+        "per-tensor both copies + amax, scale given, one read (delayed pair)",
+        "tensor",
+        "e4m3",
+        "fp32",
+        -1,
+        "delayed-pair",
+    ),
     ("1x128 rows", "1x128", "e4m3", "pow2", -1, "one"),
     ("1x128 cols + transpose (wgrad copy)", "1x128", "e4m3", "pow2", 0, "one"),
     ("1x128 rows + cols^T, two kernels (dispatch)", "1x128", "e4m3", "pow2", -1, "pair"),
     ("1x128 rows + cols^T from one read", "1x128", "e4m3", "pow2", -1, "dual"),
     ("128x128 blocks", "128x128", "e4m3", "pow2", -1, "one"),
-    ("128x128 blocks, then the transposed codes copied (weight dgrad copy)", "128x128", "e4m3", "pow2", -1,
-     "then-t"),
-    ("128x128 blocks, then the transposed codes copied by Inductor (compiled)", "128x128", "e4m3", "pow2", -1,
-     "then-t-inductor"),
+    ("128x128 blocks, then the transposed codes copied (weight dgrad copy)", "128x128", "e4m3", "pow2", -1, "then-t"),
+    (
+        "128x128 blocks, then the transposed codes copied by Inductor (compiled)",
+        "128x128",
+        "e4m3",
+        "pow2",
+        -1,
+        "then-t-inductor",
+    ),
     ("128x128 blocks + transposed codes from one pass (weight pair)", "128x128", "e4m3", "pow2", -1, "pair"),
     ("1x32 E8M0 rows", "1x32", "e4m3", "e8m0_ceil", -1, "one"),
     ("1x32 E8M0 cols + transpose", "1x32", "e4m3", "e8m0_ceil", 0, "one"),
 ]
 #: Bytes each variant must move at least, over the bytes counted (read once + codes + scales):
 #: per-tensor current scaling reads the source twice (amax, then cast) -> 5 of 3 bytes/element.
-MIN_TRAFFIC = {"per-tensor (amax + cast)": 5 / 3,
-               "per-tensor both copies: amax + one-read cast (tensorwise pair)": 6 / 4}
+MIN_TRAFFIC = {
+    "per-tensor (amax + cast)": 5 / 3,
+    "per-tensor both copies: amax + one-read cast (tensorwise pair)": 6 / 4,
+}
 
 
 #: ``--sweep``: the launch configurations tried per kernel (tile sizes x warps); see
@@ -66,54 +79,130 @@ MIN_TRAFFIC = {"per-tensor (amax + cast)": 5 / 3,
 #: ``kernels/quantize_dual.py``).
 SWEEP = {
     # groups: scaling groups per tile along the grouped dim (tiles of at most 16-32K elements)
-    "rows128": [{"block_r": b, "num_warps": w, "groups": g} for g in (1, 2, 4) for b in (8, 16, 32, 64)
-                for w in (2, 4, 8) if b * g * 128 <= 16384],
-    "rows32": [{"block_r": b, "num_warps": w, "groups": g} for g in (1, 4, 8, 16) for b in (8, 16, 32, 64)
-               for w in (4, 8) if b * g * 32 <= 16384],
-    "cols_t128": [{"block_c": b, "num_warps": w, "groups": g} for g in (1, 2) for b in (32, 64, 128)
-                  for w in (2, 4, 8) if b * g * 128 <= 16384],
-    "cols_t32": [{"block_c": b, "num_warps": w, "groups": g} for g in (1, 2, 4, 8) for b in (32, 64, 128)
-                 for w in (2, 4, 8) if b * g * 32 <= 16384],
+    "rows128": [
+        {"block_r": b, "num_warps": w, "groups": g}
+        for g in (1, 2, 4)
+        for b in (8, 16, 32, 64)
+        for w in (2, 4, 8)
+        if b * g * 128 <= 16384
+    ],
+    "rows32": [
+        {"block_r": b, "num_warps": w, "groups": g}
+        for g in (1, 4, 8, 16)
+        for b in (8, 16, 32, 64)
+        for w in (4, 8)
+        if b * g * 32 <= 16384
+    ],
+    "cols_t128": [
+        {"block_c": b, "num_warps": w, "groups": g}
+        for g in (1, 2)
+        for b in (32, 64, 128)
+        for w in (2, 4, 8)
+        if b * g * 128 <= 16384
+    ],
+    "cols_t32": [
+        {"block_c": b, "num_warps": w, "groups": g}
+        for g in (1, 2, 4, 8)
+        for b in (32, 64, 128)
+        for w in (2, 4, 8)
+        if b * g * 32 <= 16384
+    ],
     "blocks128": [{"num_warps": w} for w in (4, 8, 16)],
     # the column kernels with the loaded tile kept in BF16 through the amax (bf16_tile), and without
-    "cols_t128_bf16": [{"bf16_tile": b16, "block_c": b, "num_warps": w, "groups": g}
-                       for b16 in (True, False) for b in (32, 64, 128) for w in (2, 4) for g in (1, 2)
-                       if b * g <= 128],
-    "cols_t32_bf16": [{"bf16_tile": b16, "block_c": b, "num_warps": w, "groups": g}
-                      for b16 in (True, False) for b in (64, 128) for w in (2, 4) for g in (1, 2, 4)],
-    "tensor_dual_delayed_bf16": [{"bf16_tile": b16, "block_r": r, "block_c": c, "num_warps": w}
-                                 for b16 in (True, False)
-                                 for r, c, w in ((32, 256, 4), (64, 256, 8), (64, 256, 4), (64, 128, 4),
-                                                 (32, 128, 2), (128, 128, 8), (32, 512, 8))],
+    "cols_t128_bf16": [
+        {"bf16_tile": b16, "block_c": b, "num_warps": w, "groups": g}
+        for b16 in (True, False)
+        for b in (32, 64, 128)
+        for w in (2, 4)
+        for g in (1, 2)
+        if b * g <= 128
+    ],
+    "cols_t32_bf16": [
+        {"bf16_tile": b16, "block_c": b, "num_warps": w, "groups": g}
+        for b16 in (True, False)
+        for b in (64, 128)
+        for w in (2, 4)
+        for g in (1, 2, 4)
+    ],
+    "tensor_dual_delayed_bf16": [
+        {"bf16_tile": b16, "block_r": r, "block_c": c, "num_warps": w}
+        for b16 in (True, False)
+        for r, c, w in (
+            (32, 256, 4),
+            (64, 256, 8),
+            (64, 256, 4),
+            (64, 128, 4),
+            (32, 128, 2),
+            (128, 128, 8),
+            (32, 512, 8),
+        )
+    ],
     # the per-tensor cast with a given scale (delayed scaling, the amax folded in: one read)
-    "tensor_delayed": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384, 32768) for w in (4, 8, 16)
-                       if b // (w * 32) <= 128],
+    "tensor_delayed": [
+        {"block": b, "num_warps": w}
+        for b in (2048, 4096, 8192, 16384, 32768)
+        for w in (4, 8, 16)
+        if b // (w * 32) <= 128
+    ],
     "tensor": [{"block": b, "num_warps": w} for b in (2048, 4096, 8192, 16384) for w in (4, 8, 16)],
     # the per-tensor amax folds with and without the accumulator read before the atomic
     # (amax_check): current scaling's amax pass, the delayed cast, the delayed pair
     "tensor_check": [{"amax_check": c, "block": b, "num_warps": 8} for c in (True, False) for b in (4096, 8192, 16384)],
-    "tensor_delayed_check": [{"amax_check": c, "block": b, "num_warps": 8} for c in (True, False)
-                             for b in (2048, 4096, 8192)],
-    "tensor_dual_delayed_check": [{"amax_check": ck, "block_r": r, "block_c": c, "num_warps": w}
-                                  for ck in (True, False)
-                                  for r, c, w in ((64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8), (32, 128, 2))]
-    + [{"amax_check": True, "block_r": r, "block_c": c, "num_warps": w}
-       for r, c, w in ((32, 256, 8), (32, 512, 4), (32, 512, 8), (16, 512, 4), (16, 256, 2), (16, 256, 4),
-                       (64, 256, 4), (64, 128, 2), (32, 128, 4), (16, 1024, 8))],
+    "tensor_delayed_check": [
+        {"amax_check": c, "block": b, "num_warps": 8} for c in (True, False) for b in (2048, 4096, 8192)
+    ],
+    "tensor_dual_delayed_check": [
+        {"amax_check": ck, "block_r": r, "block_c": c, "num_warps": w}
+        for ck in (True, False)
+        for r, c, w in ((64, 128, 4), (32, 256, 4), (64, 256, 8), (128, 128, 8), (32, 128, 2))
+    ]
+    + [
+        {"amax_check": True, "block_r": r, "block_c": c, "num_warps": w}
+        for r, c, w in (
+            (32, 256, 8),
+            (32, 512, 4),
+            (32, 512, 8),
+            (16, 512, 4),
+            (16, 256, 2),
+            (16, 256, 4),
+            (64, 256, 4),
+            (64, 128, 2),
+            (32, 128, 4),
+            (16, 1024, 8),
+        )
+    ],
     "dual128": [{"num_warps": w} for w in (4, 8, 16)],
     "dual32": [{"tile": t, "num_warps": w} for t in (64, 128) for w in (4, 8, 16)],
-    "tensor_dual": [{"block_r": r, "block_c": c, "num_warps": w}
-                    for r, c in ((32, 256), (64, 64), (64, 128), (128, 64), (128, 128), (64, 256), (256, 64),
-                                 (128, 256), (256, 128)) for w in (4, 8)],
-    "tensor_dual_delayed": [{"block_r": r, "block_c": c, "num_warps": w, "fold_amax": f}
-                            for f in (True, False)
-                            for r, c, w in ((64, 256, 8), (64, 128, 4), (128, 64, 4), (128, 128, 8),
-                                            (256, 64, 8), (32, 256, 4))],
+    "tensor_dual": [
+        {"block_r": r, "block_c": c, "num_warps": w}
+        for r, c in (
+            (32, 256),
+            (64, 64),
+            (64, 128),
+            (128, 64),
+            (128, 128),
+            (64, 256),
+            (256, 64),
+            (128, 256),
+            (256, 128),
+        )
+        for w in (4, 8)
+    ],
+    "tensor_dual_delayed": [
+        {"block_r": r, "block_c": c, "num_warps": w, "fold_amax": f}
+        for f in (True, False)
+        for r, c, w in ((64, 256, 8), (64, 128, 4), (128, 64, 4), (128, 128, 8), (256, 64, 8), (32, 256, 4))
+    ],
 }
 #: sweep families that tune another entry of ``LAUNCH`` (the kernel they time)
-SWEEP_KERNEL = {"cols_t128_bf16": "cols_t128", "cols_t32_bf16": "cols_t32",
-                "tensor_dual_delayed_bf16": "tensor_dual_delayed", "tensor_check": "tensor",
-                "tensor_delayed_check": "tensor_delayed", "tensor_dual_delayed_check": "tensor_dual_delayed"}
+SWEEP_KERNEL = {
+    "cols_t128_bf16": "cols_t128",
+    "cols_t32_bf16": "cols_t32",
+    "tensor_dual_delayed_bf16": "tensor_dual_delayed",
+    "tensor_check": "tensor",
+    "tensor_delayed_check": "tensor_delayed",
+    "tensor_dual_delayed_check": "tensor_dual_delayed",
+}
 #: the tile order of the tiled kernels (bands of group_r row tiles; the default 0 = row tiles
 #: fastest over the whole grid), tried with each kernel's default tile configuration
 for _k in ("rows128", "rows32", "cols_t128", "cols_t32", "blocks128", "dual128", "dual32"):
@@ -165,11 +254,20 @@ _SWEEP_SCALE = _Scales()
 def _codes(out):
     """Everything a quantisation wrote: codes, scales and (MX) the E8M0 scale bytes."""
     outs = out if isinstance(out, tuple) else (out,)
-    return [(o.data.view(torch.uint8).clone(),
-             torch.cat([torch.as_tensor(o.scale_inv).float().reshape(-1).view(torch.uint8).clone(),
-                        o.scale_e8m0.view(torch.uint8).reshape(-1).clone() if o.scale_e8m0 is not None
-                        else torch.empty(0, dtype=torch.uint8, device=o.data.device)]))
-            for o in outs]
+    return [
+        (
+            o.data.view(torch.uint8).clone(),
+            torch.cat(
+                [
+                    torch.as_tensor(o.scale_inv).float().reshape(-1).view(torch.uint8).clone(),
+                    o.scale_e8m0.view(torch.uint8).reshape(-1).clone()
+                    if o.scale_e8m0 is not None
+                    else torch.empty(0, dtype=torch.uint8, device=o.data.device),
+                ]
+            ),
+        )
+        for o in outs
+    ]
 
 
 def sweep(xs, iters: int, copy_bw: float, kernels, warmup: int = 5) -> list:
@@ -189,17 +287,27 @@ def sweep(xs, iters: int, copy_bw: float, kernels, warmup: int = 5) -> list:
         for cfg in SWEEP[family]:
             with tk.launch_config(kernel, **cfg):
                 try:
-                    same = all(torch.equal(a, b) and torch.equal(sa, sb)
-                               for (a, sa), (b, sb) in zip(_codes(fn(xs[0])), ref))
+                    same = all(
+                        torch.equal(a, b) and torch.equal(sa, sb) for (a, sa), (b, sb) in zip(_codes(fn(xs[0])), ref)
+                    )
                     gms = bench_graph(lambda i: fn(xs[i]), len(xs), iters=iters) if xs[0].is_cuda else None
                     ms = bench(lambda i: fn(xs[i]), len(xs), warmup=warmup, iters=iters)
                     err = None
                 except Exception as e:  # noqa: BLE001 - e.g. out of registers/shared memory: reported
                     same, gms, ms, err = None, None, None, f"{type(e).__name__}: {str(e)[:120]}"
-            out.append({"kernel": kernel, "config": cfg, "default": {**default, **cfg} == default, "same_bits": same,
-                        "graph_ms": gms, "ms": ms, "bytes_moved": nbytes,
-                        "graph_of_copy": (nbytes / gms / 1e9 / copy_bw) if gms and copy_bw else None,
-                        "error": err})
+            out.append(
+                {
+                    "kernel": kernel,
+                    "config": cfg,
+                    "default": {**default, **cfg} == default,
+                    "same_bits": same,
+                    "graph_ms": gms,
+                    "ms": ms,
+                    "bytes_moved": nbytes,
+                    "graph_of_copy": (nbytes / gms / 1e9 / copy_bw) if gms and copy_bw else None,
+                    "error": err,
+                }
+            )
             r = out[-1]
             head = f"  {kernel:<12} {str(cfg):<34} {'default' if r['default'] else '':<7} "
             if err:
@@ -233,23 +341,36 @@ def host_overhead(dev: str, calls: int, rounds: int = 2) -> list:
     s, acc = torch.tensor(0.5, device=dev), torch.zeros(1, device=dev)
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     # the 1x128 rows kernel launched directly, every argument precomputed: Triton's own launch cost
-    raw = dict(GROUP=128, NG=1, BLOCK_R=64, num_warps=2, MODE=1, FMAX=448.0, EMAX=8,
-               TOP_MANT=tk.common.top_mant(Format.E4M3), IS_E4M3=True, HW_CVT=tk.common.hw_cvt(x))
+    raw = dict(
+        GROUP=128,
+        NG=1,
+        BLOCK_R=64,
+        num_warps=2,
+        MODE=1,
+        FMAX=448.0,
+        EMAX=8,
+        TOP_MANT=tk.common.top_mant(Format.E4M3),
+        IS_E4M3=True,
+        HW_CVT=tk.common.hw_cvt(x),
+    )
     cases = [
         ("torch.empty (one FP8 output)", lambda: torch.empty((256, 512), dtype=torch.float8_e4m3fn, device=dev)),
         ("a PyTorch element-wise op (x + 1), for scale", lambda: x.add(1)),
-        ("Triton launch alone (1x128 rows kernel, arguments ready)",
-         lambda: tk.groups.quant_rows_kernel[(16,)](x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw)),
-        ("direct launch alone (the same kernel through quant.launch's cache)",
-         lambda: launch(tk.groups.quant_rows_kernel, (16,), x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw)),
+        (
+            "Triton launch alone (1x128 rows kernel, arguments ready)",
+            lambda: tk.groups.quant_rows_kernel[(16,)](x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw),
+        ),
+        (
+            "direct launch alone (the same kernel through quant.launch's cache)",
+            lambda: launch(tk.groups.quant_rows_kernel, (16,), x, q, si, si, 256, 512, 4, 512, 4, 4, 4, **raw),
+        ),
         ("quantize_rows 1x128 (1 kernel)", lambda: tk.quantize_rows(x, "e4m3", 128, "pow2")),
         ("quantize_cols_t 1x128 (1 kernel)", lambda: tk.quantize_cols_t(x, "e4m3", 128, "pow2")),
         ("quantize_auto 1x128 (dispatch + 1 kernel)", lambda: quantize_auto(x, "e4m3", "1x128", "pow2")),
         ("quantize_pair_auto 1x128 (dispatch + 2 kernels)", lambda: quantize_pair(x, "e4m3", "1x128", "pow2")),
         ("quantize_pair_auto 128x128 (dispatch + 1 kernel)", lambda: quantize_pair(x, "e4m3", "128x128", "pow2")),
         ("quantize_tensor_dual, current scaling (2 kernels)", lambda: tk.quantize_tensor_dual(x, "e4m3")),
-        ("quantize_tensor_dual, delayed (1 kernel)",
-         lambda: tk.quantize_tensor_dual(x, "e4m3", scale=s, amax_out=acc)),
+        ("quantize_tensor_dual, delayed (1 kernel)", lambda: tk.quantize_tensor_dual(x, "e4m3", scale=s, amax_out=acc)),
     ]
     # the same pair as the compiled FP8 linear runs it: the custom operator eagerly (dispatch),
     # and inside a compiled graph against the same graph without it — the difference is what one
@@ -260,8 +381,10 @@ def host_overhead(dev: str, calls: int, rounds: int = 2) -> list:
     scaled = torch.compile(lambda t: t * 1.5, backend=backend, dynamic=False)
     scaled_pair = torch.compile(lambda t: ops.tensor_pair(t * 1.5, "e4m3", "fp32"), backend=backend, dynamic=False)
     cases += [
-        ("nemo_fp8_recipes::tensor_pair operator, eager (custom-op dispatch + 2 kernels)",
-         lambda: ops.tensor_pair(x, "e4m3", "fp32")),
+        (
+            "nemo_fp8_recipes::tensor_pair operator, eager (custom-op dispatch + 2 kernels)",
+            lambda: ops.tensor_pair(x, "e4m3", "fp32"),
+        ),
         ("compiled graph: x * 1.5", lambda: scaled(x)),
         ("compiled graph: x * 1.5 -> tensor_pair operator", lambda: scaled_pair(x)),
     ]
@@ -314,16 +437,34 @@ def swiglu_rows(a, dev: str) -> list:
         fused_bwd = unfused_bwd
     fwd = 6 * n + 8  # g, u read; codes + transposed codes written; scale
     cases = [
-        ("SwiGLU -> tensorwise pair", "unfused (SiLU, multiply, pair kernels)",
-         lambda i: quantize_pair_auto(F.silu(gs[i]) * us[i], "e4m3", "tensor"), fwd, 10 / 6),
-        ("SwiGLU -> tensorwise pair", "fused (amax pass reads g, u and writes the activation; cast)",
-         lambda i: quantize_pair_auto(us[i], "e4m3", "tensor", gate=gs[i]), fwd, 10 / 6),
-        ("SwiGLU -> delayed pair (scale given, amax folded)", "unfused (SiLU, multiply, pair kernel)",
-         lambda i: quantize_pair_auto(F.silu(gs[i]) * us[i], "e4m3", "tensor", scale=scale, amax_out=accs[i]),
-         fwd, 1.0),
-        ("SwiGLU -> delayed pair (scale given, amax folded)", "fused (one pass over g, u)",
-         lambda i: quantize_pair_auto(us[i], "e4m3", "tensor", scale=scale, amax_out=accs[i], gate=gs[i]),
-         fwd, 1.0),
+        (
+            "SwiGLU -> tensorwise pair",
+            "unfused (SiLU, multiply, pair kernels)",
+            lambda i: quantize_pair_auto(F.silu(gs[i]) * us[i], "e4m3", "tensor"),
+            fwd,
+            10 / 6,
+        ),
+        (
+            "SwiGLU -> tensorwise pair",
+            "fused (amax pass reads g, u and writes the activation; cast)",
+            lambda i: quantize_pair_auto(us[i], "e4m3", "tensor", gate=gs[i]),
+            fwd,
+            10 / 6,
+        ),
+        (
+            "SwiGLU -> delayed pair (scale given, amax folded)",
+            "unfused (SiLU, multiply, pair kernel)",
+            lambda i: quantize_pair_auto(F.silu(gs[i]) * us[i], "e4m3", "tensor", scale=scale, amax_out=accs[i]),
+            fwd,
+            1.0,
+        ),
+        (
+            "SwiGLU -> delayed pair (scale given, amax folded)",
+            "fused (one pass over g, u)",
+            lambda i: quantize_pair_auto(us[i], "e4m3", "tensor", scale=scale, amax_out=accs[i], gate=gs[i]),
+            fwd,
+            1.0,
+        ),
         ("SwiGLU backward (dg, du)", "unfused (autograd: 3 kernels)", unfused_bwd, 10 * n, 1.0),
         ("SwiGLU backward (dg, du)", "fused (one kernel)", fused_bwd, 10 * n, 1.0),
     ]
@@ -331,9 +472,18 @@ def swiglu_rows(a, dev: str) -> list:
     for name, impl, call, nbytes, factor in cases:
         ms = bench(call, 2, warmup=a.warmup, iters=a.iters)
         gms = bench_graph(call, 2, iters=a.iters) if cuda else None
-        out.append({"variant": name, "impl": impl, "ms": ms, "TB/s": nbytes / ms / 1e9, "graph_ms": gms,
-                    "graph_TB/s": nbytes / gms / 1e9 if gms else None, "bytes_counted": nbytes,
-                    "min_traffic_factor": factor})
+        out.append(
+            {
+                "variant": name,
+                "impl": impl,
+                "ms": ms,
+                "TB/s": nbytes / ms / 1e9,
+                "graph_ms": gms,
+                "graph_TB/s": nbytes / gms / 1e9 if gms else None,
+                "bytes_counted": nbytes,
+                "min_traffic_factor": factor,
+            }
+        )
     return out
 
 
@@ -370,17 +520,34 @@ def norm_rows(a, dev: str) -> list:
     def pair_of(y, gran):
         return quantize_pair(y, "e4m3", gran, rounding[gran])
 
-    cases = [("RMSNorm forward", "PyTorch FP32 formula (eager)", lambda i: rms_norm_reference(xs[i], w, eps),
-              4 * n, 1.0)]
-    bwd_formula = ("RMSNorm forward + backward (dx, dw)", "PyTorch FP32 formula + autograd (eager)", formula_bwd,
-                   10 * n, 1.0)
+    cases = [
+        ("RMSNorm forward", "PyTorch FP32 formula (eager)", lambda i: rms_norm_reference(xs[i], w, eps), 4 * n, 1.0)
+    ]
+    bwd_formula = (
+        "RMSNorm forward + backward (dx, dw)",
+        "PyTorch FP32 formula + autograd (eager)",
+        formula_bwd,
+        10 * n,
+        1.0,
+    )
     pairs = []
-    for gran, label, g in (("tensor", "tensorwise pair", 0), ("1x128", "1x128 rows + cols^T (blockwise)", 128),
-                           ("1x32", "1x32 E8M0 rows + cols^T (mxfp8)", 32)):
+    for gran, label, g in (
+        ("tensor", "tensorwise pair", 0),
+        ("1x128", "1x128 rows + cols^T (blockwise)", 128),
+        ("1x32", "1x32 E8M0 rows + cols^T (mxfp8)", 32),
+    ):
         nbytes = 6 * n + (8 if gran == "tensor" else 2 * 4 * (n // g))
-        pairs.append((f"RMSNorm -> {label}", "formula, then the quantisers",
-                      lambda i, gran=gran: pair_of(rms_norm_reference(xs[i], w, eps), gran), nbytes, 8 / 6))
+        pairs.append(
+            (
+                f"RMSNorm -> {label}",
+                "formula, then the quantisers",
+                lambda i, gran=gran: pair_of(rms_norm_reference(xs[i], w, eps), gran),
+                nbytes,
+                8 / 6,
+            )
+        )
         if cuda:
+
             def plain(i, gran=gran):
                 return pair_of(tk.rmsnorm_forward(xs[i], w, eps)[0], gran)
 
@@ -393,15 +560,24 @@ def norm_rows(a, dev: str) -> list:
                 return q, tk.quantize_cols_t(y, "e4m3", g, rnd)
 
             pairs.append((f"RMSNorm -> {label}", "fused norm, then the quantisers", plain, nbytes, 8 / 6))
-            pairs.append((f"RMSNorm -> {label}", "fused norm + " + ("amax" if gran == "tensor" else "row codes")
-                          + " in one pass, then the rest", fused, nbytes, 8 / 6))
+            pairs.append(
+                (
+                    f"RMSNorm -> {label}",
+                    "fused norm + " + ("amax" if gran == "tensor" else "row codes") + " in one pass, then the rest",
+                    fused,
+                    nbytes,
+                    8 / 6,
+                )
+            )
     if cuda:
+
         def fused_bwd(i):
             y, rstd, _, _ = tk.rmsnorm_forward(xs[i], w, eps)
             return tk.rmsnorm_backward(dys[i], xs[i], w, rstd)
 
-        cases.append(("RMSNorm forward", "fused (one kernel)", lambda i: tk.rmsnorm_forward(xs[i], w, eps)[0],
-                      4 * n, 1.0))
+        cases.append(
+            ("RMSNorm forward", "fused (one kernel)", lambda i: tk.rmsnorm_forward(xs[i], w, eps)[0], 4 * n, 1.0)
+        )
         cases += [bwd_formula, ("RMSNorm forward + backward (dx, dw)", "fused (two kernels)", fused_bwd, 10 * n, 1.0)]
     else:
         cases.append(bwd_formula)
@@ -409,9 +585,18 @@ def norm_rows(a, dev: str) -> list:
     for name, impl, call, nbytes, factor in cases + pairs:
         ms = bench(call, 2, warmup=a.warmup, iters=a.iters)
         gms = bench_graph(call, 2, iters=a.iters) if cuda else None
-        out.append({"variant": f"{name} [{R}x{D}]", "impl": impl, "ms": ms, "TB/s": nbytes / ms / 1e9,
-                    "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None, "bytes_counted": nbytes,
-                    "min_traffic_factor": factor})
+        out.append(
+            {
+                "variant": f"{name} [{R}x{D}]",
+                "impl": impl,
+                "ms": ms,
+                "TB/s": nbytes / ms / 1e9,
+                "graph_ms": gms,
+                "graph_TB/s": nbytes / gms / 1e9 if gms else None,
+                "bytes_counted": nbytes,
+                "min_traffic_factor": factor,
+            }
+        )
     return out
 
 
@@ -420,20 +605,34 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--cols", type=int, default=14336)
     p.add_argument("--iters", type=int, default=30)
-    p.add_argument("--norm-dim", type=int, default=4096,
-                   help="row length of the RMSNorm rows (model dim: 4096 = Llama 3 8B, 8192 = 70B, 16384 = 405B)")
+    p.add_argument(
+        "--norm-dim",
+        type=int,
+        default=4096,
+        help="row length of the RMSNorm rows (model dim: 4096 = Llama 3 8B, 8192 = 70B, 16384 = 405B)",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true", help="tiny CPU run (no timing claims)")
-    p.add_argument("--sweep", default=None, metavar="KERNELS",
-                   help="also time the launch configurations of these kernels (comma list, or 'all': "
-                        f"{', '.join(SWEEP)}); GPU only")
-    p.add_argument("--host-overhead", action="store_true",
-                   help="also measure the host (CPU) microseconds per quantiser call and per part of one "
-                        "(allocation, Triton's launch, the wrappers, the custom operator eagerly and inside a "
-                        "compiled graph) on a tiny input: what caller time adds; each with Triton's own launch "
-                        "path and with the direct launch of the cached compiled kernels (quant.launch)")
-    p.add_argument("--sweep-order-only", action="store_true",
-                   help="with --sweep: only the tile-order configurations (group_r) and the default")
+    p.add_argument(
+        "--sweep",
+        default=None,
+        metavar="KERNELS",
+        help="also time the launch configurations of these kernels (comma list, or 'all': "
+        f"{', '.join(SWEEP)}); GPU only",
+    )
+    p.add_argument(
+        "--host-overhead",
+        action="store_true",
+        help="also measure the host (CPU) microseconds per quantiser call and per part of one "
+        "(allocation, Triton's launch, the wrappers, the custom operator eagerly and inside a "
+        "compiled graph) on a tiny input: what caller time adds; each with Triton's own launch "
+        "path and with the direct launch of the cached compiled kernels (quant.launch)",
+    )
+    p.add_argument(
+        "--sweep-order-only",
+        action="store_true",
+        help="with --sweep: only the tile-order configurations (group_r) and the default",
+    )
     a = p.parse_args(argv)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     kernels = []
@@ -445,8 +644,10 @@ def main(argv=None) -> int:
         if dev != "cuda" and not a.smoke:
             p.error("--sweep times GPU kernels: it needs a CUDA GPU (--smoke checks it on CPU)")
     if a.host_overhead and (not _have_triton() or (dev != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")):
-        p.error("--host-overhead launches the Triton kernels: it needs Triton and a CUDA GPU (or "
-                "TRITON_INTERPRET=1 for a CPU check of the mechanics)")
+        p.error(
+            "--host-overhead launches the Triton kernels: it needs Triton and a CUDA GPU (or "
+            "TRITON_INTERPRET=1 for a CPU check of the mechanics)"
+        )
     a.warmup = 5  # warm-up calls before each timing
     if a.smoke:  # (the smoke run's kernels go through Triton's interpreter: few calls)
         a.rows, a.cols, a.iters, a.norm_dim, a.warmup = 256, 384, 2, 256, 1
@@ -458,21 +659,41 @@ def main(argv=None) -> int:
     # the copy replayed from CUDA graphs too: the GPU-only columns are fractions of this
     copy_gms = bench_graph(lambda i: xs[i].clone(), 4, iters=a.iters) if dev == "cuda" else None
     if dev == "cuda" and copy_gms is None:  # no like-for-like baseline: no GPU-only percentages at all
-        print("WARNING: the device copy could not be captured in a CUDA graph: GPU-only percentages are left out",
-              file=sys.stderr)
+        print(
+            "WARNING: the device copy could not be captured in a CUDA graph: GPU-only percentages are left out",
+            file=sys.stderr,
+        )
     copy_graph_bw = 2 * 2 * n / copy_gms / 1e9 if copy_gms else None
-    res.append({"variant": "device copy (BF16 read + write)", "impl": "torch", "ms": copy_ms, "TB/s": copy_bw,
-                "graph_ms": copy_gms, "graph_TB/s": copy_graph_bw})
-    impls = [("reference (eager PyTorch)", lambda x, g, f, r, d, sc: quantize(x, f, g, r, dim=d, scale=sc),
-              lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc, triton=False))]
+    res.append(
+        {
+            "variant": "device copy (BF16 read + write)",
+            "impl": "torch",
+            "ms": copy_ms,
+            "TB/s": copy_bw,
+            "graph_ms": copy_gms,
+            "graph_TB/s": copy_graph_bw,
+        }
+    )
+    impls = [
+        (
+            "reference (eager PyTorch)",
+            lambda x, g, f, r, d, sc: quantize(x, f, g, r, dim=d, scale=sc),
+            lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc, triton=False),
+        )
+    ]
     # the kernels: on the GPU, or in the CPU smoke run under Triton's interpreter (CI checks that
     # every Triton row runs; its times mean nothing)
     interp = a.smoke and dev == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _have_triton()
     if dev == "cuda" or interp:
         from nemo_fp8_recipes.quant.dispatch import quantize_auto
 
-        impls.append(("triton", lambda x, g, f, r, d, sc: quantize_auto(x, f, g, r, dim=d, scale=sc, triton=True),
-                      lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc, triton=True)))
+        impls.append(
+            (
+                "triton",
+                lambda x, g, f, r, d, sc: quantize_auto(x, f, g, r, dim=d, scale=sc, triton=True),
+                lambda x, g, f, r, sc: quantize_pair(x, f, g, r, scale=sc, triton=True),
+            )
+        )
     scale = torch.tensor(0.5, device=dev)
     for name, g, f, r, d, kind in VARIANTS:
         group = {"tensor": n, "1x128": 128, "128x128": 128 * 128, "1x32": 32}[g]
@@ -489,8 +710,10 @@ def main(argv=None) -> int:
             elif kind == "then-t-inductor":
                 from nemo_fp8_recipes.quant import ops
 
-                blocks_t = torch.compile(lambda x, f=f, r=r: (lambda q, s: (q, q.t().contiguous(), s))(
-                    *ops.blocks128(x, f, r)), dynamic=False)
+                blocks_t = torch.compile(
+                    lambda x, f=f, r=r: (lambda q, s: (q, q.t().contiguous(), s))(*ops.blocks128(x, f, r)),
+                    dynamic=False,
+                )
                 call = lambda i: blocks_t(xs[i])  # noqa: E731
             elif kind == "then-t":
                 call = lambda i: (lambda q: (q, q.data.t().contiguous()))(fn(xs[i], g, f, r, d, sc))  # noqa: E731
@@ -500,9 +723,18 @@ def main(argv=None) -> int:
                 call = lambda i: fn(xs[i], g, f, r, d, sc)  # noqa: E731
             ms = bench(call, 4, warmup=a.warmup, iters=a.iters)
             gms = bench_graph(call, 4, iters=a.iters) if iname == "triton" and dev == "cuda" else None
-            res.append({"variant": name, "impl": iname, "ms": ms, "TB/s": nbytes / ms / 1e9,
-                        "graph_ms": gms, "graph_TB/s": nbytes / gms / 1e9 if gms else None,
-                        "bytes_counted": nbytes, "min_traffic_factor": MIN_TRAFFIC.get(name, 1.0)})
+            res.append(
+                {
+                    "variant": name,
+                    "impl": iname,
+                    "ms": ms,
+                    "TB/s": nbytes / ms / 1e9,
+                    "graph_ms": gms,
+                    "graph_TB/s": nbytes / gms / 1e9 if gms else None,
+                    "bytes_counted": nbytes,
+                    "min_traffic_factor": MIN_TRAFFIC.get(name, 1.0),
+                }
+            )
     res += swiglu_rows(a, dev)
     res += norm_rows(a, dev)
 
@@ -511,14 +743,38 @@ def main(argv=None) -> int:
 
     # caller columns against the copy's caller time, GPU-only columns against the copy's GPU-only
     # time (both replayed from CUDA graphs: like for like)
-    rows = [(r["variant"], r["impl"], f"{r['ms']:.3f}", f"{r['TB/s']:.2f}", pct(r["TB/s"], copy_bw),
-             pct(r["TB/s"], copy_bw, r.get("min_traffic_factor", 1.0)),
-             "—" if r.get("graph_ms") is None else f"{r['graph_ms']:.3f}", pct(r.get("graph_TB/s"), copy_graph_bw),
-             pct(r.get("graph_TB/s"), copy_graph_bw, r.get("min_traffic_factor", 1.0))) for r in res]
+    rows = [
+        (
+            r["variant"],
+            r["impl"],
+            f"{r['ms']:.3f}",
+            f"{r['TB/s']:.2f}",
+            pct(r["TB/s"], copy_bw),
+            pct(r["TB/s"], copy_bw, r.get("min_traffic_factor", 1.0)),
+            "—" if r.get("graph_ms") is None else f"{r['graph_ms']:.3f}",
+            pct(r.get("graph_TB/s"), copy_graph_bw),
+            pct(r.get("graph_TB/s"), copy_graph_bw, r.get("min_traffic_factor", 1.0)),
+        )
+        for r in res
+    ]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU"
     print(f"{name}, torch {torch.__version__}, input {a.rows}x{a.cols} BF16\n")
-    print(table(["variant", "impl", "ms (median)", "TB/s", "of copy", "of copy, bytes moved",
-                 "GPU-only ms (CUDA graph)", "GPU-only of copy", "GPU-only, bytes moved"], rows))
+    print(
+        table(
+            [
+                "variant",
+                "impl",
+                "ms (median)",
+                "TB/s",
+                "of copy",
+                "of copy, bytes moved",
+                "GPU-only ms (CUDA graph)",
+                "GPU-only of copy",
+                "GPU-only, bytes moved",
+            ],
+            rows,
+        )
+    )
     host = []
     if a.host_overhead:
         host = host_overhead(dev, 1, rounds=1) if a.smoke else host_overhead(dev, 2000)  # smoke: mechanics only
@@ -526,9 +782,20 @@ def main(argv=None) -> int:
         from nemo_fp8_recipes.quant.launch import fast_launch_status
 
         print(f"direct launch: {fast_launch_status()}")
-        print(table(["what", "host µs, direct launch", "host µs, Triton's launch", "saved"],
-                    [(h["what"], f"{h['host_us']:.1f}", f"{h['host_us_triton_launch']:.1f}",
-                      f"{h['host_us_triton_launch'] - h['host_us']:.1f}") for h in host]))
+        print(
+            table(
+                ["what", "host µs, direct launch", "host µs, Triton's launch", "saved"],
+                [
+                    (
+                        h["what"],
+                        f"{h['host_us']:.1f}",
+                        f"{h['host_us_triton_launch']:.1f}",
+                        f"{h['host_us_triton_launch'] - h['host_us']:.1f}",
+                    )
+                    for h in host
+                ],
+            )
+        )
     swept = []
     if kernels:
         if a.sweep_order_only:
@@ -541,18 +808,43 @@ def main(argv=None) -> int:
         swept = sweep(xs, a.iters, copy_graph_bw, kernels, warmup=a.warmup)
         best = {}
         for r in swept:
-            if r["same_bits"] and r["graph_ms"] and (r["kernel"] not in best or r["graph_ms"] < best[r["kernel"]]["graph_ms"]):
+            if (
+                r["same_bits"]
+                and r["graph_ms"]
+                and (r["kernel"] not in best or r["graph_ms"] < best[r["kernel"]]["graph_ms"])
+            ):
                 best[r["kernel"]] = r
         if best:
             print()
-            print(table(["kernel", "default GPU ms", "best config", "best GPU ms", "best of copy (bytes moved)"],
-                        [(k, next((f"{r['graph_ms']:.3f}" for r in swept if r["kernel"] == k and r["default"]), "—"),
-                          str(b["config"]), f"{b['graph_ms']:.3f}", f"{b['graph_of_copy']:.0%}" if b["graph_of_copy"] else "—") for k, b in best.items()]))
+            print(
+                table(
+                    ["kernel", "default GPU ms", "best config", "best GPU ms", "best of copy (bytes moved)"],
+                    [
+                        (
+                            k,
+                            next((f"{r['graph_ms']:.3f}" for r in swept if r["kernel"] == k and r["default"]), "—"),
+                            str(b["config"]),
+                            f"{b['graph_ms']:.3f}",
+                            f"{b['graph_of_copy']:.0%}" if b["graph_of_copy"] else "—",
+                        )
+                        for k, b in best.items()
+                    ],
+                )
+            )
         if any(r["same_bits"] is False for r in swept):
             print("ERROR: a launch configuration changed the codes (see 'same bits' above)", file=sys.stderr)
             return 1
-    write_json(a.out, {"device": name, "torch": torch.__version__, "shape": [a.rows, a.cols], "results": res,
-                       "host_overhead": host, "sweep": swept})
+    write_json(
+        a.out,
+        {
+            "device": name,
+            "torch": torch.__version__,
+            "shape": [a.rows, a.cols],
+            "results": res,
+            "host_overhead": host,
+            "sweep": swept,
+        },
+    )
     return 0
 
 

@@ -142,27 +142,88 @@ _FIELD = re.compile(r"^(\s*):([\w .()-]+):(\s.*|)$")
 
 # directives whose whole block is dropped (navigation, metadata, generated or hidden content)
 _RST_DROP = {
-    "toctree", "index", "highlight", "contents", "include", "literalinclude", "kernel-doc",
-    "kernel-abi", "kernel-feat", "kernel-include", "image", "raw", "only", "ifconfig", "tabularcolumns",
-    "module", "currentmodule", "moduleauthor", "sectionauthor", "program", "audit-event",
-    "audit-event-table", "testsetup", "testcleanup", "meta", "default-role", "role", "cssclass",
-    "sectnum", "header", "footer", "title", "maxdepth", "availability", "c:namespace", "c:namespace-push",
-    "c:namespace-pop", "cpp:namespace", "py:module", "py:currentmodule", "flat-table", "list-table",
-    "csv-table", "table", "graphviz", "kernel-figure", "kernel-render", "math", "productionlist",
-    "autosummary", "automodule", "autoclass", "autofunction", "limited-api-list", "code-block-caption",
-    "miscnews", "changes", "impl-detail-none",
+    "toctree",
+    "index",
+    "highlight",
+    "contents",
+    "include",
+    "literalinclude",
+    "kernel-doc",
+    "kernel-abi",
+    "kernel-feat",
+    "kernel-include",
+    "image",
+    "raw",
+    "only",
+    "ifconfig",
+    "tabularcolumns",
+    "module",
+    "currentmodule",
+    "moduleauthor",
+    "sectionauthor",
+    "program",
+    "audit-event",
+    "audit-event-table",
+    "testsetup",
+    "testcleanup",
+    "meta",
+    "default-role",
+    "role",
+    "cssclass",
+    "sectnum",
+    "header",
+    "footer",
+    "title",
+    "maxdepth",
+    "availability",
+    "c:namespace",
+    "c:namespace-push",
+    "c:namespace-pop",
+    "cpp:namespace",
+    "py:module",
+    "py:currentmodule",
+    "flat-table",
+    "list-table",
+    "csv-table",
+    "table",
+    "graphviz",
+    "kernel-figure",
+    "kernel-render",
+    "math",
+    "productionlist",
+    "autosummary",
+    "automodule",
+    "autoclass",
+    "autofunction",
+    "limited-api-list",
+    "code-block-caption",
+    "miscnews",
+    "changes",
+    "impl-detail-none",
 }
 # directives whose block is code (kept, counted as code)
-_RST_CODE = {"code-block", "code", "sourcecode", "doctest", "testcode", "testoutput", "parsed-literal",
-             "literal"}
+_RST_CODE = {"code-block", "code", "sourcecode", "doctest", "testcode", "testoutput", "parsed-literal", "literal"}
 # directives that label their content
 _RST_ADMONITIONS = {
-    "note": "Note", "warning": "Warning", "caution": "Caution", "attention": "Attention",
-    "danger": "Danger", "error": "Error", "hint": "Hint", "important": "Important", "tip": "Tip",
-    "seealso": "See also", "impl-detail": "CPython implementation detail", "todo": "To do",
+    "note": "Note",
+    "warning": "Warning",
+    "caution": "Caution",
+    "attention": "Attention",
+    "danger": "Danger",
+    "error": "Error",
+    "hint": "Hint",
+    "important": "Important",
+    "tip": "Tip",
+    "seealso": "See also",
+    "impl-detail": "CPython implementation detail",
+    "todo": "To do",
 }
-_RST_VERSION = {"versionadded": "New in version", "versionchanged": "Changed in version",
-                "deprecated": "Deprecated since version", "deprecated-removed": "Deprecated since version"}
+_RST_VERSION = {
+    "versionadded": "New in version",
+    "versionchanged": "Changed in version",
+    "deprecated": "Deprecated since version",
+    "deprecated-removed": "Deprecated since version",
+}
 # directives whose argument is a title over their content
 _RST_TITLED = {"admonition", "rubric", "centered", "topic", "sidebar", "glossary", "epigraph", "container"}
 
@@ -223,8 +284,8 @@ def _block_end(lines: Sequence[str], start: int, indent: int) -> int:
 
 
 def _dedent(lines: Sequence[str]) -> List[str]:
-    ind = min((_indent(l) for l in lines if l.strip()), default=0)
-    return [l[ind:] if l.strip() else "" for l in lines]
+    ind = min((_indent(ln) for ln in lines if ln.strip()), default=0)
+    return [ln[ind:] if ln.strip() else "" for ln in lines]
 
 
 def _rst_lines(lines: List[str]) -> List[Tuple[str, bool]]:
@@ -244,7 +305,7 @@ def _rst_lines(lines: List[str]) -> List[Tuple[str, bool]]:
             name = m.group(2).lower()
             arg = (m.group(3) or "").strip()
             j = _block_end(lines, i + 1, ind)
-            body = lines[i + 1:j]
+            body = lines[i + 1 : j]
             # directive options (":maxdepth: 2") sit right under the directive line
             k = 0
             while k < len(body) and body[k].strip() and _OPTION_LINE.match(body[k]):
@@ -256,7 +317,7 @@ def _rst_lines(lines: List[str]) -> List[Tuple[str, bool]]:
                 continue
             if name in _RST_CODE:
                 out.append(("", False))
-                out.extend((l, True) for l in body)
+                out.extend((ln, True) for ln in body)
                 out.append(("", False))
                 continue
             if name in _RST_VERSION or name in _RST_ADMONITIONS or name in _RST_TITLED:
@@ -291,7 +352,7 @@ def _rst_lines(lines: List[str]) -> List[Tuple[str, bool]]:
             j = _block_end(lines, i + 1, ind)
             fm = _FOOTNOTE.match(line)
             if fm:
-                text = " ".join([fm.group(2)] + [l.strip() for l in lines[i + 1:j] if l.strip()])
+                text = " ".join([fm.group(2)] + [ln.strip() for ln in lines[i + 1 : j] if ln.strip()])
                 if text.strip():
                     out.append((rst_inline(text.strip()), False))
             i = j
@@ -316,7 +377,7 @@ def _rst_lines(lines: List[str]) -> List[Tuple[str, bool]]:
             if j < n and _indent(lines[j]) > ind:
                 end = _block_end(lines, j, ind)
                 out.append(("", False))
-                out.extend((l, True) for l in _dedent(lines[j:end]))
+                out.extend((ln, True) for ln in _dedent(lines[j:end]))
                 out.append(("", False))
                 i = end
             else:
@@ -358,40 +419,133 @@ def rst_to_text(src: str) -> Converted:
     """
     lines = src.expandtabs(8).replace("\r\n", "\n").split("\n")
     pairs = _rst_lines(lines)
-    code = sum(len(l.replace(" ", "")) for l, c in pairs if c)
-    return Converted(normalize_text("\n".join(l for l, _ in pairs)), code)
+    code = sum(len(ln.replace(" ", "")) for ln, c in pairs if c)
+    return Converted(normalize_text("\n".join(ln for ln, _ in pairs)), code)
 
 
 # --------------------------------------------------------------------------------------------
 # HTML -> text
 # --------------------------------------------------------------------------------------------
 
-_HTML_SKIP_TAGS = {"head", "script", "style", "nav", "noscript", "template", "svg", "button", "form",
-                   "select", "header", "footer", "iframe", "object", "math"}
-_HTML_VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param",
-              "source", "track", "wbr"}
+_HTML_SKIP_TAGS = {
+    "head",
+    "script",
+    "style",
+    "nav",
+    "noscript",
+    "template",
+    "svg",
+    "button",
+    "form",
+    "select",
+    "header",
+    "footer",
+    "iframe",
+    "object",
+    "math",
+}
+_HTML_VOID = {
+    "area",
+    "base",
+    "br",
+    "col",
+    "embed",
+    "hr",
+    "img",
+    "input",
+    "link",
+    "meta",
+    "param",
+    "source",
+    "track",
+    "wbr",
+}
 # elements that start a paragraph (a blank line) or a line
-_HTML_PARAGRAPH = {"p", "div", "section", "article", "main", "aside", "blockquote", "pre", "table", "ul",
-                   "ol", "dl", "h1", "h2", "h3", "h4", "h5", "h6", "figure", "figcaption", "caption", "hr",
-                   "title", "body", "html", "address", "details", "summary"}
+_HTML_PARAGRAPH = {
+    "p",
+    "div",
+    "section",
+    "article",
+    "main",
+    "aside",
+    "blockquote",
+    "pre",
+    "table",
+    "ul",
+    "ol",
+    "dl",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "figure",
+    "figcaption",
+    "caption",
+    "hr",
+    "title",
+    "body",
+    "html",
+    "address",
+    "details",
+    "summary",
+}
 _HTML_LINE = {"li", "dt", "dd", "tr", "br"}
 _HTML_CELL = {"td", "th"}
 _PARA, _LINE = "\x03", "\x02"  # break markers, resolved after the page is parsed
 # class or id tokens of navigation, sidebars and other page furniture (Sphinx, DocBook/Publican,
 # Read the Docs); note DocBook's "sidebar" class is content (a boxed aside), so it is not here
 _HTML_SKIP_CLASSES = {
-    "sphinxsidebar", "sphinxsidebarwrapper", "related", "footer", "headerlink", "docnav", "toc",
-    "toctree-wrapper", "navheader", "navfooter", "breadcrumbs", "wy-nav-side", "rst-versions",
-    "navigation", "navbar", "nav", "searchbox", "mobile-nav", "menu", "skip-link", "copyright",
-    "banner", "sidebar-tree", "toc-drawer", "reference-internal-toc", "indexterm", "viewcode-link",
+    "sphinxsidebar",
+    "sphinxsidebarwrapper",
+    "related",
+    "footer",
+    "headerlink",
+    "docnav",
+    "toc",
+    "toctree-wrapper",
+    "navheader",
+    "navfooter",
+    "breadcrumbs",
+    "wy-nav-side",
+    "rst-versions",
+    "navigation",
+    "navbar",
+    "nav",
+    "searchbox",
+    "mobile-nav",
+    "menu",
+    "skip-link",
+    "copyright",
+    "banner",
+    "sidebar-tree",
+    "toc-drawer",
+    "reference-internal-toc",
+    "indexterm",
+    "viewcode-link",
 }
-_HTML_SKIP_IDS = {"banner", "title", "searchbox", "sidebar", "navigation", "header", "footer", "menu",
-                  "nav", "toc", "breadcrumbs", "search-results"}
+_HTML_SKIP_IDS = {
+    "banner",
+    "title",
+    "searchbox",
+    "sidebar",
+    "navigation",
+    "header",
+    "footer",
+    "menu",
+    "nav",
+    "toc",
+    "breadcrumbs",
+    "search-results",
+}
 _HTML_MAIN_ROLES = {"main"}
 _HTML_MAIN_CLASSES = {"body", "bodywrapper"}
 # pages that are navigation only (Sphinx, DocBook): skipped by file name
-NAV_PAGE = re.compile(r"^(genindex(-.*)?|py-modindex|modindex|search|index|ix\d*|contents|glossary-index)"
-                      r"(\.[\w-]+)?\.html?$")
+NAV_PAGE = re.compile(
+    r"^(genindex(-.*)?|py-modindex|modindex|search|index|ix\d*|contents|glossary-index)"
+    r"(\.[\w-]+)?\.html?$"
+)
 
 
 class _TextExtractor(html.parser.HTMLParser):
@@ -422,8 +576,12 @@ class _TextExtractor(html.parser.HTMLParser):
         if tag in _HTML_VOID:
             return
         classes, ident, role = self._classes(attrs)
-        skip = tag in _HTML_SKIP_TAGS or bool(classes & _HTML_SKIP_CLASSES) or ident in _HTML_SKIP_IDS \
+        skip = (
+            tag in _HTML_SKIP_TAGS
+            or bool(classes & _HTML_SKIP_CLASSES)
+            or ident in _HTML_SKIP_IDS
             or role in ("navigation", "search", "banner", "contentinfo")
+        )
         main = role in _HTML_MAIN_ROLES or tag == "main" or bool(classes & _HTML_MAIN_CLASSES)
         pre = tag == "pre"
         self.stack.append((tag, skip, main, pre))
@@ -481,8 +639,7 @@ def html_to_text(src: str) -> Converted:
             code += len(t.replace("\n", "").replace(" ", ""))
             t = t.replace(" ", "\x01").replace("\t", "\x01" * 8)  # keep <pre> indentation through strip()
         parts.append(t)
-    text = re.sub(r"[ \t]*[\x02\x03][\x02\x03 \t]*",
-                  lambda m: "\n\n" if _PARA in m.group() else "\n", "".join(parts))
+    text = re.sub(r"[ \t]*[\x02\x03][\x02\x03 \t]*", lambda m: "\n\n" if _PARA in m.group() else "\n", "".join(parts))
     lines = [line.strip(" \t") for line in text.split("\n")]
     text = "\n".join(line for line in lines if line != "-").replace("\x01", " ")
     return Converted(normalize_text(text), code)
@@ -509,8 +666,10 @@ def _files(root: Path, base: str, patterns: Sequence[str]) -> List[Tuple[str, Pa
     return sorted(found.items())
 
 
-_LINUX_SKIP = re.compile(r"/Documentation/(translations|devicetree/bindings|ABI|features|output|sphinx|"
-                         r"sphinx-static|netlink/specs)/")
+_LINUX_SKIP = re.compile(
+    r"/Documentation/(translations|devicetree/bindings|ABI|features|output|sphinx|"
+    r"sphinx-static|netlink/specs)/"
+)
 _LINUX_SKIP_NAMES = re.compile(r"/(dontdiff|Kconfig|conf\.py|docutils\.conf|Makefile|\.[^/]*)(\.gz)?$")
 
 
@@ -519,16 +678,19 @@ def extract_linux_doc(root: Path, pkg: str) -> Iterator[Doc]:
     base = f"usr/share/doc/{pkg}/Documentation"
     files = _files(root, base, ["**/*.rst.gz", "**/*.rst", "**/*.txt.gz", "**/*.txt"])
     if not files:
-        raise CorpusError(f"{pkg}: no Documentation/**/*.rst(.gz) under /{base} in the package; "
-                          "is this a linux-doc-X.Y package?")
+        raise CorpusError(
+            f"{pkg}: no Documentation/**/*.rst(.gz) under /{base} in the package; is this a linux-doc-X.Y package?"
+        )
     for rel, p in files:
         if _LINUX_SKIP.search("/" + rel) or _LINUX_SKIP_NAMES.search(rel):
             continue
         yield rel, rst_to_text(decode_bytes(read_maybe_gzip(p)))
 
 
-_PYDOC_SKIP = re.compile(r"/_sources/(whatsnew/changelog|license|contents|bugs|copyright|about|"
-                         r"genindex|py-modindex|search)\.rst\.txt$")
+_PYDOC_SKIP = re.compile(
+    r"/_sources/(whatsnew/changelog|license|contents|bugs|copyright|about|"
+    r"genindex|py-modindex|search)\.rst\.txt$"
+)
 
 
 def extract_python_doc(root: Path, pkg: str) -> Iterator[Doc]:
@@ -552,8 +714,9 @@ def extract_python_doc(root: Path, pkg: str) -> Iterator[Doc]:
                     continue
                 yield rel, html_to_text(decode_bytes(p.read_bytes()))
             return
-    raise CorpusError(f"{pkg}: found neither html/_sources/*.rst.txt nor HTML pages under "
-                      f"/usr/share/doc/python{ver}/html")
+    raise CorpusError(
+        f"{pkg}: found neither html/_sources/*.rst.txt nor HTML pages under /usr/share/doc/python{ver}/html"
+    )
 
 
 def extract_html_book(root: Path, pkg: str, base: str) -> Iterator[Doc]:
@@ -600,8 +763,10 @@ def extract_fortunes(root: Path, pkg: str) -> Iterator[Doc]:
 
 
 _B64 = {c: i for i, c in enumerate("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")}
-_GCIDE_SOURCE_TAG = re.compile(r"(?m)^[ \t]*\[[^\]\n]*(Webster|WordNet|PJC|Century|Chambers|Johnson|"
-                               r"Stormonth|Craig|Thesaurus|Source)[^\]\n]*\][ \t]*\n?")
+_GCIDE_SOURCE_TAG = re.compile(
+    r"(?m)^[ \t]*\[[^\]\n]*(Webster|WordNet|PJC|Century|Chambers|Johnson|"
+    r"Stormonth|Craig|Thesaurus|Source)[^\]\n]*\][ \t]*\n?"
+)
 
 
 def _b64num(s: str) -> int:
@@ -620,7 +785,7 @@ def dictd_entries(data: bytes, index: str) -> List[bytes]:
         if len(parts) < 3 or parts[0].startswith("00-database") or parts[0].startswith("00database"):
             continue
         spans.add((_b64num(parts[1]), _b64num(parts[2])))
-    return [data[o:o + n] for o, n in sorted(spans)]
+    return [data[o : o + n] for o, n in sorted(spans)]
 
 
 def extract_gcide(root: Path, pkg: str, doc_bytes: int = GCIDE_DOC_BYTES) -> Iterator[Doc]:
@@ -648,15 +813,72 @@ def extract_gcide(root: Path, pkg: str, doc_bytes: int = GCIDE_DOC_BYTES) -> Ite
 
 
 BIBLE_BOOKS = (
-    "Genesis", "Exodus", "Leviticus", "Numbers", "Deuteronomy", "Joshua", "Judges", "Ruth",
-    "1 Samuel", "2 Samuel", "1 Kings", "2 Kings", "1 Chronicles", "2 Chronicles", "Ezra",
-    "Nehemiah", "Esther", "Job", "Psalms", "Proverbs", "Ecclesiastes", "Song of Solomon", "Isaiah",
-    "Jeremiah", "Lamentations", "Ezekiel", "Daniel", "Hosea", "Joel", "Amos", "Obadiah", "Jonah",
-    "Micah", "Nahum", "Habakkuk", "Zephaniah", "Haggai", "Zechariah", "Malachi", "Matthew", "Mark",
-    "Luke", "John", "Acts", "Romans", "1 Corinthians", "2 Corinthians", "Galatians", "Ephesians",
-    "Philippians", "Colossians", "1 Thessalonians", "2 Thessalonians", "1 Timothy", "2 Timothy",
-    "Titus", "Philemon", "Hebrews", "James", "1 Peter", "2 Peter", "1 John", "2 John", "3 John",
-    "Jude", "Revelation",
+    "Genesis",
+    "Exodus",
+    "Leviticus",
+    "Numbers",
+    "Deuteronomy",
+    "Joshua",
+    "Judges",
+    "Ruth",
+    "1 Samuel",
+    "2 Samuel",
+    "1 Kings",
+    "2 Kings",
+    "1 Chronicles",
+    "2 Chronicles",
+    "Ezra",
+    "Nehemiah",
+    "Esther",
+    "Job",
+    "Psalms",
+    "Proverbs",
+    "Ecclesiastes",
+    "Song of Solomon",
+    "Isaiah",
+    "Jeremiah",
+    "Lamentations",
+    "Ezekiel",
+    "Daniel",
+    "Hosea",
+    "Joel",
+    "Amos",
+    "Obadiah",
+    "Jonah",
+    "Micah",
+    "Nahum",
+    "Habakkuk",
+    "Zephaniah",
+    "Haggai",
+    "Zechariah",
+    "Malachi",
+    "Matthew",
+    "Mark",
+    "Luke",
+    "John",
+    "Acts",
+    "Romans",
+    "1 Corinthians",
+    "2 Corinthians",
+    "Galatians",
+    "Ephesians",
+    "Philippians",
+    "Colossians",
+    "1 Thessalonians",
+    "2 Thessalonians",
+    "1 Timothy",
+    "2 Timothy",
+    "Titus",
+    "Philemon",
+    "Hebrews",
+    "James",
+    "1 Peter",
+    "2 Peter",
+    "1 John",
+    "2 John",
+    "3 John",
+    "Jude",
+    "Revelation",
 )
 _VERSE = re.compile(r"^(\d?[A-Za-z]+)(\d+):(\d+)\s+(.*)$")
 
@@ -701,23 +923,35 @@ def extract_bible(root: Path, pkg: str) -> Iterator[Doc]:
     if not (data_dir / "bible.data").is_file():
         raise CorpusError(f"{pkg}: /usr/lib/bible.data missing from the package")
     if not reader.is_file():
-        raise CorpusError(f"{pkg}: the reader /usr/bin/bible (package bible-kjv) was not extracted; with --debs, "
-                          "put bible-kjv_*.deb beside bible-kjv-text_*.deb (apt-get download bible-kjv)")
+        raise CorpusError(
+            f"{pkg}: the reader /usr/bin/bible (package bible-kjv) was not extracted; with --debs, "
+            "put bible-kjv_*.deb beside bible-kjv-text_*.deb (apt-get download bible-kjv)"
+        )
     try:
-        r = subprocess.run([str(reader), "-f", "-p", str(data_dir), "Gen1:1-Rev22:21"], stdin=subprocess.DEVNULL,
-                           capture_output=True, timeout=300, env={"PATH": "/usr/bin:/bin", "LC_ALL": "C",
-                                                                  "TERM": "dumb", "HOME": str(root)})
+        r = subprocess.run(
+            [str(reader), "-f", "-p", str(data_dir), "Gen1:1-Rev22:21"],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=300,
+            env={"PATH": "/usr/bin:/bin", "LC_ALL": "C", "TERM": "dumb", "HOME": str(root)},
+        )
     except OSError as e:
-        raise CorpusError(f"{pkg}: cannot run the bible-kjv reader {reader} ({e}); it is a binary for this "
-                          "machine's architecture and needs libreadline8 (apt-get install libreadline8), "
-                          "or leave bible-kjv-text out of --packages") from None
+        raise CorpusError(
+            f"{pkg}: cannot run the bible-kjv reader {reader} ({e}); it is a binary for this "
+            "machine's architecture and needs libreadline8 (apt-get install libreadline8), "
+            "or leave bible-kjv-text out of --packages"
+        ) from None
     if r.returncode != 0 or not r.stdout:
-        raise CorpusError(f"{pkg}: the bible-kjv reader failed (exit {r.returncode}): "
-                          f"{r.stderr.decode(errors='replace').strip()[:500]}; needs libreadline8, "
-                          "or leave bible-kjv-text out of --packages")
+        raise CorpusError(
+            f"{pkg}: the bible-kjv reader failed (exit {r.returncode}): "
+            f"{r.stderr.decode(errors='replace').strip()[:500]}; needs libreadline8, "
+            "or leave bible-kjv-text out of --packages"
+        )
     for name, text in bible_books(decode_bytes(r.stdout)):
-        yield f"usr/lib/bible.data#{BIBLE_BOOKS.index(name) + 1:02d}-{name.replace(' ', '_')}", \
-            Converted(normalize_text(text))
+        yield (
+            f"usr/lib/bible.data#{BIBLE_BOOKS.index(name) + 1:02d}-{name.replace(' ', '_')}",
+            Converted(normalize_text(text)),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -732,19 +966,37 @@ class PackageSpec:
 
 
 _SPECS: Dict[str, PackageSpec] = {
-    "dict-gcide": PackageSpec("dict-gcide", extract_gcide, "GPL-2+ (GCIDE; Webster's 1913 is public domain)",
-                              "GNU Collaborative International Dictionary of English, entries in ~64 KB groups"),
-    "bible-kjv-text": PackageSpec("bible-kjv-text", extract_bible,
-                                  "KJV text public domain (copyright expired); package GPL-2+",
-                                  "King James Bible, one document a book", helpers=("bible-kjv",)),
-    "debian-handbook": PackageSpec("debian-handbook", extract_debian_handbook, "GPL-2+ or CC-BY-SA-3.0",
-                                   "The Debian Administrator's Handbook, English HTML converted to text"),
-    "debian-reference-en": PackageSpec("debian-reference-en", extract_debian_reference, "GPL-2+",
-                                       "Debian Reference (English), plain-text edition"),
-    "fortunes": PackageSpec("fortunes", extract_fortunes, "BSD (fortune-mod); quotations of mixed provenance",
-                            "fortune cookie files"),
-    "fortunes-min": PackageSpec("fortunes-min", extract_fortunes, "BSD (fortune-mod); quotations of mixed "
-                                "provenance", "fortune cookie files (fortunes, literature, riddles)"),
+    "dict-gcide": PackageSpec(
+        "dict-gcide",
+        extract_gcide,
+        "GPL-2+ (GCIDE; Webster's 1913 is public domain)",
+        "GNU Collaborative International Dictionary of English, entries in ~64 KB groups",
+    ),
+    "bible-kjv-text": PackageSpec(
+        "bible-kjv-text",
+        extract_bible,
+        "KJV text public domain (copyright expired); package GPL-2+",
+        "King James Bible, one document a book",
+        helpers=("bible-kjv",),
+    ),
+    "debian-handbook": PackageSpec(
+        "debian-handbook",
+        extract_debian_handbook,
+        "GPL-2+ or CC-BY-SA-3.0",
+        "The Debian Administrator's Handbook, English HTML converted to text",
+    ),
+    "debian-reference-en": PackageSpec(
+        "debian-reference-en", extract_debian_reference, "GPL-2+", "Debian Reference (English), plain-text edition"
+    ),
+    "fortunes": PackageSpec(
+        "fortunes", extract_fortunes, "BSD (fortune-mod); quotations of mixed provenance", "fortune cookie files"
+    ),
+    "fortunes-min": PackageSpec(
+        "fortunes-min",
+        extract_fortunes,
+        "BSD (fortune-mod); quotations of mixed provenance",
+        "fortune cookie files (fortunes, literature, riddles)",
+    ),
 }
 
 
@@ -752,12 +1004,20 @@ def package_spec(name: str) -> PackageSpec:
     if name in _SPECS:
         return _SPECS[name]
     if re.fullmatch(r"linux-doc-\d+\.\d+", name):
-        return PackageSpec(name, extract_linux_doc, "GPL-2.0 (Linux kernel documentation)",
-                           "Linux kernel documentation, reStructuredText sources (English; no translations, "
-                           "devicetree bindings or ABI listings)")
+        return PackageSpec(
+            name,
+            extract_linux_doc,
+            "GPL-2.0 (Linux kernel documentation)",
+            "Linux kernel documentation, reStructuredText sources (English; no translations, "
+            "devicetree bindings or ABI listings)",
+        )
     if re.fullmatch(r"python3\.\d+-doc", name):
-        return PackageSpec(name, extract_python_doc, "PSF-2.0 (Python Software Foundation License)",
-                           "Python documentation, reStructuredText sources (no changelog or licence page)")
+        return PackageSpec(
+            name,
+            extract_python_doc,
+            "PSF-2.0 (Python Software Foundation License)",
+            "Python documentation, reStructuredText sources (no changelog or licence page)",
+        )
     raise CorpusError(f"package {name!r} is not supported; choose from: {', '.join(supported_packages())}")
 
 
@@ -769,6 +1029,7 @@ def supported_packages() -> List[str]:
 # Debian packages: download, identify, extract, licence
 # --------------------------------------------------------------------------------------------
 
+
 def _need_tool(tool: str, hint: str) -> str:
     path = shutil.which(tool)
     if not path:
@@ -778,8 +1039,9 @@ def _need_tool(tool: str, hint: str) -> str:
 
 def deb_fields(deb: Path) -> Dict[str, str]:
     """``Package``, ``Version`` and ``Architecture`` of a .deb (``dpkg-deb -f``)."""
-    r = subprocess.run(["dpkg-deb", "-f", str(deb), "Package", "Version", "Architecture"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["dpkg-deb", "-f", str(deb), "Package", "Version", "Architecture"], capture_output=True, text=True
+    )
     if r.returncode != 0:
         raise CorpusError(f"{deb}: not a readable .deb ({r.stderr.strip()})")
     fields = {}
@@ -797,8 +1059,10 @@ def find_debs(folder: Path, names: Sequence[str]) -> Dict[str, Path]:
         by_name.setdefault(deb_fields(deb).get("Package", ""), []).append(deb)
     missing = [n for n in names if n not in by_name]
     if missing:
-        raise CorpusError(f"no .deb for {', '.join(missing)} in {folder}; download them with "
-                          f"`apt-get download {' '.join(missing)}` (in that folder), or drop them from --packages")
+        raise CorpusError(
+            f"no .deb for {', '.join(missing)} in {folder}; download them with "
+            f"`apt-get download {' '.join(missing)}` (in that folder), or drop them from --packages"
+        )
     dup = {n: by_name[n] for n in names if len(by_name[n]) > 1}
     if dup:
         lst = "; ".join(f"{n}: {', '.join(p.name for p in ps)}" for n, ps in dup.items())
@@ -808,8 +1072,11 @@ def find_debs(folder: Path, names: Sequence[str]) -> Dict[str, Path]:
 
 def apt_download(names: Sequence[str], folder: Path) -> Dict[str, Path]:
     """``apt-get download`` each package into ``folder``."""
-    _need_tool("apt-get", "this is not a Debian-like system: download the .deb files elsewhere "
-               "(`apt-get download PACKAGE`) and pass their folder with --debs DIR")
+    _need_tool(
+        "apt-get",
+        "this is not a Debian-like system: download the .deb files elsewhere "
+        "(`apt-get download PACKAGE`) and pass their folder with --debs DIR",
+    )
     folder.mkdir(parents=True, exist_ok=True)
     folder.chmod(0o755)  # lets apt's sandbox user write there (else apt warns and downloads as root)
     print(f"[download] apt-get download {' '.join(names)}", flush=True)
@@ -820,8 +1087,10 @@ def apt_download(names: Sequence[str], folder: Path) -> Dict[str, Path]:
         hint = ""
         if "Unable to locate" in err or "has no installation candidate" in err or "No packages found" in err:
             hint = " The package lists may be missing or old: run `apt-get update` (as root), or pass --apt-update."
-        raise CorpusError(f"apt-get download failed: {err[-800:]}.{hint} Or download the .deb files elsewhere "
-                          "and pass their folder with --debs DIR.")
+        raise CorpusError(
+            f"apt-get download failed: {err[-800:]}.{hint} Or download the .deb files elsewhere "
+            "and pass their folder with --debs DIR."
+        )
     debs = find_debs(folder, names)
     total = sum(p.stat().st_size for p in debs.values())
     print(f"[download] {len(debs)} .deb files, {total / 1e6:.1f} MB in {time.perf_counter() - t0:.1f}s", flush=True)
@@ -846,12 +1115,16 @@ def detect_licence(copyright_text: str) -> str:
                 if m:
                     return m.group(1).strip()
     flat = re.sub(r"\s+", " ", t)
-    gpl = re.search(r"(GNU (Lesser |Library )?General Public License|\bL?GPL\b)[^.]{0,80}?version (\d)"
-                    r"(,? or \(at your option\) any later| or later|\+)?", flat, re.I)
+    gpl = re.search(
+        r"(GNU (Lesser |Library )?General Public License|\bL?GPL\b)[^.]{0,80}?version (\d)"
+        r"(,? or \(at your option\) any later| or later|\+)?",
+        flat,
+        re.I,
+    )
     if re.search(r"\bPython (Software Foundation )?License\b", flat):
         return "PSF-2.0"
     if gpl:
-        base = "LGPL" if gpl.group(2) or flat[gpl.start():gpl.start() + 4] == "LGPL" else "GPL"
+        base = "LGPL" if gpl.group(2) or flat[gpl.start() : gpl.start() + 4] == "LGPL" else "GPL"
         return f"{base}-{gpl.group(3)}{'+' if gpl.group(4) else ''}"
     if re.search(r"BSD copyright|Redistribution and use in source and binary forms", flat):
         return "BSD"
@@ -863,6 +1136,7 @@ def detect_licence(copyright_text: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Building the corpus
 # --------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class PackageResult:
@@ -914,9 +1188,17 @@ def select_documents(docs: List[Tuple[str, str]], max_bytes: Optional[int]) -> T
     return [d for d in docs if d[0] in kept], len(docs) - len(kept)
 
 
-def convert_package(spec: PackageSpec, root: Path, result: PackageResult, *, max_bytes: Optional[int],
-                    max_code_fraction: float, min_chars: int, seen: set,
-                    progress_every: int = 500) -> List[Tuple[str, str]]:
+def convert_package(
+    spec: PackageSpec,
+    root: Path,
+    result: PackageResult,
+    *,
+    max_bytes: Optional[int],
+    max_code_fraction: float,
+    min_chars: int,
+    seen: set,
+    progress_every: int = 500,
+) -> List[Tuple[str, str]]:
     """The kept documents of one extracted package, as ``(source, text)`` in source order."""
     docs: List[Tuple[str, str]] = []
     t0 = time.perf_counter()
@@ -967,8 +1249,9 @@ def write_xz(src: Path, dst: Path, preset: int) -> int:
     return dst.stat().st_size
 
 
-def sources_md(results: Sequence[PackageResult], sha256: str, jsonl_bytes: int, options: str,
-               xz: Optional[Tuple[str, int]] = None) -> str:
+def sources_md(
+    results: Sequence[PackageResult], sha256: str, jsonl_bytes: int, options: str, xz: Optional[Tuple[str, int]] = None
+) -> str:
     lines = [
         "# Study corpus: sources",
         "",
@@ -987,8 +1270,10 @@ def sources_md(results: Sequence[PackageResult], sha256: str, jsonl_bytes: int, 
         "| --- | --- | --- | --- | ---: | ---: | ---: |",
     ]
     for r in results:
-        lines.append(f"| {r.name} | {r.version} | {r.licence} | {r.licence_note} | {r.docs} | {r.bytes:,} | "
-                     f"{r.bytes / 1e6:.2f} |")
+        lines.append(
+            f"| {r.name} | {r.version} | {r.licence} | {r.licence_note} | {r.docs} | {r.bytes:,} | "
+            f"{r.bytes / 1e6:.2f} |"
+        )
     tot_d = sum(r.docs for r in results)
     tot_b = sum(r.bytes for r in results)
     lines += [f"| total | | | | {tot_d} | {tot_b:,} | {tot_b / 1e6:.2f} |", "", "## Packages", ""]
@@ -1015,10 +1300,17 @@ def sources_md(results: Sequence[PackageResult], sha256: str, jsonl_bytes: int, 
 def _fmt_table(results: Sequence[PackageResult]) -> str:
     rows = [("package", "version", "licence", "docs", "MB", "left out (short/code/dup/cap)")]
     for r in results:
-        rows.append((r.name, r.version, r.licence, str(r.docs), f"{r.bytes / 1e6:.2f}",
-                     f"{r.dropped_short}/{r.dropped_code}/{r.dropped_dup}/{r.dropped_cap}"))
-    rows.append(("total", "", "", str(sum(r.docs for r in results)),
-                 f"{sum(r.bytes for r in results) / 1e6:.2f}", ""))
+        rows.append(
+            (
+                r.name,
+                r.version,
+                r.licence,
+                str(r.docs),
+                f"{r.bytes / 1e6:.2f}",
+                f"{r.dropped_short}/{r.dropped_code}/{r.dropped_dup}/{r.dropped_cap}",
+            )
+        )
+    rows.append(("total", "", "", str(sum(r.docs for r in results)), f"{sum(r.bytes for r in results) / 1e6:.2f}", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = []
     for j, row in enumerate(rows):
@@ -1028,15 +1320,27 @@ def _fmt_table(results: Sequence[PackageResult]) -> str:
     return "\n".join(out)
 
 
-def build(out: Path, packages: Sequence[str], *, debs_dir: Optional[Path] = None, work: Optional[Path] = None,
-          max_mb: Optional[Dict[str, float]] = None, max_code_fraction: float = DEFAULT_MAX_CODE_FRACTION,
-          min_chars: int = DEFAULT_MIN_CHARS, xz: bool = False, xz_preset: int = 9,
-          apt_update: bool = False) -> Dict[str, object]:
+def build(
+    out: Path,
+    packages: Sequence[str],
+    *,
+    debs_dir: Optional[Path] = None,
+    work: Optional[Path] = None,
+    max_mb: Optional[Dict[str, float]] = None,
+    max_code_fraction: float = DEFAULT_MAX_CODE_FRACTION,
+    min_chars: int = DEFAULT_MIN_CHARS,
+    xz: bool = False,
+    xz_preset: int = 9,
+    apt_update: bool = False,
+) -> Dict[str, object]:
     """Build ``out/corpus.jsonl`` and ``out/SOURCES.md`` (and ``corpus.jsonl.xz``); returns a summary."""
     t_start = time.perf_counter()
     specs = [package_spec(p) for p in sorted(set(packages))]
-    _need_tool("dpkg-deb", "it extracts the .deb files: install dpkg (Debian/Ubuntu have it), "
-               "or build the corpus on a Debian machine and copy OUT/corpus.jsonl")
+    _need_tool(
+        "dpkg-deb",
+        "it extracts the .deb files: install dpkg (Debian/Ubuntu have it), "
+        "or build the corpus on a Debian machine and copy OUT/corpus.jsonl",
+    )
     wanted = sorted({s.name for s in specs} | {h for s in specs for h in s.helpers})
     out.mkdir(parents=True, exist_ok=True)
     own_work = work is None
@@ -1077,22 +1381,38 @@ def build(out: Path, packages: Sequence[str], *, debs_dir: Optional[Path] = None
             shutil.copyfile(copyright_file, lic_dir / f"{spec.name}.copyright")
             helper_versions = [f"{h} {deb_fields(debs[h]).get('Version', '?')}" for h in spec.helpers]
             result = PackageResult(
-                name=spec.name, version=fields.get("Version", "?"), deb=debs[spec.name].name,
+                name=spec.name,
+                version=fields.get("Version", "?"),
+                deb=debs[spec.name].name,
                 deb_sha256=_sha256_file(debs[spec.name]),
                 licence=detect_licence(decode_bytes(copyright_file.read_bytes())),
-                licence_note=spec.licence_note, what=spec.what, helpers=helper_versions)
+                licence_note=spec.licence_note,
+                what=spec.what,
+                helpers=helper_versions,
+            )
             print(f"[{spec.name}] converting (version {result.version}, licence {result.licence})", flush=True)
             cap = caps.get(spec.name, caps.get("*"))
-            docs = convert_package(spec, root, result, max_bytes=int(cap * 1e6) if cap else None, max_code_fraction=max_code_fraction,
-                                   min_chars=min_chars, seen=seen)
+            docs = convert_package(
+                spec,
+                root,
+                result,
+                max_bytes=int(cap * 1e6) if cap else None,
+                max_code_fraction=max_code_fraction,
+                min_chars=min_chars,
+                seen=seen,
+            )
             shutil.rmtree(root, ignore_errors=True)
             result.seconds = time.perf_counter() - t0
             if not docs:
-                raise CorpusError(f"{spec.name}: no document kept (of {result.seen_docs} converted); "
-                                  "check --min-chars / --max-code-fraction")
-            print(f"[{spec.name}] {result.docs} documents, {result.bytes / 1e6:.2f} MB kept of "
-                  f"{result.seen_docs} / {result.seen_bytes / 1e6:.2f} MB converted ({result.seconds:.1f}s)",
-                  flush=True)
+                raise CorpusError(
+                    f"{spec.name}: no document kept (of {result.seen_docs} converted); "
+                    "check --min-chars / --max-code-fraction"
+                )
+            print(
+                f"[{spec.name}] {result.docs} documents, {result.bytes / 1e6:.2f} MB kept of "
+                f"{result.seen_docs} / {result.seen_bytes / 1e6:.2f} MB converted ({result.seconds:.1f}s)",
+                flush=True,
+            )
             results.append(result)
             all_docs.extend(docs)
         jsonl = out / "corpus.jsonl"
@@ -1112,8 +1432,10 @@ def build(out: Path, packages: Sequence[str], *, debs_dir: Optional[Path] = None
             if stale.exists():
                 stale.unlink()
         cap_opts = " ".join(f"{k}={v:g}" if k != "*" else f"{v:g}" for k, v in sorted(caps.items()))
-        options = (f"--packages {' '.join(s.name for s in specs)} --max-mb {cap_opts} --max-code-fraction "
-                   f"{max_code_fraction} --min-chars {min_chars}")
+        options = (
+            f"--packages {' '.join(s.name for s in specs)} --max-mb {cap_opts} --max-code-fraction "
+            f"{max_code_fraction} --min-chars {min_chars}"
+        )
         (out / "SOURCES.md").write_text(sources_md(results, sha, n, options, xz_info), encoding="utf-8")
     finally:
         if own_work:
@@ -1125,7 +1447,9 @@ def build(out: Path, packages: Sequence[str], *, debs_dir: Optional[Path] = None
     print(f"corpus.jsonl     {n:,} bytes ({n / 1e6:.2f} MB)  sha256 {sha}")
     if xz_info:
         print(f"corpus.jsonl.xz  {xz_info[1]:,} bytes ({xz_info[1] / 1e6:.2f} MB)  sha256 {xz_info[0]}")
-    print(f"built in {elapsed:.0f}s into {out}; train with: nemo-fp8-train data=jsonl data.paths=[{out / 'corpus.jsonl'}]")
+    print(
+        f"built in {elapsed:.0f}s into {out}; train with: nemo-fp8-train data=jsonl data.paths=[{out / 'corpus.jsonl'}]"
+    )
     return {"sha256": sha, "bytes": n, "xz": xz_info, "packages": results, "seconds": elapsed}
 
 
@@ -1142,31 +1466,61 @@ def _parse_cap(value: str) -> Tuple[str, float]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="study_corpus.py", description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="study_corpus.py",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--out", required=True, type=Path, help="output folder (corpus.jsonl, SOURCES.md, licenses/)")
-    parser.add_argument("--packages", nargs="+", default=list(DEFAULT_PACKAGES), metavar="PKG",
-                        help=f"Debian packages to use (default: {' '.join(DEFAULT_PACKAGES)}); supported: "
-                             f"{', '.join(supported_packages())}")
-    parser.add_argument("--debs", type=Path, metavar="DIR",
-                        help="take the .deb files from DIR instead of `apt-get download` (one per package; "
-                             "bible-kjv-text also needs bible-kjv)")
-    parser.add_argument("--work", type=Path, metavar="DIR",
-                        help="keep downloads and extracted trees here (default: a temporary folder, removed)")
-    parser.add_argument("--max-mb", nargs="+", metavar="[PKG=]MB", type=_parse_cap,
-                        help="at most this many MB (1e6 bytes) of text per package, an even sample of its "
-                             "documents; MB alone sets every package's cap (replacing the defaults), PKG=MB one "
-                             "package's; 0 = no cap (default: "
-                             + " ".join(f"{k}={v:g}" if k != "*" else f"{v:g}" for k, v in DEFAULT_MAX_MB.items())
-                             + ")")
-    parser.add_argument("--max-code-fraction", type=float, default=DEFAULT_MAX_CODE_FRACTION,
-                        help="drop documents whose literal blocks / <pre> make up more than this share of the "
-                             f"characters (default {DEFAULT_MAX_CODE_FRACTION})")
-    parser.add_argument("--min-chars", type=int, default=DEFAULT_MIN_CHARS,
-                        help=f"drop documents shorter than this after conversion (default {DEFAULT_MIN_CHARS})")
+    parser.add_argument(
+        "--packages",
+        nargs="+",
+        default=list(DEFAULT_PACKAGES),
+        metavar="PKG",
+        help=f"Debian packages to use (default: {' '.join(DEFAULT_PACKAGES)}); supported: "
+        f"{', '.join(supported_packages())}",
+    )
+    parser.add_argument(
+        "--debs",
+        type=Path,
+        metavar="DIR",
+        help="take the .deb files from DIR instead of `apt-get download` (one per package; "
+        "bible-kjv-text also needs bible-kjv)",
+    )
+    parser.add_argument(
+        "--work",
+        type=Path,
+        metavar="DIR",
+        help="keep downloads and extracted trees here (default: a temporary folder, removed)",
+    )
+    parser.add_argument(
+        "--max-mb",
+        nargs="+",
+        metavar="[PKG=]MB",
+        type=_parse_cap,
+        help="at most this many MB (1e6 bytes) of text per package, an even sample of its "
+        "documents; MB alone sets every package's cap (replacing the defaults), PKG=MB one "
+        "package's; 0 = no cap (default: "
+        + " ".join(f"{k}={v:g}" if k != "*" else f"{v:g}" for k, v in DEFAULT_MAX_MB.items())
+        + ")",
+    )
+    parser.add_argument(
+        "--max-code-fraction",
+        type=float,
+        default=DEFAULT_MAX_CODE_FRACTION,
+        help="drop documents whose literal blocks / <pre> make up more than this share of the "
+        f"characters (default {DEFAULT_MAX_CODE_FRACTION})",
+    )
+    parser.add_argument(
+        "--min-chars",
+        type=int,
+        default=DEFAULT_MIN_CHARS,
+        help=f"drop documents shorter than this after conversion (default {DEFAULT_MIN_CHARS})",
+    )
     parser.add_argument("--xz", action="store_true", help="also write corpus.jsonl.xz (for copying to another machine)")
-    parser.add_argument("--xz-preset", type=int, default=9, choices=range(10), metavar="0-9",
-                        help="xz compression preset (default 9)")
+    parser.add_argument(
+        "--xz-preset", type=int, default=9, choices=range(10), metavar="0-9", help="xz compression preset (default 9)"
+    )
     parser.add_argument("--apt-update", action="store_true", help="run `apt-get update` first (needs root)")
     args = parser.parse_args(argv)
     if not 0.0 <= args.max_code_fraction <= 1.0:
@@ -1185,9 +1539,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CorpusError as e:
         parser.error(str(e))
     try:
-        build(args.out, args.packages, debs_dir=args.debs, work=args.work, max_mb=caps,
-              max_code_fraction=args.max_code_fraction, min_chars=args.min_chars, xz=args.xz,
-              xz_preset=args.xz_preset, apt_update=args.apt_update)
+        build(
+            args.out,
+            args.packages,
+            debs_dir=args.debs,
+            work=args.work,
+            max_mb=caps,
+            max_code_fraction=args.max_code_fraction,
+            min_chars=args.min_chars,
+            xz=args.xz,
+            xz_preset=args.xz_preset,
+            apt_update=args.apt_update,
+        )
     except CorpusError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2 if isinstance(e, MissingToolError) else 1

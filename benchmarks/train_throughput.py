@@ -74,8 +74,7 @@ def run_one(args, recipe: str, mode: str, root: Path, nproc: int = 1, backend: s
     """One trainer run; ``mode``: eager, compiled (torch.compile's default mode) or graphs
     (``trainer.compile_mode=reduce-overhead``: the compiled graphs replayed as CUDA graphs)."""
     compile_ = mode != "eager"
-    tag = (("te-" if backend == "te" else "") + mode
-           + (f"-dp{nproc}" if args.nproc_list != [1] else ""))
+    tag = ("te-" if backend == "te" else "") + mode + (f"-dp{nproc}" if args.nproc_list != [1] else "")
     overrides = [
         f"backend={backend}",
         f"recipe={recipe}",
@@ -105,9 +104,17 @@ def run_one(args, recipe: str, mode: str, root: Path, nproc: int = 1, backend: s
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.time() - t0
     run_dir = root / args.model / f"{recipe}-{tag}"
-    res = {"recipe": recipe, "backend": backend, "compile": compile_, "mode": mode, "nproc": nproc, "wall_s": round(wall, 1),
-           "run_dir": str(run_dir),
-           "returncode": proc.returncode, "cmd": " ".join(cmd)}
+    res = {
+        "recipe": recipe,
+        "backend": backend,
+        "compile": compile_,
+        "mode": mode,
+        "nproc": nproc,
+        "wall_s": round(wall, 1),
+        "run_dir": str(run_dir),
+        "returncode": proc.returncode,
+        "cmd": " ".join(cmd),
+    }
     if proc.returncode != 0:
         res["error"] = (proc.stderr or proc.stdout)[-3000:]
         return res
@@ -118,15 +125,18 @@ def run_one(args, recipe: str, mode: str, root: Path, nproc: int = 1, backend: s
     summary = run_dir / "summary.json"
     if summary.exists():  # (graphs: how many compiled graphs ran without CUDA graphs; 0 = all captured)
         res["cuda_graph_skips"] = json.loads(summary.read_text()).get("cuda_graph_skips")
-    res.update({
-        "tokens_per_s": statistics.median(tps) if tps else None,
-        "first_loss": loss[0][1] if loss else None,
-        "last_loss": statistics.mean(v for _, v in loss[-3:]) if loss else None,
-        "val_loss": val[-1][1] if val else None,
-        "loss_steps": sc.get("train/loss_step", []),
-        "mfu": statistics.median(v for s, v in sc.get("perf/mfu", []) if s > args.steps // 2)
-        if sc.get("perf/mfu") else None,
-    })
+    res.update(
+        {
+            "tokens_per_s": statistics.median(tps) if tps else None,
+            "first_loss": loss[0][1] if loss else None,
+            "last_loss": statistics.mean(v for _, v in loss[-3:]) if loss else None,
+            "val_loss": val[-1][1] if val else None,
+            "loss_steps": sc.get("train/loss_step", []),
+            "mfu": statistics.median(v for s, v in sc.get("perf/mfu", []) if s > args.steps // 2)
+            if sc.get("perf/mfu")
+            else None,
+        }
+    )
     return res
 
 
@@ -137,25 +147,43 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=8)
-    p.add_argument("--compile", default="eager",
-                   help="comma list of trainer modes: eager, compiled (torch.compile, default mode), graphs "
-                        "(compiled with trainer.compile_mode=reduce-overhead: every compiled graph replayed as a "
-                        "CUDA graph, one GPU); both = eager,compiled (default %(default)s)")
+    p.add_argument(
+        "--compile",
+        default="eager",
+        help="comma list of trainer modes: eager, compiled (torch.compile, default mode), graphs "
+        "(compiled with trainer.compile_mode=reduce-overhead: every compiled graph replayed as a "
+        "CUDA graph, one GPU); both = eager,compiled (default %(default)s)",
+    )
     p.add_argument("--telemetry-interval", type=int, default=0)
-    p.add_argument("--emulate-mxfp8", action=argparse.BooleanOptionalAction, default=True,
-                   help="run mxfp8 with recipe.emulate=true (needed on Hopper)")
+    p.add_argument(
+        "--emulate-mxfp8",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run mxfp8 with recipe.emulate=true (needed on Hopper)",
+    )
     p.add_argument("--root", default="runs/bench")
     p.add_argument("--out", default=None, help="write results as JSON here")
-    p.add_argument("--nproc", default="1",
-                   help="comma-separated process counts (one GPU each under torchrun), e.g. 1,2")
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="sequences per optimizer step (default: micro-batch x the largest --nproc)")
-    p.add_argument("--megatron-te", action="store_true",
-                   help="also train the same shapes as Megatron-Core + Transformer Engine (one run per recipe)")
-    p.add_argument("--backends", default="native",
-                   help="comma-separated trainer backends: native, te (Transformer Engine modules, eager; "
-                        "Hopper recipes). With both, a table puts them side by side per recipe and "
-                        "nemo-fp8-compare overlays their loss curves")
+    p.add_argument(
+        "--nproc", default="1", help="comma-separated process counts (one GPU each under torchrun), e.g. 1,2"
+    )
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step (default: micro-batch x the largest --nproc)",
+    )
+    p.add_argument(
+        "--megatron-te",
+        action="store_true",
+        help="also train the same shapes as Megatron-Core + Transformer Engine (one run per recipe)",
+    )
+    p.add_argument(
+        "--backends",
+        default="native",
+        help="comma-separated trainer backends: native, te (Transformer Engine modules, eager; "
+        "Hopper recipes). With both, a table puts them side by side per recipe and "
+        "nemo-fp8-compare overlays their loss curves",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny CPU run for CI: 3 steps, tiny model")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args(argv)
@@ -178,23 +206,30 @@ def main(argv=None) -> int:
     root = Path(args.root)
     results = []
     recipes = args.recipes.split(",")
-    runs = [("native", c, recipe, n) for c in modes for recipe in recipes for n in args.nproc_list
-            if "native" in backends]
+    runs = [
+        ("native", c, recipe, n) for c in modes for recipe in recipes for n in args.nproc_list if "native" in backends
+    ]
     # Transformer Engine's modules run eager (the trainer refuses trainer.compile=true with them);
     # mxfp8 has no TE GEMMs on Hopper, so it runs on the native backend only
-    runs += [("te", "eager", recipe, n) for recipe in recipes for n in args.nproc_list
-             if "te" in backends and recipe != "mxfp8"]
+    runs += [
+        ("te", "eager", recipe, n)
+        for recipe in recipes
+        for n in args.nproc_list
+        if "te" in backends and recipe != "mxfp8"
+    ]
     for backend, mode, recipe, nproc in runs:
         r = run_one(args, recipe, mode, root, nproc, backend)
         results.append(r)
         write_out(args, results)  # (after every run: a sweep cut short keeps what it measured)
         status = "ok" if r["returncode"] == 0 else "FAILED"
-        print(f"[{status}] {backend:<6} {recipe:<11} {mode:<9} x{nproc} "
-              f"wall {r['wall_s']:>6}s "
-              f"tok/s {r.get('tokens_per_s') or 0:>10.0f}  loss {r.get('first_loss') or 0:.3f} -> "
-              f"{r.get('last_loss') or 0:.3f}"
-              + (f"  graphs run without CUDA graphs: {r['cuda_graph_skips']}" if r.get("cuda_graph_skips") else ""),
-              flush=True)
+        print(
+            f"[{status}] {backend:<6} {recipe:<11} {mode:<9} x{nproc} "
+            f"wall {r['wall_s']:>6}s "
+            f"tok/s {r.get('tokens_per_s') or 0:>10.0f}  loss {r.get('first_loss') or 0:.3f} -> "
+            f"{r.get('last_loss') or 0:.3f}"
+            + (f"  graphs run without CUDA graphs: {r['cuda_graph_skips']}" if r.get("cuda_graph_skips") else ""),
+            flush=True,
+        )
         if r["returncode"] != 0:
             print(r["error"], file=sys.stderr)
     single = {(r["backend"], r["recipe"], r["mode"]): r for r in results if r["nproc"] == 1}
@@ -205,11 +240,23 @@ def main(argv=None) -> int:
             ref = dict(one.get("loss_steps", []))
             devs = [abs(v - ref[s]) / abs(ref[s]) for s, v in r.get("loss_steps", []) if ref.get(s)]
             r["max_rel_loss_dev_vs_1proc"] = max(devs) if devs else None
-    base = {(bk, c, n): next((r.get("tokens_per_s") for r in results if r["recipe"] == "bf16"
-                              and r["backend"] == bk and r["mode"] == c and r["nproc"] == n), None)
-            for bk in BACKENDS for c in MODES for n in args.nproc_list}
-    print("\n| backend | recipe | mode | procs | tokens/s | vs bf16 | MFU | loss first -> last | val loss "
-          "| DP efficiency | loss dev vs 1 proc |")
+    base = {
+        (bk, c, n): next(
+            (
+                r.get("tokens_per_s")
+                for r in results
+                if r["recipe"] == "bf16" and r["backend"] == bk and r["mode"] == c and r["nproc"] == n
+            ),
+            None,
+        )
+        for bk in BACKENDS
+        for c in MODES
+        for n in args.nproc_list
+    }
+    print(
+        "\n| backend | recipe | mode | procs | tokens/s | vs bf16 | MFU | loss first -> last | val loss "
+        "| DP efficiency | loss dev vs 1 proc |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r.get("tokens_per_s")
@@ -218,17 +265,27 @@ def main(argv=None) -> int:
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         eff = f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") else "-"
         dev = f"{r['max_rel_loss_dev_vs_1proc']:.1e}" if r.get("max_rel_loss_dev_vs_1proc") is not None else "-"
-        print(f"| {r['backend']} | {r['recipe']}{' (emulated)' if r['recipe'] == 'mxfp8' and args.emulate_mxfp8 else ''} | "
-              f"{r['mode']} | {r['nproc']} | {t or 0:.0f} | {ratio} | {mfu} | "
-              f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
-              f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |")
+        emulated = " (emulated)" if r["recipe"] == "mxfp8" and args.emulate_mxfp8 else ""
+        print(
+            f"| {r['backend']} | {r['recipe']}{emulated} | "
+            f"{r['mode']} | {r['nproc']} | {t or 0:.0f} | {ratio} | {mfu} | "
+            f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
+            f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |"
+        )
     compared = compare_backends(results, root, args) if len(backends) > 1 else {}
     te_rows = run_megatron_te(args, root) if args.megatron_te else []
     if te_rows:
         print_te_table([r for r in results if r["backend"] == "native"], te_rows)
     write_out(args, results, backends=compared, megatron_te=te_rows)
-    return 0 if (all(r["returncode"] == 0 for r in results) and all(r.get("ok", True) for r in te_rows)
-                 and compared.get("returncode", 0) == 0) else 1
+    return (
+        0
+        if (
+            all(r["returncode"] == 0 for r in results)
+            and all(r.get("ok", True) for r in te_rows)
+            and compared.get("returncode", 0) == 0
+        )
+        else 1
+    )
 
 
 def write_out(args, results: list, **more) -> None:
@@ -247,6 +304,7 @@ def compare_backends(results: list, root: Path, args) -> dict:
     for r in results:
         if r["nproc"] == 1 and r["returncode"] == 0:
             by[(r["backend"], r["recipe"])] = r
+
     def cell(v, f=".0f"):
         return "-" if v is None else format(v, f)
 
@@ -258,18 +316,38 @@ def compare_backends(results: list, root: Path, args) -> dict:
         if not n and not t:
             continue
         nt, tt = (n or {}).get("tokens_per_s"), (t or {}).get("tokens_per_s")
-        rows.append({"recipe": recipe, "native_tokens_per_s": nt, "te_tokens_per_s": tt,
-                     "native_over_te": nt / tt if nt and tt else None,
-                     "native_last_loss": (n or {}).get("last_loss"), "te_last_loss": (t or {}).get("last_loss")})
-        print(f"| {recipe} | {cell(nt)} | {cell(tt)} | {cell(nt / tt if nt and tt else None, '.2f') + ('x' if nt and tt else '')} | "
-              f"{cell((n or {}).get('last_loss'), '.3f')} | {cell((t or {}).get('last_loss'), '.3f')} |")
+        rows.append(
+            {
+                "recipe": recipe,
+                "native_tokens_per_s": nt,
+                "te_tokens_per_s": tt,
+                "native_over_te": nt / tt if nt and tt else None,
+                "native_last_loss": (n or {}).get("last_loss"),
+                "te_last_loss": (t or {}).get("last_loss"),
+            }
+        )
+        ratio = cell(nt / tt if nt and tt else None, ".2f") + ("x" if nt and tt else "")
+        print(
+            f"| {recipe} | {cell(nt)} | {cell(tt)} | {ratio} | "
+            f"{cell((n or {}).get('last_loss'), '.3f')} | {cell((t or {}).get('last_loss'), '.3f')} |"
+        )
     dirs = [r["run_dir"] for r in by.values()]
     if len(dirs) < 2:
         return {"rows": rows}
     out = root / args.model / "compare"
     base = by.get(("native", "bf16"), next(iter(by.values())))["run_dir"]
-    cmd = [sys.executable, "-m", "nemo_fp8_recipes.compare", *dirs, "--baseline", base, "--out", str(out),
-           "--last", str(max(1, args.steps // 2))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemo_fp8_recipes.compare",
+        *dirs,
+        "--baseline",
+        base,
+        "--out",
+        str(out),
+        "--last",
+        str(max(1, args.steps // 2)),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     print(proc.stdout[-4000:], flush=True)
     if proc.returncode != 0:
@@ -283,8 +361,14 @@ def _model_shape(args) -> dict:
 
     keep = [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
     m = compose_config([f"model={args.model}", *keep]).model
-    return {"layers": m.num_layers, "hidden": m.dim, "ffn": m.ffn_dim, "heads": m.num_heads, "kv_heads": m.num_kv_heads,
-            "vocab": m.vocab_size}
+    return {
+        "layers": m.num_layers,
+        "hidden": m.dim,
+        "ffn": m.ffn_dim,
+        "heads": m.num_heads,
+        "kv_heads": m.num_kv_heads,
+        "vocab": m.vocab_size,
+    }
 
 
 def run_megatron_te(args, root: Path) -> list:
@@ -295,34 +379,78 @@ def run_megatron_te(args, root: Path) -> list:
     ok, why = te_available()
     recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
     if not ok:
-        return [{"recipe": r, "ok": True, "status": f"skipped: Transformer Engine not importable ({why})"}
-                for r in recipes]
+        return [
+            {"recipe": r, "ok": True, "status": f"skipped: Transformer Engine not importable ({why})"} for r in recipes
+        ]
     shape = _model_shape(args)
     micro = max(1, (args.global_batch or args.micro_batch) // args.micro_batch)
     rows = []
     for recipe in recipes:
         out = root / f"megatron_te_{recipe}.json"
-        cmd = [sys.executable, str(Path(__file__).with_name("megatron_native_train.py")), "--impl", "te",
-               "--recipes", recipe, "--steps", str(args.steps), "--seq", str(args.seq_len),
-               "--micro-batch", str(args.micro_batch), "--micro-batches", str(micro), "--data", "random",
-               "--first-layers-bf16", "0", "--last-layers-bf16", "0", "--log-interval", str(max(1, args.steps // 10)),
-               "--layers", str(shape["layers"]), "--hidden", str(shape["hidden"]), "--ffn", str(shape["ffn"]),
-               "--heads", str(shape["heads"]), "--kv-heads", str(shape["kv_heads"]), "--vocab", str(shape["vocab"]),
-               "--out", str(out)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).with_name("megatron_native_train.py")),
+            "--impl",
+            "te",
+            "--recipes",
+            recipe,
+            "--steps",
+            str(args.steps),
+            "--seq",
+            str(args.seq_len),
+            "--micro-batch",
+            str(args.micro_batch),
+            "--micro-batches",
+            str(micro),
+            "--data",
+            "random",
+            "--first-layers-bf16",
+            "0",
+            "--last-layers-bf16",
+            "0",
+            "--log-interval",
+            str(max(1, args.steps // 10)),
+            "--layers",
+            str(shape["layers"]),
+            "--hidden",
+            str(shape["hidden"]),
+            "--ffn",
+            str(shape["ffn"]),
+            "--heads",
+            str(shape["heads"]),
+            "--kv-heads",
+            str(shape["kv_heads"]),
+            "--vocab",
+            str(shape["vocab"]),
+            "--out",
+            str(out),
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         row = {"recipe": recipe, "cmd": " ".join(cmd), "ok": proc.returncode == 0}
         if proc.returncode == 0:
             r = json.loads(out.read_text())["runs"][recipe]
-            row.update({k: r.get(k) for k in ("tokens_per_s", "step_ms_median", "peak_gib", "first_loss_mean",
-                                              "last_loss_mean", "audit")})
+            row.update(
+                {
+                    k: r.get(k)
+                    for k in (
+                        "tokens_per_s",
+                        "step_ms_median",
+                        "peak_gib",
+                        "first_loss_mean",
+                        "last_loss_mean",
+                        "audit",
+                    )
+                }
+            )
             row["status"] = "ok"
         else:
             row["status"] = "failed"
             row["error"] = (proc.stderr or proc.stdout)[-3000:]
             print(row["error"], file=sys.stderr)
         rows.append(row)
-        print(f"[{row['status']}] Megatron-Core + TE {recipe:<11} tok/s {row.get('tokens_per_s') or 0:>10.0f}",
-              flush=True)
+        print(
+            f"[{row['status']}] Megatron-Core + TE {recipe:<11} tok/s {row.get('tokens_per_s') or 0:>10.0f}", flush=True
+        )
     return rows
 
 
@@ -333,8 +461,10 @@ def print_te_table(results: list, te_rows: list) -> None:
         if r["nproc"] == 1 and r.get("tokens_per_s"):
             ours[r["recipe"]] = r
     te = {r["recipe"]: r for r in te_rows if r.get("tokens_per_s")}
-    print("\n| recipe | embedded trainer tok/s | vs its bf16 | Megatron-Core + TE tok/s | vs its bf16 | "
-          "TE step ms | TE peak GiB | ours / TE |")
+    print(
+        "\n| recipe | embedded trainer tok/s | vs its bf16 | Megatron-Core + TE tok/s | vs its bf16 | "
+        "TE step ms | TE peak GiB | ours / TE |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     ob, tb = ours.get("bf16", {}).get("tokens_per_s"), te.get("bf16", {}).get("tokens_per_s")
     for row in te_rows:
@@ -343,9 +473,11 @@ def print_te_table(results: list, te_rows: list) -> None:
         if t is None:
             print(f"| {k} | {o or 0:.0f} | {o / ob if o and ob else 0:.2f}x | {row['status']} | - | - | - | - |")
             continue
-        print(f"| {k} | {o or 0:.0f} | {o / ob if o and ob else 0:.2f}x | {t:.0f} | {t / tb if tb else 0:.2f}x | "
-              f"{row.get('step_ms_median') or 0:.0f} | {row.get('peak_gib') or 0:.1f} | "
-              f"{o / t if o else 0:.2f}x |")
+        print(
+            f"| {k} | {o or 0:.0f} | {o / ob if o and ob else 0:.2f}x | {t:.0f} | {t / tb if tb else 0:.2f}x | "
+            f"{row.get('step_ms_median') or 0:.0f} | {row.get('peak_gib') or 0:.1f} | "
+            f"{o / t if o else 0:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -115,47 +115,79 @@ class TrainerConfig:
 
         need(self.max_steps >= 1, f"max_steps must be >= 1, got {self.max_steps}")
         need(self.micro_batch_size >= 1, f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        need(self.global_batch_size >= self.micro_batch_size
-             and self.global_batch_size % self.micro_batch_size == 0,
-             f"global_batch_size ({self.global_batch_size}) must be a positive multiple of "
-             f"micro_batch_size ({self.micro_batch_size}); the ratio is the gradient accumulation")
+        need(
+            self.global_batch_size >= self.micro_batch_size and self.global_batch_size % self.micro_batch_size == 0,
+            f"global_batch_size ({self.global_batch_size}) must be a positive multiple of "
+            f"micro_batch_size ({self.micro_batch_size}); the ratio is the gradient accumulation",
+        )
         need(self.seq_len >= 1, f"seq_len must be >= 1, got {self.seq_len}")
-        need(math.isfinite(self.lr) and self.lr > 0 and math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr,
-             f"lr must be a finite number > 0 and min_lr in [0, lr]; got lr={self.lr}, min_lr={self.min_lr}")
-        need(0 <= self.seed < 2**32,
-             f"seed must be an integer in [0, 2**32 - 1] (NumPy's and CUDA's generators take 32 bits), "
-             f"got {self.seed}")
+        need(
+            math.isfinite(self.lr) and self.lr > 0 and math.isfinite(self.min_lr) and 0 <= self.min_lr <= self.lr,
+            f"lr must be a finite number > 0 and min_lr in [0, lr]; got lr={self.lr}, min_lr={self.min_lr}",
+        )
+        need(
+            0 <= self.seed < 2**32,
+            f"seed must be an integer in [0, 2**32 - 1] (NumPy's and CUDA's generators take 32 bits), got {self.seed}",
+        )
         for k in ("beta1", "beta2"):
             v = getattr(self, k)
-            need(math.isfinite(v) and 0.0 <= v < 1.0,
-                 f"{k} must be in [0, 1) (AdamW's moving-average coefficient; typical 0.9 / 0.95), got {v}")
-        need(math.isfinite(self.eps) and self.eps > 0,
-             f"eps must be a finite number > 0 (AdamW's denominator guard; typical 1e-8), got {self.eps}")
-        need(math.isfinite(self.weight_decay) and self.weight_decay >= 0,
-             f"weight_decay must be a finite number >= 0 (0 = off; typical 0.1), got {self.weight_decay}")
+            need(
+                math.isfinite(v) and 0.0 <= v < 1.0,
+                f"{k} must be in [0, 1) (AdamW's moving-average coefficient; typical 0.9 / 0.95), got {v}",
+            )
+        need(
+            math.isfinite(self.eps) and self.eps > 0,
+            f"eps must be a finite number > 0 (AdamW's denominator guard; typical 1e-8), got {self.eps}",
+        )
+        need(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            f"weight_decay must be a finite number >= 0 (0 = off; typical 0.1), got {self.weight_decay}",
+        )
         need(self.warmup_steps >= 0, f"warmup_steps must be >= 0, got {self.warmup_steps}")
-        need(math.isfinite(self.grad_clip) and self.grad_clip >= 0,
-             f"grad_clip must be a finite number >= 0 (0 = off), got {self.grad_clip}")
-        for k in ("val_interval", "val_steps", "log_interval", "telemetry_interval",
-                  "ckpt_interval", "max_skipped_steps"):
+        need(
+            math.isfinite(self.grad_clip) and self.grad_clip >= 0,
+            f"grad_clip must be a finite number >= 0 (0 = off), got {self.grad_clip}",
+        )
+        for k in (
+            "val_interval",
+            "val_steps",
+            "log_interval",
+            "telemetry_interval",
+            "ckpt_interval",
+            "max_skipped_steps",
+        ):
             need(getattr(self, k) >= 0, f"{k} must be >= 0, got {getattr(self, k)}")
         need(self.ckpt_keep >= 1, f"ckpt_keep must be >= 1, got {self.ckpt_keep}")
-        need(self.autocast in ("auto", "bf16", "off"),
-             f"autocast={self.autocast!r} is not valid; choose one of: auto, bf16, off")
-        need(self.nan_policy in ("stop", "skip"),
-             f"nan_policy={self.nan_policy!r} is not valid; choose one of: stop, skip")
-        need(bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)),
-             f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda, cuda:N")
+        need(
+            self.autocast in ("auto", "bf16", "off"),
+            f"autocast={self.autocast!r} is not valid; choose one of: auto, bf16, off",
+        )
+        need(
+            self.nan_policy in ("stop", "skip"),
+            f"nan_policy={self.nan_policy!r} is not valid; choose one of: stop, skip",
+        )
+        need(
+            bool(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device)),
+            f"device={self.device!r} is not valid; choose one of: auto, cpu, cuda, cuda:N",
+        )
         need(bool(self.resume), "resume must be auto, never or a checkpoint path")
-        need(self.data_parallel in ("ddp", "fsdp2"),
-             f"data_parallel={self.data_parallel!r} is not valid; choose one of: ddp, fsdp2")
-        need(self.compile_mode in COMPILE_MODES,
-             f"compile_mode={self.compile_mode!r} is not valid; choose one of: {', '.join(COMPILE_MODES)}")
-        need(self.compile or self.compile_mode == "default",
-             f"compile_mode={self.compile_mode} is a torch.compile mode; it needs trainer.compile=true")
-        need(not (self.fuse_wgrad_accumulation and self.compile),
-             "fuse_wgrad_accumulation=true applies to the eager FP8 linears, and trainer.compile=true traces "
-             "them (the traced linears return their gradients); turn one of the two off")
+        need(
+            self.data_parallel in ("ddp", "fsdp2"),
+            f"data_parallel={self.data_parallel!r} is not valid; choose one of: ddp, fsdp2",
+        )
+        need(
+            self.compile_mode in COMPILE_MODES,
+            f"compile_mode={self.compile_mode!r} is not valid; choose one of: {', '.join(COMPILE_MODES)}",
+        )
+        need(
+            self.compile or self.compile_mode == "default",
+            f"compile_mode={self.compile_mode} is a torch.compile mode; it needs trainer.compile=true",
+        )
+        need(
+            not (self.fuse_wgrad_accumulation and self.compile),
+            "fuse_wgrad_accumulation=true applies to the eager FP8 linears, and trainer.compile=true traces "
+            "them (the traced linears return their gradients); turn one of the two off",
+        )
 
     @property
     def grad_accum(self) -> int:
@@ -285,8 +317,7 @@ def _keys_at(cfg, path: str) -> Optional[List[str]]:
 def _explain_unknown_key(full_key: str, overrides: Sequence[str]) -> str:
     """Message for a key that is not in the config: the valid keys of its parent node."""
     # Re-compose with the group choices only, so the listing is for the chosen recipe/model.
-    group_choices = [o for o in overrides if "=" in o and _override_key(o) in GROUPS
-                     and not o.startswith(("+", "~"))]
+    group_choices = [o for o in overrides if "=" in o and _override_key(o) in GROUPS and not o.startswith(("+", "~"))]
     try:
         cfg = compose_config(group_choices)
     except Exception:  # noqa: BLE001 - fall back to the defaults
@@ -295,11 +326,14 @@ def _explain_unknown_key(full_key: str, overrides: Sequence[str]) -> str:
     if own is not None:  # the key exists: a dict value sets keys this node does not have
         given = _dict_override_keys(full_key, overrides)
         unknown = [k for k in given if k not in own]
-        hint = "; ".join(f"'{k}' -> did you mean '{h[0]}'?" for k in unknown
-                         for h in [difflib.get_close_matches(k, own, n=1)] if h)
-        return (f"'{full_key}={{...}}' sets key(s) {', '.join(unknown) or '(unknown)'} that '{full_key}' does not "
-                f"have{' (' + hint + ')' if hint else ''}.\nValid keys under '{full_key}': {', '.join(own)} "
-                f"(set them one by one, e.g. {full_key}.{own[0]}=..., or in the dict)")
+        hint = "; ".join(
+            f"'{k}' -> did you mean '{h[0]}'?" for k in unknown for h in [difflib.get_close_matches(k, own, n=1)] if h
+        )
+        return (
+            f"'{full_key}={{...}}' sets key(s) {', '.join(unknown) or '(unknown)'} that '{full_key}' does not "
+            f"have{' (' + hint + ')' if hint else ''}.\nValid keys under '{full_key}': {', '.join(own)} "
+            f"(set them one by one, e.g. {full_key}.{own[0]}=..., or in the dict)"
+        )
     parent, _, leaf = full_key.rpartition(".")
     keys = _keys_at(cfg, parent)
     while keys is None and parent:  # e.g. trainer.foo.bar: walk up to an existing node
@@ -356,15 +390,18 @@ def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
             r"Could not (?:append|delete) to config\. An item is already at '([^']+)'", text
         )
         cause = e.__cause__
-        if m and (cause is None or "not in struct" in str(cause) or "No match in the defaults" in text
-                  or "Key '" in str(cause)):
+        if m and (
+            cause is None
+            or "not in struct" in str(cause)
+            or "No match in the defaults" in text
+            or "Key '" in str(cause)
+        ):
             return _explain_unknown_key(m.group(1), overrides)
         return text.split("Config search path:")[0].strip()
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        return (
-            f"missing mandatory value(s): {', '.join(missing)}; set them on the command line, "
-            f"e.g. {missing[0]}=" + ("[/path/to/corpus]" if missing[0].endswith("paths") else "...")
+        return f"missing mandatory value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=" + (
+            "[/path/to/corpus]" if missing[0].endswith("paths") else "..."
         )
     try:
         trainer_config(cfg)
@@ -406,8 +443,12 @@ def typed_config(node, cls, path: str):
     present = [str(k) for k in node.keys()]
     unknown = [k for k in present if k not in valid]
     if unknown:
-        hints = [f"'{path}.{k}' -> did you mean '{path}.{h[0]}'?"
-                 for k in unknown for h in [difflib.get_close_matches(k, valid, n=1)] if h]
+        hints = [
+            f"'{path}.{k}' -> did you mean '{path}.{h[0]}'?"
+            for k in unknown
+            for h in [difflib.get_close_matches(k, valid, n=1)]
+            if h
+        ]
         raise ConfigError(
             f"unknown key(s) {', '.join(f'{path}.{k}' for k in unknown)}"
             + (f" ({'; '.join(hints)})" if hints else "")
@@ -471,8 +512,11 @@ def build_kernel_options(kernels_node):
 
     from .options import KernelOptions
 
-    values = (OmegaConf.to_container(kernels_node, resolve=True) if isinstance(kernels_node, DictConfig)
-              else dict(kernels_node or {}))
+    values = (
+        OmegaConf.to_container(kernels_node, resolve=True)
+        if isinstance(kernels_node, DictConfig)
+        else dict(kernels_node or {})
+    )
     values = {k: v for k, v in values.items() if v is not None}
     try:
         return KernelOptions.from_mapping(values)
@@ -488,10 +532,15 @@ def build_policy(policy_node):
 
     if policy_node is not None and not isinstance(policy_node, (DictConfig, dict)):
         valid = ", ".join(f.name for f in dataclasses.fields(PrecisionPolicy))
-        raise ConfigError(f"policy must be a block of options, got {policy_node!r}; set them one by one, e.g. "
-                          f"policy.first_layers_bf16=1 (options: {valid})")
-    values = (OmegaConf.to_container(policy_node, resolve=True) if isinstance(policy_node, DictConfig)
-              else dict(policy_node or {}))
+        raise ConfigError(
+            f"policy must be a block of options, got {policy_node!r}; set them one by one, e.g. "
+            f"policy.first_layers_bf16=1 (options: {valid})"
+        )
+    values = (
+        OmegaConf.to_container(policy_node, resolve=True)
+        if isinstance(policy_node, DictConfig)
+        else dict(policy_node or {})
+    )
     valid = [f.name for f in dataclasses.fields(PrecisionPolicy)]
     unknown = sorted(set(values) - set(valid))
     if unknown:

@@ -84,16 +84,23 @@ def deterministic_mode(enabled: bool = True, *, transformer_engine: bool = False
         yield {}
         return
     saved_env = {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", _TE_ENV)}
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             torch.utils.deterministic.fill_uninitialized_memory)
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.utils.deterministic.fill_uninitialized_memory,
+    )
     inductor = _inductor_config()
     saved_inductor = inductor.deterministic if inductor is not None else None
     cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if cublas not in _CUBLAS_OK:
         if cublas:
-            log.warning("CUBLAS_WORKSPACE_CONFIG=%s is not one of cuBLAS' deterministic settings; using %s",
-                        cublas, CUBLAS_WORKSPACE_CONFIG)
+            log.warning(
+                "CUBLAS_WORKSPACE_CONFIG=%s is not one of cuBLAS' deterministic settings; using %s",
+                cublas,
+                CUBLAS_WORKSPACE_CONFIG,
+            )
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE_CONFIG
     if transformer_engine:
         os.environ[_TE_ENV] = "0"
@@ -135,6 +142,8 @@ def explain_nondeterministic_op(err: BaseException, where: str = "this device") 
     if "does not have a deterministic implementation" not in text:
         return None
     op = text.split(", but you set")[0].strip().splitlines()[0]
-    return (f"deterministic mode cannot run this model on {where}: {op}, and PyTorch {torch.__version__} has no "
-            "deterministic implementation of it. Turn deterministic mode off (trainer.deterministic=false: the "
-            "run is then reproducible only to rounding), or change the part of the model that uses it")
+    return (
+        f"deterministic mode cannot run this model on {where}: {op}, and PyTorch {torch.__version__} has no "
+        "deterministic implementation of it. Turn deterministic mode off (trainer.deterministic=false: the "
+        "run is then reproducible only to rounding), or change the part of the model that uses it"
+    )

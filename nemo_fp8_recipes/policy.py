@@ -68,9 +68,7 @@ class Role:
     OTHER = "other"
 
 
-HIGH_PRECISION_ROLES = frozenset(
-    {Role.EMBEDDING, Role.OUTPUT, Role.ROUTER, Role.NORM, Role.ATTENTION_CORE}
-)
+HIGH_PRECISION_ROLES = frozenset({Role.EMBEDDING, Role.OUTPUT, Role.ROUTER, Role.NORM, Role.ATTENTION_CORE})
 GEMM_ROLES = frozenset({Role.ATTENTION_PROJECTION, Role.MLP, Role.LINEAR, Role.OUTPUT, Role.ROUTER})
 
 _HP_PRECISION = {
@@ -81,22 +79,73 @@ _HP_PRECISION = {
     Role.ATTENTION_CORE: "bf16",
 }
 
-_EMBED_NAMES = {"tok_embeddings", "embed_tokens", "word_embeddings", "wte", "wpe", "embedding",
-                "embeddings", "position_embeddings", "embed"}
+_EMBED_NAMES = {
+    "tok_embeddings",
+    "embed_tokens",
+    "word_embeddings",
+    "wte",
+    "wpe",
+    "embedding",
+    "embeddings",
+    "position_embeddings",
+    "embed",
+}
 _OUTPUT_NAMES = {"output", "lm_head", "output_layer", "output_projection"}
 _ROUTER_NAMES = {"router", "gate"}
 _ATTN_CORE_NAMES = {"core_attention", "attn_core", "sdpa", "flash_attn", "inner_attention"}
 _ATTN_PROJ_NAMES = {
-    "wq", "wk", "wv", "wo", "wqkv", "q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj",
-    "linear_qkv", "linear_proj", "c_attn", "out_proj", "query_key_value", "dense",
+    "wq",
+    "wk",
+    "wv",
+    "wo",
+    "wqkv",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "qkv_proj",
+    "linear_qkv",
+    "linear_proj",
+    "c_attn",
+    "out_proj",
+    "query_key_value",
+    "dense",
     # DeepSeek / Megatron multi-latent attention
-    "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "linear_q_proj",
-    "linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "linear_q_proj",
+    "linear_q_down_proj",
+    "linear_q_up_proj",
+    "linear_kv_down_proj",
+    "linear_kv_up_proj",
 }
-_MLP_NAMES = {"w1", "w2", "w3", "gate_proj", "up_proj", "down_proj", "linear_fc1", "linear_fc2",
-              "fc1", "fc2", "c_fc", "dense_h_to_4h", "dense_4h_to_h"}
-_MLP_CONTEXT = {"experts", "local_experts", "shared_expert", "shared_experts", "mlp",
-                "feed_forward", "block_sparse_moe", "moe"}
+_MLP_NAMES = {
+    "w1",
+    "w2",
+    "w3",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "linear_fc1",
+    "linear_fc2",
+    "fc1",
+    "fc2",
+    "c_fc",
+    "dense_h_to_4h",
+    "dense_4h_to_h",
+}
+_MLP_CONTEXT = {
+    "experts",
+    "local_experts",
+    "shared_expert",
+    "shared_experts",
+    "mlp",
+    "feed_forward",
+    "block_sparse_moe",
+    "moe",
+}
 _ATTN_CONTEXT = {"attention", "self_attention", "self_attn", "attn", "cross_attention"}
 _NORM_SUFFIXES = ("norm", "layernorm", "ln", "ln_f", "ln_1", "ln_2")
 _LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)(?:\.|$)")
@@ -137,8 +186,12 @@ def classify(fqn: str, module: Optional[nn.Module] = None) -> Tuple[str, str]:
         return Role.ROUTER, f"MoE router/gate ({cls or leaf})"
     if parents & _ROUTER_NAMES:  # e.g. DBRX ffn.router.layer, Switch mlp.router.classifier
         return Role.ROUTER, f"inside an MoE router/gate ({fqn})"
-    if leaf in _ATTN_CORE_NAMES or "DotProductAttention" in cls or "FlashAttention" in cls \
-            or cls in {"CoreAttention", "SDPA", "ScaledDotProductAttention"}:
+    if (
+        leaf in _ATTN_CORE_NAMES
+        or "DotProductAttention" in cls
+        or "FlashAttention" in cls
+        or cls in {"CoreAttention", "SDPA", "ScaledDotProductAttention"}
+    ):
         return Role.ATTENTION_CORE, f"attention core ({cls or leaf})"
     if leaf in _OUTPUT_NAMES and layer_index(fqn) is None and not parents & (_MLP_CONTEXT | _ATTN_CONTEXT):
         # at any wrapper depth (PEFT base_model.model.lm_head, DDP module.output_layer, ...)
@@ -223,9 +276,7 @@ class PrecisionPolicy:
 
     def __post_init__(self) -> None:
         if self.attention_projections not in ("fp8", "bf16"):
-            raise ValueError(
-                f"attention_projections={self.attention_projections!r} is not valid; choose fp8 or bf16"
-            )
+            raise ValueError(f"attention_projections={self.attention_projections!r} is not valid; choose fp8 or bf16")
         for name in ("first_layers_bf16", "last_layers_bf16"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
@@ -237,19 +288,24 @@ class PrecisionPolicy:
             elif isinstance(v, str):
                 v = (v,)
             elif not isinstance(v, (list, tuple, set, frozenset)):
-                raise ValueError(f"{name} must be a glob pattern on module names or a list of them "
-                                 f"(e.g. {name}=['layers.0.*', '*.wo']), got {v!r}")
+                raise ValueError(
+                    f"{name} must be a glob pattern on module names or a list of them "
+                    f"(e.g. {name}=['layers.0.*', '*.wo']), got {v!r}"
+                )
             bad = [p for p in v if not isinstance(p, str)]
             if bad:
                 raise ValueError(f"{name} patterns must be strings (glob patterns on module names), got {bad!r}")
             object.__setattr__(self, name, tuple(v))
-        if self.num_layers is not None and (isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int)
-                                            or self.num_layers < 1):
+        if self.num_layers is not None and (
+            isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1
+        ):
             raise ValueError(f"num_layers must be an integer >= 1 or None, got {self.num_layers!r}")
         m = self.min_fp8_weight_elements
         if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-            raise ValueError(f"min_fp8_weight_elements must be an integer >= 0 (0 = off) or 'auto' (the recipe's "
-                             f"measured FP8/BF16 crossover), got {m!r}")
+            raise ValueError(
+                f"min_fp8_weight_elements must be an integer >= 0 (0 = off) or 'auto' (the recipe's "
+                f"measured FP8/BF16 crossover), got {m!r}"
+            )
 
     def fp8_weight_threshold(self, recipe: Recipe) -> int:
         """The size rule's threshold for ``recipe`` in weight elements (0 = no size rule)."""
@@ -259,7 +315,8 @@ class PrecisionPolicy:
         if recipe.name not in FP8_CROSSOVER_WEIGHT_ELEMENTS:
             raise ValueError(
                 f"min_fp8_weight_elements='auto' has no measured crossover for recipe {recipe.name} (measured: "
-                f"{', '.join(FP8_CROSSOVER_WEIGHT_ELEMENTS)}); give the threshold in weight elements instead")
+                f"{', '.join(FP8_CROSSOVER_WEIGHT_ELEMENTS)}); give the threshold in weight elements instead"
+            )
         return FP8_CROSSOVER_WEIGHT_ELEMENTS[recipe.name]
 
     def with_num_layers(self, n: Optional[int]) -> "PrecisionPolicy":
@@ -293,7 +350,10 @@ class PrecisionPolicy:
             return Decision(fqn, role, precision, reason, layer)
 
         if role not in GEMM_ROLES:
-            return d(_HP_PRECISION.get(role, "bf16"), f"{why}: kept out of FP8 by policy" if role in HIGH_PRECISION_ROLES else why)
+            return d(
+                _HP_PRECISION.get(role, "bf16"),
+                f"{why}: kept out of FP8 by policy" if role in HIGH_PRECISION_ROLES else why,
+            )
         pat = self._match(fqn, self.exclude)
         if pat:
             return d("bf16", f"excluded by pattern {pat!r}")
@@ -307,7 +367,10 @@ class PrecisionPolicy:
                 if self.num_layers is None:
                     raise ValueError("last_layers_bf16 needs num_layers (or a model to infer it)")
                 if layer >= self.num_layers - self.last_layers_bf16:
-                    return d("bf16", f"layer {layer} is among the last {self.last_layers_bf16} of {self.num_layers} kept in BF16")
+                    return d(
+                        "bf16",
+                        f"layer {layer} is among the last {self.last_layers_bf16} of {self.num_layers} kept in BF16",
+                    )
             if role == Role.ATTENTION_PROJECTION and self.attention_projections == "bf16":
                 return d("bf16", "attention projections set to bf16 by policy")
         if recipe is not None and not recipe.is_fp8:
@@ -323,19 +386,35 @@ class PrecisionPolicy:
             if shape is None:
                 shape = linear_shape(module)
             if shape is None:
-                what = (f"{type(module).__name__} has no in_features/out_features" if module is not None
-                        else "no module or shape was given")
-                raise ValueError(f"{fqn}: min_fp8_weight_elements needs the GEMM's shape, and {what}; pass "
-                                 "shape=(out_features, in_features), or keep such modules in BF16 with exclude "
-                                 "patterns instead of the size rule")
+                what = (
+                    f"{type(module).__name__} has no in_features/out_features"
+                    if module is not None
+                    else "no module or shape was given"
+                )
+                raise ValueError(
+                    f"{fqn}: min_fp8_weight_elements needs the GEMM's shape, and {what}; pass "
+                    "shape=(out_features, in_features), or keep such modules in BF16 with exclude "
+                    "patterns instead of the size rule"
+                )
             threshold = self.fp8_weight_threshold(recipe)
             n = shape[0] * shape[1]
             if n < threshold:
-                src = f"auto: the measured {recipe.name} crossover" if self.min_fp8_weight_elements == "auto" else "policy"
-                return d("bf16", f"{shape[0]}x{shape[1]} weight ({_millions(n)} elements) is below "
-                                 f"min_fp8_weight_elements={_millions(threshold)} ({src}): too small to gain from FP8")
+                src = (
+                    f"auto: the measured {recipe.name} crossover"
+                    if self.min_fp8_weight_elements == "auto"
+                    else "policy"
+                )
+                return d(
+                    "bf16",
+                    f"{shape[0]}x{shape[1]} weight ({_millions(n)} elements) is below "
+                    f"min_fp8_weight_elements={_millions(threshold)} ({src}): too small to gain from FP8",
+                )
         if included:
-            return d("fp8", f"included by pattern {included!r}" + (f" (overrides {role} role)" if role in HIGH_PRECISION_ROLES else ""))
+            return d(
+                "fp8",
+                f"included by pattern {included!r}"
+                + (f" (overrides {role} role)" if role in HIGH_PRECISION_ROLES else ""),
+            )
         return d("fp8", f"{why}: FP8 per recipe")
 
 
@@ -350,7 +429,9 @@ def small_gemm_hint(recipe: Recipe, policy: PrecisionPolicy, shapes: Iterable[Tu
     threshold = FP8_CROSSOVER_WEIGHT_ELEMENTS[recipe.name]
     if not sizes or max(sizes) >= threshold:
         return None
-    return (f"every FP8 GEMM of this model is below the measured {recipe.name} FP8/BF16 crossover (largest weight "
-            f"{_millions(max(sizes))} elements, crossover {_millions(threshold)} on an H200 at 8,192 tokens per "
-            "micro-batch): FP8 likely trains slower than BF16 here; policy.min_fp8_weight_elements=auto keeps such "
-            "GEMMs in BF16 and says so in the audit (docs/policy.md)")
+    return (
+        f"every FP8 GEMM of this model is below the measured {recipe.name} FP8/BF16 crossover (largest weight "
+        f"{_millions(max(sizes))} elements, crossover {_millions(threshold)} on an H200 at 8,192 tokens per "
+        "micro-batch): FP8 likely trains slower than BF16 here; policy.min_fp8_weight_elements=auto keeps such "
+        "GEMMs in BF16 and says so in the audit (docs/policy.md)"
+    )

@@ -231,8 +231,7 @@ class DelayedScalingRecipe(Recipe):
         )
         _require(
             self.amax_compute_algo in _ALGOS,
-            f"delayed: amax_compute_algo={self.amax_compute_algo!r} is not valid; choose one of: "
-            + ", ".join(_ALGOS),
+            f"delayed: amax_compute_algo={self.amax_compute_algo!r} is not valid; choose one of: " + ", ".join(_ALGOS),
         )
         _require(
             _is_int(self.margin) and 0 <= self.margin <= MAX_MARGIN,
@@ -296,8 +295,7 @@ class BlockwiseRecipe(Recipe):
 
     def _validate(self) -> None:
         _require(
-            self.input_granularity is Granularity.TILE_1x128
-            and self.grad_granularity is Granularity.TILE_1x128,
+            self.input_granularity is Granularity.TILE_1x128 and self.grad_granularity is Granularity.TILE_1x128,
             "blockwise: input_granularity and grad_granularity must be '1x128'",
         )
         _require(
@@ -371,9 +369,7 @@ def _build(cls, ctor, base, overrides: dict) -> Recipe:
     unknown = sorted(set(overrides) - set(valid))
     if unknown:
         label = cls.name if base is None else base.name
-        raise ValueError(
-            f"{label}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}"
-        )
+        raise ValueError(f"{label}: unknown option(s) {', '.join(unknown)}; valid options: {', '.join(valid)}")
     if base is None:
         return ctor(**overrides)
     return ctor(base, **overrides)
@@ -408,6 +404,7 @@ def get_recipe(name: Union[str, RecipeName, Recipe], **overrides: Any) -> Recipe
 class UnsupportedRecipeError(RuntimeError):
     """Raised when a recipe cannot run as asked on the device; the message names the recipe,
     the GPU it needs, the device found and what to use instead."""
+
 
 def _hw_status(recipe: Recipe, info: DeviceInfo) -> Tuple[bool, str]:
     """Whether ``info`` runs ``recipe`` with real FP8 GEMMs, and if not why."""
@@ -452,8 +449,7 @@ def _hw_status(recipe: Recipe, info: DeviceInfo) -> Tuple[bool, str]:
                 "emulate=true for numerics only"
             )
         return False, (
-            f"mxfp8 needs SM100 (Blackwell: B200/GB200); found {info}; use blockwise, or "
-            "emulate=true for numerics only"
+            f"mxfp8 needs SM100 (Blackwell: B200/GB200); found {info}; use blockwise, or emulate=true for numerics only"
         )
     return False, f"{key}: unknown recipe"
 
@@ -471,9 +467,9 @@ def check_supported(recipe: Union[str, Recipe], device=None) -> Tuple[bool, str]
     """Can ``recipe`` run on ``device`` as configured? Returns ``(ok, reason)``.
 
     CPU: every recipe runs, emulated (``emulate`` may be None or True; ``emulate=False`` is an
-    error there). GPU: per the hardware table of docs/recipes.md. Where the hardware lacks the format, ``emulate=True`` makes
-    it supported (numerics only, slow); otherwise the reason names the recipe, the GPU it needs,
-    the device found and an alternative.
+    error there). GPU: per the hardware table of docs/recipes.md. Where the hardware lacks the
+    format, ``emulate=True`` makes it supported (numerics only, slow); otherwise the reason names
+    the recipe, the GPU it needs, the device found and an alternative.
     """
     r = get_recipe(recipe) if not isinstance(recipe, Recipe) else recipe
     info = describe_device(device)

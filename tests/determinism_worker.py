@@ -33,9 +33,13 @@ def main(spec_path: str, out_path: str, root: str) -> int:
     out = {}
     for name, overrides in spec.items():
         r = train(compose_config([*overrides, f"run.root={root}/{name}"]))
-        out[name] = {"loss": [h["loss"] for h in r.history], "grad_norm": [h["grad_norm"] for h in r.history],
-                     "val": [v for _, v in r.val], "params": _param_digest(r.model),
-                     "cuda_graph_skips": r.cuda_graph_skips}
+        out[name] = {
+            "loss": [h["loss"] for h in r.history],
+            "grad_norm": [h["grad_norm"] for h in r.history],
+            "val": [v for _, v in r.val],
+            "params": _param_digest(r.model),
+            "cuda_graph_skips": r.cuda_graph_skips,
+        }
         print(f"{name}: {len(r.history)} steps, final loss {r.history[-1]['loss']:.6f}", flush=True)
     with open(out_path, "w", encoding="utf-8") as f:
         json.dump(out, f)

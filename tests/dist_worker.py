@@ -11,7 +11,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 
@@ -42,7 +41,8 @@ def main() -> int:
     for run in spec["runs"]:
         result = train(compose_config(run["overrides"]))
         record = {
-            "rank": rank, "world_size": result.world_size,
+            "rank": rank,
+            "world_size": result.world_size,
             "losses": [[h["step"], h["loss"]] for h in result.history],
             "grad_norms": [h["grad_norm"] for h in result.history],
             "fp8_state": fp8_state(result.model),

@@ -107,7 +107,11 @@ def quantize_groups(x: torch.Tensor, fmt: str, block, rounding: str, scale=None)
             scales[gi, gj] = s
             y = (g.astype(np.float32) * np.float32(s)).astype(np.float64) if math.isfinite(s) else g * s
             q = round_fp8(y, fmt)
-            sinv = float(np.float32(1.0) / np.float32(s)) if s not in (0.0,) and math.isfinite(s) else (math.inf if s == 0 else math.nan)
+            sinv = (
+                float(np.float32(1.0) / np.float32(s))
+                if s not in (0.0,) and math.isfinite(s)
+                else (math.inf if s == 0 else math.nan)
+            )
             out[r0 : r0 + br, c0 : c0 + bc] = q * sinv
             codes[r0 : r0 + br, c0 : c0 + bc] = q
     return out, scales, codes

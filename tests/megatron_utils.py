@@ -73,9 +73,7 @@ def init_megatron_cpu(seed: int = 1234) -> None:
         dist.init_process_group(backend="gloo", init_method="env://", rank=0, world_size=1)
         _DIST_INITIALISED_HERE = True
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=1, pipeline_model_parallel_size=1
-        )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     torch.manual_seed(seed)
 
 
@@ -138,9 +136,7 @@ def build_tiny_gpt_model(
     cfg_kwargs.update(config_overrides)
     config = TransformerConfig(**cfg_kwargs)
 
-    spec = get_gpt_layer_local_spec(
-        num_experts=num_moe_experts if moe else None, moe_grouped_gemm=False
-    )
+    spec = get_gpt_layer_local_spec(num_experts=num_moe_experts if moe else None, moe_grouped_gemm=False)
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -26,7 +26,9 @@ def _modules():
     return mods
 
 
-def _imports(name: str, path: Path, mods) -> set:
+def _imports(name: str, path: Path, mods, packages: bool = False) -> set:
+    """The modules of ours that ``name`` imports anywhere in it; ``packages``: count imports of a
+    package (its ``__init__``) too, which the cycle check leaves out (a facade gathers its package)."""
     pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -42,7 +44,7 @@ def _imports(name: str, path: Path, mods) -> set:
         for t in targets:
             while t not in mods and "." in t:
                 t = t.rpartition(".")[0]
-            if t in mods and t != name and mods[t].name != "__init__.py":
+            if t in mods and t != name and (packages or mods[t].name != "__init__.py"):
                 out.add(t)
     return out
 
@@ -96,11 +98,13 @@ def test_importing_the_package_installs_no_optimizer_hook():
     import subprocess
     import sys
 
-    code = ("import torch.optim.optimizer as o, nemo_fp8_recipes.nn as nn_;"
-            "from nemo_fp8_recipes.recipes import get_recipe;"
-            "n0 = len(o._global_optimizer_post_hooks);"
-            "[nn_.Float8Linear(128, 128, recipe=get_recipe('tensorwise'), emulate=True) for _ in range(2)];"
-            "print(n0, len(o._global_optimizer_post_hooks))")
+    code = (
+        "import torch.optim.optimizer as o, nemo_fp8_recipes.nn as nn_;"
+        "from nemo_fp8_recipes.recipes import get_recipe;"
+        "n0 = len(o._global_optimizer_post_hooks);"
+        "[nn_.Float8Linear(128, 128, recipe=get_recipe('tensorwise'), emulate=True) for _ in range(2)];"
+        "print(n0, len(o._global_optimizer_post_hooks))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["0", "1"]
@@ -111,20 +115,37 @@ def test_importing_the_package_installs_no_optimizer_hook():
 #: Module names are matched by their longest listed prefix. ``compare`` stands apart: it imports
 #: nothing of the package but itself, and any layer may use it.
 LAYERS = {
-    "nemo_fp8_recipes.formats": 0, "nemo_fp8_recipes.hardware": 0, "nemo_fp8_recipes.recipes": 0,
-    "nemo_fp8_recipes.options": 0, "nemo_fp8_recipes.versions": 0, "nemo_fp8_recipes._io": 0,
+    "nemo_fp8_recipes.formats": 0,
+    "nemo_fp8_recipes.hardware": 0,
+    "nemo_fp8_recipes.recipes": 0,
+    "nemo_fp8_recipes.options": 0,
+    "nemo_fp8_recipes.versions": 0,
+    "nemo_fp8_recipes._io": 0,
     "nemo_fp8_recipes.determinism": 0,
-    "nemo_fp8_recipes.policy": 1, "nemo_fp8_recipes.quant": 1,
+    "nemo_fp8_recipes.policy": 1,
+    "nemo_fp8_recipes.quant": 1,
     "nemo_fp8_recipes.nn": 2,
-    "nemo_fp8_recipes.models": 3, "nemo_fp8_recipes.data": 3,
+    "nemo_fp8_recipes.models": 3,
+    "nemo_fp8_recipes.data": 3,
     "nemo_fp8_recipes.config": 4,
-    "nemo_fp8_recipes.trainer": 5, "nemo_fp8_recipes.integrations": 5, "nemo_fp8_recipes.launch": 5,
+    "nemo_fp8_recipes.trainer": 5,
+    "nemo_fp8_recipes.integrations": 5,
+    "nemo_fp8_recipes.launch": 5,
     # the command lines
-    "nemo_fp8_recipes.train": 6, "nemo_fp8_recipes.trainer.cli": 6, "nemo_fp8_recipes.integrations.bridge.cli": 6,
+    "nemo_fp8_recipes.train": 6,
+    "nemo_fp8_recipes.trainer.cli": 6,
+    "nemo_fp8_recipes.integrations.bridge.cli": 6,
     "nemo_fp8_recipes.launch.submit": 6,
 }
-LAYER_NAMES = ("core vocabulary", "quantisation and policy", "nn", "models and data", "configuration",
-               "trainer / integrations / launch", "command lines")
+LAYER_NAMES = (
+    "core vocabulary",
+    "quantisation and policy",
+    "nn",
+    "models and data",
+    "configuration",
+    "trainer / integrations / launch",
+    "command lines",
+)
 APART = "nemo_fp8_recipes.compare"
 
 
@@ -139,28 +160,6 @@ def _layer(name: str):
         if key in LAYERS:
             return LAYERS[key]
     return None
-
-
-def _import_edges(name: str, path: Path, mods) -> set:
-    """Every module or package of ours that ``name`` imports, anywhere in it (packages included)."""
-    pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        targets = []
-        if isinstance(node, ast.ImportFrom):
-            base = pkg
-            for _ in range(max(node.level - 1, 0)):
-                base = base.rpartition(".")[0]
-            mod = node.module if not node.level else (f"{base}.{node.module}" if node.module else base)
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else mod for a in node.names]
-        elif isinstance(node, ast.Import):
-            targets = [a.name for a in node.names]
-        for t in targets:
-            while t not in mods and "." in t:
-                t = t.rpartition(".")[0]
-            if t in mods and t != name:
-                out.add(t)
-    return out
 
 
 def _upward(graph) -> list:
@@ -183,18 +182,25 @@ def test_nothing_imports_upward():
     mods = _modules()
     unplaced = sorted(m for m in mods if m != "nemo_fp8_recipes" and _layer(m) is None)
     assert not unplaced, f"modules in no layer (add them to LAYERS): {unplaced}"
-    graph = {m: _import_edges(m, p, mods) for m, p in mods.items() if p.name != "__init__.py"}
-    bad = [f"{a} ({LAYER_NAMES[_layer(a)] if _layer(a) != 'apart' else 'compare'}) imports {b} "
-           f"({LAYER_NAMES[_layer(b)] if _layer(b) != 'apart' else 'compare'})" for a, b in _upward(graph)]
+    graph = {m: _imports(m, p, mods, packages=True) for m, p in mods.items() if p.name != "__init__.py"}
+    bad = [
+        f"{a} ({LAYER_NAMES[_layer(a)] if _layer(a) != 'apart' else 'compare'}) imports {b} "
+        f"({LAYER_NAMES[_layer(b)] if _layer(b) != 'apart' else 'compare'})"
+        for a, b in _upward(graph)
+    ]
     assert not bad, "imports pointing upward:\n" + "\n".join(bad)
 
 
 def test_the_layering_check_finds_an_upward_import():
-    graph = {"nemo_fp8_recipes.nn.linear": {"nemo_fp8_recipes.quant.ops", "nemo_fp8_recipes.trainer.run"},
-             "nemo_fp8_recipes.trainer.run": {"nemo_fp8_recipes.nn.linear", "nemo_fp8_recipes.compare.reading"},
-             "nemo_fp8_recipes.compare.reading": {"nemo_fp8_recipes.config"}}
-    assert _upward(graph) == [("nemo_fp8_recipes.nn.linear", "nemo_fp8_recipes.trainer.run"),
-                              ("nemo_fp8_recipes.compare.reading", "nemo_fp8_recipes.config")]
+    graph = {
+        "nemo_fp8_recipes.nn.linear": {"nemo_fp8_recipes.quant.ops", "nemo_fp8_recipes.trainer.run"},
+        "nemo_fp8_recipes.trainer.run": {"nemo_fp8_recipes.nn.linear", "nemo_fp8_recipes.compare.reading"},
+        "nemo_fp8_recipes.compare.reading": {"nemo_fp8_recipes.config"},
+    }
+    assert _upward(graph) == [
+        ("nemo_fp8_recipes.nn.linear", "nemo_fp8_recipes.trainer.run"),
+        ("nemo_fp8_recipes.compare.reading", "nemo_fp8_recipes.config"),
+    ]
 
 
 def _defined_names(tree) -> set:
@@ -203,7 +209,7 @@ def _defined_names(tree) -> set:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
                 for n in ast.walk(t):
                     if isinstance(n, ast.Name):
                         names.add(n.id)
@@ -239,8 +245,9 @@ def test_no_private_name_is_imported_across_modules():
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("nemo_fp8_recipes")):
                 private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                 if private:
-                    bad.append(f"{p.relative_to(ROOT)}: from {'.' * node.level}{node.module or ''} import "
-                               f"{', '.join(private)}")
+                    bad.append(
+                        f"{p.relative_to(ROOT)}: from {'.' * node.level}{node.module or ''} import {', '.join(private)}"
+                    )
     assert not bad, "private names imported from another module (make them public where they live):\n" + "\n".join(bad)
 
 
@@ -261,13 +268,18 @@ def _nemo_env_reads(tree) -> list:
 
 
 def test_nemo_fp8_environment_variables_are_read_in_the_options_module_only():
-    reads = {str(p.relative_to(ROOT)): r for p in ROOT.rglob("*.py")
-             if p.name != "options.py" and (r := _nemo_env_reads(ast.parse(p.read_text())))}
+    reads = {
+        str(p.relative_to(ROOT)): r
+        for p in ROOT.rglob("*.py")
+        if p.name != "options.py" and (r := _nemo_env_reads(ast.parse(p.read_text())))
+    }
     assert not reads, f"NEMO_FP8_* read outside nemo_fp8_recipes/options.py: {reads}"
 
 
 def test_the_environment_read_finder_finds_a_read():
-    tree = ast.parse('import os\nx = os.environ.get("NEMO_FP8_X")\ny = os.environ["NEMO_FP8_Y"]\nz = os.getenv("NEMO_FP8_Z")')
+    tree = ast.parse(
+        'import os\nx = os.environ.get("NEMO_FP8_X")\ny = os.environ["NEMO_FP8_Y"]\nz = os.getenv("NEMO_FP8_Z")'
+    )
     assert _nemo_env_reads(tree) == ["NEMO_FP8_X", "NEMO_FP8_Y", "NEMO_FP8_Z"]
 
 
@@ -287,3 +299,24 @@ def test_settings_read_from_the_environment(monkeypatch, tmp_path):
         _timeout_minutes()
     with pytest.raises(KeyError, match="known: cache_dir, dist_timeout_min"):
         env_setting("cache")
+
+
+# ---- lint and format ------------------------------------------------------------------------------
+REPO = ROOT.parent
+
+
+@pytest.mark.parametrize("command", [["check", "."], ["format", "--check", "."]], ids=["lint", "format"])
+def test_ruff_passes(command):
+    """``ruff check`` and ``ruff format --check`` with the repository's ruff.toml (the dev extra
+    installs the pinned ruff): fix with ``ruff check --fix . && ruff format .``."""
+    import shutil
+    import subprocess
+    import sys
+
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed (pip install -e '.[dev]' installs the pinned version)")
+    out = subprocess.run([ruff, *command], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout + out.stderr)[
+        -6000:
+    ] + f"\n(fix: ruff check --fix . && ruff format .; {sys.executable})"

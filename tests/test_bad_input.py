@@ -27,9 +27,19 @@ from nemo_fp8_recipes.train import main as train_main
 from nemo_fp8_recipes.train import train
 
 TINY = [
-    "model.num_layers=1", "model.dim=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_dim=128",
-    "trainer.seq_len=32", "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "trainer.progress=false",
-    "trainer.device=cpu", "data.max_files=10", "trainer.val_interval=0", "trainer.telemetry_interval=0",
+    "model.num_layers=1",
+    "model.dim=128",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.ffn_dim=128",
+    "trainer.seq_len=32",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=2",
+    "trainer.progress=false",
+    "trainer.device=cpu",
+    "data.max_files=10",
+    "trainer.val_interval=0",
+    "trainer.telemetry_interval=0",
 ]
 
 
@@ -41,33 +51,37 @@ def token_cache(tmp_path_factory):
 def _cli(tmp_path, token_cache, capsys, *extra) -> str:
     """Run nemo-fp8-train in this process; return stderr, asserting exit 2 and no traceback."""
     capsys.readouterr()
-    code = train_main(TINY + [f"run.root={tmp_path / 'runs'}", f"data.cache_dir={token_cache}",
-                              "trainer.max_steps=1", *extra])
+    code = train_main(
+        TINY + [f"run.root={tmp_path / 'runs'}", f"data.cache_dir={token_cache}", "trainer.max_steps=1", *extra]
+    )
     err = capsys.readouterr().err
     assert code == 2, err
     assert "Traceback" not in err and "Error executing job" not in err
     return err
 
 
-@pytest.mark.parametrize("override, words", [
-    ("trainer.seed=-1", "seed must be an integer in [0, 2**32 - 1]"),
-    ("trainer.seed=4294967296", "seed must be an integer in [0, 2**32 - 1]"),
-    ("trainer.beta1=1.5", "beta1 must be in [0, 1)"),
-    ("trainer.beta2=-0.1", "beta2 must be in [0, 1)"),
-    ("trainer.eps=0", "eps must be a finite number > 0"),
-    ("trainer.eps=-1e-8", "eps must be a finite number > 0"),
-    ("trainer.weight_decay=-1", "weight_decay must be a finite number >= 0"),
-    ("trainer.lr=inf", "lr must be a finite number > 0"),
-    ("trainer.grad_clip=nan", "grad_clip must be a finite number >= 0"),
-    ("model.init_std=nan", "init_std must be a finite number > 0"),
-    ("model.norm_eps=0", "norm_eps must be a finite number > 0"),
-    ("policy.exclude=5", "exclude must be a glob pattern on module names or a list of them"),
-    ("policy={attention_projection:bf16}", "did you mean 'attention_projections'"),
-    ("policy=5", "policy must be a block of options"),
-    ("recipe=delayed recipe.margin=200", "margin must be an integer in 0..8"),
-    ("recipe=delayed recipe.margin=true", "margin must be an integer in 0..8, got True"),
-    ("recipe=delayed recipe.amax_history_len=1000000000", "amax_history_len must be an integer in 1..65536"),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("trainer.seed=-1", "seed must be an integer in [0, 2**32 - 1]"),
+        ("trainer.seed=4294967296", "seed must be an integer in [0, 2**32 - 1]"),
+        ("trainer.beta1=1.5", "beta1 must be in [0, 1)"),
+        ("trainer.beta2=-0.1", "beta2 must be in [0, 1)"),
+        ("trainer.eps=0", "eps must be a finite number > 0"),
+        ("trainer.eps=-1e-8", "eps must be a finite number > 0"),
+        ("trainer.weight_decay=-1", "weight_decay must be a finite number >= 0"),
+        ("trainer.lr=inf", "lr must be a finite number > 0"),
+        ("trainer.grad_clip=nan", "grad_clip must be a finite number >= 0"),
+        ("model.init_std=nan", "init_std must be a finite number > 0"),
+        ("model.norm_eps=0", "norm_eps must be a finite number > 0"),
+        ("policy.exclude=5", "exclude must be a glob pattern on module names or a list of them"),
+        ("policy={attention_projection:bf16}", "did you mean 'attention_projections'"),
+        ("policy=5", "policy must be a block of options"),
+        ("recipe=delayed recipe.margin=200", "margin must be an integer in 0..8"),
+        ("recipe=delayed recipe.margin=true", "margin must be an integer in 0..8, got True"),
+        ("recipe=delayed recipe.amax_history_len=1000000000", "amax_history_len must be an integer in 1..65536"),
+    ],
+)
 def test_bad_values_stop_at_once_with_the_fix(override, words, tmp_path, token_cache, capsys):
     err = _cli(tmp_path, token_cache, capsys, *override.split())
     assert words in err, err
@@ -142,16 +156,24 @@ def test_the_checker_refuses_bad_flags_before_checking(tmp_path, capsys):
     assert check_main(["--gpu", "h100", "--cuda", "-1", "recipe=tensorwise"]) == 2
     assert "not a CUDA version" in capsys.readouterr().err
     out = tmp_path / "r.json"
-    assert check_main(["--gpu", "h100", "--cuda", "12.9", "--te", "2.20.2", "--json", str(out),
-                       "recipe=tensorwise"]) == 0
+    assert (
+        check_main(["--gpu", "h100", "--cuda", "12.9", "--te", "2.20.2", "--json", str(out), "recipe=tensorwise"]) == 0
+    )
     assert json.loads(out.read_text())["recipe"] == "tensorwise"
 
 
 def test_an_impossible_model_size_is_refused_before_allocating(tmp_path, token_cache, capsys):
     t0 = time.monotonic()
     capsys.readouterr()
-    code = train_main(["model=llama31_405b", "trainer.device=cpu", "trainer.progress=false",
-                       f"run.root={tmp_path / 'runs'}", f"data.cache_dir={token_cache}"])
+    code = train_main(
+        [
+            "model=llama31_405b",
+            "trainer.device=cpu",
+            "trainer.progress=false",
+            f"run.root={tmp_path / 'runs'}",
+            f"data.cache_dir={token_cache}",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err, err
     assert time.monotonic() - t0 < 60
@@ -167,15 +189,28 @@ def test_the_memory_estimate_follows_a_measured_run(tmp_path, token_cache):
     from nemo_fp8_recipes.models import ModelConfig
     from nemo_fp8_recipes.trainer.memory import estimate_training_memory
 
-    args = ["model=llama3_150m", "model.num_layers=2", "recipe=tensorwise", "trainer.seq_len=256",
-            "trainer.micro_batch_size=4", "trainer.global_batch_size=4", "trainer.max_steps=2",
-            "trainer.val_interval=0", "trainer.checkpoint=false", "trainer.progress=false", "trainer.device=cpu",
-            "data.max_files=20", f"data.cache_dir={token_cache}", f"run.root={tmp_path}"]
+    args = [
+        "model=llama3_150m",
+        "model.num_layers=2",
+        "recipe=tensorwise",
+        "trainer.seq_len=256",
+        "trainer.micro_batch_size=4",
+        "trainer.global_batch_size=4",
+        "trainer.max_steps=2",
+        "trainer.val_interval=0",
+        "trainer.checkpoint=false",
+        "trainer.progress=false",
+        "trainer.device=cpu",
+        "data.max_files=20",
+        f"data.cache_dir={token_cache}",
+        f"run.root={tmp_path}",
+    ]
     mcfg = ModelConfig.from_dict(OmegaConf.to_container(compose_config(args).model, resolve=True))
     est = estimate_training_memory(mcfg, tokens_per_micro_batch=1024, fp8=True, activation_bytes=4).total
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_recipes.train", *args], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_fp8_recipes.train", *args], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     if before * 1024 >= peak:
@@ -225,8 +260,14 @@ def _logged(run_dir: Path, tag: str):
 
 
 def test_the_train_loss_window_that_spans_a_resume_matches_the_uninterrupted_run(tmp_path, token_cache):
-    common = TINY + ["recipe=delayed", "trainer.max_steps=12", "trainer.log_interval=4", "trainer.ckpt_interval=6",
-                     "trainer.ckpt_keep=5", f"data.cache_dir={token_cache}"]
+    common = TINY + [
+        "recipe=delayed",
+        "trainer.max_steps=12",
+        "trainer.log_interval=4",
+        "trainer.ckpt_interval=6",
+        "trainer.ckpt_keep=5",
+        f"data.cache_dir={token_cache}",
+    ]
     full = train(compose_config(common + [f"run.root={tmp_path / 'a'}"]))
     ckpt6 = full.run_dir / "checkpoints" / "step_00000006.pt"
     resumed = train(compose_config(common + [f"run.root={tmp_path / 'b'}", f"trainer.resume={ckpt6}"]))
@@ -247,11 +288,14 @@ def test_backend_te_without_transformer_engine_stops_at_once(tmp_path, token_cac
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("extra, words", [
-    (["recipe=mxfp8"], "needs SM100 (Blackwell)"),
-    (["recipe=tensorwise", "trainer.compile=true"], "Transformer Engine's modules run eager"),
-    (["recipe=blockwise", "recipe.emulate=true"], "backend=native recipe.emulate=true"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["recipe=mxfp8"], "needs SM100 (Blackwell)"),
+        (["recipe=tensorwise", "trainer.compile=true"], "Transformer Engine's modules run eager"),
+        (["recipe=blockwise", "recipe.emulate=true"], "backend=native recipe.emulate=true"),
+    ],
+)
 def test_backend_te_refuses_what_te_cannot_run(extra, words, monkeypatch, tmp_path):
     """The checks after Transformer Engine is found, with the TE/GPU probe and the device answer
     replaced by a Hopper machine's (no TE is needed to see the refusals)."""

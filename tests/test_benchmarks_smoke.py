@@ -43,7 +43,8 @@ def test_quant_bandwidth_smoke(tmp_path):
     assert triton_rows == {v[0] for v in VARIANTS}, sorted({v[0] for v in VARIANTS} - triton_rows)
     rows = data["sweep"]
     assert [(r["kernel"], r["default"]) for r in rows] == [
-        (k, d) for k in ("rows128", "cols_t128", "tensor_delayed", "dual128") for d in (True, False)]
+        (k, d) for k in ("rows128", "cols_t128", "tensor_delayed", "dual128") for d in (True, False)
+    ]
     assert all(r["same_bits"] is True and r["error"] is None and r["ms"] > 0 for r in rows)
     assert rows[3]["config"] == {"bf16_tile": False, "block_c": 128, "num_warps": 4, "groups": 1}
     host = data["host_overhead"]
@@ -67,8 +68,21 @@ def test_linear_breakdown_attributes_the_step_to_kernel_classes(tmp_path):
     """``linear_fwd_bwd.py --breakdown``: every variant gets a profile whose classes add up to the
     profiled kernel time; on CPU the GEMM class is the matmuls (ATen ``mm``)."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_fwd_bwd.py"), "--smoke", "--breakdown",
-                           "--recipes", "tensorwise", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "linear_fwd_bwd.py"),
+            "--smoke",
+            "--breakdown",
+            "--recipes",
+            "tensorwise",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     assert [r["recipe"] for r in rows] == ["bf16", "tensorwise"]
@@ -88,9 +102,22 @@ def test_linear_benchmark_cuda_graph_column(tmp_path):
     import torch
 
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "linear_fwd_bwd.py"), "--smoke", "--cuda-graph",
-                           "--fused-wgrad", "--recipes", "tensorwise", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "linear_fwd_bwd.py"),
+            "--smoke",
+            "--cuda-graph",
+            "--fused-wgrad",
+            "--recipes",
+            "tensorwise",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     assert [r["recipe"] for r in rows] == ["bf16", "bf16+fused", "tensorwise", "tensorwise+fused"]
@@ -110,9 +137,23 @@ def test_layer_breakdown_profiles_each_variant_and_mode(tmp_path):
     """``layer_fwd_bwd.py --breakdown``: a profile per variant and mode, classes adding up, the
     attention core attributed to its own class (CPU: ``aten::_scaled_dot_product...``)."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--breakdown",
-                           "--variants", "bf16,tensorwise", "--modes", "eager", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "layer_fwd_bwd.py"),
+            "--smoke",
+            "--breakdown",
+            "--variants",
+            "bf16,tensorwise",
+            "--modes",
+            "eager",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
     assert [(r["variant"], r["mode"]) for r in rows] == [("bf16", "eager"), ("tensorwise", "eager")]
@@ -163,14 +204,13 @@ def test_interleaved_timing_alternates_the_variants_every_round(bench_modules, p
             return self
 
         def __exit__(self, *exc):
-            self.samples.append(calls[self.start:])
+            self.samples.append(calls[self.start :])
 
         def summary(self):
             return {"blocks": [set(b) for b in self.samples], "calls": sum(map(len, self.samples))}
 
     fns = {"bf16": make("bf16"), "fp8": make("fp8")}
-    out = _timing.bench_interleaved(fns, 3, "cpu", rounds=2, warmup=1, iters=4, window=2, b2b_warmup=0,
-                                    monitor=Monitor)
+    out = _timing.bench_interleaved(fns, 3, "cpu", rounds=2, warmup=1, iters=4, window=2, b2b_warmup=0, monitor=Monitor)
     blocks = [n for k, n in enumerate(calls) if k == 0 or calls[k - 1] != n]
     assert blocks == ["bf16", "fp8", "bf16", "fp8"]
     # first round: 1 warm-up + 2 synchronised samples + 2 windows of 2 calls; later rounds: one
@@ -187,8 +227,9 @@ def test_interleaved_timing_alternates_the_variants_every_round(bench_modules, p
     assert [n for k, n in enumerate(calls) if k == 0 or calls[k - 1] != n] == ["bf16", "fp8"]
     assert out["bf16"]["gpu"] is None and out["bf16"]["gpu_reason"] == "not monitored"
     # the NVML monitor off a GPU: nothing sampled, and why
-    out = _timing.bench_interleaved(fns, 3, "cpu", rounds=1, warmup=1, iters=2, window=2,
-                                    monitor=profiling.nvml.GpuMonitor)
+    out = _timing.bench_interleaved(
+        fns, 3, "cpu", rounds=1, warmup=1, iters=2, window=2, monitor=profiling.nvml.GpuMonitor
+    )
     assert out["fp8"]["gpu"] is None and out["fp8"]["gpu_reason"] == "no CUDA device"
     assert _timing.gpu_monitor("cpu") is None and _timing.gpu_monitor("cuda:0") is profiling.nvml.GpuMonitor
 
@@ -198,9 +239,17 @@ def test_timeline_stats_splits_busy_idle_and_the_first_step(profiling):
     kernel intervals (an overlapping kernel is not counted twice), the first step's idle is kept
     apart from the later steps', whose idle splits into the lead before each step's first kernel
     and the in-step gaps, charged to the pair of kernels around them."""
-    iv = [(0, 10, "a"), (12, 20, "b"), (18, 30, "c"),   # step 1: idle 2 us, c overlaps b
-          (40, 50, "a"), (50, 60, "b"), (70, 80, "c"),   # step 2: idle 10 before a, 10 before c
-          (85, 90, "a"), (90, 95, "b"), (95, 100, "c")]  # step 3: idle 5 before a
+    iv = [
+        (0, 10, "a"),
+        (12, 20, "b"),
+        (18, 30, "c"),  # step 1: idle 2 us, c overlaps b
+        (40, 50, "a"),
+        (50, 60, "b"),
+        (70, 80, "c"),  # step 2: idle 10 before a, 10 before c
+        (85, 90, "a"),
+        (90, 95, "b"),
+        (95, 100, "c"),
+    ]  # step 3: idle 5 before a
     t = profiling.timeline.timeline_stats(list(reversed(iv)), steps=3)
     assert t["kernels"] == 3
     assert math.isclose(t["span"], 100 / 3 / 1e3)
@@ -222,12 +271,16 @@ def test_live_at_peak_replays_an_allocator_trace(profiling, tmp_path):
     with its line and source-node comment."""
     code = tmp_path / "torchinductor_x" / "ab" / "cab.py"
     code.parent.mkdir(parents=True)
-    code.write_text("def call(args):\n    # Topologically Sorted Source Nodes: [silu, mul]\n"
-                    "    buf3 = empty_strided_cuda((8192, 14336), (14336, 1), torch.bfloat16)\n")
+    code.write_text(
+        "def call(args):\n    # Topologically Sorted Source Nodes: [silu, mul]\n"
+        "    buf3 = empty_strided_cuda((8192, 14336), (14336, 1), torch.bfloat16)\n"
+    )
     mib = 2**20
     ind = [{"filename": str(code), "line": 3, "name": "call"}]
-    ours = [{"filename": "/x/site-packages/torch/_ops.py", "line": 1, "name": "__call__"},
-            {"filename": "/r/nemo_fp8_recipes/quant/triton_kernels.py", "line": 712, "name": "quantize_rows"}]
+    ours = [
+        {"filename": "/x/site-packages/torch/_ops.py", "line": 1, "name": "__call__"},
+        {"filename": "/r/nemo_fp8_recipes/quant/triton_kernels.py", "line": 712, "name": "quantize_rows"},
+    ]
     ev = [
         {"action": "alloc", "addr": 1, "size": 100 * mib, "frames": ind},
         {"action": "alloc", "addr": 2, "size": 50 * mib, "frames": ours},
@@ -258,8 +311,9 @@ def test_peak_memory_report_records_one_step_and_turns_the_history_off(profiling
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: calls.append("sync"))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 100 * mib)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
-                        lambda enabled="all", **kw: calls.append(("history", enabled)))
+    monkeypatch.setattr(
+        torch.cuda.memory, "_record_memory_history", lambda enabled="all", **kw: calls.append(("history", enabled))
+    )
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: {"device_traces": [ev]})
     r = profiling.memory.peak_memory_report(lambda i: calls.append(("step", i)), 3)
     assert calls == ["sync", ("history", "all"), ("step", 3), "sync", ("history", None)]
@@ -295,8 +349,12 @@ def _has_triton() -> bool:
 
 def _run_smoke(script, tmp_path, *args):
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "|---|" in proc.stdout  # a Markdown table
     return json.loads(out.read_text())
@@ -333,8 +391,12 @@ def test_gemm_tflops_smoke(tmp_path):
     rows = data["results"]
     # emulated on CPU: every variant, mxfp8 included, for both projections and all three GEMMs
     keys = {(r["gemm"], r["pass"], r["variant"]) for r in rows}
-    assert keys == {(g, p, v) for g in ("fc1 (gate or up)", "fc2 (down)") for p in ("fprop", "dgrad", "wgrad")
-                    for v in ("bf16", "per-tensor", "blockwise", "mxfp8")}
+    assert keys == {
+        (g, p, v)
+        for g in ("fc1 (gate or up)", "fc2 (down)")
+        for p in ("fprop", "dgrad", "wgrad")
+        for v in ("bf16", "per-tensor", "blockwise", "mxfp8")
+    }
     for r in rows:
         assert r["status"] == "ok" and all(_finite_positive(r[k]) for k in ("ms", "tflops", "speedup")), r
         assert r["M"] * r["N"] * r["K"] > 0
@@ -347,8 +409,22 @@ def test_gemm_tflops_energy_rows(tmp_path):
     window — on CPU the time (and the call count) with the reason the joules are missing, on a
     GPU with NVML joules per call and a draw that match the time; a second table is printed."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_tflops.py"), "--smoke", "--energy", "0.02",
-                           "--variants", "bf16,blockwise", "--out", str(out)], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gemm_tflops.py"),
+            "--smoke",
+            "--energy",
+            "0.02",
+            "--variants",
+            "bf16,blockwise",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Energy: each variant back to back" in proc.stdout
     data = json.loads(out.read_text())
@@ -362,8 +438,12 @@ def test_gemm_tflops_energy_rows(tmp_path):
             assert e["energy_reason"] and e["w"] is None and e["gflop_per_j"] is None
         else:
             assert e["energy_reason"] is None and math.isclose(e["w"], e["j"] / (e["ms"] / 1e3))
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gemm_tflops.py"), "--smoke", "--energy", "-1"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gemm_tflops.py"), "--smoke", "--energy", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--energy is a duration" in bad.stderr
 
 
@@ -459,8 +539,9 @@ def test_energy_window_reads_the_boards_energy_counter(profiling):
     t = profiling.nvml
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16)
-    res = t.energy_window({"big": lambda i: a @ a, "small": lambda i: b @ b.t()[:, :4096]}, 1, "cuda",
-                          seconds=1.0, rounds=1)
+    res = t.energy_window(
+        {"big": lambda i: a @ a, "small": lambda i: b @ b.t()[:, :4096]}, 1, "cuda", seconds=1.0, rounds=1
+    )
     for name, e in res.items():
         assert e["j"] is not None, e["energy_reason"]
         limit = (e["gpu"] or {}).get("power_limit_w") or 1000.0
@@ -505,17 +586,24 @@ def test_benchmarks_refuse_to_time_without_fp8(bench_modules, capsys):
     h200 = DeviceInfo(type="cuda", name="NVIDIA H200", capability=(9, 0), cuda_version=(13, 0))
     assert t.benchmark_device(False, h200) == "cuda"
     assert t.recipe_mode("mxfp8", h200) == (
-        "skipped", "mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, "
-        "or emulate=true for numerics only")
+        "skipped",
+        "mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, "
+        "or emulate=true for numerics only",
+    )
     for r in ("tensorwise", "delayed", "blockwise"):
         assert t.recipe_mode(r, h200)[0] == "real"
     assert t.recipe_mode("tensorwise", "cpu")[0] == "emulated"
 
 
-@pytest.mark.parametrize("block,n_fp8,extra", [("layer", 7, ("--peak-report",)),
-                                                ("mlp", 3, ("--requant-weights", "--compile-mode", "reduce-overhead")),
-                                                ("layer", 7, ("--rounds", "2", "--requant-weights", "--micro-batches", "2"))],
-                         ids=["layer", "mlp-reduce-overhead", "layer-round-robin-micro-batches"])
+@pytest.mark.parametrize(
+    "block,n_fp8,extra",
+    [
+        ("layer", 7, ("--peak-report",)),
+        ("mlp", 3, ("--requant-weights", "--compile-mode", "reduce-overhead")),
+        ("layer", 7, ("--rounds", "2", "--requant-weights", "--micro-batches", "2")),
+    ],
+    ids=["layer", "mlp-reduce-overhead", "layer-round-robin-micro-batches"],
+)
 def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
     data = _run_smoke("layer_fwd_bwd.py", tmp_path, "--block", block, *extra)
     rounds = int(extra[extra.index("--rounds") + 1]) if "--rounds" in extra else 1
@@ -532,6 +620,7 @@ def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
     assert set(rows) == {(v, m) for v in variants for m in ("eager", "compiled")}
     try:
         import torchao.float8  # noqa: F401
+
         have_torchao = True
     except ImportError:
         have_torchao = False
@@ -540,8 +629,9 @@ def test_layer_fwd_bwd_smoke(tmp_path, block, n_fp8, extra):
             assert r["status"] == "skipped: torchao not installed" and r["ms"] is None
             continue
         assert r["status"] == "ok", r
-        assert all(_finite_positive(r[k]) for k in ("ms", "tflops", "speedup", "first_call_s", "ms_b2b",
-                                                     "speedup_b2b")), r
+        assert all(
+            _finite_positive(r[k]) for k in ("ms", "tflops", "speedup", "first_call_s", "ms_b2b", "speedup_b2b")
+        ), r
         # smoke: --iters 2, so 2 synchronised samples and 3 back-to-back windows, or with
         # --rounds 2 one and two of them per round
         assert r["rounds"] == rounds
@@ -620,14 +710,33 @@ def test_bench_interleaved_isolates_a_failing_variant(bench_modules):
 
     fns = {"ok": ok, "bad": bad}
     errors = {}
-    out = t.bench_interleaved(fns, 2, "cpu", rounds=3, warmup=1, iters=3, window=2, b2b_warmup=1,
-                              contexts={k: (lambda k=k: ctx(k)) for k in fns}, errors=errors)
+    out = t.bench_interleaved(
+        fns,
+        2,
+        "cpu",
+        rounds=3,
+        warmup=1,
+        iters=3,
+        window=2,
+        b2b_warmup=1,
+        contexts={k: (lambda k=k: ctx(k)) for k in fns},
+        errors=errors,
+    )
     assert set(out) == {"ok"} and set(errors) == {"bad"} and "out of memory" in str(errors["bad"])
     assert out["ok"]["samples"]["ms"] == 3 and entered.count("ok") == 3 and entered.count("bad") == 2
     entered.clear()
     with pytest.raises(RuntimeError, match="out of memory"):
-        t.bench_interleaved(fns, 2, "cpu", rounds=3, warmup=1, iters=3, window=2, b2b_warmup=1,
-                            contexts={k: (lambda k=k: ctx(k)) for k in fns})
+        t.bench_interleaved(
+            fns,
+            2,
+            "cpu",
+            rounds=3,
+            warmup=1,
+            iters=3,
+            window=2,
+            b2b_warmup=1,
+            contexts={k: (lambda k=k: ctx(k)) for k in fns},
+        )
 
 
 def test_layer_round_robin_refuses_cuda_graph_trees(bench_modules):
@@ -643,8 +752,21 @@ def test_layer_cuda_graph_and_energy_rows(tmp_path):
     (on CPU: why not) and gets an energy record from its back-to-back window — the time and call
     count, with the reason the joules are missing off a GPU — round-robin as well; the energy
     table is printed; contradictory options are refused."""
-    data = _run_smoke("layer_fwd_bwd.py", tmp_path, "--block", "mlp", "--variants", "bf16,tensorwise,delayed",
-                      "--rounds", "2", "--micro-batches", "2", "--cuda-graph", "--energy", "0.02")
+    data = _run_smoke(
+        "layer_fwd_bwd.py",
+        tmp_path,
+        "--block",
+        "mlp",
+        "--variants",
+        "bf16,tensorwise,delayed",
+        "--rounds",
+        "2",
+        "--micro-batches",
+        "2",
+        "--cuda-graph",
+        "--energy",
+        "0.02",
+    )
     assert data["cuda_graph"] is True and data["energy_s"] == 0.02
     rows = {(r["variant"], r["mode"]): r for r in data["results"]}
     assert len(rows) == 6
@@ -667,10 +789,16 @@ def test_layer_cuda_graph_and_energy_rows(tmp_path):
             assert "only the compiled weight cache" in r["graph_status"], r
         else:
             assert r["graph_status"] == "not captured: no CUDA device", r
-    for args, msg in ((["--energy", "-1"], "--energy is a duration"),
-                      (["--cuda-graph", "--compile-mode", "reduce-overhead"], "use one or the other")):
-        bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", *args],
-                             capture_output=True, text=True, timeout=120)
+    for args, msg in (
+        (["--energy", "-1"], "--energy is a duration"),
+        (["--cuda-graph", "--compile-mode", "reduce-overhead"], "use one or the other"),
+    ):
+        bad = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert bad.returncode == 2 and msg in bad.stderr, bad.stderr[-500:]
 
 
@@ -690,10 +818,19 @@ def test_layer_cuda_graph_replays_the_compiled_step(bench_modules, micro_batches
     from nemo_fp8_recipes.models import load_model_config
 
     _, _, layer = bench_modules
-    cfg = load_model_config("llama3_8b").replace(name="tiny", dim=512, num_heads=4, num_kv_heads=2, ffn_dim=1024,
-                                                 max_seq_len=256)
-    a = argparse.Namespace(seq=256, batch=2, input_sets=2, micro_batches=micro_batches, requant_weights=True,
-                           compile_backend="inductor", compile_mode=None, cuda_graph=True)
+    cfg = load_model_config("llama3_8b").replace(
+        name="tiny", dim=512, num_heads=4, num_kv_heads=2, ffn_dim=1024, max_seq_len=256
+    )
+    a = argparse.Namespace(
+        seq=256,
+        batch=2,
+        input_sets=2,
+        micro_batches=micro_batches,
+        requant_weights=True,
+        compile_backend="inductor",
+        compile_mode=None,
+        cuda_graph=True,
+    )
     torch._dynamo.reset()
     inputs = layer.Inputs(cfg, a, "cuda", torch.float32, torch.float32)
     model = layer.build(cfg, "mlp", "tensorwise", "cuda", smoke=False)
@@ -759,8 +896,7 @@ def test_layer_policy_filter_matches_convert_model(bench_modules):
     from nemo_fp8_recipes.policy import PrecisionPolicy
 
     _, _, layer = bench_modules
-    cfg = load_model_config("llama3_8b").replace(dim=128, num_heads=2, num_kv_heads=1, ffn_dim=256,
-                                                 max_seq_len=16)
+    cfg = load_model_config("llama3_8b").replace(dim=128, num_heads=2, num_kv_heads=1, ffn_dim=256, max_seq_len=16)
     ours = layer.build(cfg, "layer", "tensorwise", "cpu", smoke=True)
     fp8 = {n for n, m in ours.named_modules() if type(m).__name__ == "Float8Linear"}
     plain = layer.OneLayer(cfg, "layer")
@@ -774,7 +910,10 @@ def test_gemm_tflops_skipped_and_failed_variants_are_rows(bench_modules, monkeyp
     """A recipe the GPU lacks is a row carrying check_supported's reason, and a variant that
     raises is an error row (the other variants are still measured; exit status 1)."""
     _, g, _ = bench_modules
-    reason = "mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, or emulate=true for numerics only"
+    reason = (
+        "mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, or emulate=true "
+        "for numerics only"
+    )
     real_mode = g.recipe_mode
     monkeypatch.setattr(g, "recipe_mode", lambda r, d: ("skipped", reason) if r == "mxfp8" else real_mode(r, d))
     real_mm = g.scaled_matmul
@@ -796,20 +935,36 @@ def test_gemm_tflops_skipped_and_failed_variants_are_rows(bench_modules, monkeyp
     assert f"skipped: {reason}" in printed and "CUBLAS_STATUS_NOT_SUPPORTED" in printed
 
 
-@pytest.mark.parametrize("block, variant, reason", [
-    ("mlp", "delayed-unfused-swiglu", "skipped: the SwiGLU fusion is eager-only"),
-    ("layer", "tensorwise-unshared-input", "skipped: the shared input quantisation is eager-only"),
-    ("layer", "bf16-unfused-norm", "skipped: the fused RMSNorm is eager-only"),
-])
+@pytest.mark.parametrize(
+    "block, variant, reason",
+    [
+        ("mlp", "delayed-unfused-swiglu", "skipped: the SwiGLU fusion is eager-only"),
+        ("layer", "tensorwise-unshared-input", "skipped: the shared input quantisation is eager-only"),
+        ("layer", "bf16-unfused-norm", "skipped: the fused RMSNorm is eager-only"),
+    ],
+)
 def test_layer_eager_only_variants(tmp_path, block, variant, reason):
     """The eager-only A/B variants (``*-unfused-swiglu``: the fused SwiGLU turned off;
     ``tensorwise-unshared-input``: ``shared_input=False``; ``*-unfused-norm``: ``fused_norm=False``):
     measured eager, reported as skipped
     compiled with the reason (the compiled path is the recipe's own there)."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", block,
-                           "--variants", f"bf16,{variant}", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "layer_fwd_bwd.py"),
+            "--smoke",
+            "--block",
+            block,
+            "--variants",
+            f"bf16,{variant}",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
     assert rows[(variant, "eager")]["status"] == "ok"
@@ -860,9 +1015,12 @@ def test_host_profile_smoke(tmp_path):
     for r in data["results"]:
         assert r["host_us_per_step"] > 0 and len(r["top_own_time"]) == 5
         assert all(t["us_per_step"] >= 0 and t["calls_per_step"] > 0 for t in r["top_own_time"])
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profiling" / "host_profile.py"), "--smoke",
-                          "--recipes", "bf16"],
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "profiling" / "host_profile.py"), "--smoke", "--recipes", "bf16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "valid: delayed, tensorwise, blockwise, mxfp8" in bad.stderr
 
 
@@ -870,9 +1028,24 @@ def test_layer_benchmark_te_variants_say_why_they_did_not_run(tmp_path):
     """The te.TransformerLayer rows are in the table on every machine: timed where Transformer
     Engine runs, skipped with the reason elsewhere (here: not importable, or no GPU)."""
     out = tmp_path / "r.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_fwd_bwd.py"), "--smoke", "--block", "mlp",
-                           "--variants", "bf16,te-bf16,te-tensorwise,te-blockwise,te-delayed", "--modes", "eager,compiled",
-                           "--out", str(out)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "layer_fwd_bwd.py"),
+            "--smoke",
+            "--block",
+            "mlp",
+            "--variants",
+            "bf16,te-bf16,te-tensorwise,te-blockwise,te-delayed",
+            "--modes",
+            "eager,compiled",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
     for v in ("te-bf16", "te-tensorwise", "te-blockwise", "te-delayed"):
@@ -886,9 +1059,24 @@ def test_train_throughput_with_the_megatron_te_column(tmp_path):
     """``train_throughput.py --megatron-te``: the embedded trainer's rows and, beside them, one
     Megatron-Core + TE row per recipe — trained where TE runs, skipped with the reason here."""
     out = tmp_path / "e2e.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--recipes",
-                           "bf16,tensorwise", "--megatron-te", "--root", str(tmp_path / "runs"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=str(ROOT))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "train_throughput.py"),
+            "--smoke",
+            "--recipes",
+            "bf16,tensorwise",
+            "--megatron-te",
+            "--root",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(ROOT),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     assert [r["recipe"] for r in data["results"]] == ["bf16", "tensorwise"]
@@ -906,15 +1094,29 @@ def test_train_throughput_graphs_mode_is_refused_on_cpu_with_the_reason(tmp_path
     """``train_throughput.py --compile graphs`` runs the trainer with
     ``trainer.compile_mode=reduce-overhead``; on CPU the trainer refuses it and the row says why;
     an unknown mode lists the valid ones."""
-    bench = [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--smoke", "--recipes", "bf16",
-             "--root", str(tmp_path / "runs")]
-    proc = subprocess.run(bench + ["--compile", "graphs", "--out", str(tmp_path / "g.json")], capture_output=True,
-                          text=True, timeout=300, cwd=str(ROOT))
+    bench = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "train_throughput.py"),
+        "--smoke",
+        "--recipes",
+        "bf16",
+        "--root",
+        str(tmp_path / "runs"),
+    ]
+    proc = subprocess.run(
+        bench + ["--compile", "graphs", "--out", str(tmp_path / "g.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT),
+    )
     assert proc.returncode == 1
     (row,) = json.loads((tmp_path / "g.json").read_text())["results"]
     assert row["mode"] == "graphs" and "trainer.compile_mode=reduce-overhead" in row["cmd"]
-    assert "compile_mode=reduce-overhead replays the compiled graphs as CUDA graphs and needs a CUDA device" \
+    assert (
+        "compile_mode=reduce-overhead replays the compiled graphs as CUDA graphs and needs a CUDA device"
         in row["error"]
+    )
     proc = subprocess.run(bench + ["--compile", "fast"], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
     assert proc.returncode == 2 and "unknown --compile mode 'fast'; valid: eager, compiled, graphs, both" in proc.stderr
 
@@ -930,8 +1132,12 @@ def test_layer_speedup_plot_reads_the_measured_te_columns(tmp_path):
         sys.path.pop(0)
     data = json.loads(src.read_text())
     sp = speedups(rows_of(data))
-    want = {r["size"]: r["speedup"] for run in data["runs"] for r in run["results"]
-            if r["variant"] == "te-tensorwise" and r["mode"] == "compiled"}
+    want = {
+        r["size"]: r["speedup"]
+        for run in data["runs"]
+        for r in run["results"]
+        if r["variant"] == "te-tensorwise" and r["mode"] == "compiled"
+    }
     assert sp[("te", "tensorwise")] == want and set(want) == {"8b", "70b", "405b"}
     assert set(sp[("ours", "blockwise")]) == {"8b", "70b", "405b"}
     assert all(v == 1.0 for v in sp[("ours", "bf16")].values())  # (the baseline itself)
@@ -940,8 +1146,12 @@ def test_layer_speedup_plot_reads_the_measured_te_columns(tmp_path):
     assert set(sp[("torchao", "tensorwise")]) == set(sp[("torchao", "rowwise")]) == {"8b", "70b", "405b"}
     assert ("ours", "torchao-tensorwise") not in sp and set(sp[("te", "delayed")]) == {"8b", "70b", "405b"}
     png = tmp_path / "speedup.png"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_layer_speedup.py"), str(src),
-                           "--out", str(png)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plot_layer_speedup.py"), str(src), "--out", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -959,14 +1169,18 @@ def test_layer_benchmark_names_the_cudnn_fix_when_torch_cannot_load_its_own(monk
         sys.path.pop(0)
 
     def broken():
-        raise RuntimeError("cuDNN version incompatibility: PyTorch was compiled  against (9, 19, 0) but found "
-                           "runtime version (9, 14, 0).\nmore")
+        raise RuntimeError(
+            "cuDNN version incompatibility: PyTorch was compiled  against (9, 19, 0) but found "
+            "runtime version (9, 14, 0).\nmore"
+        )
 
     monkeypatch.setattr(torch.backends.cudnn, "version", broken)
     v, why = layer_fwd_bwd.cudnn_status()
     assert v is None
-    assert why.startswith("PyTorch cannot use cuDNN here (cuDNN version incompatibility: PyTorch was compiled  "
-                          "against (9, 19, 0) but found runtime version (9, 14, 0).)")
+    assert why.startswith(
+        "PyTorch cannot use cuDNN here (cuDNN version incompatibility: PyTorch was compiled  "
+        "against (9, 19, 0) but found runtime version (9, 14, 0).)"
+    )
     assert "cuDNN attention" in why and ("LD_LIBRARY_PATH" in why)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     assert layer_fwd_bwd.cudnn_status() == ("9.19.0", None)

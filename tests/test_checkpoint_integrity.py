@@ -33,10 +33,20 @@ from nemo_fp8_recipes.trainer.checkpoint import (
 )
 
 TINY = [
-    "model.num_layers=2", "model.dim=256", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.ffn_dim=256", "trainer.seq_len=64", "trainer.micro_batch_size=4",
-    "trainer.global_batch_size=4", "trainer.warmup_steps=2", "trainer.val_interval=0",
-    "trainer.progress=false", "trainer.device=cpu", "data.max_files=40", "trainer.log_interval=1",
+    "model.num_layers=2",
+    "model.dim=256",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_dim=256",
+    "trainer.seq_len=64",
+    "trainer.micro_batch_size=4",
+    "trainer.global_batch_size=4",
+    "trainer.warmup_steps=2",
+    "trainer.val_interval=0",
+    "trainer.progress=false",
+    "trainer.device=cpu",
+    "data.max_files=40",
+    "trainer.log_interval=1",
 ]
 
 
@@ -52,8 +62,16 @@ def _cfg(root: Path, token_cache, *extra):
 @pytest.fixture
 def two_checkpoints(tmp_path, token_cache):
     """A delayed-scaling run with checkpoints at steps 2 and 4."""
-    result = train(_cfg(tmp_path / "runs", token_cache, "recipe=delayed", "trainer.max_steps=4",
-                        "trainer.ckpt_interval=2", "trainer.ckpt_keep=5"))
+    result = train(
+        _cfg(
+            tmp_path / "runs",
+            token_cache,
+            "recipe=delayed",
+            "trainer.max_steps=4",
+            "trainer.ckpt_interval=2",
+            "trainer.ckpt_keep=5",
+        )
+    )
     mgr = CheckpointManager(result.run_dir / "checkpoints")
     assert [p.name for p in mgr.list()] == ["step_00000002.pt", "step_00000004.pt"]
     return result, mgr
@@ -73,13 +91,21 @@ def _flip_inside(path: Path, tensor: torch.Tensor, n: int = 64) -> None:
 
 def _resume_error(tmp_path, token_cache, *extra) -> str:
     with pytest.raises(CheckpointError) as info:
-        train(_cfg(tmp_path / "runs", token_cache, "recipe=delayed", "trainer.max_steps=6",
-                   "trainer.ckpt_interval=2", "trainer.ckpt_keep=5", *extra))
+        train(
+            _cfg(
+                tmp_path / "runs",
+                token_cache,
+                "recipe=delayed",
+                "trainer.max_steps=6",
+                "trainer.ckpt_interval=2",
+                "trainer.ckpt_keep=5",
+                *extra,
+            )
+        )
     return str(info.value)
 
 
-def test_flipped_bytes_in_the_optimizer_state_are_refused_naming_the_good_one(two_checkpoints, tmp_path,
-                                                                            token_cache):
+def test_flipped_bytes_in_the_optimizer_state_are_refused_naming_the_good_one(two_checkpoints, tmp_path, token_cache):
     result, mgr = two_checkpoints
     bad, good = mgr.path_for(4), mgr.path_for(2)
     state = load_checkpoint(bad)
@@ -95,8 +121,17 @@ def test_flipped_bytes_in_the_optimizer_state_are_refused_naming_the_good_one(tw
     assert bad.is_file()  # refused, not deleted: the user decides
 
     # resuming from the named checkpoint works; the bad later one is kept aside, not resumed again
-    cont = train(_cfg(tmp_path / "runs", token_cache, "recipe=delayed", "trainer.max_steps=6",
-                      "trainer.ckpt_interval=2", "trainer.ckpt_keep=5", f"trainer.resume={good}"))
+    cont = train(
+        _cfg(
+            tmp_path / "runs",
+            token_cache,
+            "recipe=delayed",
+            "trainer.max_steps=6",
+            "trainer.ckpt_interval=2",
+            "trainer.ckpt_keep=5",
+            f"trainer.resume={good}",
+        )
+    )
     assert cont.start_step == 2 and cont.final_step == 6
     assert list(bad.parent.glob("step_00000004.pt.superseded-*"))
     for p in mgr.list():
@@ -104,8 +139,7 @@ def test_flipped_bytes_in_the_optimizer_state_are_refused_naming_the_good_one(tw
 
 
 @pytest.mark.parametrize("damage", ["truncated", "empty"])
-def test_truncated_and_empty_checkpoints_name_the_older_one_that_loads(two_checkpoints, tmp_path, token_cache,
-                                                                       damage):
+def test_truncated_and_empty_checkpoints_name_the_older_one_that_loads(two_checkpoints, tmp_path, token_cache, damage):
     _, mgr = two_checkpoints
     bad, good = mgr.path_for(4), mgr.path_for(2)
     data = bad.read_bytes()
@@ -120,8 +154,15 @@ def test_truncated_and_empty_checkpoints_name_the_older_one_that_loads(two_check
 
 
 def test_the_nan_error_names_a_checkpoint_that_verifies(tmp_path, token_cache):
-    nan = ["recipe=bf16", "trainer.lr=1e30", "trainer.min_lr=1e30", "trainer.warmup_steps=0", "trainer.grad_clip=0",
-           "trainer.max_steps=6", "trainer.ckpt_interval=1"]
+    nan = [
+        "recipe=bf16",
+        "trainer.lr=1e30",
+        "trainer.min_lr=1e30",
+        "trainer.warmup_steps=0",
+        "trainer.grad_clip=0",
+        "trainer.max_steps=6",
+        "trainer.ckpt_interval=1",
+    ]
     from nemo_fp8_recipes.trainer import NonFiniteLossError
 
     with pytest.raises(NonFiniteLossError) as info:
@@ -130,8 +171,12 @@ def test_the_nan_error_names_a_checkpoint_that_verifies(tmp_path, token_cache):
 
 
 def test_checksums_cover_every_tensor_and_value():
-    state = {"step": 3, "model": {"w": torch.arange(6.0).reshape(2, 3), "s": torch.tensor(1.5)},
-             "rng": [torch.zeros(4, dtype=torch.uint8), 7], "bf": torch.ones(3, dtype=torch.bfloat16)}
+    state = {
+        "step": 3,
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "s": torch.tensor(1.5)},
+        "rng": [torch.zeros(4, dtype=torch.uint8), 7],
+        "bf": torch.ones(3, dtype=torch.bfloat16),
+    }
     c = state_checksums(state)
     assert set(c["tensors"]) == {"model.w", "model.s", "rng[0]", "bf"}
     assert c["tensors"]["model.w"].endswith("float32 [2, 3]")
@@ -139,8 +184,9 @@ def test_checksums_cover_every_tensor_and_value():
     assert state_checksums(changed)["values"] != c["values"]
     w = state["model"]["w"].clone()
     w[1, 2] = torch.nextafter(w[1, 2], torch.tensor(100.0))
-    assert state_checksums({**state, "model": {**state["model"], "w": w}})["tensors"]["model.w"] != c["tensors"][
-        "model.w"]
+    assert (
+        state_checksums({**state, "model": {**state["model"], "w": w}})["tensors"]["model.w"] != c["tensors"]["model.w"]
+    )
 
 
 def test_a_checkpoint_without_checksums_loads_with_a_warning(tmp_path, caplog):
@@ -153,8 +199,9 @@ def test_a_checkpoint_without_checksums_loads_with_a_warning(tmp_path, caplog):
 
 def _mount_tmpfs(where: Path, size: str):
     where.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if proc.returncode != 0:
         pytest.skip(f"a small tmpfs (the full disk of this test) cannot be mounted here: {proc.stderr.strip()}")
 
@@ -167,8 +214,17 @@ def test_a_full_disk_says_so_and_keeps_the_older_checkpoints(tmp_path, token_cac
     _mount_tmpfs(disk, str(int(2.6 * size) + 256 * 1024))  # room for two checkpoints and the logs
     capsys.readouterr()  # what earlier in-process runs left on the captured streams
     try:
-        code = main(TINY + [f"run.root={disk}", f"data.cache_dir={token_cache}", "recipe=tensorwise",
-                            "trainer.max_steps=6", "trainer.ckpt_interval=1", "trainer.ckpt_keep=6"])
+        code = main(
+            TINY
+            + [
+                f"run.root={disk}",
+                f"data.cache_dir={token_cache}",
+                "recipe=tensorwise",
+                "trainer.max_steps=6",
+                "trainer.ckpt_interval=1",
+                "trainer.ckpt_keep=6",
+            ]
+        )
         err = capsys.readouterr().err
         assert code == 4, err
         assert "disk full while writing checkpoint" in err and "Traceback" not in err
@@ -185,11 +241,25 @@ def test_a_full_disk_says_so_and_keeps_the_older_checkpoints(tmp_path, token_cac
 
 # ---- kill -9 while checkpoints are written ----------------------------------------------------------
 KILL_RUN = [
-    "model.num_layers=2", "model.dim=512", "model.num_heads=4", "model.num_kv_heads=2", "model.ffn_dim=1024",
-    "trainer.seq_len=32", "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "trainer.warmup_steps=2",
-    "trainer.val_interval=0", "trainer.progress=false", "trainer.device=cpu", "data.max_files=20",
-    "trainer.log_interval=1", "trainer.telemetry_interval=0", "recipe=delayed", "trainer.max_steps=30",
-    "trainer.ckpt_interval=1", "trainer.ckpt_keep=2",
+    "model.num_layers=2",
+    "model.dim=512",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_dim=1024",
+    "trainer.seq_len=32",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=2",
+    "trainer.warmup_steps=2",
+    "trainer.val_interval=0",
+    "trainer.progress=false",
+    "trainer.device=cpu",
+    "data.max_files=20",
+    "trainer.log_interval=1",
+    "trainer.telemetry_interval=0",
+    "recipe=delayed",
+    "trainer.max_steps=30",
+    "trainer.ckpt_interval=1",
+    "trainer.ckpt_keep=2",
 ]
 
 
@@ -240,12 +310,19 @@ def test_kill_9_at_random_points_of_checkpoint_writes_loses_nothing(tmp_path, to
     ckpt_dir = root / "llama3_tiny" / "delayed" / "checkpoints"
     mgr = CheckpointManager(ckpt_dir)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    zygote = subprocess.Popen([sys.executable, "-c", _ZYGOTE, *args], env=env, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    zygote = subprocess.Popen(
+        [sys.executable, "-c", _ZYGOTE, *args],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
 
     def writing(pid: int) -> bool:  # this process has a checkpoint's temporary file open
-        return ckpt_dir.is_dir() and any(e.name.startswith(".tmp-") and f".{pid}." in e.name
-                                         for e in os.scandir(ckpt_dir))
+        return ckpt_dir.is_dir() and any(
+            e.name.startswith(".tmp-") and f".{pid}." in e.name for e in os.scandir(ckpt_dir)
+        )
 
     def exited() -> bool:  # the zygote reported the child's exit code
         return bool(select.select([zygote.stdout], [], [], 0)[0])

@@ -37,11 +37,24 @@ STEPS, LOG_EVERY = 30, 2
 # One layer, every GEMM dim a multiple of 128 (so blockwise converts every projection), 64 tokens
 # per step: each run takes about a second on 2 CPU cores.
 TINY = [
-    "model.num_layers=1", "model.dim=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_dim=128",
-    "trainer.seq_len=32", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
-    "trainer.warmup_steps=4", f"trainer.max_steps={STEPS}", f"trainer.log_interval={LOG_EVERY}",
-    "trainer.val_interval=10", "trainer.val_steps=1", "trainer.progress=false", "trainer.device=cpu",
-    "trainer.checkpoint=false", "trainer.telemetry_interval=0", "data.max_files=20",
+    "model.num_layers=1",
+    "model.dim=128",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.ffn_dim=128",
+    "trainer.seq_len=32",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=2",
+    "trainer.warmup_steps=4",
+    f"trainer.max_steps={STEPS}",
+    f"trainer.log_interval={LOG_EVERY}",
+    "trainer.val_interval=10",
+    "trainer.val_steps=1",
+    "trainer.progress=false",
+    "trainer.device=cpu",
+    "trainer.checkpoint=false",
+    "trainer.telemetry_interval=0",
+    "data.max_files=20",
 ]
 
 
@@ -83,7 +96,7 @@ def expected_stats(parent: Path, last: int, smooth: int = 1, baseline: str = "bf
         steps = np.array(sorted(raw))
         vals = np.array([raw[s] for s in steps], dtype=np.float64)
         if smooth > 1:  # trailing moving average, shorter window at the start
-            vals = np.array([vals[max(0, i - smooth + 1): i + 1].mean() for i in range(len(vals))])
+            vals = np.array([vals[max(0, i - smooth + 1) : i + 1].mean() for i in range(len(vals))])
         curves[r] = (steps, vals)
         tps[r] = float(np.median(list(raw_scalars(parent / r, "tokens_per_s").values())))
     out = {}
@@ -99,10 +112,14 @@ def expected_stats(parent: Path, last: int, smooth: int = 1, baseline: str = "bf
             common, i_r, i_b = np.intersect1d(steps, b_steps, return_indices=True)
             dev = (vals[i_r] - b_vals[i_b]) / b_vals[i_b]
             window = common > common[-1] - last
-            row.update(max_rel_dev=float(np.abs(dev).max()), mean_rel_dev=float(np.abs(dev).mean()),
-                       gate_rel_dev=float(np.abs(dev[window]).max()),
-                       final_vs_baseline=(row["final_loss"] - final(b_steps, b_vals)) / final(b_steps, b_vals),
-                       steps=common, dev=dev)
+            row.update(
+                max_rel_dev=float(np.abs(dev).max()),
+                mean_rel_dev=float(np.abs(dev).mean()),
+                gate_rel_dev=float(np.abs(dev[window]).max()),
+                final_vs_baseline=(row["final_loss"] - final(b_steps, b_vals)) / final(b_steps, b_vals),
+                steps=common,
+                dev=dev,
+            )
         out[r] = row
     return out
 
@@ -183,7 +200,9 @@ def test_png_has_one_curve_per_run(sweep, tmp_path):
         name = line.get_label().replace(" (baseline)", "")
         assert list(line.get_xdata()) == comparison.curve(name)[0]
     assert sorted(line.get_label() for line in ax_dev.get_lines() if not line.get_label().startswith("_")) == [
-        "blockwise", "tensorwise"]
+        "blockwise",
+        "tensorwise",
+    ]
     # and every curve's colour is really drawn in the PNG file
     img = mimage.imread(str(png))[..., :3]
     for line in lines:
@@ -225,8 +244,14 @@ def test_json_export_reimports(sweep, tmp_path, capsys):
     out = tmp_path / "first"
     assert main([str(parent), "--last", "10", "--max-rel-dev", "0.5", "--out", str(out)]) == 0
     data = json.loads((out / "compare.json").read_text())
-    assert data["settings"] == {"tag": "train/loss", "tokens_tag": "tokens_per_s", "baseline": "bf16",
-                                "smooth": 1, "last": 10, "max_rel_dev": 0.5}
+    assert data["settings"] == {
+        "tag": "train/loss",
+        "tokens_tag": "tokens_per_s",
+        "baseline": "bf16",
+        "smooth": 1,
+        "last": 10,
+        "max_rel_dev": 0.5,
+    }
     assert {r["name"] for r in data["runs"]} == set(RECIPES) and data["passed"] is True
 
     again = Comparison.from_json((out / "compare.json").read_text())
@@ -236,8 +261,21 @@ def test_json_export_reimports(sweep, tmp_path, capsys):
     # re-render with other settings, from the JSON alone (no event files needed)
     out2 = tmp_path / "second"
     capsys.readouterr()
-    assert main(["--from-json", str(out / "compare.json"), "--last", str(STEPS), "--baseline", "tensorwise",
-                 "--out", str(out2)]) == 0
+    assert (
+        main(
+            [
+                "--from-json",
+                str(out / "compare.json"),
+                "--last",
+                str(STEPS),
+                "--baseline",
+                "tensorwise",
+                "--out",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     rows = read_csv(out2 / "compare.csv")
     assert rows["tensorwise"]["baseline"] == "True"
     direct = compare_runs(load_runs([str(parent)]), last=STEPS, baseline="tensorwise", max_rel_dev=0.5)
@@ -306,8 +344,24 @@ def test_errors_list_what_is_available(sweep, tmp_path, capsys):
 
 def test_val_loss_and_an_explicit_baseline(sweep, tmp_path):
     parent, _ = sweep
-    assert main([str(parent), "--tag", "val/loss", "--baseline", "blockwise", "--last", str(STEPS),
-                 "--out", str(tmp_path), "--no-png", "--no-events"]) == 0
+    assert (
+        main(
+            [
+                str(parent),
+                "--tag",
+                "val/loss",
+                "--baseline",
+                "blockwise",
+                "--last",
+                str(STEPS),
+                "--out",
+                str(tmp_path),
+                "--no-png",
+                "--no-events",
+            ]
+        )
+        == 0
+    )
     rows = read_csv(tmp_path / "compare.csv")
     assert list(rows)[0] == "blockwise" and rows["blockwise"]["baseline"] == "True"
     val = {r: raw_scalars(parent / r, "val/loss") for r in RECIPES}
@@ -328,8 +382,10 @@ def early_stop(sweep, tmp_path_factory):
     parent, _ = sweep
     root = tmp_path_factory.mktemp("early_stop")
     shutil.copytree(parent / "bf16", root / "llama3_tiny" / "bf16")
-    cfg = compose_config([o for o in TINY if not o.startswith("trainer.max_steps")]
-                         + ["trainer.max_steps=4", "recipe=blockwise", f"run.root={root}"])
+    cfg = compose_config(
+        [o for o in TINY if not o.startswith("trainer.max_steps")]
+        + ["trainer.max_steps=4", "recipe=blockwise", f"run.root={root}"]
+    )
     train(cfg)
     return root / "llama3_tiny"
 
@@ -339,7 +395,7 @@ def _gate_lines(err: str):
     lines = err.splitlines()
     i = next(k for k, line in enumerate(lines) if line.startswith("GATE FAILED"))
     out = [lines[i]]
-    for line in lines[i + 1:]:
+    for line in lines[i + 1 :]:
         if not line.startswith("  "):
             break
         out.append(line)
@@ -348,8 +404,9 @@ def _gate_lines(err: str):
 
 def test_a_run_that_ended_before_the_baseline_fails_the_gate(early_stop, tmp_path, capsys):
     capsys.readouterr()
-    code = main([str(early_stop), "--last", "5", "--max-rel-dev", "0.02", "--out", str(tmp_path), "--no-png",
-                 "--no-events"])
+    code = main(
+        [str(early_stop), "--last", "5", "--max-rel-dev", "0.02", "--out", str(tmp_path), "--no-png", "--no-events"]
+    )
     assert code == 1
     io_ = capsys.readouterr()
     gate = "\n".join(_gate_lines(io_.err))
@@ -389,8 +446,9 @@ def test_truncated_and_corrupt_event_files_are_reported_not_read_as_shorter(swee
     assert "corrupt" in check_event_file(flip) and "crc32" in check_event_file(flip)
 
     capsys.readouterr()
-    code = main([str(root), "--last", "10", "--max-rel-dev", "0.5", "--out", str(tmp_path / "out"), "--no-png",
-                 "--no-events"])
+    code = main(
+        [str(root), "--last", "10", "--max-rel-dev", "0.5", "--out", str(tmp_path / "out"), "--no-png", "--no-events"]
+    )
     assert code == 1
     err = capsys.readouterr().err
     assert "warning: run blockwise" in err and "truncated" in err
@@ -403,18 +461,37 @@ def test_truncated_and_corrupt_event_files_are_reported_not_read_as_shorter(swee
     _copy_run(parent / "tensorwise", good / "tensorwise")
     bad_base = _copy_run(parent / "bf16", good / "bf16")
     bad_base.write_bytes(bad_base.read_bytes()[:-7])
-    assert main([str(good), "--last", "10", "--max-rel-dev", "0.5", "--out", str(tmp_path / "o2"), "--no-png",
-                 "--no-events"]) == 1
-    assert "the baseline bf16 has a damaged event file" in read_csv(tmp_path / "o2" / "compare.csv")["tensorwise"][
-        "reasons"]
+    assert (
+        main(
+            [
+                str(good),
+                "--last",
+                "10",
+                "--max-rel-dev",
+                "0.5",
+                "--out",
+                str(tmp_path / "o2"),
+                "--no-png",
+                "--no-events",
+            ]
+        )
+        == 1
+    )
+    assert (
+        "the baseline bf16 has a damaged event file"
+        in read_csv(tmp_path / "o2" / "compare.csv")["tensorwise"]["reasons"]
+    )
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--last", "0"], "--last must be >= 1"),
-    (["--smooth", "0"], "--smooth must be >= 1"),
-    (["--max-rel-dev", "inf"], "--max-rel-dev must be a finite fraction"),
-    (["--max-rel-dev", "nan"], "--max-rel-dev must be a finite fraction"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--last", "0"], "--last must be >= 1"),
+        (["--smooth", "0"], "--smooth must be >= 1"),
+        (["--max-rel-dev", "inf"], "--max-rel-dev must be a finite fraction"),
+        (["--max-rel-dev", "nan"], "--max-rel-dev must be a finite fraction"),
+    ],
+)
 def test_meaningless_numbers_are_refused_not_reinterpreted(sweep, tmp_path, capsys, args, words):
     parent, _ = sweep
     assert main([str(parent), "--out", str(tmp_path), "--no-png", "--no-events", *args]) == 2
@@ -439,11 +516,12 @@ def test_malformed_json_and_an_out_file_are_usage_errors(sweep, tmp_path, capsys
 
 def test_the_baseline_can_be_named_by_its_directory(sweep, tmp_path):
     parent, _ = sweep
-    for spelling in (str(parent / "tensorwise") + "/", str((parent / "tensorwise").resolve()),
-                     "tensorwise"):
+    for spelling in (str(parent / "tensorwise") + "/", str((parent / "tensorwise").resolve()), "tensorwise"):
         out = tmp_path / str(abs(hash(spelling)))
-        assert main([str(parent), "--baseline", spelling, "--last", "10", "--out", str(out), "--no-png",
-                     "--no-events"]) == 0
+        assert (
+            main([str(parent), "--baseline", spelling, "--last", "10", "--out", str(out), "--no-png", "--no-events"])
+            == 0
+        )
         assert read_csv(out / "compare.csv")["tensorwise"]["baseline"] == "True"
 
 

@@ -36,14 +36,36 @@ from nemo_fp8_recipes.compare import (
 from nemo_fp8_recipes.train import main as train_main
 
 RECIPES, SEEDS, STEPS, LAST = ("bf16", "tensorwise", "blockwise"), (1, 2, 3), 20, 6
-TINY = ["model.num_layers=1", "model.dim=128", "model.num_heads=2", "model.num_kv_heads=1", "model.ffn_dim=128",
-        "trainer.seq_len=32", "trainer.micro_batch_size=2", "trainer.global_batch_size=2", "trainer.warmup_steps=4",
-        f"trainer.max_steps={STEPS}", "trainer.log_interval=2", "trainer.val_interval=10", "trainer.val_steps=1",
-        "trainer.progress=false", "trainer.device=cpu", "trainer.checkpoint=false", "trainer.telemetry_interval=0",
-        "data.max_files=20", "trainer.deterministic=true"]
+TINY = [
+    "model.num_layers=1",
+    "model.dim=128",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.ffn_dim=128",
+    "trainer.seq_len=32",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=2",
+    "trainer.warmup_steps=4",
+    f"trainer.max_steps={STEPS}",
+    "trainer.log_interval=2",
+    "trainer.val_interval=10",
+    "trainer.val_steps=1",
+    "trainer.progress=false",
+    "trainer.device=cpu",
+    "trainer.checkpoint=false",
+    "trainer.telemetry_interval=0",
+    "data.max_files=20",
+    "trainer.deterministic=true",
+]
 #: Student's t, 97.5% quantile (two-sided 95%), from the printed tables
-T975 = {1: 12.706204736174705, 2: 4.302652729911275, 3: 3.182446305284263, 4: 2.7764451051977987,
-        10: 2.2281388519649385, 30: 2.0422724563012373}
+T975 = {
+    1: 12.706204736174705,
+    2: 4.302652729911275,
+    3: 3.182446305284263,
+    4: 2.7764451051977987,
+    10: 2.2281388519649385,
+    30: 2.0422724563012373,
+}
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +74,23 @@ def seeds(tmp_path_factory):
     root = tmp_path_factory.mktemp("seed_runs")
     cache = tmp_path_factory.mktemp("seed_tokens")
     common = [*TINY, f"data.cache_dir={cache}"]
-    assert train_main(["-m", f"recipe={','.join(RECIPES)}", f"trainer.seed={','.join(map(str, SEEDS))}",
-                       f"run.root={root}", *common]) == 0
+    assert (
+        train_main(
+            [
+                "-m",
+                f"recipe={','.join(RECIPES)}",
+                f"trainer.seed={','.join(map(str, SEEDS))}",
+                f"run.root={root}",
+                *common,
+            ]
+        )
+        == 0
+    )
     assert train_main(["-m", "recipe=bf16", "trainer.seed=4,5", "run.tag=other", f"run.root={root}", *common]) == 0
-    assert train_main(["recipe=bf16", "trainer.seed=1", "run.sweep=[trainer.seed]", f"run.root={root / 'again'}",
-                       *common]) == 0
+    assert (
+        train_main(["recipe=bf16", "trainer.seed=1", "run.sweep=[trainer.seed]", f"run.root={root / 'again'}", *common])
+        == 0
+    )
     parent = root / "llama3_tiny"
     names = sorted(p.name for p in parent.iterdir())
     assert names == sorted([f"{r}-seed{s}" for r in RECIPES for s in SEEDS] + ["bf16-other-seed4", "bf16-other-seed5"])
@@ -85,8 +119,9 @@ def test_t_quantiles_match_the_printed_table():
 
 def test_interval_helpers():
     m, ci = mean_interval([0.01, 0.02, 0.03])
-    assert m == pytest.approx(0.02) and ci == pytest.approx((0.02 - T975[2] * 0.01 / math.sqrt(3),
-                                                             0.02 + T975[2] * 0.01 / math.sqrt(3)))
+    assert m == pytest.approx(0.02) and ci == pytest.approx(
+        (0.02 - T975[2] * 0.01 / math.sqrt(3), 0.02 + T975[2] * 0.01 / math.sqrt(3))
+    )
     assert mean_interval([0.5])[1] is None
     diff, ci = welch_interval([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
     assert diff == 0 and ci[0] < 0 < ci[1]
@@ -130,8 +165,23 @@ def test_seed_table_matches_an_independent_computation(seeds, tmp_path, capsys):
 
 def test_a_rerun_of_a_seed_is_the_measured_rerun_floor(seeds, tmp_path, capsys):
     parent, rerun = seeds
-    assert main([str(parent / "bf16-seed1"), str(parent / "bf16-seed2"), str(rerun), str(parent / "blockwise-seed1"),
-                 str(parent / "blockwise-seed2"), "--last", str(LAST), "--out", str(tmp_path), "--no-png"]) == 0
+    assert (
+        main(
+            [
+                str(parent / "bf16-seed1"),
+                str(parent / "bf16-seed2"),
+                str(rerun),
+                str(parent / "blockwise-seed1"),
+                str(parent / "blockwise-seed2"),
+                "--last",
+                str(LAST),
+                "--out",
+                str(tmp_path),
+                "--no-png",
+            ]
+        )
+        == 0
+    )
     noise = json.loads((tmp_path / "compare.json").read_text())["noise"]
     assert len(noise["reruns"]) == 1 and noise["reruns"][0]["seed"] == 1
     assert noise["reruns"][0]["final_dev"] == 0.0 and noise["reruns"][0]["max_rel_dev"] == 0.0  # deterministic
@@ -146,7 +196,7 @@ def test_a_group_without_common_seeds_gets_welchs_interval(seeds, tmp_path):
     a = np.array([_finals(parent / f"bf16-other-seed{s}") for s in (4, 5)])
     b = np.array([_finals(parent / f"bf16-seed{s}") for s in SEEDS])
     va, vb = a.var(ddof=1) / 2, b.var(ddof=1) / 3
-    df = (va + vb) ** 2 / (va ** 2 / 1 + vb ** 2 / 2)
+    df = (va + vb) ** 2 / (va**2 / 1 + vb**2 / 2)
     half = t_quantile(0.975, df) * math.sqrt(va + vb) / b.mean()
     assert row["method"] == "unpaired"
     assert float(row["final_vs_baseline"]) == pytest.approx((a.mean() - b.mean()) / b.mean(), rel=1e-9)
@@ -171,9 +221,15 @@ def test_the_gate_decides_on_the_interval(seeds, tmp_path, capsys):
     assert main(args + ["--max-rel-dev", repr(reach[worst] * 1.0001)]) == 0
     assert "every group's 95% interval over seeds within" in capsys.readouterr().out
     # an interval entirely beyond the threshold: shown beyond it
-    lo = min(min(abs(g.interval[0]), abs(g.interval[1])) for g in cmp.groups if not g.baseline
-             and g.interval[0] * g.interval[1] > 0) if any(
-        not g.baseline and g.interval[0] * g.interval[1] > 0 for g in cmp.groups) else None
+    lo = (
+        min(
+            min(abs(g.interval[0]), abs(g.interval[1]))
+            for g in cmp.groups
+            if not g.baseline and g.interval[0] * g.interval[1] > 0
+        )
+        if any(not g.baseline and g.interval[0] * g.interval[1] > 0 for g in cmp.groups)
+        else None
+    )
     if lo is not None:
         assert main(args + ["--max-rel-dev", repr(lo * 0.5)]) == 1
         assert "deviation shown beyond" in capsys.readouterr().err
@@ -181,8 +237,23 @@ def test_the_gate_decides_on_the_interval(seeds, tmp_path, capsys):
 
 def test_one_seed_says_it_cannot_separate_fp8_from_noise(seeds, tmp_path, capsys):
     parent, _ = seeds
-    assert main([str(parent / "bf16-seed1"), str(parent / "tensorwise-seed1"), "--last", str(LAST),
-                 "--max-rel-dev", "0.5", "--out", str(tmp_path), "--no-png", "--no-events"]) == 0
+    assert (
+        main(
+            [
+                str(parent / "bf16-seed1"),
+                str(parent / "tensorwise-seed1"),
+                "--last",
+                str(LAST),
+                "--max-rel-dev",
+                "0.5",
+                "--out",
+                str(tmp_path),
+                "--no-png",
+                "--no-events",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "one seed: this comparison cannot separate the recipe from seed noise" in out
     assert "this cannot separate FP8 from seed noise" in out  # the gate line says it too
@@ -211,6 +282,9 @@ def test_seeded_outputs_reimport_and_draw_bands(seeds, tmp_path):
     fig = plot(cmp)
     ax_loss, ax_dev = fig.axes[:2]
     assert sorted(line.get_label() for line in ax_loss.get_lines()) == [
-        "bf16 (3 seeds, baseline)", "blockwise (3 seeds)", "tensorwise (3 seeds)"]
+        "bf16 (3 seeds, baseline)",
+        "blockwise (3 seeds)",
+        "tensorwise (3 seeds)",
+    ]
     bands = [c.get_label() for c in ax_dev.collections]
     assert "bf16 seed-to-seed spread (±1 sd)" in bands

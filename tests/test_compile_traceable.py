@@ -164,9 +164,14 @@ def test_bf16_autocast_bit_for_bit(recipe):
     assert all(torch.equal(g, w) for g, w in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]]))
 
 
-@pytest.mark.xfail(_TORCH_211, strict=False, reason=(
-    "torch 2.11's dynamo fails an internal assertion (overwrite_tensor_vt_proxy) tracing the FP8 "
-    "autograd function with dynamic=True; seen on the H200 machine, order-dependent; torch 2.13 traces it"))
+@pytest.mark.xfail(
+    _TORCH_211,
+    strict=False,
+    reason=(
+        "torch 2.11's dynamo fails an internal assertion (overwrite_tensor_vt_proxy) tracing the FP8 "
+        "autograd function with dynamic=True; seen on the H200 machine, order-dependent; torch 2.13 traces it"
+    ),
+)
 @pytest.mark.parametrize("recipe", TRACED)
 def test_dynamic_shapes_bit_for_bit(recipe):
     """``dynamic=True`` (symbolic token count), including token counts that leave a short
@@ -225,8 +230,11 @@ def test_inductor_matches_eager(recipe):
         for step in range(2):
             x, dy = _data(step)
             got, want = _step(compiled, model, x, dy), _step(ref, ref, x, dy)
-            for what, g, w in zip(["y", "dx"] + [n for n, _ in model.named_parameters()],
-                                  [got[0], got[1], *got[2]], [want[0], want[1], *want[2]]):
+            for what, g, w in zip(
+                ["y", "dx"] + [n for n, _ in model.named_parameters()],
+                [got[0], got[1], *got[2]],
+                [want[0], want[1], *want[2]],
+            ):
                 assert _rel(g, w) < 1e-6, f"step {step}: {what} rel. error {_rel(g, w):.3g}"
             _sgd(model), _sgd(ref)
     for m in _fp8(model):
@@ -243,9 +251,11 @@ def test_compiled_reference_quantisers_are_bit_exact():
     with torch._inductor.config.patch({"cpp.max_horizontal_fusion_size": 1}):
         for gran, rnd in cases:
             for dim in (-1, 0):
+
                 def fn(t, gran=gran, rnd=rnd, dim=dim):
                     q = quantize(t, "e4m3", gran, rnd, dim=dim)
                     return q.data, q.scale_inv
+
                 torch._dynamo.reset()
                 got = torch.compile(fn, backend="inductor", fullgraph=True)(x)
                 want = fn(x)
@@ -269,12 +279,14 @@ def _capture_scaled_mm(gm, example_inputs):
             if n.op == "call_function" and "nemo_fp8_recipes" in str(n.target):
                 ops.append(str(n.target))
             if n.op == "call_function" and ("scaled_mm" in str(n.target) or "blockwise_mm" in str(n.target)):
+
                 def val(a):
                     if isinstance(a, torch.fx.Node):
                         return a.meta.get("example_value")
                     if isinstance(a, (list, tuple)):
                         return [val(b) for b in a]
                     return a
+
                 calls.append((getattr(n.target, "__name__", str(n.target)), [val(a) for a in n.args]))
     raise _Captured(calls, ops)
 
@@ -290,13 +302,23 @@ def test_real_mxfp8_gemms_keep_the_eager_island():
     assert not any(m.traceable() for m in _fp8(model))
 
 
-@pytest.mark.parametrize("recipe,op,overrides,quant_ops", [
-    ("tensorwise", "_scaled_mm", {}, False),
-    ("tensorwise", "_scaled_mm", {}, True),
-    ("blockwise", "blockwise_mm.default", {}, False),
-    ("blockwise", "blockwise_mm.default", {}, True),
-    ("blockwise", "blockwise_mm.default", {"weight_granularity": "1x128"}, True),
-], ids=["tensorwise", "tensorwise-triton-ops", "blockwise", "blockwise-triton-ops", "blockwise-1x128-weights-triton-ops"])
+@pytest.mark.parametrize(
+    "recipe,op,overrides,quant_ops",
+    [
+        ("tensorwise", "_scaled_mm", {}, False),
+        ("tensorwise", "_scaled_mm", {}, True),
+        ("blockwise", "blockwise_mm.default", {}, False),
+        ("blockwise", "blockwise_mm.default", {}, True),
+        ("blockwise", "blockwise_mm.default", {"weight_granularity": "1x128"}, True),
+    ],
+    ids=[
+        "tensorwise",
+        "tensorwise-triton-ops",
+        "blockwise",
+        "blockwise-triton-ops",
+        "blockwise-1x128-weights-triton-ops",
+    ],
+)
 def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, overrides, quant_ops, monkeypatch):
     """``emulate=False`` (the H200 path): dynamo traces forward and backward into one graph
     (``fullgraph``) whose six GEMMs are ``torch._scaled_mm`` (tensorwise) or the block-scaled
@@ -338,7 +360,10 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, overrides, q
     for name, args in calls:
         a, b = args[0], args[1] if recipe == "tensorwise" else args[2]
         assert name == op
-        assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        assert a.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and b.dtype in (
+            torch.float8_e4m3fn,
+            torch.float8_e5m2,
+        )
         assert a.shape[0] % 16 == 0 and a.shape[1] % 16 == 0
         if recipe == "tensorwise":
             assert a.stride()[1] == 1 and b.stride()[0] == 1 and b.shape[1] % 16 == 0, b.stride()  # row x col major
@@ -503,9 +528,14 @@ class _WithHead(nn.Module):
         return a + self.output(h * 2)
 
 
-@pytest.mark.xfail(_TORCH_211, strict=False, reason=(
-    "torch 2.11's dynamo turns the gradient hook on the head's output into an autograd function, "
-    "whose output may not be modified in place; torch 2.13 keeps the output a plain tensor"))
+@pytest.mark.xfail(
+    _TORCH_211,
+    strict=False,
+    reason=(
+        "torch 2.11's dynamo turns the gradient hook on the head's output into an autograd function, "
+        "whose output may not be modified in place; torch 2.13 keeps the output a plain tensor"
+    ),
+)
 def test_high_precision_audit_counters_trace_without_graph_breaks():
     """The audit's counters on GEMM modules kept in high precision count in-graph (int64 buffers
     mutated by a forward hook and a gradient hook): no graph break, the same counts compiled and
@@ -654,8 +684,11 @@ def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
             # the 1x128 scale grids come outer-dim major, as the block-scaled GEMM reads them
             assert si.stride() == (1, 200) and sit.stride() == (1, 328)
     xd = x.to(dev, torch.bfloat16)
-    for op, args in ((ops.group_rows, (xd, "e4m3", 128, "fp32")), (ops.group_cols_t, (xd, "e4m3", 128, "pow2")),
-                     (ops.blocks128, (xd, "e4m3", "fp32"))):
+    for op, args in (
+        (ops.group_rows, (xd, "e4m3", 128, "fp32")),
+        (ops.group_cols_t, (xd, "e4m3", 128, "pow2")),
+        (ops.blocks128, (xd, "e4m3", "fp32")),
+    ):
         torch.library.opcheck(op, args)
     with pytest.raises(ValueError, match="fp32 or pow2.*reference quantisers"):
         ops.group_rows(xd, "e4m3", 32, "e8m0_ceil")
@@ -663,11 +696,14 @@ def test_group_operators_are_valid_custom_ops_with_the_reference_bits():
         ops.group_cols_t(xd, "e4m3", 32, "e8m0_floor")
 
 
-@pytest.mark.parametrize("recipe,operators", [
-    ("tensorwise", {"tensor_pair": 4}),
-    ("delayed", {"tensor_pair_scaled": 4}),
-    ("blockwise", {"group_rows": 4, "group_cols_t": 4, "blocks128": 2}),
-])
+@pytest.mark.parametrize(
+    "recipe,operators",
+    [
+        ("tensorwise", {"tensor_pair": 4}),
+        ("delayed", {"tensor_pair_scaled": 4}),
+        ("blockwise", {"group_rows": 4, "group_cols_t": 4, "blocks128": 2}),
+    ],
+)
 def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch, recipe, operators):
     """The compiled linear quantising with the Triton operators (what runs on CUDA by default;
     forced here on CPU through Triton's interpreter): one graph, no break (fullgraph), the
@@ -678,8 +714,10 @@ def test_traced_linear_with_the_triton_operators_has_no_graph_break(monkeypatch,
     import os
 
     if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("drives the Triton operator with CPU tensors through Triton's interpreter "
-                    "(TRITON_INTERPRET=1, set by tests/conftest.py on machines without CUDA)")
+        pytest.skip(
+            "drives the Triton operator with CPU tensors through Triton's interpreter "
+            "(TRITON_INTERPRET=1, set by tests/conftest.py on machines without CUDA)"
+        )
     from nemo_fp8_recipes.nn import gemms
 
     monkeypatch.setattr(gemms, "triton_enabled", lambda t, triton=None: triton is not False)
@@ -713,7 +751,8 @@ def test_kernel_options_are_validated_and_their_environment_defaults_named():
 
     assert default_kernel_options({}) == KernelOptions()
     assert default_kernel_options({"NEMO_FP8_TRITON": "0", "NEMO_FP8_FUSED_NORM": "false"}) == KernelOptions(
-        triton=False, fused_norm=False)
+        triton=False, fused_norm=False
+    )
     with pytest.raises(ValueError, match="NEMO_FP8_SHARED_INPUT='maybe'.*1 or 0"):
         default_kernel_options({"NEMO_FP8_SHARED_INPUT": "maybe"})
     with pytest.raises(TypeError, match="fused_swiglu must be True or False"):
@@ -724,10 +763,25 @@ def test_kernel_options_are_validated_and_their_environment_defaults_named():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,M", [("tensorwise", 2048), ("blockwise", 2048), ("blockwise", 1000),
-                                    ("mxfp8", 2048), ("delayed", 2048), ("delayed", 1000)],
-                         ids=["tensorwise-M2048", "blockwise-M2048", "blockwise-M1000-padded",
-                              "mxfp8-emulated-M2048", "delayed-M2048", "delayed-M1000-padded"])
+@pytest.mark.parametrize(
+    "name,M",
+    [
+        ("tensorwise", 2048),
+        ("blockwise", 2048),
+        ("blockwise", 1000),
+        ("mxfp8", 2048),
+        ("delayed", 2048),
+        ("delayed", 1000),
+    ],
+    ids=[
+        "tensorwise-M2048",
+        "blockwise-M2048",
+        "blockwise-M1000-padded",
+        "mxfp8-emulated-M2048",
+        "delayed-M2048",
+        "delayed-M1000-padded",
+    ],
+)
 def test_gpu_compiled_real_fp8_matches_eager(name, M):
     """As the benchmark runs a block: FP32 master weights, BF16 autocast, Inductor. 0 graph
     breaks (fullgraph), compiled (the Triton quantisers as custom operators + ``torch._scaled_mm``
@@ -781,7 +835,8 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
             # digits), and a wrong scale or layout (errors >= 0.5) can never pass.
             assert errs[0][k] <= 1.05 * errs[1][k] + 1e-3, (
                 f"{name} M={M} step {step + 1}: compiled {what} error vs float64 {errs[0][k]:.3g}, "
-                f"eager {errs[1][k]:.3g}")
+                f"eager {errs[1][k]:.3g}"
+            )
             assert vs_eager[k] < 0.1, f"{name} M={M} step {step + 1}: compiled vs eager {what} {vs_eager[k]:.3g}"
         if name == "delayed":  # (the step schedule: histories advance between optimizer steps)
             sync_delayed_scaling(model), sync_delayed_scaling(ref)
@@ -800,8 +855,9 @@ def test_gpu_compiled_real_fp8_matches_eager(name, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gran,rnd", [("tensor", "fp32"), ("1x128", "pow2"), ("128x128", "pow2"),
-                                      ("1x32", "e8m0_ceil")])
+@pytest.mark.parametrize(
+    "gran,rnd", [("tensor", "fp32"), ("1x128", "pow2"), ("128x128", "pow2"), ("1x32", "e8m0_ceil")]
+)
 def test_gpu_inductor_quantisers_match_the_triton_kernels(gran, rnd):
     """What Inductor generates from the reference quantisers vs the eager path's fused Triton
     kernels, on the GPU: the same codes and scales, bit for bit (scales divide in FP64, see
@@ -822,19 +878,23 @@ def test_gpu_inductor_quantisers_match_the_triton_kernels(gran, rnd):
 
     compiled = torch.compile(fn, fullgraph=True)(x)
     for k, dim in enumerate((-1, 0)):
-        got = compiled[2 * k: 2 * k + 2]
+        got = compiled[2 * k : 2 * k + 2]
         want = quantize_auto(x, "e4m3", gran, rnd, dim=dim)
         codes_differ = (got[0].view(torch.uint8) != want.data.view(torch.uint8)).float().mean().item()
         NUMERICS_REPORT.setdefault("H200: Inductor-generated quantisers vs Triton kernels", []).append(
             f"{gran:<8} dim={dim:>2}: codes differing {codes_differ:.2e}, scales equal "
-            f"{torch.equal(got[1], want.scale_inv)}")
+            f"{torch.equal(got[1], want.scale_inv)}"
+        )
         assert torch.equal(got[1], want.scale_inv), (gran, dim)
         assert codes_differ == 0.0, (gran, dim, codes_differ)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("weight_blocks,M", [(True, 2048), (True, 1000), (False, 1024)],
-                         ids=["fprop-128x128", "fprop-128x128-M1000-padded", "wgrad-1x128"])
+@pytest.mark.parametrize(
+    "weight_blocks,M",
+    [(True, 2048), (True, 1000), (False, 1024)],
+    ids=["fprop-128x128", "fprop-128x128-M1000-padded", "wgrad-1x128"],
+)
 def test_gpu_blockwise_mm_operator_matches_the_dispatch_and_float64(weight_blocks, M):
     """``nemo_fp8_recipes::blockwise_mm`` (the block-scaled GEMM of compiled graphs) passes
     ``torch.library.opcheck`` and gives the eager dispatch's output bit for bit, and both are the
@@ -858,8 +918,12 @@ def test_gpu_blockwise_mm_operator_matches_the_dispatch_and_float64(weight_block
     before = [t.clone() for t in args[:4]]
     got = blockwise_mm(*args)
     # the operator must not write its inputs (the padded scale rows are set on a copy)
-    assert all(torch.equal(t.view(torch.uint8) if t.element_size() == 1 else t,
-                           c.view(torch.uint8) if c.element_size() == 1 else c) for t, c in zip(args[:4], before))
+    assert all(
+        torch.equal(
+            t.view(torch.uint8) if t.element_size() == 1 else t, c.view(torch.uint8) if c.element_size() == 1 else c
+        )
+        for t, c in zip(args[:4], before)
+    )
     assert got.shape == (M, N) and got.dtype == torch.bfloat16
     assert torch.equal(got, blockwise_matmul(*args))
     exact = qa.dequantize(torch.float64) @ qb.dequantize(torch.float64).t()
@@ -868,6 +932,7 @@ def test_gpu_blockwise_mm_operator_matches_the_dispatch_and_float64(weight_block
     # opcheck's schema test multiplies the inputs, which FP8 tensors do not support; the other
     # checks (fake implementation, autograd registration, AOT dispatch) run, and no input is
     # aliased by the output
-    torch.library.opcheck(blockwise_mm, args,
-                          test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+    torch.library.opcheck(
+        blockwise_mm, args, test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    )
     assert all(got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in args[:4])

@@ -77,13 +77,21 @@ def test_every_recipe_and_model_composes(recipe, model):
 def test_defaults_are_the_embedded_default_run():
     cfg = compose_config()
     assert (cfg.recipe.name, cfg.model.name, cfg.backend.name, cfg.cluster.name, cfg.data.name) == (
-        "blockwise", "llama3_tiny", "native", "local", "stdlib")
+        "blockwise",
+        "llama3_tiny",
+        "native",
+        "local",
+        "stdlib",
+    )
 
 
 def test_hydra_writes_into_the_run_dir_without_chdir():
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["recipe=mxfp8", "run.tag=lr1e-3", "run.root=/tmp/r"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="train",
+            overrides=["recipe=mxfp8", "run.tag=lr1e-3", "run.root=/tmp/r"],
+            return_hydra_config=True,
+        )
     assert cfg.run.dir == "/tmp/r/llama3_tiny/mxfp8-lr1e-3"
     assert cfg.hydra.run.dir == cfg.run.dir
     assert cfg.hydra.sweep.dir + "/" + cfg.hydra.sweep.subdir == cfg.run.dir
@@ -97,9 +105,16 @@ def test_model_overrides_reach_the_model():
 
 
 def test_recipe_and_policy_overrides_reach_the_objects():
-    cfg = compose_config(["recipe=delayed", "recipe.amax_history_len=16", "recipe.emulate=true",
-                          "recipe.fprop.fast_accum=false", "policy.first_layers_bf16=1",
-                          "policy.exclude=[layers.0.*]"])
+    cfg = compose_config(
+        [
+            "recipe=delayed",
+            "recipe.amax_history_len=16",
+            "recipe.emulate=true",
+            "recipe.fprop.fast_accum=false",
+            "policy.first_layers_bf16=1",
+            "policy.exclude=[layers.0.*]",
+        ]
+    )
     r = build_recipe(cfg.recipe)
     assert r.amax_history_len == 16 and r.emulate is True and r.fprop.fast_accum is False
     p = build_policy(cfg.policy)
@@ -119,8 +134,10 @@ def test_unknown_key_lists_the_valid_keys():
     assert "trainer.stpes" in msg and "max_steps" in msg
 
 
-@pytest.mark.parametrize("group, bad", [("recipe", "fp4"), ("model", "llama3_9b"), ("data", "parquet"),
-                                        ("backend", "deepspeed"), ("cluster", "k8s")])
+@pytest.mark.parametrize(
+    "group, bad",
+    [("recipe", "fp4"), ("model", "llama3_9b"), ("data", "parquet"), ("backend", "deepspeed"), ("cluster", "k8s")],
+)
 def test_unknown_option_lists_the_options(group, bad):
     msg = validate_overrides([f"{group}={bad}"])
     assert f"Could not find '{group}/{bad}'" in msg
@@ -164,14 +181,30 @@ def test_sweeps_name_each_job_by_the_keys_they_vary():
     name, so no two jobs of a sweep share a directory."""
     from nemo_fp8_recipes.config import compose_config, swept_keys, with_sweep_names
 
-    args = ["recipe=bf16,blockwise", "model=llama3_tiny,moe_tiny", "trainer.seed=1,2", "run.tag=a,b",
-            "policy.first_layers_bf16=range(0,2)", "trainer.compile=true,false", "run.root=x,y", "trainer.lr=1e-3"]
+    args = [
+        "recipe=bf16,blockwise",
+        "model=llama3_tiny,moe_tiny",
+        "trainer.seed=1,2",
+        "run.tag=a,b",
+        "policy.first_layers_bf16=range(0,2)",
+        "trainer.compile=true,false",
+        "run.root=x,y",
+        "trainer.lr=1e-3",
+    ]
     assert swept_keys(args) == ["trainer.seed", "policy.first_layers_bf16", "trainer.compile"]
     assert with_sweep_names(["-m", *args])[-1] == "run.sweep=[trainer.seed,policy.first_layers_bf16,trainer.compile]"
     assert with_sweep_names(["-m", "recipe=bf16,blockwise"]) == ["-m", "recipe=bf16,blockwise"]  # nothing to add
     assert with_sweep_names(["trainer.seed=1,2", "run.sweep=[]"])[-1] == "run.sweep=[]"  # yours is kept
-    cfg = compose_config(["recipe=blockwise", "run.tag=x", "trainer.seed=7", "policy.first_layers_bf16=2",
-                          "trainer.compile=false", "run.sweep=[trainer.seed,policy.first_layers_bf16,trainer.compile]"])
+    cfg = compose_config(
+        [
+            "recipe=blockwise",
+            "run.tag=x",
+            "trainer.seed=7",
+            "policy.first_layers_bf16=2",
+            "trainer.compile=false",
+            "run.sweep=[trainer.seed,policy.first_layers_bf16,trainer.compile]",
+        ]
+    )
     assert cfg.run.dir == "runs/llama3_tiny/blockwise-x-seed7-first_layers_bf16_2-compile_false"
     cfg = compose_config(["trainer.lr=0.001", "model.optim.lr=0.002", "run.sweep=[trainer.lr,model.optim.lr]"])
     assert cfg.run.dir == "runs/llama3_tiny/blockwise-trainer.lr0.001-model.optim.lr0.002"  # same leaf: full keys

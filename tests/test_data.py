@@ -83,8 +83,9 @@ def test_cache_key_follows_the_file_list_and_contents(tmp_path):
     f.write_text("changed and longer text " * 5, encoding="utf-8")
     c2 = load_corpus(cfg)
     assert c2.fingerprint != c1.fingerprint and c2.meta["cache_hit"] is False
-    c3 = load_corpus(DataConfig(source="text", paths=(str(tmp_path / "corpus"),), max_files=5,
-                                cache_dir=str(tmp_path / "c")))
+    c3 = load_corpus(
+        DataConfig(source="text", paths=(str(tmp_path / "corpus"),), max_files=5, cache_dir=str(tmp_path / "c"))
+    )
     assert c3.fingerprint not in (c1.fingerprint, c2.fingerprint)
 
 
@@ -104,8 +105,7 @@ def test_incomplete_cache_is_rebuilt(tmp_path):
 
 def test_split_is_by_document_hash_and_deterministic(tmp_path):
     texts = _write_docs(tmp_path / "corpus", 60)
-    cfg = DataConfig(source="text", paths=(str(tmp_path / "corpus"),), val_fraction=0.2,
-                     cache_dir=str(tmp_path / "c"))
+    cfg = DataConfig(source="text", paths=(str(tmp_path / "corpus"),), val_fraction=0.2, cache_dir=str(tmp_path / "c"))
     c = load_corpus(cfg)
     ids = [f.doc_id for f in list_source_files(cfg)]
     val_ids = [d for d in ids if is_validation_doc(d, 0.2)]
@@ -119,12 +119,14 @@ def test_split_is_by_document_hash_and_deterministic(tmp_path):
 
 def test_tiny_corpora_still_get_a_validation_split(tmp_path):
     _write_docs(tmp_path / "two", 2)
-    c = load_corpus(DataConfig(source="text", paths=(str(tmp_path / "two"),), val_fraction=0.01,
-                               cache_dir=str(tmp_path / "c")))
+    c = load_corpus(
+        DataConfig(source="text", paths=(str(tmp_path / "two"),), val_fraction=0.01, cache_dir=str(tmp_path / "c"))
+    )
     assert c.meta["val_docs"] == 1 and c.meta["train_docs"] == 1
     (tmp_path / "one.txt").write_text("x" * 1000)
-    c = load_corpus(DataConfig(source="text", paths=(str(tmp_path / "one.txt"),), val_fraction=0.1,
-                               cache_dir=str(tmp_path / "c")))
+    c = load_corpus(
+        DataConfig(source="text", paths=(str(tmp_path / "one.txt"),), val_fraction=0.1, cache_dir=str(tmp_path / "c"))
+    )
     assert c.meta["tail_split"] and len(c.val) == 100 and len(c.train) == 901
 
 
@@ -140,8 +142,15 @@ def test_jsonl_records_are_documents(tmp_path):
     (tmp_path / "dir").mkdir()
     (tmp_path / "dir" / "a.jsonl").write_text(json.dumps({"body": "hello"}) + "\n")
     (tmp_path / "dir" / "ignored.txt").write_text("not jsonl")
-    c = load_corpus(DataConfig(source="jsonl", paths=(str(tmp_path / "dir"),), text_key="body",
-                               val_fraction=0.0, cache_dir=str(tmp_path / "c")))
+    c = load_corpus(
+        DataConfig(
+            source="jsonl",
+            paths=(str(tmp_path / "dir"),),
+            text_key="body",
+            val_fraction=0.0,
+            cache_dir=str(tmp_path / "c"),
+        )
+    )
     assert ByteTokenizer().decode(c.train) == "hello\n"
 
 

@@ -31,11 +31,22 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 STEPS, CKPT_AT = 6, 3
 # every projection FP8 under every recipe (dims multiples of 128); global batch 4 = 2 micro x 2
 BASE = [
-    "model.num_layers=2", "model.dim=256", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.ffn_dim=256", "trainer.seq_len=64", "trainer.micro_batch_size=2",
-    "trainer.global_batch_size=4", f"trainer.max_steps={STEPS}", "trainer.val_interval=0",
-    "trainer.progress=false", "trainer.device=cpu", "data.max_files=40",
-    "trainer.warmup_steps=2", f"trainer.ckpt_interval={CKPT_AT}", "trainer.ckpt_keep=5",
+    "model.num_layers=2",
+    "model.dim=256",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_dim=256",
+    "trainer.seq_len=64",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=4",
+    f"trainer.max_steps={STEPS}",
+    "trainer.val_interval=0",
+    "trainer.progress=false",
+    "trainer.device=cpu",
+    "data.max_files=40",
+    "trainer.warmup_steps=2",
+    f"trainer.ckpt_interval={CKPT_AT}",
+    "trainer.ckpt_keep=5",
     "trainer.telemetry_interval=3",
 ]
 FSDP_RECIPES = tuple(list_recipes())  # every recipe under FSDP2 too
@@ -65,8 +76,7 @@ def _run_workers(tmp: Path, runs) -> dict:
     spec = tmp / f"spec{len(list(tmp.glob('spec*.json')))}.json"
     spec.write_text(json.dumps({"runs": runs}))
     _torchrun([str(WORKER), str(spec), str(tmp)], cwd=tmp)
-    return {r["name"]: [json.loads((tmp / f"{r['name']}.rank{k}.json").read_text()) for k in (0, 1)]
-            for r in runs}
+    return {r["name"]: [json.loads((tmp / f"{r['name']}.rank{k}.json").read_text()) for k in (0, 1)] for r in runs}
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +90,19 @@ def dist_runs(tmp_path_factory):
         res = train(compose_config(common + [f"recipe={recipe}", "run.tag=ref"]))
         ref[recipe] = res
     runs = [{"name": f"ddp_{r}", "overrides": common + [f"recipe={r}", "run.tag=ddp"]} for r in list_recipes()]
-    runs += [{"name": f"fsdp2_{r}", "overrides": common + [f"recipe={r}", "run.tag=fsdp2",
-                                                          "trainer.data_parallel=fsdp2"]}
-             for r in FSDP_RECIPES]
+    runs += [
+        {"name": f"fsdp2_{r}", "overrides": common + [f"recipe={r}", "run.tag=fsdp2", "trainer.data_parallel=fsdp2"]}
+        for r in FSDP_RECIPES
+    ]
     # 2 ranks (FSDP2) resume a 1-rank checkpoint
     ckpt = tmp / "runs" / "llama3_tiny" / "delayed-ref" / "checkpoints" / f"step_{CKPT_AT:08d}.pt"
-    runs.append({"name": "fsdp2_resume_from_1rank", "overrides": common + [
-        "recipe=delayed", "run.tag=fsdp2-resumed", "trainer.data_parallel=fsdp2", f"trainer.resume={ckpt}"]})
+    runs.append(
+        {
+            "name": "fsdp2_resume_from_1rank",
+            "overrides": common
+            + ["recipe=delayed", "run.tag=fsdp2-resumed", "trainer.data_parallel=fsdp2", f"trainer.resume={ckpt}"],
+        }
+    )
     workers = _run_workers(tmp, runs)
     return {"tmp": tmp, "common": common, "ref": ref, "workers": workers}
 
@@ -101,7 +117,7 @@ def _worker():
 
 
 def _losses(record):
-    return torch.tensor([l for _, l in record["losses"]], dtype=torch.float64)
+    return torch.tensor([loss for _, loss in record["losses"]], dtype=torch.float64)
 
 
 def _ref_losses(result):
@@ -109,8 +125,15 @@ def _ref_losses(result):
 
 
 def _state_tensor(state: dict) -> torch.Tensor:
-    return torch.tensor([v for name in sorted(state) for k in ("scale", "history")
-                         for v in torch.tensor(state[name][k]).flatten().tolist()], dtype=torch.float64)
+    return torch.tensor(
+        [
+            v
+            for name in sorted(state)
+            for k in ("scale", "history")
+            for v in torch.tensor(state[name][k]).flatten().tolist()
+        ],
+        dtype=torch.float64,
+    )
 
 
 @pytest.mark.parametrize("recipe", list_recipes())
@@ -133,12 +156,19 @@ def test_two_ranks_ddp_compiled_with_the_weight_cache(tmp_path, dist_runs):
     DDP's broadcast), both ranks log the same losses, they follow a one-rank compiled run with
     four micro-batches, and no cache is stale at the end."""
     common = [a for a in dist_runs["common"] if not a.startswith(("trainer.max_steps", "trainer.ckpt"))]
-    args = common + ["recipe=tensorwise", "trainer.compile=true", "trainer.global_batch_size=8",
-                     "trainer.max_steps=3", "trainer.checkpoint=false", "model.num_layers=1"]  # (compile time per layer)
+    args = common + [
+        "recipe=tensorwise",
+        "trainer.compile=true",
+        "trainer.global_batch_size=8",
+        "trainer.max_steps=3",
+        "trainer.checkpoint=false",
+        "model.num_layers=1",
+    ]  # (compile time per layer)
     ref = train(compose_config(args + ["run.tag=compiled-ref"]))
     assert ref.compiled_weight_cache > 0
     r0, r1 = _run_workers(tmp_path, [{"name": "ddp_compiled", "overrides": args + ["run.tag=ddp-compiled"]}])[
-        "ddp_compiled"]
+        "ddp_compiled"
+    ]
     assert r0["world_size"] == 2 and r0["compiled_weight_cache"] == ref.compiled_weight_cache
     assert r0["losses"] == r1["losses"], "ranks must log the same (all-reduced) loss"
     assert r0["stale_weight_caches"] == r1["stale_weight_caches"] == []
@@ -203,7 +233,10 @@ def test_rank0_writes_merged_audit_and_telemetry(dist_runs):
     run_dir = dist_runs["tmp"] / "runs" / "llama3_tiny" / "blockwise-fsdp2"
     audit = json.loads((run_dir / "audit.json").read_text())
     assert audit["ranks"] == {"world_size": 2, "problems": []}
-    assert "2 data-parallel ranks (fsdp2): every rank ran the same precision per module" in (run_dir / "audit.txt").read_text()
+    assert (
+        "2 data-parallel ranks (fsdp2): every rank ran the same precision per module"
+        in (run_dir / "audit.txt").read_text()
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["data_parallel"] == "fsdp2"
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -219,14 +252,27 @@ def test_torchrun_cli_and_batch_divisibility(tmp_path, dist_runs):
     """The documented command: ``torchrun --nproc_per_node 2 -m nemo_fp8_recipes.train ...``."""
     common = dist_runs["common"]
     root = tmp_path / "cli"
-    args = [a for a in common if not a.startswith("run.root=")] + [f"run.root={root}", "recipe=tensorwise",
-                                                                   "trainer.max_steps=2"]
+    args = [a for a in common if not a.startswith("run.root=")] + [
+        f"run.root={root}",
+        "recipe=tensorwise",
+        "trainer.max_steps=2",
+    ]
     _torchrun(["-m", "nemo_fp8_recipes.train", *args], cwd=tmp_path)
     summary = json.loads((root / "llama3_tiny" / "tensorwise" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 2
     # a global batch that 2 ranks cannot split is refused with the fix in the message
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "nemo_fp8_recipes.train", *args, "trainer.global_batch_size=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        "-m",
+        "nemo_fp8_recipes.train",
+        *args,
+        "trainer.global_batch_size=2",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
     assert "must be a multiple of trainer.micro_batch_size (2) x 2 data-parallel ranks" in proc.stderr
@@ -235,8 +281,19 @@ def test_torchrun_cli_and_batch_divisibility(tmp_path, dist_runs):
 def test_scaling_benchmark_smoke(tmp_path):
     """benchmarks/train_throughput.py --nproc 1,2: one process vs two (gloo on CPU), one table."""
     out = tmp_path / "dp.json"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "train_throughput.py"), "--smoke", "--recipes", "delayed",
-           "--nproc", "1,2", "--root", str(tmp_path / "runs"), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        str(REPO / "benchmarks" / "train_throughput.py"),
+        "--smoke",
+        "--recipes",
+        "delayed",
+        "--nproc",
+        "1,2",
+        "--root",
+        str(tmp_path / "runs"),
+        "--out",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]

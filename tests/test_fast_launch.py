@@ -40,8 +40,10 @@ def test_switch_and_status(restore_switch):
         assert status == "on"
 
 
-@pytest.mark.skipif(ON_GPU or os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="checks the interpreter's path (CPU with TRITON_INTERPRET=1)")
+@pytest.mark.skipif(
+    ON_GPU or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="checks the interpreter's path (CPU with TRITON_INTERPRET=1)",
+)
 def test_interpreted_kernels_take_tritons_path(restore_switch):
     from nemo_fp8_recipes.quant import triton_kernels as tk
 
@@ -86,6 +88,7 @@ def _outputs(res):
 
 def _cases(tk):
     """Each quantiser as a function of its input."""
+
     def w(x):
         return torch.linspace(-2, 2, x.shape[1], device=x.device)
 
@@ -94,8 +97,9 @@ def _cases(tk):
 
     return {
         "tensor_dual current": lambda x: tk.quantize_tensor_dual(x, "e4m3"),
-        "tensor_dual delayed": lambda x: tk.quantize_tensor_dual(x, "e4m3", scale=s(x),
-                                                                 amax_out=torch.zeros(1, device=x.device)),
+        "tensor_dual delayed": lambda x: tk.quantize_tensor_dual(
+            x, "e4m3", scale=s(x), amax_out=torch.zeros(1, device=x.device)
+        ),
         "tensor current": lambda x: tk.quantize_tensor(x, "e5m2"),
         "rows 1x128": lambda x: tk.quantize_rows(x, "e4m3", 128, "fp32"),
         "rows 1x32 e8m0": lambda x: tk.quantize_rows(x, "e4m3", 32, "e8m0_ceil"),

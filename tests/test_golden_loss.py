@@ -40,11 +40,24 @@ REL_TOL = 0.0
 REL_TOL_OTHER_CPU = 1e-3
 #: the run every golden file records (plus recipe=<key>, run.root and data.cache_dir)
 OVERRIDES = [
-    "model=llama3_tiny", "model.num_layers=1", "trainer.device=cpu", "trainer.max_steps=8",
-    "trainer.seq_len=64", "trainer.micro_batch_size=2", "trainer.global_batch_size=4",
-    "trainer.warmup_steps=2", "trainer.log_interval=2", "trainer.val_interval=4", "trainer.val_steps=2",
-    "trainer.telemetry_interval=4", "trainer.ckpt_interval=0", "trainer.resume=never",
-    "trainer.progress=false", "data=text", "data.paths=[tests/golden/corpus.txt]", "data.val_fraction=0.1",
+    "model=llama3_tiny",
+    "model.num_layers=1",
+    "trainer.device=cpu",
+    "trainer.max_steps=8",
+    "trainer.seq_len=64",
+    "trainer.micro_batch_size=2",
+    "trainer.global_batch_size=4",
+    "trainer.warmup_steps=2",
+    "trainer.log_interval=2",
+    "trainer.val_interval=4",
+    "trainer.val_steps=2",
+    "trainer.telemetry_interval=4",
+    "trainer.ckpt_interval=0",
+    "trainer.resume=never",
+    "trainer.progress=false",
+    "data=text",
+    "data.paths=[tests/golden/corpus.txt]",
+    "data.val_fraction=0.1",
 ]
 REGENERATE = "python tests/golden/regenerate.py [recipe ...]"
 
@@ -90,9 +103,11 @@ def cpu_signature() -> str:
 
 def header(recipe: str) -> str:
     """The first lines of a golden file: the overrides and how to regenerate it, then the CPU."""
-    return (f"# recipe={recipe} {' '.join(OVERRIDES)} (run.root, data.cache_dir: a temporary directory; "
-            f"torch.set_num_threads(1); torch {torch.__version__}). Regenerate: {REGENERATE}\n"
-            f"# cpu: {cpu_signature()}")
+    return (
+        f"# recipe={recipe} {' '.join(OVERRIDES)} (run.root, data.cache_dir: a temporary directory; "
+        f"torch.set_num_threads(1); torch {torch.__version__}). Regenerate: {REGENERATE}\n"
+        f"# cpu: {cpu_signature()}"
+    )
 
 
 def format_golden(recipe: str, losses: Dict[int, float]) -> str:
@@ -129,8 +144,10 @@ def first_mismatch(got: Dict[int, float], want: Dict[int, float], rel_tol: float
         return f"steps differ: ran {sorted(got)}, golden has {sorted(want)}"
     for s in sorted(want):
         if not (got[s] == want[s] or math.isclose(got[s], want[s], rel_tol=rel_tol, abs_tol=0.0)):
-            return (f"step {s}: loss {got[s]!r}, golden {want[s]!r} "
-                    f"(relative difference {abs(got[s] - want[s]) / abs(want[s]):.3e}, tolerance {rel_tol})")
+            return (
+                f"step {s}: loss {got[s]!r}, golden {want[s]!r} "
+                f"(relative difference {abs(got[s] - want[s]) / abs(want[s]):.3e}, tolerance {rel_tol})"
+            )
     return None
 
 
@@ -148,8 +165,9 @@ def test_loss_curve_matches_the_golden_file(recipe, tmp_path):
     tol = tolerance_for(golden_path(recipe))
     problem = first_mismatch(got, want, tol)
     where = "" if tol == REL_TOL else f" (written on {golden_cpu(golden_path(recipe))}, running on {cpu_signature()})"
-    assert problem is None, (f"{recipe}: {problem}{where}. If the change is intended, run {REGENERATE} "
-                             "and review the diff")
+    assert problem is None, (
+        f"{recipe}: {problem}{where}. If the change is intended, run {REGENERATE} and review the diff"
+    )
 
 
 def test_a_changed_loss_is_reported():

@@ -87,13 +87,18 @@ def test_linears_reading_one_input_share_its_quantisation_on_gpu(name, monkeypat
     rec = get_recipe(name)
     calls = []
     real = Float8Linear._quantize_operand
-    monkeypatch.setattr(Float8Linear, "_quantize_operand",
-                        lambda self, i, t, pair=False, gate=None: calls.append(i) or real(self, i, t, pair=pair, gate=gate))
+    monkeypatch.setattr(
+        Float8Linear,
+        "_quantize_operand",
+        lambda self, i, t, pair=False, gate=None: calls.append(i) or real(self, i, t, pair=pair, gate=gate),
+    )
 
     def run(share: bool):
         torch.manual_seed(0)
-        mods = [Float8Linear.from_linear(torch.nn.Linear(1024, n, bias=False, device="cuda"), rec, emulate=False)
-                for n in (1024, 256, 256)]
+        mods = [
+            Float8Linear.from_linear(torch.nn.Linear(1024, n, bias=False, device="cuda"), rec, emulate=False)
+            for n in (1024, 256, 256)
+        ]
         leaf = (structured(2048, 1024, seed=5) * 3).to("cuda", torch.bfloat16).requires_grad_()
         x = leaf * 1.0  # an intermediate, like a norm's output
         ys = [m(x if share else x.clone()) for m in mods]
@@ -113,8 +118,9 @@ def test_no_shared_input_quantisation_while_a_cuda_graph_is_captured():
     contain the quantisation, not reuse codes made before the capture)."""
     import nemo_fp8_recipes.nn.shared_input as lin
 
-    mod = Float8Linear.from_linear(torch.nn.Linear(256, 256, bias=False, device="cuda"), get_recipe("tensorwise"),
-                                   emulate=False)
+    mod = Float8Linear.from_linear(
+        torch.nn.Linear(256, 256, bias=False, device="cuda"), get_recipe("tensorwise"), emulate=False
+    )
     x = torch.randn(256, 256, device="cuda", requires_grad=True) * 1.0
     assert lin.input_quantizer(mod, x) is not mod._quantize_operand  # shared outside a capture
     g = torch.cuda.CUDAGraph()

@@ -27,8 +27,13 @@ from nemo_fp8_recipes.integrations.validate_checks import (
 )
 
 # Megatron-Bridge 0.6.2 MixedPrecisionConfig defaults that FP8 runs must not inherit
-BRIDGE_DEFAULTS = {"fp8_recipe": "tensorwise", "fp8_amax_history_len": 1, "fp8_amax_compute_algo": "most_recent",
-                   "num_layers_at_start_in_bf16": 0, "num_layers_at_end_in_bf16": 0}
+BRIDGE_DEFAULTS = {
+    "fp8_recipe": "tensorwise",
+    "fp8_amax_history_len": 1,
+    "fp8_amax_compute_algo": "most_recent",
+    "num_layers_at_start_in_bf16": 0,
+    "num_layers_at_end_in_bf16": 0,
+}
 
 
 def _src(env: str, module: str, rel: str):
@@ -67,7 +72,11 @@ def test_bridge_mixed_precision_per_recipe(recipe):
         assert (kw["fp8_amax_history_len"], kw["fp8_amax_compute_algo"]) == (1024, "max")
         assert kw["fp8_amax_history_len"] != BRIDGE_DEFAULTS["fp8_amax_history_len"]
     else:
-        assert (kw["first_last_layers_bf16"], kw["num_layers_at_start_in_bf16"], kw["num_layers_at_end_in_bf16"]) == (True, 1, 2)
+        assert (kw["first_last_layers_bf16"], kw["num_layers_at_start_in_bf16"], kw["num_layers_at_end_in_bf16"]) == (
+            True,
+            1,
+            2,
+        )
     assert kw["fp8_dot_product_attention"] is False and kw["fp8_wgrad"] is True
     exp = bridge.expected_model_fields(r, pol)
     assert exp["moe_router_dtype"] == "fp32" and exp["fp8_recipe"] == recipe
@@ -76,7 +85,9 @@ def test_bridge_mixed_precision_per_recipe(recipe):
 def test_bridge_fp8_param_gather_and_model_fields():
     kw = bridge.bridge_mixed_precision_kwargs("mxfp8", fp8_param_gather=True)
     assert kw["fp8_param"] and kw["fp8_param_gather"] and kw["reuse_grad_buf_for_mxfp8_param_ag"]
-    assert not bridge.bridge_mixed_precision_kwargs("tensorwise", fp8_param_gather=True)["reuse_grad_buf_for_mxfp8_param_ag"]
+    assert not bridge.bridge_mixed_precision_kwargs("tensorwise", fp8_param_gather=True)[
+        "reuse_grad_buf_for_mxfp8_param_ag"
+    ]
     assert bridge.bridge_model_fields("blockwise") == {"moe_router_dtype": "fp32"}
     pytest.importorskip("megatron.core")
     mf = bridge.bridge_model_fields("blockwise", PrecisionPolicy(attention_projections="bf16"))
@@ -94,7 +105,9 @@ def test_bridge_recipe_functions():
 def test_backend_group_and_bridge_config_validation():
     assert list_group_options("backend") == ["megatron_bridge", "native", "te"]
     assert compose_config().backend.name == "native"  # the default stays the embedded trainer
-    cfg = compose_config(["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise", "backend.fp8_param_gather=true"])
+    cfg = compose_config(
+        ["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise", "backend.fp8_param_gather=true"]
+    )
     assert cfg.backend.recipe_fn is None and cfg.backend.fp8_param_gather is True
     rep = validate_config(cfg, ["model.fp8_recipe=delayed", "train.train_iters=10"], device="h100", te_version="2.9")
     assert "bridge-clobber" in rep.codes("error")
@@ -123,14 +136,29 @@ def test_bridge_launcher_checks_before_importing_bridge(capsys):
         rc = bridge.main(["--gpu", "h100", "model=llama3_8b", "recipe=tensorwise", "train.train_iters=5"])
         assert rc == 2 and "needs Megatron-Bridge" in capsys.readouterr().err
         rc = bridge.main(["--gpu", "h100", "model=llama3_tiny", "recipe=tensorwise"])
-        assert rc == 2 and "needs Megatron-Bridge" in capsys.readouterr().err and "backend.dry_run=true" in \
-            capsys.readouterr().err + "backend.dry_run=true"
+        assert (
+            rc == 2
+            and "needs Megatron-Bridge" in capsys.readouterr().err
+            and "backend.dry_run=true" in capsys.readouterr().err + "backend.dry_run=true"
+        )
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "delayed"])
 def test_bridge_dry_run_of_our_model_needs_no_bridge_and_prints_the_fp8_settings(recipe, tmp_path, capsys):
-    rc = bridge.main(["--gpu", "h200", "--cuda", "12.9", "model=llama3_tiny", f"recipe={recipe}",
-                      "backend.dry_run=true", "trainer.max_steps=20", "model.num_layers=2", f"run.root={tmp_path}"])
+    rc = bridge.main(
+        [
+            "--gpu",
+            "h200",
+            "--cuda",
+            "12.9",
+            "model=llama3_tiny",
+            f"recipe={recipe}",
+            "backend.dry_run=true",
+            "trainer.max_steps=20",
+            "model.num_layers=2",
+            f"run.root={tmp_path}",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "provider=ours" in out and f"fp8_recipe = {recipe}" in out
@@ -144,8 +172,13 @@ def test_bridge_dry_run_of_our_model_needs_no_bridge_and_prints_the_fp8_settings
 
 def test_bridge_published_recipes_state_the_gpus_they_need(capsys):
     assert {k: v.gpus for k, v in bridge.PUBLISHED_RECIPES.items()} == {
-        "llama3_8b": 2, "llama3_70b": 32, "llama31_405b": 256}
-    rc = bridge.main(["--gpu", "h100", "--cuda", "12.9", "model=llama3_70b", "recipe=tensorwise", "backend.dry_run=true"])
+        "llama3_8b": 2,
+        "llama3_70b": 32,
+        "llama31_405b": 256,
+    }
+    rc = bridge.main(
+        ["--gpu", "h100", "--cuda", "12.9", "model=llama3_70b", "recipe=tensorwise", "backend.dry_run=true"]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "llama3_70b_pretrain_config" in out and "gpus_per_replica=32" in out
     assert "one model replica needs 32 GPUs; this process group has 1" in out
@@ -167,14 +200,19 @@ def test_bridge_provider_modes_and_model_overrides():
     with pytest.raises(bridge.BridgeLaunchError, match="leave it unset"):
         bridge.provider_mode("llama3_8b", "ours", "llama3_8b_pretrain_config")
     # model.<our field> is ours when we build the model, Bridge's provider field otherwise
-    ours, theirs = split_overrides(["backend=megatron_bridge", "model=llama3_tiny", "model.num_layers=2",
-                                    "model.recompute_granularity=full"], backend="megatron_bridge")
+    ours, theirs = split_overrides(
+        ["backend=megatron_bridge", "model=llama3_tiny", "model.num_layers=2", "model.recompute_granularity=full"],
+        backend="megatron_bridge",
+    )
     assert "model.num_layers=2" in ours and "model.recompute_granularity=full" in theirs
-    ours, theirs = split_overrides(["backend=megatron_bridge", "model=llama3_8b", "model.num_layers=2"],
-                                   backend="megatron_bridge")
+    ours, theirs = split_overrides(
+        ["backend=megatron_bridge", "model=llama3_8b", "model.num_layers=2"], backend="megatron_bridge"
+    )
     assert "model.num_layers=2" in theirs
-    ours, theirs = split_overrides(["backend=megatron_bridge", "model=llama3_8b", "backend.provider=ours",
-                                    "model.num_layers=2"], backend="megatron_bridge")
+    ours, theirs = split_overrides(
+        ["backend=megatron_bridge", "model=llama3_8b", "backend.provider=ours", "model.num_layers=2"],
+        backend="megatron_bridge",
+    )
     assert "model.num_layers=2" in ours
 
 
@@ -182,8 +220,15 @@ def test_bridge_provider_fields_from_our_model_configs():
     from nemo_fp8_recipes.models.config import load_model_config
 
     m = load_model_config("llama31_405b")
-    kw = bridge.provider_kwargs(m, seq_length=4096, tensor_parallel=8, pipeline_parallel=2, context_parallel=2,
-                                sequence_parallel=True, gradient_accumulation_fusion=False)
+    kw = bridge.provider_kwargs(
+        m,
+        seq_length=4096,
+        tensor_parallel=8,
+        pipeline_parallel=2,
+        context_parallel=2,
+        sequence_parallel=True,
+        gradient_accumulation_fusion=False,
+    )
     assert (kw["num_layers"], kw["hidden_size"], kw["ffn_hidden_size"]) == (126, 16384, 53248)
     assert (kw["num_attention_heads"], kw["num_query_groups"], kw["kv_channels"]) == (128, 8, 128)
     assert kw["rope_scaling"] is True and kw["rope_scaling_factor"] == 8.0 and kw["rotary_base"] == 500000.0
@@ -205,8 +250,16 @@ def test_bridge_trainer_mapping_and_local_inputs(tmp_path, capsys):
 
     from nemo_fp8_recipes.config import trainer_config
 
-    cfg = compose_config(["backend=megatron_bridge", "model=llama3_150m", "trainer.max_steps=50",
-                          "trainer.ckpt_interval=0", "trainer.val_interval=0", "trainer.lr=1e-3"])
+    cfg = compose_config(
+        [
+            "backend=megatron_bridge",
+            "model=llama3_150m",
+            "trainer.max_steps=50",
+            "trainer.ckpt_interval=0",
+            "trainer.val_interval=0",
+            "trainer.lr=1e-3",
+        ]
+    )
     got = dict(bridge.trainer_settings(trainer_config(cfg), Path("/runs/x")))
     assert got["train.train_iters"] == 50 and got["optimizer.lr"] == 1e-3 and got["scheduler.lr_decay_iters"] == 50
     assert got["checkpoint.save_interval"] == 50 and got["validation.eval_interval"] == 50
@@ -225,8 +278,11 @@ def test_bridge_trainer_mapping_and_local_inputs(tmp_path, capsys):
         bridge.launch_plan(compose_config(["backend=megatron_bridge", f"backend.tokenizer={tmp_path}/nothing"]))
 
 
-@pytest.mark.skipif(BRIDGE_SRC is None, reason="Megatron-Bridge source not found (needs Python >= 3.12 to install; "
-                                               "set NEMO_FP8_BRIDGE_SRC to an unpacked megatron_bridge wheel)")
+@pytest.mark.skipif(
+    BRIDGE_SRC is None,
+    reason="Megatron-Bridge source not found (needs Python >= 3.12 to install; "
+    "set NEMO_FP8_BRIDGE_SRC to an unpacked megatron_bridge wheel)",
+)
 def test_against_megatron_bridge_source():
     tree = ast.parse(BRIDGE_SRC.read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "MixedPrecisionConfig")
@@ -246,7 +302,7 @@ def test_against_megatron_bridge_source():
     assert "def process_config_with_overrides(" in omc and "cli_overrides" in omc
 
 
-MCORE_SRC = (Path(os.environ["NEMO_FP8_MCORE_SRC"]) if os.environ.get("NEMO_FP8_MCORE_SRC") else None)
+MCORE_SRC = Path(os.environ["NEMO_FP8_MCORE_SRC"]) if os.environ.get("NEMO_FP8_MCORE_SRC") else None
 
 
 def _class_fields(path: Path, name: str) -> set:
@@ -256,9 +312,11 @@ def _class_fields(path: Path, name: str) -> set:
     return {s.target.id for s in cls.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
 
 
-@pytest.mark.skipif(BRIDGE_SRC is None or MCORE_SRC is None or not (MCORE_SRC / "megatron" / "training").is_dir(),
-                    reason="Megatron-Bridge and megatron-core 0.19 sources not found (set NEMO_FP8_BRIDGE_SRC and "
-                           "NEMO_FP8_MCORE_SRC to the unpacked megatron_bridge 0.6.2 / megatron_core 0.19.2 wheels)")
+@pytest.mark.skipif(
+    BRIDGE_SRC is None or MCORE_SRC is None or not (MCORE_SRC / "megatron" / "training").is_dir(),
+    reason="Megatron-Bridge and megatron-core 0.19 sources not found (set NEMO_FP8_BRIDGE_SRC and "
+    "NEMO_FP8_MCORE_SRC to the unpacked megatron_bridge 0.6.2 / megatron_core 0.19.2 wheels)",
+)
 def test_the_offline_launcher_against_bridge_and_megatron_core_source():
     """Every field the launcher sets exists where it sets it: the provider's fields in
     GPTModelProvider / TransformerConfig / ModelParallelConfig, the trainer mapping's in Bridge's
@@ -269,21 +327,32 @@ def test_the_offline_launcher_against_bridge_and_megatron_core_source():
 
     broot = BRIDGE_SRC.parents[1]  # .../megatron/bridge
     mc = MCORE_SRC / "megatron"
-    provider_fields = (_class_fields(broot / "models" / "gpt_provider.py", "GPTModelProvider")
-                       | _class_fields(mc / "core" / "transformer" / "transformer_config.py", "TransformerConfig")
-                       | _class_fields(mc / "core" / "model_parallel_config.py", "ModelParallelConfig"))
+    provider_fields = (
+        _class_fields(broot / "models" / "gpt_provider.py", "GPTModelProvider")
+        | _class_fields(mc / "core" / "transformer" / "transformer_config.py", "TransformerConfig")
+        | _class_fields(mc / "core" / "model_parallel_config.py", "ModelParallelConfig")
+    )
     for name in ("llama3_tiny", "llama3_150m", "llama31_405b"):
         kw = bridge.provider_kwargs(load_model_config(name), seq_length=256, gradient_accumulation_fusion=False)
         assert set(kw) <= provider_fields, sorted(set(kw) - provider_fields)
-    classes = {"train": "TrainingConfig", "optimizer": None, "scheduler": "SchedulerConfig", "rng": "RNGConfig",
-               "logger": "LoggerConfig", "validation": "ValidationConfig", "checkpoint": "CheckpointConfig",
-               "dataset": None, "model": None}
+    classes = {
+        "train": "TrainingConfig",
+        "optimizer": None,
+        "scheduler": "SchedulerConfig",
+        "rng": "RNGConfig",
+        "logger": "LoggerConfig",
+        "validation": "ValidationConfig",
+        "checkpoint": "CheckpointConfig",
+        "dataset": None,
+        "model": None,
+    }
     src_all = "".join(p.read_text() for p in (mc / "training" / "config").glob("*.py"))
     opt_fields = _class_fields(mc / "core" / "optimizer" / "optimizer_config.py", "OptimizerConfig")
-    ds_fields = (_class_fields(mc / "core" / "datasets" / "gpt_dataset.py", "GPTDatasetConfig")
-                 | _class_fields(mc / "core" / "datasets" / "blended_megatron_dataset_config.py",
-                                 "BlendedMegatronDatasetConfig")
-                 | _class_fields(broot / "training" / "config.py", "GPTDatasetConfig"))
+    ds_fields = (
+        _class_fields(mc / "core" / "datasets" / "gpt_dataset.py", "GPTDatasetConfig")
+        | _class_fields(mc / "core" / "datasets" / "blended_megatron_dataset_config.py", "BlendedMegatronDatasetConfig")
+        | _class_fields(broot / "training" / "config.py", "GPTDatasetConfig")
+    )
     cfg = compose_config(["backend=megatron_bridge", "model=llama3_tiny"])
     for key, _ in bridge.trainer_settings(trainer_config(cfg), Path("/r")):
         head, leaf = key.split(".", 1)
@@ -295,23 +364,31 @@ def test_the_offline_launcher_against_bridge_and_megatron_core_source():
             assert leaf in provider_fields, key
         else:
             cls = classes[head]
-            assert f"class {cls}" in src_all and leaf in {f for p in (mc / "training" / "config").glob("*.py")
-                                                         for f in _class_fields_any(p, cls)}, key
-    tok = _class_fields_any(mc / "training" / "config" / "training_config.py", "TokenizerConfig") | \
-        _class_fields_any(broot / "training" / "tokenizers" / "config.py", "TokenizerConfig")
-    for plan_tok in ({"tokenizer_type": "NullTokenizer", "vocab_size": 512},
-                     {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "/t"}):
+            assert f"class {cls}" in src_all and leaf in {
+                f for p in (mc / "training" / "config").glob("*.py") for f in _class_fields_any(p, cls)
+            }, key
+    tok = _class_fields_any(mc / "training" / "config" / "training_config.py", "TokenizerConfig") | _class_fields_any(
+        broot / "training" / "tokenizers" / "config.py", "TokenizerConfig"
+    )
+    for plan_tok in (
+        {"tokenizer_type": "NullTokenizer", "vocab_size": 512},
+        {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": "/t"},
+    ):
         assert set(plan_tok) <= tok
     _check_offline_container_fields(broot, mc)
-    assert "from megatron.core.datasets.utils import compile_helpers" in (broot / "training" / "initialize.py").read_text()
+    assert (
+        "from megatron.core.datasets.utils import compile_helpers" in (broot / "training" / "initialize.py").read_text()
+    )
     h100 = (broot / "recipes" / "llama" / "h100" / "llama3.py").read_text()
     alias = (broot / "recipes" / "llama" / "llama3.py").read_text()
     for model, pub in bridge.PUBLISHED_RECIPES.items():
         impl = alias.split(f" as {pub.fn},")[0].rsplit("\n", 1)[-1].strip()
         body = h100.split(f"def {impl}(", 1)[1].split("\ndef ", 1)[0]
-        for field, want in (("tensor_model_parallel_size", pub.tensor_parallel),
-                            ("pipeline_model_parallel_size", pub.pipeline_parallel),
-                            ("context_parallel_size", pub.context_parallel)):
+        for field, want in (
+            ("tensor_model_parallel_size", pub.tensor_parallel),
+            ("pipeline_model_parallel_size", pub.pipeline_parallel),
+            ("context_parallel_size", pub.context_parallel),
+        ):
             assert f"cfg.model.{field} = {want}\n" in body, (model, field)
 
 
@@ -322,14 +399,20 @@ def _check_offline_container_fields(broot: Path, mc: Path) -> None:
     import textwrap
 
     fields: dict = {}
-    files = [*broot.joinpath("training").rglob("*.py"), broot / "data" / "base.py", *(mc / "training").rglob("*.py"),
-             *(mc / "core").rglob("*config*.py"), mc / "core" / "datasets" / "gpt_dataset.py"]
+    files = [
+        *broot.joinpath("training").rglob("*.py"),
+        broot / "data" / "base.py",
+        *(mc / "training").rglob("*.py"),
+        *(mc / "core").rglob("*config*.py"),
+        mc / "core" / "datasets" / "gpt_dataset.py",
+    ]
     for f in files:
         for node in ast.walk(ast.parse(f.read_text())):
             if isinstance(node, ast.ClassDef):
                 have = fields.setdefault(node.name, set())
-                have.update(s.target.id for s in node.body
-                            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name))
+                have.update(
+                    s.target.id for s in node.body if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                )
                 for fn in node.body:  # a dataclass with its own __init__ (Bridge's GPTDatasetConfig)
                     if isinstance(fn, ast.FunctionDef) and fn.name == "__init__":
                         have.update(a.arg for a in fn.args.args + fn.args.kwonlyargs)
@@ -359,8 +442,10 @@ def _nemo_init_args(path: Path):
     return tuple(a.arg for a in init.args.args[1:])
 
 
-@pytest.mark.skipif(NEMO_SRC is None, reason="NeMo 2.x source not found (not installed; set NEMO_FP8_NEMO_SRC to an "
-                                             "unpacked nemo_toolkit 2.x wheel)")
+@pytest.mark.skipif(
+    NEMO_SRC is None,
+    reason="NeMo 2.x source not found (not installed; set NEMO_FP8_NEMO_SRC to an unpacked nemo_toolkit 2.x wheel)",
+)
 def test_against_nemo2_source():
     args = _nemo_init_args(NEMO_SRC)
     assert any(set(args) == set(sig) for sig in nemo2.NEMO2_SIGNATURES.values()), args
@@ -390,8 +475,13 @@ def test_lightning_callback():
         with pytest.raises(ImportError, match="pip install lightning"):
             nemo2.nemo2_callbacks("tensorwise")
         pytest.skip("lightning not installed (NeMo 2.x ships it): the callback class was not built here")
-    (cb,) = nemo2.nemo2_callbacks("tensorwise", PrecisionPolicy(first_layers_bf16=1), strict=True,
-                                  is_te=lambda m: isinstance(m, torch.nn.Linear), fp8_state=lambda: (False, None))
+    (cb,) = nemo2.nemo2_callbacks(
+        "tensorwise",
+        PrecisionPolicy(first_layers_bf16=1),
+        strict=True,
+        is_te=lambda m: isinstance(m, torch.nn.Linear),
+        fp8_state=lambda: (False, None),
+    )
     model = torch.nn.Sequential(torch.nn.Linear(16, 16))
     cb.setup(None, model, "fit")
     model(torch.randn(2, 16))
@@ -409,8 +499,10 @@ def _nemo_plugin_importable():
             MegatronMixedPrecision,  # noqa: F401
         )
     except Exception as e:  # noqa: BLE001 - any import failure: skip with it
-        return f"NeMo 2.x is not installed here ({type(e).__name__}: {e}); pip install nemo_toolkit==2.7.3 " \
-               "'megatron-core==0.16.1' 'lightning<=2.4' to run this"
+        return (
+            f"NeMo 2.x is not installed here ({type(e).__name__}: {e}); pip install nemo_toolkit==2.7.3 "
+            "'megatron-core==0.16.1' 'lightning<=2.4' to run this"
+        )
     return None
 
 
@@ -427,13 +519,15 @@ def test_nemo2_plugin_is_the_real_megatron_mixed_precision(recipe):
         update_config_with_dtype_overrides,
     )
 
-    pol = PrecisionPolicy() if recipe in ("delayed", "bf16") else PrecisionPolicy(first_layers_bf16=1,
-                                                                                 last_layers_bf16=1)
+    pol = (
+        PrecisionPolicy() if recipe in ("delayed", "bf16") else PrecisionPolicy(first_layers_bf16=1, last_layers_bf16=1)
+    )
     plugin = nemo2.megatron_mixed_precision(recipe, pol)
     assert type(plugin).__name__ == "MegatronMixedPrecision"
     cfg = update_config_with_dtype_overrides(
-        plugin.dtype_config, TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4,
-                                               use_cpu_initialization=True))
+        plugin.dtype_config,
+        TransformerConfig(num_layers=4, hidden_size=128, num_attention_heads=4, use_cpu_initialization=True),
+    )
     want = bridge.expected_model_fields(recipe, pol)
     for k, v in want.items():
         if k == "moe_router_dtype":

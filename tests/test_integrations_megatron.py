@@ -32,12 +32,17 @@ from nemo_fp8_recipes.integrations.megatron import (
 from nemo_fp8_recipes.integrations.te import TEUnsupportedError
 
 _OK, _WHY = megatron_available()
-pytestmark = [pytest.mark.skipif(not _OK, reason=_WHY),
-              pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [pytest.mark.skipif(not _OK, reason=_WHY), pytest.mark.filterwarnings("ignore::UserWarning")]
 
 REPO = Path(__file__).resolve().parent.parent
-BASE = dict(num_layers=4, hidden_size=128, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
-            use_cpu_initialization=True)
+BASE = dict(
+    num_layers=4,
+    hidden_size=128,
+    ffn_hidden_size=256,
+    num_attention_heads=4,
+    num_query_groups=2,
+    use_cpu_initialization=True,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -54,9 +59,15 @@ def tcfg(**fields):
 
 
 @pytest.mark.parametrize("recipe", list_recipes())
-@pytest.mark.parametrize("policy", [PrecisionPolicy(), PrecisionPolicy(first_layers_bf16=1, last_layers_bf16=1),
-                                    PrecisionPolicy(attention_projections="bf16", exclude=("*.mlp.linear_fc2",))],
-                         ids=["default", "first_last", "attn_bf16_exclude"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        PrecisionPolicy(),
+        PrecisionPolicy(first_layers_bf16=1, last_layers_bf16=1),
+        PrecisionPolicy(attention_projections="bf16", exclude=("*.mlp.linear_fc2",)),
+    ],
+    ids=["default", "first_last", "attn_bf16_exclude"],
+)
 def test_every_recipe_builds_a_valid_transformer_config(recipe, policy):
     r = get_recipe(recipe)
     if r.is_delayed and (policy.first_layers_bf16 or policy.last_layers_bf16):
@@ -79,7 +90,10 @@ def test_every_recipe_builds_a_valid_transformer_config(recipe, policy):
     if r.is_delayed:  # TE's defaults, not Megatron's (1 / most_recent)
         assert (cfg.fp8_amax_history_len, cfg.fp8_amax_compute_algo, cfg.fp8_margin) == (1024, "max", 0)
     assert cfg.first_last_layers_bf16 == bool(policy.first_layers_bf16 or policy.last_layers_bf16)
-    assert (cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16) == (policy.first_layers_bf16, policy.last_layers_bf16)
+    assert (cfg.num_layers_at_start_in_bf16, cfg.num_layers_at_end_in_bf16) == (
+        policy.first_layers_bf16,
+        policy.last_layers_bf16,
+    )
     if policy.attention_projections == "bf16":
         assert cfg.quant_recipe is not None and mc.te_precision_config is not None
     else:
@@ -95,10 +109,18 @@ def test_our_message_comes_before_megatrons_own_rejections():
         megatron_config("delayed", PrecisionPolicy(first_layers_bf16=1))
     assert str(e.value) == DELAYED_FIRST_LAST_MSG and "recipe=tensorwise" in str(e.value)
     with pytest.raises(ValueError, match="must be between 0 and number of layers per pipeline stage"):
-        tcfg(fp8="hybrid", fp8_recipe="tensorwise", first_last_layers_bf16=True, num_layers_at_start_in_bf16=3,
-             pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16)
+        tcfg(
+            fp8="hybrid",
+            fp8_recipe="tensorwise",
+            first_last_layers_bf16=True,
+            num_layers_at_start_in_bf16=3,
+            pipeline_model_parallel_size=2,
+            pipeline_dtype=torch.bfloat16,
+        )
     with pytest.raises(ValueError, match="exceeds the 2 layers per pipeline stage"):
-        megatron_config("tensorwise", PrecisionPolicy(first_layers_bf16=3), num_layers=4, pipeline_model_parallel_size=2)
+        megatron_config(
+            "tensorwise", PrecisionPolicy(first_layers_bf16=3), num_layers=4, pipeline_model_parallel_size=2
+        )
     # Megatron builds the TE recipe itself: knobs it cannot pass are refused, not dropped
     with pytest.raises(TEUnsupportedError, match="weight_granularity=1x128"):
         megatron_config(get_recipe("blockwise", weight_granularity="1x128"))
@@ -210,8 +232,9 @@ def test_native_swap_audit_over_the_megatron_tree(swapped_pair):
     # tensorwise keeps no scaling state: only the per-rank GEMM counters (FP8 and high-precision
     # ones) stay out of DDP's broadcast, and every name is a buffer the model has
     ignored = model._ddp_params_and_buffers_to_ignore
-    assert ignored and all(n.endswith((".fp8_fwd_count", ".fp8_bwd_count", ".hp_fwd_count", ".hp_bwd_count"))
-                           for n in ignored)
+    assert ignored and all(
+        n.endswith((".fp8_fwd_count", ".fp8_bwd_count", ".hp_fwd_count", ".hp_bwd_count")) for n in ignored
+    )
     buffers = dict(model.named_buffers())
     assert all(n in buffers for n in ignored)
     assert "decoder.layers.1.mlp.linear_fc1.fp8_fwd_count" in ignored
@@ -234,7 +257,6 @@ def test_native_swap_moe_keeps_router_fp32_and_refuses_parallel_layers():
     other.decoder.layers[0].mlp.linear_fc1.sequence_parallel = True
     with pytest.raises(ValueError, match="sequence_parallel=True.*tensor_model_parallel_size=1"):
         convert_megatron_model(other, "tensorwise")
-
 
 
 def _counting_policy(calls, **kw):
@@ -265,15 +287,24 @@ def test_native_swap_decides_each_module_once_and_checks_alignment_on_the_weight
     state = conversion_state(model)
     # the swapped layers carry no high-precision counter (none was installed on them, then dropped)
     swapped = {n for n in linears if isinstance(model.get_submodule(n), Float8MegatronLinear)}
-    assert swapped == {f"decoder.layers.{i}.self_attention.{p}" for i in range(2) for p in ("linear_qkv", "linear_proj")}
+    assert swapped == {
+        f"decoder.layers.{i}.self_attention.{p}" for i in range(2) for p in ("linear_qkv", "linear_proj")
+    }
     assert not swapped & set(state.hp_modules) and len(state.hooks) == len(state.hp_modules)
     assert (linears - swapped) <= set(state.hp_modules)
     rows = {r.name: r for r in audit(model).rows}
     # ffn 200 is not a multiple of 16: the alignment check ran on the [out, in] weight shape
-    assert rows["decoder.layers.0.mlp.linear_fc1"].reason == "out_features=200 not divisible by 16 as tensorwise FP8 GEMMs need"
-    assert rows["decoder.layers.0.mlp.linear_fc2"].reason == "in_features=200 not divisible by 16 as tensorwise FP8 GEMMs need"
+    assert (
+        rows["decoder.layers.0.mlp.linear_fc1"].reason
+        == "out_features=200 not divisible by 16 as tensorwise FP8 GEMMs need"
+    )
+    assert (
+        rows["decoder.layers.0.mlp.linear_fc2"].reason
+        == "in_features=200 not divisible by 16 as tensorwise FP8 GEMMs need"
+    )
     assert rows["decoder.layers.1.self_attention.linear_qkv"].precision == "fp8"
     assert [r.name for r in audit(model).rows] == [n for n in calls if n in state.decisions]  # model order
+
 
 # ---- TE run-time hooks, exercised on a real Megatron tree with a stand-in FP8 switch -------------
 class _Switch:
@@ -302,10 +333,14 @@ def test_te_hooks_apply_and_audit_the_policy_on_a_megatron_tree():
     model = build_tiny_gpt_model(num_layers=4, seed=3)
     sw = _Switch()
     hooks = TEPrecisionHooks(
-        "tensorwise", PrecisionPolicy(first_layers_bf16=1, exclude=("*.layers.2.mlp.linear_fc2",)), strict=True,
-        telemetry=True, is_te=lambda m: isinstance(m, (ColumnParallelLinear, RowParallelLinear)),
+        "tensorwise",
+        PrecisionPolicy(first_layers_bf16=1, exclude=("*.layers.2.mlp.linear_fc2",)),
+        strict=True,
+        telemetry=True,
+        is_te=lambda m: isinstance(m, (ColumnParallelLinear, RowParallelLinear)),
         fp8_state=lambda: (sw.on, "Float8CurrentScaling" if sw.on else None),
-        disable_fp8=lambda: sw.ctx(False))
+        disable_fp8=lambda: sw.ctx(False),
+    )
     hooks.attach([model])  # Megatron passes a list of model chunks
     x = torch.randn(8, 2, 128)
     with sw.ctx(True):  # the run's FP8 autocast
@@ -315,16 +350,27 @@ def test_te_hooks_apply_and_audit_the_policy_on_a_megatron_tree():
     rows = {r.name: r for r in rep.rows}
     assert rows["decoder.layers.1.mlp.linear_fc1"].fp8_calls == 1
     assert rows["decoder.layers.1.mlp.linear_fc1"].te_recipes == ["Float8CurrentScaling"]
-    assert rows["decoder.layers.0.mlp.linear_fc1"].decision == "bf16" and rows["decoder.layers.0.mlp.linear_fc1"].fp8_calls == 0
-    assert rows["decoder.layers.2.mlp.linear_fc2"].fp8_calls == 0 and rows["decoder.layers.2.mlp.linear_fc1"].fp8_calls == 1
+    assert (
+        rows["decoder.layers.0.mlp.linear_fc1"].decision == "bf16"
+        and rows["decoder.layers.0.mlp.linear_fc1"].fp8_calls == 0
+    )
+    assert (
+        rows["decoder.layers.2.mlp.linear_fc2"].fp8_calls == 0
+        and rows["decoder.layers.2.mlp.linear_fc1"].fp8_calls == 1
+    )
     assert rows["output_layer"].decision == "bf16" and not rep.violations
     tel = hooks.collect_telemetry()
     assert tel["fp8/mlp/input/amax"] > 0  # the native backend's tags and groups
     # a wrapper that fails to disable FP8 is caught (strict)
     hooks.detach()
-    bad = TEPrecisionHooks("tensorwise", PrecisionPolicy(first_layers_bf16=1), strict=True,
-                           is_te=lambda m: isinstance(m, (ColumnParallelLinear, RowParallelLinear)),
-                           fp8_state=lambda: (sw.on, "Float8CurrentScaling"), disable_fp8=lambda: sw.ctx(True))
+    bad = TEPrecisionHooks(
+        "tensorwise",
+        PrecisionPolicy(first_layers_bf16=1),
+        strict=True,
+        is_te=lambda m: isinstance(m, (ColumnParallelLinear, RowParallelLinear)),
+        fp8_state=lambda: (sw.on, "Float8CurrentScaling"),
+        disable_fp8=lambda: sw.ctx(True),
+    )
     bad.attach(model)
     with sw.ctx(True):
         model.decoder.layers[0].mlp(x)
@@ -335,11 +381,33 @@ def test_te_hooks_apply_and_audit_the_policy_on_a_megatron_tree():
 
 
 def test_benchmark_builds_converts_and_audits_on_cpu(capsys):
-    spec = importlib.util.spec_from_file_location("megatron_native_train", REPO / "benchmarks" / "megatron_native_train.py")
+    spec = importlib.util.spec_from_file_location(
+        "megatron_native_train", REPO / "benchmarks" / "megatron_native_train.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rc = mod.main(["--steps", "0", "--recipes", "blockwise", "--layers", "3", "--hidden", "256", "--ffn", "512",
-                   "--heads", "4", "--kv-heads", "2", "--seq", "128", "--device", "cpu"])
+    rc = mod.main(
+        [
+            "--steps",
+            "0",
+            "--recipes",
+            "blockwise",
+            "--layers",
+            "3",
+            "--hidden",
+            "256",
+            "--ffn",
+            "512",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--seq",
+            "128",
+            "--device",
+            "cpu",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "blockwise" in out and "decoder.layers.1.mlp.linear_fc1" in out
     assert "layer 0 is among the first 1 kept in BF16" in out and "last 1 of 3" in out

@@ -51,7 +51,7 @@ _HAVE_PYDANTIC = importlib.util.find_spec("pydantic") is not None
 needs_te_source = pytest.mark.skipif(
     _TE_SRC is None or not _HAVE_PYDANTIC,
     reason="Transformer Engine's recipe module not found (TE not installed; set NEMO_FP8_TE_SRC to an unpacked "
-           "transformer_engine wheel to check against it) or pydantic missing",
+    "transformer_engine wheel to check against it) or pydantic missing",
 )
 
 
@@ -78,23 +78,46 @@ def load_te_recipe_module(env: dict, name: str):
 @pytest.mark.parametrize("key", FP8)
 def test_spec_pins_every_argument(key):
     spec = te_recipe_spec(key)
-    assert spec.te_class == {"delayed": "DelayedScaling", "tensorwise": "Float8CurrentScaling",
-                             "blockwise": "Float8BlockScaling", "mxfp8": "MXFP8BlockScaling"}[key]
+    assert (
+        spec.te_class
+        == {
+            "delayed": "DelayedScaling",
+            "tensorwise": "Float8CurrentScaling",
+            "blockwise": "Float8BlockScaling",
+            "mxfp8": "MXFP8BlockScaling",
+        }[key]
+    )
     assert spec.kwargs["fp8_dpa"] is False and spec.kwargs["fp8_mha"] is False  # attention core stays BF16
     assert spec.kwargs["backward_override"] is None
     if key == "delayed":
-        assert spec.kwargs == {"margin": 0, "fp8_format": "HYBRID", "amax_history_len": 1024,
-                               "amax_compute_algo": "max", "scaling_factor_compute_algo": None,
-                               "reduce_amax": True, "fp8_dpa": False, "fp8_mha": False, "backward_override": None}
+        assert spec.kwargs == {
+            "margin": 0,
+            "fp8_format": "HYBRID",
+            "amax_history_len": 1024,
+            "amax_compute_algo": "max",
+            "scaling_factor_compute_algo": None,
+            "reduce_amax": True,
+            "fp8_dpa": False,
+            "fp8_mha": False,
+            "backward_override": None,
+        }
         assert spec.env == {}
     if key == "tensorwise":
         assert spec.kwargs["fp8_format"] == "HYBRID" and spec.kwargs["use_power_2_scales"] is False
         # fast accumulation only for fprop (TE default), split accumulator for dgrad/wgrad
-        assert [spec.kwargs[f"fp8_gemm_{g}"]["use_split_accumulator"] for g in ("fprop", "dgrad", "wgrad")] == [False, True, True]
+        assert [spec.kwargs[f"fp8_gemm_{g}"]["use_split_accumulator"] for g in ("fprop", "dgrad", "wgrad")] == [
+            False,
+            True,
+            True,
+        ]
         assert spec.env == {ENV_CURRENT_POW2_SCALES: "0"}
     if key == "blockwise":
         assert spec.kwargs["fp8_format"] == "E4M3"  # DeepSeek-V3: E4M3 everywhere
-        assert (spec.kwargs["x_block_scaling_dim"], spec.kwargs["w_block_scaling_dim"], spec.kwargs["grad_block_scaling_dim"]) == (1, 2, 1)
+        assert (
+            spec.kwargs["x_block_scaling_dim"],
+            spec.kwargs["w_block_scaling_dim"],
+            spec.kwargs["grad_block_scaling_dim"],
+        ) == (1, 2, 1)
         assert spec.env == {ENV_BLOCK_FP32_SCALES: "0"}  # power-of-2 scales (TE default)
         assert spec.expected["fp8_quant_fwd_inp.power_2_scale"] is True
     if key == "mxfp8":
@@ -105,19 +128,23 @@ def test_env_follows_the_recipe_knobs():
     assert te_env(get_recipe("blockwise", scale_rounding="fp32")) == {ENV_BLOCK_FP32_SCALES: "1"}
     assert te_env(get_recipe("tensorwise", scale_rounding="pow2")) == {ENV_CURRENT_POW2_SCALES: "1"}
     assert te_env("bf16") == {} and te_env("delayed") == {}
-    spec = te_recipe_spec(get_recipe("tensorwise", scale_rounding="pow2", grad_format="e4m3",
-                                     fprop={"fast_accum": False}))
+    spec = te_recipe_spec(
+        get_recipe("tensorwise", scale_rounding="pow2", grad_format="e4m3", fprop={"fast_accum": False})
+    )
     assert spec.kwargs["fp8_format"] == "E4M3" and spec.kwargs["use_power_2_scales"] is True
     assert spec.kwargs["fp8_gemm_fprop"] == {"use_split_accumulator": True}
     assert "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES=1" in spec.describe()
 
 
-@pytest.mark.parametrize("recipe, match", [
-    ("bf16", "no Transformer Engine recipe"),
-    (lambda: get_recipe("blockwise", emulate=True), "native-backend option"),
-    (lambda: get_recipe("delayed", fprop={"fast_accum": False}), "fixes GEMM accumulation"),
-    (lambda: get_recipe("mxfp8", scale_rounding="e8m0_floor"), "round-up E8M0 rule"),
-])
+@pytest.mark.parametrize(
+    "recipe, match",
+    [
+        ("bf16", "no Transformer Engine recipe"),
+        (lambda: get_recipe("blockwise", emulate=True), "native-backend option"),
+        (lambda: get_recipe("delayed", fprop={"fast_accum": False}), "fixes GEMM accumulation"),
+        (lambda: get_recipe("mxfp8", scale_rounding="e8m0_floor"), "round-up E8M0 rule"),
+    ],
+)
 def test_what_te_cannot_express_is_refused_with_the_way_out(recipe, match):
     r = recipe() if callable(recipe) else recipe
     with pytest.raises(TEUnsupportedError, match=match):

@@ -31,8 +31,8 @@ def contract_reference(name, x, w, dy, scales=None):
     """fprop/dgrad/wgrad computed from operands fake-quantised per the contract, in float64."""
     xf, wf, gf, tile, wk, wn, rnd = CONTRACT[name]
     s = scales or {}
-    row = None if tile is None else (1, tile)   # groups along the last dim
-    col = None if tile is None else (tile, 1)   # groups along the first dim (wgrad copies)
+    row = None if tile is None else (1, tile)  # groups along the last dim
+    col = None if tile is None else (tile, 1)  # groups along the first dim (wgrad copies)
     y = _fq(x, xf, row, rnd, s.get("x")) @ _fq(w, wf, wk, rnd, s.get("w")).T
     dx = _fq(dy, gf, row, rnd, s.get("g")) @ _fq(w, wf, wn, rnd, s.get("w"))
     dw = _fq(dy, gf, col, rnd, s.get("g")).T @ _fq(x, xf, col, rnd, s.get("x"))
@@ -110,8 +110,8 @@ def test_delayed_uses_history_through_previous_step():
     x, w, dy = operands(seed=4)
     mod = make("delayed", w, amax_history_len=4)
     x2, _, dy2 = operands(seed=9)
-    run_module(mod, x, dy)                     # step 1 (scale 1), records amaxes
-    got = run_module(mod, x2, dy2)             # step 2 uses step-1 amaxes
+    run_module(mod, x, dy)  # step 1 (scale 1), records amaxes
+    got = run_module(mod, x2, dy2)  # step 2 uses step-1 amaxes
     s = {
         "x": scale_for(float(x.abs().max()), "e4m3", "fp32"),
         # the weight did not change, but its FP8 copy follows its amax history as TE's does (TE
@@ -136,16 +136,20 @@ def test_delayed_uses_history_through_previous_step():
         assert rel(g, r) < 1e-6
     exact = (x2.double() @ w.double().T, dy2.double() @ w.double(), dy2.double().T @ x2.double())
     _report_lines().append(
-        f"{'delayed':<11}" + "".join(f"{rel(g, e.numpy()):10.2e}" for g, e in zip(got, exact)) + "   (step 2)")
+        f"{'delayed':<11}" + "".join(f"{rel(g, e.numpy()):10.2e}" for g, e in zip(got, exact)) + "   (step 2)"
+    )
 
 
 @pytest.mark.parametrize("gemm", ["fprop", "dgrad", "wgrad"])
 def test_fine_grained_recipes_keep_small_rows_that_per_tensor_loses(gemm):
     x, w, dy = operands(seed=21)
     row_mag = x.abs().amax(1)
-    exact = {"fprop": x.double() @ w.double().T, "dgrad": dy.double() @ w.double(),
-             "wgrad": dy.double().T @ x.double()}[gemm].numpy()
-    if gemm == "wgrad":   # wgrad rows are output channels; make the *tokens* of dY structured per column
+    exact = {
+        "fprop": x.double() @ w.double().T,
+        "dgrad": dy.double() @ w.double(),
+        "wgrad": dy.double().T @ x.double(),
+    }[gemm].numpy()
+    if gemm == "wgrad":  # wgrad rows are output channels; make the *tokens* of dY structured per column
         small = np.argsort(np.abs(exact).max(1))[: N // 10]
     else:
         mags = row_mag if gemm == "fprop" else dy.abs().amax(1)
@@ -156,7 +160,8 @@ def test_fine_grained_recipes_keep_small_rows_that_per_tensor_loses(gemm):
         err = np.linalg.norm(got[small] - exact[small], axis=1) / np.linalg.norm(exact[small], axis=1)
         res[name] = float(np.median(err))
     NUMERICS_REPORT.setdefault("Median per-row rel. error on the 10% smallest rows", []).append(
-        f"{gemm:<6} " + "  ".join(f"{k}={v:.3g}" for k, v in res.items()))
+        f"{gemm:<6} " + "  ".join(f"{k}={v:.3g}" for k, v in res.items())
+    )
     # fprop: E4M3 X with one scale for the whole tensor flushes the small rows to zero; the
     # per-tensor recipes' dY is E5M2, whose range keeps them (so only fprop shows the loss).
     if gemm == "fprop":
@@ -203,8 +208,10 @@ def test_nan_inf_in_input_reach_the_output(name):
 # ---- one input quantisation shared by the FP8 linears that read the same tensor (eager) --------
 def _qkv(recipe, seed=0, frozen=()):
     torch.manual_seed(seed)
-    mods = [Float8Linear.from_linear(torch.nn.Linear(128, n, bias=False), get_recipe(recipe), emulate=True)
-            for n in (128, 64, 64)]
+    mods = [
+        Float8Linear.from_linear(torch.nn.Linear(128, n, bias=False), get_recipe(recipe), emulate=True)
+        for n in (128, 64, 64)
+    ]
     for i in frozen:
         mods[i].weight.requires_grad_(False)
     return mods

@@ -48,7 +48,13 @@ def test_published_parameter_counts_on_meta_device(name, published):
 def test_published_shapes():
     c = load_model_config("llama3_8b")
     assert (c.num_layers, c.dim, c.ffn_dim, c.num_heads, c.num_kv_heads, c.vocab_size) == (
-        32, 4096, 14336, 32, 8, 128256)
+        32,
+        4096,
+        14336,
+        32,
+        8,
+        128256,
+    )
     c = load_model_config("llama3_70b")
     assert (c.num_layers, c.dim, c.ffn_dim, c.num_heads, c.num_kv_heads) == (80, 8192, 28672, 64, 8)
     c = load_model_config("llama31_405b")
@@ -83,8 +89,18 @@ def test_unknown_names_and_bad_shapes_are_explained():
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         ModelConfig(vocab_size=512, dim=128, num_layers=1, num_heads=4, num_kv_heads=3, ffn_dim=64)
     with pytest.raises(ValueError, match="moe_top_k"):
-        ModelConfig(arch="moe", vocab_size=512, dim=128, num_layers=1, num_heads=4, num_kv_heads=2,
-                    ffn_dim=64, num_experts=2, moe_top_k=3, moe_ffn_dim=64)
+        ModelConfig(
+            arch="moe",
+            vocab_size=512,
+            dim=128,
+            num_layers=1,
+            num_heads=4,
+            num_kv_heads=2,
+            ffn_dim=64,
+            num_experts=2,
+            moe_top_k=3,
+            moe_ffn_dim=64,
+        )
 
 
 def test_module_names_match_the_policy_roles():
@@ -201,8 +217,11 @@ def test_router_runs_in_fp32_under_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         w, idx, scores = moe.route(x)
     assert w.dtype == scores.dtype == torch.float32
-    ref_scores = (x.float() @ moe.router.weight.t()).sigmoid() if moe.score_func == "sigmoid" else \
-        (x.float() @ moe.router.weight.t()).softmax(-1)
+    ref_scores = (
+        (x.float() @ moe.router.weight.t()).sigmoid()
+        if moe.score_func == "sigmoid"
+        else (x.float() @ moe.router.weight.t()).softmax(-1)
+    )
     torch.testing.assert_close(scores, ref_scores, rtol=1e-6, atol=1e-6)
     assert idx.shape == (10, 2) and torch.allclose(w.sum(-1), torch.ones(10))
 
@@ -216,11 +235,12 @@ def test_moe_matches_a_per_token_reference(score):
     y, aux = moe(x)
     xf = x.reshape(-1, cfg.dim)
     w, idx, _ = moe.route(xf)
-    ref = torch.stack([
-        sum(w[t, s] * moe.experts[int(idx[t, s])](xf[t]) for s in range(cfg.moe_top_k))
-        + moe.shared_expert(xf[t])
-        for t in range(xf.shape[0])
-    ]).view_as(x)
+    ref = torch.stack(
+        [
+            sum(w[t, s] * moe.experts[int(idx[t, s])](xf[t]) for s in range(cfg.moe_top_k)) + moe.shared_expert(xf[t])
+            for t in range(xf.shape[0])
+        ]
+    ).view_as(x)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     assert aux.item() == 0.0  # aux_loss_coef = 0 in SMALL_MOE
 
@@ -273,8 +293,10 @@ def test_init_weights_materialises_a_meta_model():
 def _swiglu_inputs(model, tokens):
     """The input of every layer's w1 (the SwiGLU input), captured by forward pre-hooks."""
     seen = []
-    hooks = [layer.feed_forward.w1.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
-             for layer in model.layers]
+    hooks = [
+        layer.feed_forward.w1.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().clone()))
+        for layer in model.layers
+    ]
     try:
         model(tokens)
     finally:
@@ -299,8 +321,9 @@ def test_outlier_stress_scales_exactly_the_chosen_swiglu_input_channels():
     torch.manual_seed(0)
     cfg = ModelConfig(**SMALL, outlier_channels=2, outlier_scale=1000.0)
     assert cfg.outlier_channel_ids == [32, 96]  # evenly spaced, centred; one per 1x64 half of dim 128
-    assert ModelConfig(**dict(SMALL, dim=1024, num_heads=8, num_kv_heads=4),
-                       outlier_channels=2, outlier_scale=10.0).outlier_channel_ids == [256, 768]
+    assert ModelConfig(
+        **dict(SMALL, dim=1024, num_heads=8, num_kv_heads=4), outlier_channels=2, outlier_scale=10.0
+    ).outlier_channel_ids == [256, 768]
     assert cfg.to_dict()["outlier_channels"] == 2 and cfg.to_dict()["outlier_scale"] == 1000.0
     stressed = Transformer(cfg)
     plain = Transformer(ModelConfig(**SMALL))
@@ -348,12 +371,15 @@ def test_outlier_stress_stays_out_of_fp8_and_trains_under_every_fp8_recipe():
         assert not any("ffn_outliers" in r.name for r in rep.rows)  # not a GEMM: no role to decide
 
 
-@pytest.mark.parametrize("bad, match", [
-    (dict(outlier_channels=129), "outlier_channels must be in"),
-    (dict(outlier_channels=-1), "outlier_channels must be in"),
-    (dict(outlier_channels=2, outlier_scale=0.0), "outlier_scale must be"),
-    (dict(outlier_channels=2, outlier_scale=float("nan")), "outlier_scale must be"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (dict(outlier_channels=129), "outlier_channels must be in"),
+        (dict(outlier_channels=-1), "outlier_channels must be in"),
+        (dict(outlier_channels=2, outlier_scale=0.0), "outlier_scale must be"),
+        (dict(outlier_channels=2, outlier_scale=float("nan")), "outlier_scale must be"),
+    ],
+)
 def test_outlier_stress_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
         ModelConfig(**SMALL, **bad)

@@ -81,9 +81,16 @@ def test_forward_within_an_ulp_of_float64(tk, dtype, D):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("fmt, group, rounding", [("e4m3", 128, "pow2"), ("e4m3", 128, "fp32"),
-                                                  ("e5m2", 128, "fp32"), ("e4m3", 32, "e8m0_ceil"),
-                                                  ("e4m3", 32, "e8m0_floor")])
+@pytest.mark.parametrize(
+    "fmt, group, rounding",
+    [
+        ("e4m3", 128, "pow2"),
+        ("e4m3", 128, "fp32"),
+        ("e5m2", 128, "fp32"),
+        ("e4m3", 32, "e8m0_ceil"),
+        ("e4m3", 32, "e8m0_floor"),
+    ],
+)
 def test_row_codes_and_amax_are_the_reference_quantisers_of_y(tk, dtype, fmt, group, rounding):
     """The codes and scales the norm's pass writes are bit-identical to the reference quantiser
     applied to the ``y`` it stores (and to the row kernel's); its amax is ``max|y|``."""
@@ -131,8 +138,8 @@ def test_output_takes_in_place_ops_and_double_backward_says_no(fused_on_cpu):
     torch.nn.functional.dropout(y, p=0.1, inplace=True)
     y.sum().backward()
     assert x.grad is not None and w.grad is not None
-    g, = torch.autograd.grad(norm.rms_norm(x, w, EPS).pow(2).sum(), x, create_graph=True)
-    penalty = (g ** 2).sum() + (x ** 2).sum()  # a gradient penalty: the norm's term must not vanish
+    (g,) = torch.autograd.grad(norm.rms_norm(x, w, EPS).pow(2).sum(), x, create_graph=True)
+    penalty = (g**2).sum() + (x**2).sum()  # a gradient penalty: the norm's term must not vanish
     with pytest.raises(RuntimeError, match="once_differentiable"):
         penalty.backward()
 
@@ -174,11 +181,13 @@ def test_limits_are_explicit(tk):
     with pytest.raises(ValueError, match="precomputed amax"):
         tk.quantize_tensor_dual(torch.zeros(4, 4, device=DEV), "e4m3", scale=torch.ones(()), amax=torch.zeros(1, 1))
     with pytest.raises(ValueError, match="one-element float32"):
-        tk.quantize_tensor_dual(torch.zeros(4, 4, device=DEV), "e4m3",
-                                amax=torch.zeros(1, 1, device=DEV, dtype=torch.float64))
+        tk.quantize_tensor_dual(
+            torch.zeros(4, 4, device=DEV), "e4m3", amax=torch.zeros(1, 1, device=DEV, dtype=torch.float64)
+        )
     with pytest.raises(ValueError, match="out must be"):
-        tk.rmsnorm_forward(torch.zeros(2, 8, device=DEV), torch.ones(8, device=DEV), EPS,
-                           out=torch.empty(8, 2, device=DEV))
+        tk.rmsnorm_forward(
+            torch.zeros(2, 8, device=DEV), torch.ones(8, device=DEV), EPS, out=torch.empty(8, 2, device=DEV)
+        )
 
 
 def test_module_fused_matches_formula_and_falls_back(fused_on_cpu):
@@ -219,8 +228,7 @@ def _block(recipe, seed=0):
     from nemo_fp8_recipes.models.llama import TransformerBlock, precompute_rope
     from nemo_fp8_recipes.nn import convert_model
 
-    cfg = ModelConfig(vocab_size=512, dim=256, num_layers=1, num_heads=4, num_kv_heads=2, ffn_dim=384,
-                      max_seq_len=64)
+    cfg = ModelConfig(vocab_size=512, dim=256, num_layers=1, num_heads=4, num_kv_heads=2, ffn_dim=384, max_seq_len=64)
     torch.manual_seed(seed)
     blk = TransformerBlock(0, cfg)
     with torch.no_grad():

@@ -37,9 +37,19 @@ def test_full_study_runs(ns, tmp_path):
     assert [j["name"] for j in js[:5]] == [f"{r}-seed1" for r in ns.RECIPES] and len(js) == 15
     assert js[-1]["name"] == "mxfp8-seed3" and js[-1]["dir"] == Path("runs/study/llama3_150m/mxfp8-seed3")
     for j in js:
-        for o in ("model=llama3_150m", "trainer.max_steps=1250", "trainer.seq_len=1024", "trainer.global_batch_size=32",
-                  "trainer.deterministic=true", "run.sweep=[trainer.seed]", "trainer.lr=1e-3", "data=jsonl",
-                  f"data.paths=[{corpus.resolve()}]", "trainer.compile_mode=reduce-overhead", f"trainer.seed={j['seed']}"):
+        for o in (
+            "model=llama3_150m",
+            "trainer.max_steps=1250",
+            "trainer.seq_len=1024",
+            "trainer.global_batch_size=32",
+            "trainer.deterministic=true",
+            "run.sweep=[trainer.seed]",
+            "trainer.lr=1e-3",
+            "data=jsonl",
+            f"data.paths=[{corpus.resolve()}]",
+            "trainer.compile_mode=reduce-overhead",
+            f"trainer.seed={j['seed']}",
+        ):
             assert o in j["argv"], (o, j["argv"])
         assert ("recipe.emulate=true" in j["argv"]) == (j["recipe"] == "mxfp8")
     assert a.global_batch * a.seq_len * a.steps == 40_960_000
@@ -90,8 +100,20 @@ def smoke(ns, tmp_path_factory):
     (stale / "events.out.tfevents.0.old").write_text("stale")
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        rc = ns.main(["--preset", "smoke", "--root", str(root), "--recipes", "bf16,tensorwise", "--seeds", "1,2",
-                      "--parallel", "2"])
+        rc = ns.main(
+            [
+                "--preset",
+                "smoke",
+                "--root",
+                str(root),
+                "--recipes",
+                "bf16,tensorwise",
+                "--seeds",
+                "1,2",
+                "--parallel",
+                "2",
+            ]
+        )
     assert rc == 0, out.getvalue()[-3000:]
     rdir = root / "llama3_tiny"
     return json.loads((rdir / "report.json").read_text()), rdir, out.getvalue()
@@ -110,8 +132,12 @@ def test_smoke_study_reports_what_the_runs_logged(smoke):
     assert "#   nemo-fp8-train -m recipe=bf16,tensorwise trainer.seed=1,2 model=llama3_tiny" in printed
     assert "$ nemo-fp8-compare" in printed and "moved to" in printed
     assert any(p.name.startswith("tensorwise-seed2.incomplete-") for p in rdir.iterdir())
-    assert rep["preset"] == "smoke" and rep["steps"] == 6 and rep["last"] == 2 and set(rep["recipes"]) == {
-        "bf16", "tensorwise"}
+    assert (
+        rep["preset"] == "smoke"
+        and rep["steps"] == 6
+        and rep["last"] == 2
+        and set(rep["recipes"]) == {"bf16", "tensorwise"}
+    )
     tw = rep["recipes"]["tensorwise"]
     assert tw["complete_seeds"] == [1, 2] and rep["recipes"]["bf16"]["complete_seeds"] == [1, 2]
     for tag, key, last in (("train/loss", "train", 2), ("val/loss", "val", 1)):
@@ -143,7 +169,9 @@ def test_smoke_study_reports_what_the_runs_logged(smoke):
 def test_a_second_call_trains_nothing_again(ns, smoke, capsys):
     rep, rdir, _ = smoke
     before = {p: p.stat().st_mtime for p in rdir.glob("*/events.out.tfevents.*")}
-    assert ns.main(["--preset", "smoke", "--root", str(rdir.parent), "--recipes", "bf16,tensorwise", "--seeds",
-                    "1,2"]) == 0
+    assert (
+        ns.main(["--preset", "smoke", "--root", str(rdir.parent), "--recipes", "bf16,tensorwise", "--seeds", "1,2"])
+        == 0
+    )
     assert "bf16-seed1: complete, not trained again" in capsys.readouterr().out
     assert {p: p.stat().st_mtime for p in rdir.glob("*/events.out.tfevents.*")} == before

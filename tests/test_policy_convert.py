@@ -120,19 +120,27 @@ def step(model, seed=0):
 
 def test_classify_names_from_all_ecosystems():
     cases = {
-        "tok_embeddings": "embedding", "model.embed_tokens": "embedding",
-        "embedding.word_embeddings": "embedding", "output": "output", "lm_head": "output",
-        "output_layer": "output", "layers.0.feed_forward.router": "router",
-        "model.layers.3.block_sparse_moe.gate": "router", "model.layers.3.mlp.gate": "router",
-        "decoder.layers.1.mlp.router": "router", "layers.2.attention_norm": "norm",
-        "model.layers.0.input_layernorm": "norm", "decoder.final_layernorm": "norm",
+        "tok_embeddings": "embedding",
+        "model.embed_tokens": "embedding",
+        "embedding.word_embeddings": "embedding",
+        "output": "output",
+        "lm_head": "output",
+        "output_layer": "output",
+        "layers.0.feed_forward.router": "router",
+        "model.layers.3.block_sparse_moe.gate": "router",
+        "model.layers.3.mlp.gate": "router",
+        "decoder.layers.1.mlp.router": "router",
+        "layers.2.attention_norm": "norm",
+        "model.layers.0.input_layernorm": "norm",
+        "decoder.final_layernorm": "norm",
         "decoder.layers.0.self_attention.core_attention": "attention_core",
         "layers.0.attention.wq": "attention_projection",
         "model.layers.0.self_attn.q_proj": "attention_projection",
         "decoder.layers.0.self_attention.linear_qkv": "attention_projection",
         "decoder.layers.0.self_attention.linear_proj": "attention_projection",
         "model.layers.0.self_attn.kv_b_proj": "attention_projection",
-        "layers.0.feed_forward.w1": "mlp", "model.layers.0.mlp.gate_proj": "mlp",
+        "layers.0.feed_forward.w1": "mlp",
+        "model.layers.0.mlp.gate_proj": "mlp",
         "decoder.layers.0.mlp.linear_fc1": "mlp",
         "model.layers.1.block_sparse_moe.experts.3.w2": "mlp",
         "decoder.layers.1.mlp.experts.local_experts.0.linear_fc2": "mlp",
@@ -140,6 +148,7 @@ def test_classify_names_from_all_ecosystems():
     }
     for name, role in cases.items():
         assert classify(name)[0] == role, name
+
     class TELayerNormColumnParallelLinear(nn.Linear):
         pass
 
@@ -222,8 +231,6 @@ def test_shape_check_keeps_unaligned_layers_in_bf16_with_reason():
     assert "out_features=200" in audit(m2).rows[0].reason
 
 
-
-
 def test_size_rule_keeps_small_gemms_in_bf16_with_the_size_in_the_reason():
     from nemo_fp8_recipes.policy import FP8_CROSSOVER_WEIGHT_ELEMENTS
 
@@ -235,8 +242,11 @@ def test_size_rule_keeps_small_gemms_in_bf16_with_the_size_in_the_reason():
     assert rows["layers.0.feed_forward.w1"].precision == "fp8"
     assert rows["layers.0.attention.wq"].precision == "bf16"
     assert rows["layers.0.attention.wq"].reason == (
-        "128x128 weight (16,384 elements) is below min_fp8_weight_elements=20,000 (policy): too small to gain from FP8")
-    assert isinstance(model.layers[0].attention.wq, nn.Linear) and not isinstance(model.layers[0].attention.wq, Float8Linear)
+        "128x128 weight (16,384 elements) is below min_fp8_weight_elements=20,000 (policy): too small to gain from FP8"
+    )
+    assert isinstance(model.layers[0].attention.wq, nn.Linear) and not isinstance(
+        model.layers[0].attention.wq, Float8Linear
+    )
     assert isinstance(model.layers[0].feed_forward.w1, Float8Linear)
     step(model)  # trains with the mix
     # include patterns win over the size rule; 0 turns it off
@@ -294,13 +304,14 @@ def test_size_rule_needs_a_shape_and_megatron_refuses_it():
         with pytest.raises(ValueError, match="cannot be expressed in Megatron-Core's FP8 settings"):
             megatron_config("tensorwise", pol, backend=backend)
 
+
 class PackedLinear(nn.Module):
     """A project's own GEMM module that is not an nn.Linear: weight ``[out, in]``, no bias."""
 
     def __init__(self, d_in, d_out):
         super().__init__()
         self.in_features, self.out_features, self.bias = d_in, d_out, None
-        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in ** 0.5)
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / d_in**0.5)
 
     def forward(self, x):
         return F.linear(x, self.weight)
@@ -358,7 +369,11 @@ def test_swaps_build_fp8_replacements_for_a_custom_module_class():
     model.layers[1](x).sum().backward()
     assert seen == [{}]  # the user's with_kwargs hook moved to the replacement, flag included
     rows = {r.name: r for r in audit(model, strict=True).rows}
-    assert rows["layers.0.w1"].precision == "fp8" and rows["layers.0.w1"].fp8_gemms == {"fprop": 1, "dgrad": 0, "wgrad": 1}
+    assert rows["layers.0.w1"].precision == "fp8" and rows["layers.0.w1"].fp8_gemms == {
+        "fprop": 1,
+        "dgrad": 0,
+        "wgrad": 1,
+    }
     assert rows["layers.1.w1"].reason == "out_features=200 not divisible by 16 as tensorwise FP8 GEMMs need"
     assert rows["layers.1.w1"].hp_gemms == {"fprop": 1, "dgrad": 0, "wgrad": 1}
     assert "layers.0.w1.fp8_fwd_count" in model._ddp_params_and_buffers_to_ignore
@@ -401,6 +416,7 @@ def test_swaps_take_the_most_specific_class():
     tagged = lambda fqn, m, d, r, emulate: TaggedFloat8Linear.from_linear(m, r, emulate)  # noqa: E731
     convert_model(model, "blockwise", swaps={MyLinear: tagged})
     assert type(model.a) is Float8Linear and type(model.b) is TaggedFloat8Linear
+
 
 def test_bf16_recipe_converts_nothing_but_audits():
     model = TinyLlama()
@@ -489,8 +505,12 @@ def test_telemetry_groups():
     set_telemetry(model, True)
     step(model)
     tel = collect_telemetry(model)
-    assert {"fp8/attention/input/amax", "fp8/mlp/weight/scale", "fp8/experts/grad_output/underflow_frac",
-            "fp8/shared_expert/input/saturated_frac"} <= set(tel)
+    assert {
+        "fp8/attention/input/amax",
+        "fp8/mlp/weight/scale",
+        "fp8/experts/grad_output/underflow_frac",
+        "fp8/shared_expert/input/saturated_frac",
+    } <= set(tel)
     assert tel["fp8/attention/input/amax"] > 0 and collect_telemetry(model) == {}
 
 
@@ -580,8 +600,9 @@ def test_delayed_buffers_are_excluded_from_ddp_broadcast():
     assert "layers.0.attention.wq.fp8_scale" in ignored and not any("weight" in n for n in ignored)
 
 
-@pytest.mark.parametrize("opt_kwargs", [{"fused": True}, {"foreach": True}, {"foreach": False}],
-                         ids=["fused", "foreach", "for-loop"])
+@pytest.mark.parametrize(
+    "opt_kwargs", [{"fused": True}, {"foreach": True}, {"foreach": False}], ids=["fused", "foreach", "for-loop"]
+)
 def test_fp8_weight_follows_every_optimizer_implementation(opt_kwargs):
     """Fused optimizers do not bump Tensor._version: the cached FP8 weight must still be
     refreshed after each optimizer step (and reused between micro-batches)."""

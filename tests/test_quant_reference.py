@@ -67,7 +67,9 @@ def test_rne_ties_and_saturation():
     assert q.data.float().tolist() == [[1.0, 1.25, 448.0, -448.0]]
 
 
-@pytest.mark.parametrize("gran, rounding", [("tensor", "fp32"), ("1x128", "pow2"), ("128x128", "pow2"), ("1x32", "e8m0_ceil")])
+@pytest.mark.parametrize(
+    "gran, rounding", [("tensor", "fp32"), ("1x128", "pow2"), ("128x128", "pow2"), ("1x32", "e8m0_ceil")]
+)
 def test_zero_groups_get_scale_one(gran, rounding):
     x = structured(256, 256, seed=1)
     x[:, :128] = 0.0
@@ -80,8 +82,16 @@ def test_zero_groups_get_scale_one(gran, rounding):
         assert torch.all(q.scale_inv[:, 0] == 1.0)
 
 
-@pytest.mark.parametrize("gran, rounding, fmt", [("tensor", "fp32", "e4m3"), ("tensor", "fp32", "e5m2"), ("1x128", "pow2", "e4m3"),
-                                                 ("128x128", "pow2", "e4m3"), ("1x32", "e8m0_ceil", "e4m3")])
+@pytest.mark.parametrize(
+    "gran, rounding, fmt",
+    [
+        ("tensor", "fp32", "e4m3"),
+        ("tensor", "fp32", "e5m2"),
+        ("1x128", "pow2", "e4m3"),
+        ("128x128", "pow2", "e4m3"),
+        ("1x32", "e8m0_ceil", "e4m3"),
+    ],
+)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_nan_inf_propagate(gran, rounding, fmt, bad):
     x = structured(256, 256, seed=2)

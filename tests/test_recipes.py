@@ -49,7 +49,10 @@ def test_contract_fields():
     b = get_recipe("blockwise")
     assert b.grad_format is Format.E4M3 and b.scale_rounding is ScaleRounding.POW2
     assert (b.input_granularity, b.weight_granularity, b.grad_granularity) == (
-        Granularity.TILE_1x128, Granularity.BLOCK_128x128, Granularity.TILE_1x128)
+        Granularity.TILE_1x128,
+        Granularity.BLOCK_128x128,
+        Granularity.TILE_1x128,
+    )
     assert not any(getattr(b, g).fast_accum for g in ("fprop", "dgrad", "wgrad"))
     m = get_recipe("mxfp8")
     assert m.input_granularity is Granularity.BLOCK_1x32 and m.scale_rounding is ScaleRounding.E8M0_CEIL
@@ -92,15 +95,30 @@ def test_bad_values_list_the_valid_ones(args, kwargs, needle):
 
 # (recipe, device, expected ok) — the hardware table of docs/recipes.md
 MATRIX = [
-    ("bf16", CPU, True), ("delayed", CPU, True), ("tensorwise", CPU, True),
-    ("blockwise", CPU, True), ("mxfp8", CPU, True),
-    ("delayed", ADA, True), ("tensorwise", ADA, True), ("blockwise", ADA, False), ("mxfp8", ADA, False),
-    ("delayed", H200, True), ("tensorwise", H200, True), ("blockwise", H200, True), ("mxfp8", H200, False),
+    ("bf16", CPU, True),
+    ("delayed", CPU, True),
+    ("tensorwise", CPU, True),
+    ("blockwise", CPU, True),
+    ("mxfp8", CPU, True),
+    ("delayed", ADA, True),
+    ("tensorwise", ADA, True),
+    ("blockwise", ADA, False),
+    ("mxfp8", ADA, False),
+    ("delayed", H200, True),
+    ("tensorwise", H200, True),
+    ("blockwise", H200, True),
+    ("mxfp8", H200, False),
     ("blockwise", H100_OLD_CUDA, False),
-    ("delayed", B200, True), ("tensorwise", B200, True), ("blockwise", B200, False), ("mxfp8", B200, True),
+    ("delayed", B200, True),
+    ("tensorwise", B200, True),
+    ("blockwise", B200, False),
+    ("mxfp8", B200, True),
     ("mxfp8", GB300, True),
-    ("tensorwise", RTX5090, True), ("mxfp8", RTX5090, False), ("blockwise", RTX5090, False),
-    ("tensorwise", A100, False), ("bf16", A100, True),
+    ("tensorwise", RTX5090, True),
+    ("mxfp8", RTX5090, False),
+    ("blockwise", RTX5090, False),
+    ("tensorwise", A100, False),
+    ("bf16", A100, True),
 ]
 
 
@@ -118,8 +136,10 @@ def test_hardware_matrix(name, dev, ok):
 
 def test_error_messages_name_gpu_and_alternative():
     _, r = check_supported("mxfp8", H200)
-    assert r == ("mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, "
-                 "or emulate=true for numerics only")
+    assert r == (
+        "mxfp8 needs SM100 (Blackwell: B200/GB200); found SM90 (NVIDIA H200); use blockwise, "
+        "or emulate=true for numerics only"
+    )
     _, r = check_supported("blockwise", H100_OLD_CUDA)
     assert "CUDA >= 12.9" in r and "12.4" in r
     _, r = check_supported("mxfp8", RTX5090)
@@ -146,11 +166,22 @@ def test_import_is_light():
     assert out.returncode == 0, out.stderr
 
 
-@pytest.mark.parametrize("text, width, want", [
-    ("2.20.2", None, (2, 20, 2)), ("0.16.1.dev0", None, (0, 16, 1)), ("2.9.0+cu12", None, (2, 9, 0)),
-    ("2rc1.5", None, (2,)), ("12", 2, (12, 0)), ("12.8.1", 2, (12, 8)), ((2, 9), None, (2, 9)),
-    ("auto", None, None), (None, None, None), ("dev", None, None), ("", 2, None),
-])
+@pytest.mark.parametrize(
+    "text, width, want",
+    [
+        ("2.20.2", None, (2, 20, 2)),
+        ("0.16.1.dev0", None, (0, 16, 1)),
+        ("2.9.0+cu12", None, (2, 9, 0)),
+        ("2rc1.5", None, (2,)),
+        ("12", 2, (12, 0)),
+        ("12.8.1", 2, (12, 8)),
+        ((2, 9), None, (2, 9)),
+        ("auto", None, None),
+        (None, None, None),
+        ("dev", None, None),
+        ("", 2, None),
+    ],
+)
 def test_one_version_parser_for_packages_cuda_and_user_input(text, width, want):
     from nemo_fp8_recipes.versions import version_tuple
 
@@ -164,9 +195,15 @@ def test_one_gpu_table_for_names_capabilities_and_peaks():
     assert all(gpu_by_key(g.key) is g and gpu_by_device_name(g.name) is g for g in GPUS)  # order: specific first
     assert gpu_by_key("NVIDIA H100-SXM5-80GB").key == "h100" and gpu_by_key("L40S").key == "l40s"
     assert gpu_by_key("v100") is None and gpu_by_device_name("Tesla V100-SXM2-16GB") is None
-    for reported, key in (("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100pcie"),
-                          ("NVIDIA H100 NVL", "h100nvl"), ("NVIDIA H200", "h200"), ("NVIDIA GH200 480GB", "gh200"),
-                          ("NVIDIA B200", "b200"), ("NVIDIA GB200", "gb200")):
+    for reported, key in (
+        ("NVIDIA H100 80GB HBM3", "h100"),
+        ("NVIDIA H100 PCIe", "h100pcie"),
+        ("NVIDIA H100 NVL", "h100nvl"),
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA GH200 480GB", "gh200"),
+        ("NVIDIA B200", "b200"),
+        ("NVIDIA GB200", "gb200"),
+    ):
         assert gpu_by_device_name(reported).key == key, reported
     assert gpu_by_device_name("NVIDIA H200").peak_tflops == {"bf16": 989.4, "fp8": 1978.9}
     assert "fp8" not in gpu_by_device_name("NVIDIA A100-SXM4-80GB").peak_tflops  # no FP8 on Ampere

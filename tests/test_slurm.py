@@ -60,12 +60,24 @@ def bash_syntax_ok(script: str, tmp_path: Path) -> None:
 # ---- rendering ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("nodes", [1, 4, 64])
 def test_native_script_for_1_4_64_nodes(nodes, tmp_path):
-    [job] = plan_jobs([
-        "recipe=blockwise", "model=llama3_70b", f"cluster.nodes={nodes}", "cluster.gpus_per_node=8",
-        "cluster.gpu_type=H100", "cluster.partition=batch", "cluster.account=llm-fp8", "cluster.time=2-00:00:00",
-        "cluster.mem=0", f"cluster.container.image='{IMAGE}'", "cluster.container.mounts=[/lustre/data:/data:ro]",
-        f"run.root={tmp_path}/runs", "trainer.max_steps=1000",
-    ], cwd=tmp_path)
+    [job] = plan_jobs(
+        [
+            "recipe=blockwise",
+            "model=llama3_70b",
+            f"cluster.nodes={nodes}",
+            "cluster.gpus_per_node=8",
+            "cluster.gpu_type=H100",
+            "cluster.partition=batch",
+            "cluster.account=llm-fp8",
+            "cluster.time=2-00:00:00",
+            "cluster.mem=0",
+            f"cluster.container.image='{IMAGE}'",
+            "cluster.container.mounts=[/lustre/data:/data:ro]",
+            f"run.root={tmp_path}/runs",
+            "trainer.max_steps=1000",
+        ],
+        cwd=tmp_path,
+    )
     run_dir = f"{tmp_path}/runs/llama3_70b/blockwise"
     assert str(job.run_dir) == run_dir
     assert header(job.script) == [
@@ -84,16 +96,31 @@ def test_native_script_for_1_4_64_nodes(nodes, tmp_path):
     ]
     argv = launch_argv(job.script)
     assert argv[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    assert argv[3:7] == ["--container-image=$CONTAINER_IMAGE", "--container-mounts=$CONTAINER_MOUNTS",
-                         f"--container-workdir={tmp_path}", "--no-container-mount-home"]
+    assert argv[3:7] == [
+        "--container-image=$CONTAINER_IMAGE",
+        "--container-mounts=$CONTAINER_MOUNTS",
+        f"--container-workdir={tmp_path}",
+        "--no-container-mount-home",
+    ]
     t = argv.index("torchrun")
-    assert argv[t:t + 9] == [
-        "torchrun", "--nnodes=$SLURM_NNODES", "--nproc-per-node=8", "--rdzv-backend=c10d",
-        "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--rdzv-id=$SLURM_JOB_ID", "-m", "nemo_fp8_recipes.train",
+    assert argv[t : t + 9] == [
+        "torchrun",
+        "--nnodes=$SLURM_NNODES",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT",
+        "--rdzv-id=$SLURM_JOB_ID",
+        "-m",
+        "nemo_fp8_recipes.train",
         "recipe=blockwise",
     ]
-    assert argv[t + 8:] == ["recipe=blockwise", "model=llama3_70b", "trainer.max_steps=1000", "cluster=local",
-                            f"run.root={tmp_path}/runs"]
+    assert argv[t + 8 :] == [
+        "recipe=blockwise",
+        "model=llama3_70b",
+        "trainer.max_steps=1000",
+        "cluster=local",
+        f"run.root={tmp_path}/runs",
+    ]
     config = config_block(job.script)
     assert f"CONTAINER_IMAGE='{IMAGE}'" in config  # '#' would start a comment unquoted
     assert f"CONTAINER_MOUNTS=/lustre/data:/data:ro,{tmp_path}/runs,{tmp_path}" in config
@@ -108,13 +135,21 @@ def test_native_script_for_1_4_64_nodes(nodes, tmp_path):
 
 
 def test_cpu_job_runs_plain_python_without_gpu_flags(tmp_path):
-    [job] = plan_jobs(["recipe=bf16", "cluster.gpus_per_node=0", "trainer.device=cpu", f"run.root={tmp_path}"],
-                      cwd=tmp_path)
+    [job] = plan_jobs(
+        ["recipe=bf16", "cluster.gpus_per_node=0", "trainer.device=cpu", f"run.root={tmp_path}"], cwd=tmp_path
+    )
     assert not any("gpus" in line for line in header(job.script))
     assert "#SBATCH --job-name=llama3_tiny-1xcpu-bf16" in header(job.script)
     argv = launch_argv(job.script)
-    assert argv[3:] == [sys.executable, "-m", "nemo_fp8_recipes.train", "recipe=bf16", "trainer.device=cpu",
-                        "cluster=local", f"run.root={tmp_path}"]
+    assert argv[3:] == [
+        sys.executable,
+        "-m",
+        "nemo_fp8_recipes.train",
+        "recipe=bf16",
+        "trainer.device=cpu",
+        "cluster=local",
+        f"run.root={tmp_path}",
+    ]
     launch = job.script.split("# ---- LAUNCH ----", 1)[1]
     assert "torchrun" not in launch and "--container" not in job.script
     assert not job.warnings
@@ -126,21 +161,42 @@ def test_cpu_job_runs_plain_python_without_gpu_flags(tmp_path):
 def test_megatron_bridge_launch_line(tmp_path):
     """backend=megatron_bridge: our Bridge launcher with the recipe applied in full, Bridge's own
     keys passed through, the run directory wired to Bridge's logger and checkpoints."""
-    [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise", "cluster.nodes=4",
-                       "cluster.gpu_type=H200", "policy.first_layers_bf16=1", "train.train_iters=500",
-                       "dataset.blend=[[/data/my_text_document],null]",
-                       f"cluster.container.image='{IMAGE}'", f"run.root={tmp_path}"], cwd=tmp_path)
+    [job] = plan_jobs(
+        [
+            "backend=megatron_bridge",
+            "model=llama3_8b",
+            "recipe=blockwise",
+            "cluster.nodes=4",
+            "cluster.gpu_type=H200",
+            "policy.first_layers_bf16=1",
+            "train.train_iters=500",
+            "dataset.blend=[[/data/my_text_document],null]",
+            f"cluster.container.image='{IMAGE}'",
+            f"run.root={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
     argv = launch_argv(job.script)
     t = argv.index("torchrun")
     run_dir = f"{tmp_path}/llama3_8b/blockwise"
     assert "#SBATCH --job-name=llama3_8b-32xH200-blockwise" in header(job.script)
-    assert argv[t + 1:] == [
-        "--nnodes=$SLURM_NNODES", "--nproc-per-node=8", "--rdzv-backend=c10d",
-        "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT", "--rdzv-id=$SLURM_JOB_ID",
-        "-m", "nemo_fp8_recipes.integrations.bridge", "backend=megatron_bridge", "model=llama3_8b",
-        "recipe=blockwise", "policy.first_layers_bf16=1", f"run.dir={run_dir}", "train.train_iters=500",
+    assert argv[t + 1 :] == [
+        "--nnodes=$SLURM_NNODES",
+        "--nproc-per-node=8",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT",
+        "--rdzv-id=$SLURM_JOB_ID",
+        "-m",
+        "nemo_fp8_recipes.integrations.bridge",
+        "backend=megatron_bridge",
+        "model=llama3_8b",
+        "recipe=blockwise",
+        "policy.first_layers_bf16=1",
+        f"run.dir={run_dir}",
+        "train.train_iters=500",
         "dataset.blend=[[/data/my_text_document],null]",
-        f"logger.tensorboard_dir={run_dir}", f"checkpoint.save={run_dir}/checkpoints",
+        f"logger.tensorboard_dir={run_dir}",
+        f"checkpoint.save={run_dir}/checkpoints",
     ]
     # Transformer Engine reads its power-of-2 switch at import: the script exports the recipe's value
     assert "export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=0" in config_block(job.script)
@@ -150,18 +206,42 @@ def test_megatron_bridge_launch_line(tmp_path):
     # Bridge's own run_recipe.py with the recipe's preset
     # the published 70B recipe needs TP4 x PP4 x CP2 = 32 GPUs: refused on one node of 8, before it queues
     with pytest.raises(ConfigError, match="needs a multiple of 32 GPUs.*cluster.nodes=1 x cluster.gpus_per_node=8"):
-        plan_jobs(["backend=megatron_bridge", "model=llama3_70b", "recipe=mxfp8", "cluster.gpu_type=B200",
-                   f"run.root={tmp_path}"], cwd=tmp_path)
-    [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_70b", "recipe=mxfp8", "cluster.gpu_type=B200",
-                       "cluster.nodes=4", "submit.bridge.entry=run_recipe", "train.train_iters=500",
-                       f"run.root={tmp_path}"], cwd=tmp_path)
+        plan_jobs(
+            [
+                "backend=megatron_bridge",
+                "model=llama3_70b",
+                "recipe=mxfp8",
+                "cluster.gpu_type=B200",
+                f"run.root={tmp_path}",
+            ],
+            cwd=tmp_path,
+        )
+    [job] = plan_jobs(
+        [
+            "backend=megatron_bridge",
+            "model=llama3_70b",
+            "recipe=mxfp8",
+            "cluster.gpu_type=B200",
+            "cluster.nodes=4",
+            "submit.bridge.entry=run_recipe",
+            "train.train_iters=500",
+            f"run.root={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
     argv = launch_argv(job.script)
     run_dir = f"{tmp_path}/llama3_70b/mxfp8"
     t = next(i for i, a in enumerate(argv) if a.endswith("torchrun"))  # the interpreter's own torchrun
-    assert argv[t + 6:] == [
-        "$BRIDGE_DIR/scripts/training/run_recipe.py", "--recipe", "llama3_70b_pretrain_config",
-        "--dataset", "llm-pretrain-mock", "mixed_precision=bf16_with_mxfp8_mixed",
-        f"logger.tensorboard_dir={run_dir}", f"checkpoint.save={run_dir}/checkpoints", "train.train_iters=500",
+    assert argv[t + 6 :] == [
+        "$BRIDGE_DIR/scripts/training/run_recipe.py",
+        "--recipe",
+        "llama3_70b_pretrain_config",
+        "--dataset",
+        "llm-pretrain-mock",
+        "mixed_precision=bf16_with_mxfp8_mixed",
+        f"logger.tensorboard_dir={run_dir}",
+        f"checkpoint.save={run_dir}/checkpoints",
+        "train.train_iters=500",
     ]
     assert "BRIDGE_DIR=/opt/Megatron-Bridge" in config_block(job.script)
     assert any("preset bf16_with_mxfp8_mixed" in w for w in job.warnings)
@@ -170,35 +250,68 @@ def test_megatron_bridge_launch_line(tmp_path):
 
 
 def test_megatron_bridge_job_for_our_model_built_offline(tmp_path):
-    [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_tiny", "recipe=tensorwise", "cluster.gpus_per_node=1",
-                       "cluster.gpu_type=H200", "trainer.max_steps=20", "backend.strict_audit=true",
-                       f"run.root={tmp_path}"], cwd=tmp_path)
+    [job] = plan_jobs(
+        [
+            "backend=megatron_bridge",
+            "model=llama3_tiny",
+            "recipe=tensorwise",
+            "cluster.gpus_per_node=1",
+            "cluster.gpu_type=H200",
+            "trainer.max_steps=20",
+            "backend.strict_audit=true",
+            f"run.root={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
     argv = launch_argv(job.script)
     m = argv.index("nemo_fp8_recipes.integrations.bridge")
     run_dir = f"{tmp_path}/llama3_tiny/tensorwise"
-    assert argv[m + 1:] == ["backend=megatron_bridge", "model=llama3_tiny", "recipe=tensorwise", "trainer.max_steps=20",
-                            "backend.strict_audit=true", f"run.dir={run_dir}", f"logger.tensorboard_dir={run_dir}",
-                            f"checkpoint.save={run_dir}/checkpoints"]
+    assert argv[m + 1 :] == [
+        "backend=megatron_bridge",
+        "model=llama3_tiny",
+        "recipe=tensorwise",
+        "trainer.max_steps=20",
+        "backend.strict_audit=true",
+        f"run.dir={run_dir}",
+        f"logger.tensorboard_dir={run_dir}",
+        f"checkpoint.save={run_dir}/checkpoints",
+    ]
     assert "built from our model config (offline), 1 GPU(s) per replica" in job.script
     with pytest.raises(ConfigError, match="run_recipe runs a Bridge recipe function"):
-        plan_jobs(["backend=megatron_bridge", "model=llama3_tiny", "submit.bridge.entry=run_recipe",
-                   f"run.root={tmp_path}"], cwd=tmp_path)
+        plan_jobs(
+            ["backend=megatron_bridge", "model=llama3_tiny", "submit.bridge.entry=run_recipe", f"run.root={tmp_path}"],
+            cwd=tmp_path,
+        )
 
 
 def test_megatron_bridge_jobs_are_checked_before_they_queue(tmp_path):
     # the pre-launch validator runs for the GPUs the job asks for, not for this machine
     with pytest.raises(ConfigError, match="mxfp8 needs SM100"):
-        plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=mxfp8", "cluster.gpu_type=H100"],
-                  cwd=tmp_path)
+        plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=mxfp8", "cluster.gpu_type=H100"], cwd=tmp_path)
     with pytest.raises(ConfigError, match="model=llama3_tiny has no Megatron-Bridge pretraining recipe"):
         plan_jobs(["backend=megatron_bridge", "backend.provider=recipe", f"run.root={tmp_path}"], cwd=tmp_path)
     with pytest.raises(ConfigError, match="needs GPUs"):
         plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "cluster.gpus_per_node=0"], cwd=tmp_path)
     with pytest.raises(SlurmSpecError, match="contradicts recipe blockwise"):
-        plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise",
-                   "+cluster.env.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1"], cwd=tmp_path)
-    [job] = plan_jobs(["backend=megatron_bridge", "model=llama3_8b", "recipe=blockwise",
-                       "recipe.scale_rounding=fp32", f"run.root={tmp_path}"], cwd=tmp_path)
+        plan_jobs(
+            [
+                "backend=megatron_bridge",
+                "model=llama3_8b",
+                "recipe=blockwise",
+                "+cluster.env.NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1",
+            ],
+            cwd=tmp_path,
+        )
+    [job] = plan_jobs(
+        [
+            "backend=megatron_bridge",
+            "model=llama3_8b",
+            "recipe=blockwise",
+            "recipe.scale_rounding=fp32",
+            f"run.root={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
     assert "export NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1" in job.script
     # Bridge keys are not nemo-fp8-train keys: with the native backend they are unknown
     with pytest.raises(ConfigError, match="unknown config key 'train.train_iters'"):
@@ -206,8 +319,11 @@ def test_megatron_bridge_jobs_are_checked_before_they_queue(tmp_path):
 
 
 def test_sweep_gives_one_job_per_recipe_side_by_side(tmp_path, capsys):
-    jobs = plan_jobs(["recipe=bf16,tensorwise,blockwise", "model=llama3_8b", "cluster.nodes=2",
-                      f"run.root={tmp_path}"], multirun=True, cwd=tmp_path)
+    jobs = plan_jobs(
+        ["recipe=bf16,tensorwise,blockwise", "model=llama3_8b", "cluster.nodes=2", f"run.root={tmp_path}"],
+        multirun=True,
+        cwd=tmp_path,
+    )
     assert [j.run_dir for j in jobs] == [tmp_path / "llama3_8b" / r for r in ("bf16", "tensorwise", "blockwise")]
     assert [j.job.job_name for j in jobs] == [f"llama3_8b-16xgpu-{r}" for r in ("bf16", "tensorwise", "blockwise")]
     for j, r in zip(jobs, ("bf16", "tensorwise", "blockwise")):
@@ -222,8 +338,12 @@ def test_sweep_gives_one_job_per_recipe_side_by_side(tmp_path, capsys):
         plan_jobs(["recipe=bf16,tensorwise"], cwd=tmp_path)
     # a sweep over any other key names each job's run by it (run.sweep), so no two share one
     lr = plan_jobs(["trainer.lr=1e-3,2e-3", "trainer.seed=1,2", f"run.root={tmp_path}"], multirun=True, cwd=tmp_path)
-    assert [j.run_dir.name for j in lr] == ["blockwise-lr0.001-seed1", "blockwise-lr0.001-seed2",
-                                            "blockwise-lr0.002-seed1", "blockwise-lr0.002-seed2"]
+    assert [j.run_dir.name for j in lr] == [
+        "blockwise-lr0.001-seed1",
+        "blockwise-lr0.001-seed2",
+        "blockwise-lr0.002-seed1",
+        "blockwise-lr0.002-seed2",
+    ]
     assert "run.sweep=[trainer.lr,trainer.seed]" in launch_argv(lr[0].script)
     with pytest.raises(ConfigError, match="share a run directory"):  # unless the naming is turned off
         plan_jobs(["trainer.lr=1e-3,2e-3", "run.sweep=[]"], multirun=True, cwd=tmp_path)
@@ -236,31 +356,34 @@ def test_dry_run_prints_the_script_only(tmp_path, capsys):
     assert not (tmp_path / "runs").exists()
 
 
-@pytest.mark.parametrize("override, key", [
-    ("cluster.job_name='bad\"name'", "cluster.job_name"),
-    ("cluster.job_name='two words'", "cluster.job_name"),
-    ("cluster.partition='batch;reboot'", "cluster.partition"),
-    ("cluster.account='$(whoami)'", "cluster.account"),
-    ("cluster.time='4 hours'", "cluster.time"),
-    ("cluster.container.mounts=['/data:/data,/etc:/etc']", "cluster.container.mounts"),
-    ("cluster.container.image='img`id`'", "cluster.container.image"),
-    ("run.tag=\"it's\"", "run.dir"),
-    ("+cluster.sbatch_args.output=/tmp/x", "cluster.sbatch_args.output"),
-    ("+cluster.sbatch_args.reservation='a b'", "cluster.sbatch_args.reservation"),
-    ("+cluster.env.BAD-NAME=1", "cluster.env name"),
-    # sbatch takes unambiguous abbreviations of long options: these would set what we render
-    ("+cluster.sbatch_args.outp=/tmp/x", "cluster.sbatch_args.outp"),
-    ("+cluster.sbatch_args.chd=/tmp", "cluster.sbatch_args.chd"),
-    ("+cluster.sbatch_args.job=x", "cluster.sbatch_args.job"),
-    ("+cluster.sbatch_args.err=/tmp/x", "cluster.sbatch_args.err"),
-    ("+cluster.sbatch_args.partit=a", "cluster.sbatch_args.partit"),
-    # program fields: never an srun option, never a path relative to an unknown directory
-    ("cluster.python='--export=NONE'", "cluster.python"),
-    ("cluster.torchrun='-n'", "cluster.torchrun"),
-    ("cluster.python=venv/bin/python", "cluster.python"),
-    ("cluster.python='~no_such_user_xyz/bin/python'", "cluster.python"),
-    ("+cluster.env.FOO=[a,b]", "cluster.env.FOO"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("cluster.job_name='bad\"name'", "cluster.job_name"),
+        ("cluster.job_name='two words'", "cluster.job_name"),
+        ("cluster.partition='batch;reboot'", "cluster.partition"),
+        ("cluster.account='$(whoami)'", "cluster.account"),
+        ("cluster.time='4 hours'", "cluster.time"),
+        ("cluster.container.mounts=['/data:/data,/etc:/etc']", "cluster.container.mounts"),
+        ("cluster.container.image='img`id`'", "cluster.container.image"),
+        ('run.tag="it\'s"', "run.dir"),
+        ("+cluster.sbatch_args.output=/tmp/x", "cluster.sbatch_args.output"),
+        ("+cluster.sbatch_args.reservation='a b'", "cluster.sbatch_args.reservation"),
+        ("+cluster.env.BAD-NAME=1", "cluster.env name"),
+        # sbatch takes unambiguous abbreviations of long options: these would set what we render
+        ("+cluster.sbatch_args.outp=/tmp/x", "cluster.sbatch_args.outp"),
+        ("+cluster.sbatch_args.chd=/tmp", "cluster.sbatch_args.chd"),
+        ("+cluster.sbatch_args.job=x", "cluster.sbatch_args.job"),
+        ("+cluster.sbatch_args.err=/tmp/x", "cluster.sbatch_args.err"),
+        ("+cluster.sbatch_args.partit=a", "cluster.sbatch_args.partit"),
+        # program fields: never an srun option, never a path relative to an unknown directory
+        ("cluster.python='--export=NONE'", "cluster.python"),
+        ("cluster.torchrun='-n'", "cluster.torchrun"),
+        ("cluster.python=venv/bin/python", "cluster.python"),
+        ("cluster.python='~no_such_user_xyz/bin/python'", "cluster.python"),
+        ("+cluster.env.FOO=[a,b]", "cluster.env.FOO"),
+    ],
+)
 def test_bad_values_are_rejected_not_injected(override, key, tmp_path, capsys):
     with pytest.raises(ConfigError) as e:
         plan_jobs([override, f"run.root={tmp_path}"], cwd=tmp_path)
@@ -277,15 +400,23 @@ def test_abbreviations_of_our_sbatch_options_are_refused_other_options_pass(tmp_
     assert reserved_sbatch_option("exclusive") == "exclusive" and reserved_sbatch_option("exclu") == "exclusive"
     for other in ("gpus", "ntasks", "reservation", "constraint", "exclude", "gres", "mem-per-gpu", "time-min"):
         assert reserved_sbatch_option(other) is None, other
-    [job] = plan_jobs(["+cluster.sbatch_args.reservation=r1", "+cluster.sbatch_args.exclude=node7",
-                       "+cluster.sbatch_args.requeue=true", f"run.root={tmp_path}"], cwd=tmp_path)
+    [job] = plan_jobs(
+        [
+            "+cluster.sbatch_args.reservation=r1",
+            "+cluster.sbatch_args.exclude=node7",
+            "+cluster.sbatch_args.requeue=true",
+            f"run.root={tmp_path}",
+        ],
+        cwd=tmp_path,
+    )
     assert {"#SBATCH --reservation=r1", "#SBATCH --exclude=node7", "#SBATCH --requeue"} <= set(header(job.script))
 
 
 def test_program_fields_are_programs(tmp_path):
     home = os.path.expanduser("~")
-    [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.python='~/venv/bin/python'", f"run.root={tmp_path}"],
-                      cwd=tmp_path)
+    [job] = plan_jobs(
+        ["cluster.gpus_per_node=0", "cluster.python='~/venv/bin/python'", f"run.root={tmp_path}"], cwd=tmp_path
+    )
     assert launch_argv(job.script)[3] == f"{home}/venv/bin/python"  # expanded, not quoted into a dead path
     [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.python=python3", f"run.root={tmp_path}"], cwd=tmp_path)
     assert launch_argv(job.script)[3] == "python3"
@@ -294,8 +425,9 @@ def test_program_fields_are_programs(tmp_path):
 
 
 def test_cpu_jobs_on_several_nodes_run_data_parallel(tmp_path):
-    [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.nodes=2", "trainer.device=cpu", f"run.root={tmp_path}"],
-                      cwd=tmp_path)
+    [job] = plan_jobs(
+        ["cluster.gpus_per_node=0", "cluster.nodes=2", "trainer.device=cpu", f"run.root={tmp_path}"], cwd=tmp_path
+    )
     argv = launch_argv(job.script)
     t = next(i for i, a in enumerate(argv) if a.endswith("torchrun"))
     assert argv[t + 2] == "--nproc-per-node=1"  # one process per node, gloo; not N independent copies
@@ -319,8 +451,9 @@ def test_newlines_are_rejected_everywhere(tmp_path):
 def test_values_with_quotes_and_dollars_reach_the_program_verbatim(tmp_path):
     """What the shell does with a rendered command: each argument arrives exactly as given."""
     args = ["data.paths=['/data/my corpus']", "x=$(reboot)", "y=`id`", "z=it's", 'w="q"', "v=a;b|c&d", "u=*"]
-    proc = subprocess.run(["bash", "-c", "printf '%s\\n' " + render_command(args)], capture_output=True,
-                          text=True, cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", "-c", "printf '%s\\n' " + render_command(args)], capture_output=True, text=True, cwd=tmp_path
+    )
     assert proc.stdout.splitlines() == args
     [job] = plan_jobs(["data=text", "data.paths=['/data/my corpus']", f"run.root={tmp_path}"], cwd=tmp_path)
     assert "data.paths=['/data/my corpus']" in launch_argv(job.script)
@@ -346,15 +479,18 @@ def test_job_id_parsing():
 
 
 def test_submitit_launcher_preset_composes():
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
-                        reason="hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)")
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher",
+        reason="hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)",
+    )
     from hydra import compose, initialize_config_dir
 
     from nemo_fp8_recipes.config import CONFIG_DIR
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["hydra/launcher=submitit_nemo", "recipe=mxfp8"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="train", overrides=["hydra/launcher=submitit_nemo", "recipe=mxfp8"], return_hydra_config=True
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("submitit_launcher.SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.timeout_min) == (1, 1, 1, 240)
@@ -377,8 +513,10 @@ def _read_status() -> dict:
 def slurm_env():
     """Environment for clients of the local test cluster; skips with the start script's reason."""
     if not STATUS_FILE.is_file():
-        pytest.skip(f"no local SLURM cluster: {STATUS_FILE} is missing; start one with "
-                    "`bash scripts/ci_start_slurm.sh` (root, apt-get install slurm-wlm munge), as .ci/run does")
+        pytest.skip(
+            f"no local SLURM cluster: {STATUS_FILE} is missing; start one with "
+            "`bash scripts/ci_start_slurm.sh` (root, apt-get install slurm-wlm munge), as .ci/run does"
+        )
     st = _read_status()
     if st.get("SLURM_STATUS") != "ok":
         pytest.skip(f"the local SLURM cluster is not available: {st.get('SLURM_REASON') or 'no reason recorded'}")
@@ -388,15 +526,28 @@ def slurm_env():
     except (OSError, subprocess.TimeoutExpired) as e:
         pytest.skip(f"sinfo does not answer ({e}); re-run scripts/ci_start_slurm.sh")
     if proc.returncode != 0 or "idle" not in proc.stdout and "mix" not in proc.stdout and "alloc" not in proc.stdout:
-        pytest.skip(f"the local SLURM cluster is not up (sinfo: {(proc.stdout + proc.stderr).strip()!r}); "
-                    "re-run scripts/ci_start_slurm.sh")
+        pytest.skip(
+            f"the local SLURM cluster is not up (sinfo: {(proc.stdout + proc.stderr).strip()!r}); "
+            "re-run scripts/ci_start_slurm.sh"
+        )
     return env
 
 
 TINY_JOB = [
-    "cluster.gpus_per_node=0", "cluster.cpus_per_task=1", "cluster.exclusive=false", "cluster.time=10", "trainer.device=cpu", "model.num_layers=1",
-    "trainer.seq_len=64", "trainer.max_steps=8", "trainer.log_interval=2", "trainer.val_interval=4",
-    "trainer.val_steps=1", "trainer.telemetry_interval=4", "data.max_files=10", "trainer.progress=false",
+    "cluster.gpus_per_node=0",
+    "cluster.cpus_per_task=1",
+    "cluster.exclusive=false",
+    "cluster.time=10",
+    "trainer.device=cpu",
+    "model.num_layers=1",
+    "trainer.seq_len=64",
+    "trainer.max_steps=8",
+    "trainer.log_interval=2",
+    "trainer.val_interval=4",
+    "trainer.val_steps=1",
+    "trainer.telemetry_interval=4",
+    "data.max_files=10",
+    "trainer.progress=false",
 ]
 
 
@@ -408,9 +559,18 @@ def test_sweep_runs_on_a_real_slurm_cluster(slurm_env, tmp_path):
     from nemo_fp8_recipes.compare import main as compare_main
 
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "nemo_fp8_recipes.launch.submit", "-m", "recipe=bf16,tensorwise", *TINY_JOB,
-           f"run.root={tmp_path}/runs", f"data.cache_dir={tmp_path}/cache", "submit.wait=true",
-           "submit.wait_timeout_s=240"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemo_fp8_recipes.launch.submit",
+        "-m",
+        "recipe=bf16,tensorwise",
+        *TINY_JOB,
+        f"run.root={tmp_path}/runs",
+        f"data.cache_dir={tmp_path}/cache",
+        "submit.wait=true",
+        "submit.wait_timeout_s=240",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=slurm_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job_ids = re.findall(r"Submitted job (\d+) \((llama3_tiny-1xcpu-(?:bf16|tensorwise))\)", proc.stdout)
@@ -418,8 +578,9 @@ def test_sweep_runs_on_a_real_slurm_cluster(slurm_env, tmp_path):
     for (job_id, _), recipe in zip(job_ids, ("bf16", "tensorwise")):
         run_dir = tmp_path / "runs" / "llama3_tiny" / recipe
         # SLURM's own record of the job, independent of the submit command's waiting
-        show = subprocess.run(["scontrol", "show", "job", "-o", job_id], env=slurm_env, capture_output=True,
-                              text=True).stdout
+        show = subprocess.run(
+            ["scontrol", "show", "job", "-o", job_id], env=slurm_env, capture_output=True, text=True
+        ).stdout
         assert "JobState=COMPLETED" in show and "ExitCode=0:0" in show, show
         assert f"JobName=llama3_tiny-1xcpu-{recipe}" in show
         assert wait_for_job(job_id, timeout_s=5, env=slurm_env).ok
@@ -453,16 +614,23 @@ def test_the_real_sbatch_expands_the_abbreviations_we_refuse(slurm_env, tmp_path
     log = tmp_path / "abbrev-%j.out"
     script = tmp_path / "abbrev.sbatch"
     script.write_text(f"#!/bin/bash\n#SBATCH --outp={log}\n#SBATCH --time=1\necho written-through-outp\n")
-    proc = subprocess.run(["sbatch", "--parsable", str(script)], env=slurm_env, capture_output=True, text=True,
-                          timeout=30, cwd=tmp_path)
+    proc = subprocess.run(
+        ["sbatch", "--parsable", str(script)], env=slurm_env, capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     job_id = parse_job_id(proc.stdout)
     assert wait_for_job(job_id, timeout_s=60, env=slurm_env).ok
     assert (tmp_path / f"abbrev-{job_id}.out").read_text().strip() == "written-through-outp"
 
     def sbatch_reads(opt: str) -> str:
-        p = subprocess.run(["sbatch", "--test-only", f"--{opt}=1", "--wrap=true"], env=slurm_env,
-                           capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        p = subprocess.run(
+            ["sbatch", "--test-only", f"--{opt}=1", "--wrap=true"],
+            env=slurm_env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=tmp_path,
+        )
         return p.stderr
 
     for ours in ("output", "chdir", "job-name", "error", "partition"):
@@ -478,12 +646,24 @@ def test_the_real_sbatch_expands_the_abbreviations_we_refuse(slurm_env, tmp_path
 
 def test_hydra_submitit_launcher_on_a_real_slurm_cluster(slurm_env, tmp_path):
     """nemo-fp8-train -m hydra/launcher=submitit_nemo submits through submitit and waits."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher",
-                        reason="hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)")
-    cmd = [sys.executable, "-m", "nemo_fp8_recipes.train", "-m", "hydra/launcher=submitit_nemo",
-           "hydra.launcher.gpus_per_node=null", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
-           "recipe=bf16", *[o for o in TINY_JOB if not o.startswith("cluster.")],
-           f"run.root={tmp_path}/runs", f"data.cache_dir={tmp_path}/cache"]
+    pytest.importorskip(
+        "hydra_plugins.hydra_submitit_launcher",
+        reason="hydra-submitit-launcher is not installed (pip install hydra-submitit-launcher)",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "nemo_fp8_recipes.train",
+        "-m",
+        "hydra/launcher=submitit_nemo",
+        "hydra.launcher.gpus_per_node=null",
+        "hydra.launcher.cpus_per_task=1",
+        "hydra.launcher.timeout_min=10",
+        "recipe=bf16",
+        *[o for o in TINY_JOB if not o.startswith("cluster.")],
+        f"run.root={tmp_path}/runs",
+        f"data.cache_dir={tmp_path}/cache",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, env=slurm_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run_dir = tmp_path / "runs" / "llama3_tiny" / "bf16"

@@ -88,8 +88,20 @@ def test_rst_to_text(sc):
     t = conv.text
     assert t.startswith("A Tiny Guide\n\nThe spam function calls eggs(); see the guide and\nPython for more about it.")
     assert "Read PEP 8." in t
-    for gone in ("SPDX", "toctree", "maxdepth", "other\n", "=====", "-----", "_intro", ":func:", "``", "flat-table",
-                 "header-rows", "+------+"):
+    for gone in (
+        "SPDX",
+        "toctree",
+        "maxdepth",
+        "other\n",
+        "=====",
+        "-----",
+        "_intro",
+        ":func:",
+        "``",
+        "flat-table",
+        "header-rows",
+        "+------+",
+    ):
         assert gone not in t, gone
     assert "Section two" in t
     assert "Note: Keep it short." not in t and "Note:\nKeep it short." in t
@@ -139,8 +151,17 @@ def test_html_to_text_sphinx(sc):
     assert "- one\n- two" in t
     assert "for i in range(3):\n    print(i)" in t  # <pre> keeps its lines and indentation
     assert "Last paragraph \u2014 done." in t
-    for gone in ("Page title", "var x", "color: red", "index", "modules", "\u00b6", "Table of Contents",
-                 "Quick search", "Copyright"):
+    for gone in (
+        "Page title",
+        "var x",
+        "color: red",
+        "index",
+        "modules",
+        "\u00b6",
+        "Table of Contents",
+        "Quick search",
+        "Copyright",
+    ):
         assert gone not in t, gone
     assert conv.code_chars == len("for i in range(3):print(i)".replace(" ", ""))  # spaces not counted
 
@@ -151,8 +172,15 @@ def test_html_to_text_docbook(sc):
 
 
 def test_nav_pages(sc):
-    for name in ("genindex.html", "genindex-A.html", "search.html", "py-modindex.html", "index.html", "ix01.html",
-                 "index.en.html"):
+    for name in (
+        "genindex.html",
+        "genindex-A.html",
+        "search.html",
+        "py-modindex.html",
+        "index.html",
+        "ix01.html",
+        "index.en.html",
+    ):
         assert sc.NAV_PAGE.match(name), name
     for name in ("apt.html", "sect.apt-get.html", "indexing.html", "ch01.en.html"):
         assert not sc.NAV_PAGE.match(name), name
@@ -171,8 +199,8 @@ def test_gzip_decode_and_normalize(sc, tmp_path):
 def test_gcide_entries(sc, tmp_path):
     entries = [
         "00-database-info\n   This file was converted from the original database.\n",
-        "Abbey \\Ab\"bey\\, n.\n   A monastery or nunnery.\n   [1913 Webster]\n",
-        "Zebra \\Ze\"bra\\, n.\n   A striped animal. [Obs.]\n   [1913 Webster +PJC]\n",
+        'Abbey \\Ab"bey\\, n.\n   A monastery or nunnery.\n   [1913 Webster]\n',
+        'Zebra \\Ze"bra\\, n.\n   A striped animal. [Obs.]\n   [1913 Webster +PJC]\n',
     ]
     data = "".join(entries).encode("utf-8")
     b64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
@@ -197,8 +225,8 @@ def test_gcide_entries(sc, tmp_path):
     (d / "gcide.index").write_text("\n".join(sorted(index)) + "\n")
     docs = list(sc.extract_gcide(tmp_path, "dict-gcide", doc_bytes=10))
     assert [r for r, _ in docs] == ["usr/share/dictd/gcide.dict.dz#00000", "usr/share/dictd/gcide.dict.dz#00001"]
-    assert docs[0][1].text == "Abbey \\Ab\"bey\\, n.\n   A monastery or nunnery."
-    assert docs[1][1].text == "Zebra \\Ze\"bra\\, n.\n   A striped animal. [Obs.]"  # usage labels stay
+    assert docs[0][1].text == 'Abbey \\Ab"bey\\, n.\n   A monastery or nunnery.'
+    assert docs[1][1].text == 'Zebra \\Ze"bra\\, n.\n   A striped animal. [Obs.]'  # usage labels stay
 
 
 def test_fortunes(sc, tmp_path):
@@ -212,8 +240,10 @@ def test_fortunes(sc, tmp_path):
 
 
 def test_bible_books(sc):
-    dump = "".join(f"{abbr}1:1 Verse of {name}.\n{abbr}1:2 Second.\n" for abbr, name in
-                   zip([chr(65 + i // 26) + chr(97 + i % 26) for i in range(66)], sc.BIBLE_BOOKS))
+    dump = "".join(
+        f"{abbr}1:1 Verse of {name}.\n{abbr}1:2 Second.\n"
+        for abbr, name in zip([chr(65 + i // 26) + chr(97 + i % 26) for i in range(66)], sc.BIBLE_BOOKS)
+    )
     books = sc.bible_books(dump)
     assert len(books) == 66
     assert books[0] == ("Genesis", "Genesis\n\nChapter 1\n\n1 Verse of Genesis.\n2 Second.")
@@ -223,11 +253,18 @@ def test_bible_books(sc):
 
 
 def test_detect_licence(sc):
-    dep5 = ("Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\nUpstream-Name: x\n\n"
-            "Files: *\nCopyright: someone\nLicense: GPL-2\n\nFiles: debian/*\nLicense: MIT\n")
+    dep5 = (
+        "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\nUpstream-Name: x\n\n"
+        "Files: *\nCopyright: someone\nLicense: GPL-2\n\nFiles: debian/*\nLicense: MIT\n"
+    )
     assert sc.detect_licence(dep5) == "GPL-2"
-    assert sc.detect_licence("it under the terms of the GNU General Public License as published by\nthe Free "
-                             "Software Foundation; either version 2, or (at your option)\nany later version.") == "GPL-2+"
+    assert (
+        sc.detect_licence(
+            "it under the terms of the GNU General Public License as published by\nthe Free "
+            "Software Foundation; either version 2, or (at your option)\nany later version."
+        )
+        == "GPL-2+"
+    )
     assert sc.detect_licence("Its licence is GPL version 2 or later.") == "GPL-2+"
     assert sc.detect_licence("Python License\n==============\nPSF LICENSE AGREEMENT") == "PSF-2.0"
     assert sc.detect_licence("This program falls under the BSD copyright:") == "BSD"
@@ -266,14 +303,16 @@ def _make_deb(tmp: Path, name: str, version: str, files: dict, debs: Path) -> Pa
     (tree / "DEBIAN").mkdir(parents=True)
     (tree / "DEBIAN/control").write_text(
         f"Package: {name}\nVersion: {version}\nArchitecture: all\nMaintainer: Test <test@example.org>\n"
-        f"Description: fake {name}\n fake package for tests\n")
+        f"Description: fake {name}\n fake package for tests\n"
+    )
     for rel, data in files.items():
         p = tree / rel
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_bytes(data if isinstance(data, bytes) else data.encode("utf-8"))
     deb = debs / f"{name}_{version}_all.deb"
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree), str(deb)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(tree), str(deb)], check=True, capture_output=True
+    )
     return deb
 
 
@@ -285,30 +324,40 @@ def test_build_from_fake_debs(sc, tmp_path, capsys):
     debs = tmp_path / "debs"
     debs.mkdir()
     doc = "usr/share/doc/linux-doc-9.9/Documentation"
-    _make_deb(tmp_path, "linux-doc-9.9", "9.9.1-1", {
-        "usr/share/doc/linux-doc-9.9/copyright":
-            "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n\nFiles: *\nLicense: GPL-2\n",
-        f"{doc}/process/howto.rst.gz": gzip.compress(f"How to\n======\n\n{PROSE}\n".encode()),
-        f"{doc}/a/short.rst.gz": gzip.compress(b"Short\n=====\n\n.. toctree::\n\n   x\n"),
-        f"{doc}/a/code.rst.gz": gzip.compress(("Code::\n\n" + "    int x = 1;\n" * 40).encode()),
-        f"{doc}/a/copy.rst.gz": gzip.compress(f"How to\n======\n\n{PROSE}\n".encode()),  # duplicate of howto
-        f"{doc}/translations/it_IT/howto.rst.gz": gzip.compress(f"Come fare\n\n{PROSE}\n".encode()),
-        f"{doc}/memory-barriers.txt.gz": gzip.compress(f"MEMORY BARRIERS\n\n{PROSE}\n".encode()),
-    }, debs)
+    _make_deb(
+        tmp_path,
+        "linux-doc-9.9",
+        "9.9.1-1",
+        {
+            "usr/share/doc/linux-doc-9.9/copyright": "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n\nFiles: *\nLicense: GPL-2\n",
+            f"{doc}/process/howto.rst.gz": gzip.compress(f"How to\n======\n\n{PROSE}\n".encode()),
+            f"{doc}/a/short.rst.gz": gzip.compress(b"Short\n=====\n\n.. toctree::\n\n   x\n"),
+            f"{doc}/a/code.rst.gz": gzip.compress(("Code::\n\n" + "    int x = 1;\n" * 40).encode()),
+            f"{doc}/a/copy.rst.gz": gzip.compress(f"How to\n======\n\n{PROSE}\n".encode()),  # duplicate of howto
+            f"{doc}/translations/it_IT/howto.rst.gz": gzip.compress(f"Come fare\n\n{PROSE}\n".encode()),
+            f"{doc}/memory-barriers.txt.gz": gzip.compress(f"MEMORY BARRIERS\n\n{PROSE}\n".encode()),
+        },
+        debs,
+    )
     book = "usr/share/doc/debian-handbook/html/en-US"
-    _make_deb(tmp_path, "debian-handbook", "11.0", {
-        "usr/share/doc/debian-handbook/copyright":
-            "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n\n"
+    _make_deb(
+        tmp_path,
+        "debian-handbook",
+        "11.0",
+        {
+            "usr/share/doc/debian-handbook/copyright": "Format: https://www.debian.org/doc/packaging-manuals/copyright-format/1.0/\n\n"
             "Files: *\nLicense: GPL-2.0+ or CC-BY-SA-3.0\n",
-        f"{book}/apt.html": DOCBOOK_HTML.replace("Prose of the chapter.", PROSE),
-        f"{book}/index.html": "<html><body><div class='toc'>a</div><p>" + PROSE + "</p></body></html>",
-        f"{book}/ix01.html": "<html><body><p>" + PROSE + "</p></body></html>",
-    }, debs)
+            f"{book}/apt.html": DOCBOOK_HTML.replace("Prose of the chapter.", PROSE),
+            f"{book}/index.html": "<html><body><div class='toc'>a</div><p>" + PROSE + "</p></body></html>",
+            f"{book}/ix01.html": "<html><body><p>" + PROSE + "</p></body></html>",
+        },
+        debs,
+    )
     out = tmp_path / "out"
     res = sc.build(out, ["linux-doc-9.9", "debian-handbook"], debs_dir=debs, xz=True, xz_preset=1)
     printed = capsys.readouterr().out
     lines = (out / "corpus.jsonl").read_bytes().decode("utf-8").splitlines()
-    recs = [json.loads(l) for l in lines]
+    recs = [json.loads(line) for line in lines]
     assert [r["source"] for r in recs] == [
         "debian-handbook:usr/share/doc/debian-handbook/html/en-US/apt.html",
         "linux-doc-9.9:usr/share/doc/linux-doc-9.9/Documentation/a/copy.rst.gz",  # sorted; howto is its duplicate

@@ -56,13 +56,16 @@ def _codes(t: torch.Tensor) -> torch.Tensor:
 def test_te_current_scaling_quantizer_equals_the_reference(fmt, pow2):
     te = _te()
     x = _outlier_input().to(torch.bfloat16)
-    q_te = te.Float8CurrentScalingQuantizer(_tex_dtype(fmt), torch.device(DEV), rowwise=True, columnwise=True,
-                                            force_pow_2_scales=pow2)(x)
+    q_te = te.Float8CurrentScalingQuantizer(
+        _tex_dtype(fmt), torch.device(DEV), rowwise=True, columnwise=True, force_pow_2_scales=pow2
+    )(x)
     ours = quantize(x.float(), fmt, "tensor", "pow2" if pow2 else "fp32")
     assert torch.equal(q_te._scale_inv.float().reshape(()), ours.scale_inv.float().reshape(()))
     assert torch.equal(_codes(q_te._data), _codes(ours.data))
-    assert torch.equal(q_te.dequantize(dtype=torch.float32), ours.dequantize() if hasattr(ours, "dequantize")
-                       else ours.data.float() * ours.scale_inv)
+    assert torch.equal(
+        q_te.dequantize(dtype=torch.float32),
+        ours.dequantize() if hasattr(ours, "dequantize") else ours.data.float() * ours.scale_inv,
+    )
     if q_te._transpose is not None:  # the columnwise copy: the same codes, transposed
         assert torch.equal(_codes(q_te._transpose), _codes(ours.data).t().contiguous())
 
@@ -73,8 +76,9 @@ def test_te_block_quantizer_equals_the_reference(block_dim, pow2):
     te = _te()
     x = _outlier_input().to(torch.bfloat16)
     m, k = x.shape
-    q_te = te.Float8BlockQuantizer(_tex_dtype("e4m3"), rowwise=True, columnwise=True, force_pow_2_scales=pow2,
-                                   block_scaling_dim=block_dim)(x)
+    q_te = te.Float8BlockQuantizer(
+        _tex_dtype("e4m3"), rowwise=True, columnwise=True, force_pow_2_scales=pow2, block_scaling_dim=block_dim
+    )(x)
     rounding = "pow2" if pow2 else "fp32"
     gran = "1x128" if block_dim == 1 else "128x128"
     rows = quantize(x.float(), "e4m3", gran, rounding, dim=-1)
@@ -105,8 +109,7 @@ def test_te_quantizers_never_hide_a_nan_and_agree_with_the_reference_elsewhere()
     nan = torch.isnan(x)
     x0 = torch.where(nan, torch.zeros_like(x), x)  # TE's view of the group: the NaN skipped
 
-    q_te = te.Float8CurrentScalingQuantizer(_tex_dtype("e4m3"), torch.device(DEV), rowwise=True,
-                                            columnwise=False)(x)
+    q_te = te.Float8CurrentScalingQuantizer(_tex_dtype("e4m3"), torch.device(DEV), rowwise=True, columnwise=False)(x)
     deq = q_te.dequantize(dtype=torch.float32)
     assert torch.equal(torch.isnan(deq), nan), "TE's tensorwise quantizer: NaN exactly where the input is NaN"
     ref0 = quantize(x0.float(), "e4m3", "tensor", "fp32")
@@ -214,12 +217,28 @@ def _te_gpt(key: str, policy: PrecisionPolicy, layers: int = 4):
     _init_megatron()
     torch.manual_seed(0)
     mc = megatron_config(key, policy.with_num_layers(layers))
-    cfg = TransformerConfig(num_layers=layers, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4,
-                            num_query_groups=2, normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-                            bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
-                            **mc.transformer_config_kwargs())
-    return GPTModel(cfg, get_gpt_layer_with_transformer_engine_spec(), vocab_size=512, max_sequence_length=256,
-                    position_embedding_type="rope").to(DEV)
+    cfg = TransformerConfig(
+        num_layers=layers,
+        hidden_size=256,
+        ffn_hidden_size=1024,
+        num_attention_heads=4,
+        num_query_groups=2,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        add_bias_linear=False,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **mc.transformer_config_kwargs(),
+    )
+    return GPTModel(
+        cfg,
+        get_gpt_layer_with_transformer_engine_spec(),
+        vocab_size=512,
+        max_sequence_length=256,
+        position_embedding_type="rope",
+    ).to(DEV)
 
 
 _POLICIES = {
@@ -310,10 +329,12 @@ def test_bridge_callback_on_real_te_modules():
 
     model = _te_gpt("tensorwise", PrecisionPolicy())
     cfg_model = SimpleNamespace(**expected_model_fields("tensorwise"))
-    cb = bridge_callback("tensorwise", PrecisionPolicy(), expected_model_fields=expected_model_fields("tensorwise"),
-                         strict=True)
-    ctx = SimpleNamespace(state=SimpleNamespace(cfg=SimpleNamespace(model=cfg_model), tensorboard_logger=None),
-                          model=[model])
+    cb = bridge_callback(
+        "tensorwise", PrecisionPolicy(), expected_model_fields=expected_model_fields("tensorwise"), strict=True
+    )
+    ctx = SimpleNamespace(
+        state=SimpleNamespace(cfg=SimpleNamespace(model=cfg_model), tensorboard_logger=None), model=[model]
+    )
     cb.on_train_start(ctx)
     tokens = torch.randint(0, 512, (2, 65), device=DEV)
     pos = torch.arange(64, device=DEV).unsqueeze(0).expand(2, -1)
@@ -371,10 +392,24 @@ def bridge_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("bridge_runs")
     procs = {}
     for i, key in enumerate(("bf16", "delayed", "tensorwise", "blockwise")):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port",
-               str(29541 + i), "-m", "nemo_fp8_recipes.integrations.bridge",
-               "model=llama3_tiny", f"recipe={key}", "trainer.max_steps=20", "trainer.log_interval=1",
-               "trainer.seq_len=256", "backend.strict_audit=true", f"run.root={root}"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "--master-port",
+            str(29541 + i),
+            "-m",
+            "nemo_fp8_recipes.integrations.bridge",
+            "model=llama3_tiny",
+            f"recipe={key}",
+            "trainer.max_steps=20",
+            "trainer.log_interval=1",
+            "trainer.seq_len=256",
+            "backend.strict_audit=true",
+            f"run.root={root}",
+        ]
         log = open(root / f"{key}.log", "w")
         procs[key] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=str(root)), log)
     done = {}
@@ -414,9 +449,19 @@ def test_compare_reads_the_bridge_runs(bridge_runs, tmp_path, capsys):
 
 
 # ---- the embedded trainer with backend=te -------------------------------------------------------
-_BASE = ["model=llama3_tiny", "trainer.device=cuda", "trainer.max_steps=12", "trainer.log_interval=2",
-         "trainer.val_interval=6", "trainer.val_steps=2", "trainer.telemetry_interval=4", "trainer.ckpt_interval=6",
-         "trainer.ckpt_keep=5", "trainer.progress=false", "data.max_files=100"]
+_BASE = [
+    "model=llama3_tiny",
+    "trainer.device=cuda",
+    "trainer.max_steps=12",
+    "trainer.log_interval=2",
+    "trainer.val_interval=6",
+    "trainer.val_steps=2",
+    "trainer.telemetry_interval=4",
+    "trainer.ckpt_interval=6",
+    "trainer.ckpt_keep=5",
+    "trainer.progress=false",
+    "data.max_files=100",
+]
 _TRAIN = _BASE + ["backend=te", "backend.strict_audit=true"]
 
 
@@ -529,8 +574,12 @@ def test_trainer_backend_te_mxfp8_on_hopper_names_the_alternatives(tmp_path):
 
     if torch.cuda.get_device_capability() >= (10, 0):
         pytest.skip("this GPU runs MXFP8")
-    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_recipes.train", *_TRAIN, "recipe=mxfp8",
-                           f"run.root={tmp_path}"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_fp8_recipes.train", *_TRAIN, "recipe=mxfp8", f"run.root={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = proc.stderr
     assert "needs SM100" in err and "recipe=blockwise" in err and "backend=native recipe.emulate=true" in err

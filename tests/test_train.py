@@ -31,10 +31,19 @@ from nemo_fp8_recipes.trainer.checkpoint import (
 # A 2-layer model whose GEMM dims are multiples of 128, so every projection is FP8 under every
 # recipe (blockwise needs 128), with GQA (4 heads, 2 KV heads); 256 tokens per step.
 TINY = [
-    "model.num_layers=2", "model.dim=256", "model.num_heads=4", "model.num_kv_heads=2",
-    "model.ffn_dim=256", "trainer.seq_len=64", "trainer.micro_batch_size=4",
-    "trainer.global_batch_size=4", "trainer.warmup_steps=5", "trainer.val_steps=2",
-    "trainer.progress=false", "trainer.device=cpu", "data.max_files=40",
+    "model.num_layers=2",
+    "model.dim=256",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_dim=256",
+    "trainer.seq_len=64",
+    "trainer.micro_batch_size=4",
+    "trainer.global_batch_size=4",
+    "trainer.warmup_steps=5",
+    "trainer.val_steps=2",
+    "trainer.progress=false",
+    "trainer.device=cpu",
+    "data.max_files=40",
 ]
 
 
@@ -57,9 +66,16 @@ def _events(run_dir: Path):
 
 @pytest.mark.parametrize("recipe", list_recipes())
 def test_30_step_run_writes_events_and_lowers_the_loss(recipe, tmp_path, token_cache):
-    cfg = _cfg(tmp_path, token_cache, f"recipe={recipe}", "trainer.max_steps=30",
-               "trainer.log_interval=5", "trainer.val_interval=15", "trainer.telemetry_interval=10",
-               "trainer.ckpt_interval=0")
+    cfg = _cfg(
+        tmp_path,
+        token_cache,
+        f"recipe={recipe}",
+        "trainer.max_steps=30",
+        "trainer.log_interval=5",
+        "trainer.val_interval=15",
+        "trainer.telemetry_interval=10",
+        "trainer.ckpt_interval=0",
+    )
     result = train(cfg)
     run_dir = tmp_path / "runs" / "llama3_tiny" / recipe
     assert result.run_dir == run_dir and result.final_step == 30
@@ -88,13 +104,26 @@ def test_30_step_run_writes_events_and_lowers_the_loss(recipe, tmp_path, token_c
 
 
 def test_moe_tiny_trains_with_the_router_in_fp32(tmp_path, token_cache):
-    cfg = compose_config([
-        "model=moe_tiny", "model.num_layers=2", "model.num_experts=4", "trainer.seq_len=64",
-        "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.max_steps=12",
-        "trainer.warmup_steps=3", "trainer.log_interval=4", "trainer.val_interval=0", "trainer.telemetry_interval=4",
-        "trainer.progress=false", "trainer.device=cpu", "data.max_files=40", f"data.cache_dir={token_cache}",
-        f"run.root={tmp_path}",
-    ])
+    cfg = compose_config(
+        [
+            "model=moe_tiny",
+            "model.num_layers=2",
+            "model.num_experts=4",
+            "trainer.seq_len=64",
+            "trainer.micro_batch_size=4",
+            "trainer.global_batch_size=8",
+            "trainer.max_steps=12",
+            "trainer.warmup_steps=3",
+            "trainer.log_interval=4",
+            "trainer.val_interval=0",
+            "trainer.telemetry_interval=4",
+            "trainer.progress=false",
+            "trainer.device=cpu",
+            "data.max_files=40",
+            f"data.cache_dir={token_cache}",
+            f"run.root={tmp_path}",
+        ]
+    )
     result = train(cfg)
     assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
     router = [line for line in result.audit_table.splitlines() if "feed_forward.router" in line]
@@ -106,15 +135,22 @@ def test_moe_tiny_trains_with_the_router_in_fp32(tmp_path, token_cache):
 
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
 def test_resume_reproduces_the_uninterrupted_run_exactly(recipe, tmp_path, token_cache):
-    common = [f"recipe={recipe}", "trainer.max_steps=12", "trainer.log_interval=2", "trainer.val_interval=6",
-              "trainer.telemetry_interval=4", "trainer.ckpt_interval=6", "trainer.ckpt_keep=5"]
+    common = [
+        f"recipe={recipe}",
+        "trainer.max_steps=12",
+        "trainer.log_interval=2",
+        "trainer.val_interval=6",
+        "trainer.telemetry_interval=4",
+        "trainer.ckpt_interval=6",
+        "trainer.ckpt_keep=5",
+    ]
     full = train(_cfg(tmp_path / "a", token_cache, *common))
     ckpt6 = full.run_dir / "checkpoints" / "step_00000006.pt"
     assert ckpt6.is_file()
     # a second process state: a fresh model/optimizer/data pipeline, restored from step 6
     resumed = train(_cfg(tmp_path / "b", token_cache, *common, f"trainer.resume={ckpt6}"))
     assert resumed.start_step == 6 and resumed.final_step == 12
-    want = {s: l for s, l in full.losses.items() if s > 6}
+    want = {s: loss for s, loss in full.losses.items() if s > 6}
     assert resumed.losses == want  # bit-exact float equality, step by step
     assert resumed.val[-1] == full.val[-1]
     a = load_checkpoint(full.run_dir / "checkpoints" / "step_00000012.pt")
@@ -172,19 +208,53 @@ def test_checkpoint_from_another_recipe_is_refused_unless_forced(tmp_path, token
     src = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=2", "trainer.val_interval=0"))
     ckpt = src.checkpoint
     with pytest.raises(CheckpointError, match="recipe 'delayed'.*force_resume=true"):
-        train(_cfg(tmp_path, token_cache, "recipe=blockwise", "trainer.max_steps=4", "trainer.val_interval=0",
-                   f"trainer.resume={ckpt}"))
-    forced = train(_cfg(tmp_path, token_cache, "recipe=blockwise", "trainer.max_steps=4", "trainer.val_interval=0",
-                        f"trainer.resume={ckpt}", "trainer.force_resume=true"))
+        train(
+            _cfg(
+                tmp_path,
+                token_cache,
+                "recipe=blockwise",
+                "trainer.max_steps=4",
+                "trainer.val_interval=0",
+                f"trainer.resume={ckpt}",
+            )
+        )
+    forced = train(
+        _cfg(
+            tmp_path,
+            token_cache,
+            "recipe=blockwise",
+            "trainer.max_steps=4",
+            "trainer.val_interval=0",
+            f"trainer.resume={ckpt}",
+            "trainer.force_resume=true",
+        )
+    )
     assert forced.start_step == 2 and forced.final_step == 4
     with pytest.raises(CheckpointError, match="another model shape"):
-        train(_cfg(tmp_path, token_cache, "recipe=delayed", "model.ffn_dim=384", "trainer.max_steps=4",
-                   f"trainer.resume={ckpt}", "run.tag=other"))
+        train(
+            _cfg(
+                tmp_path,
+                token_cache,
+                "recipe=delayed",
+                "model.ffn_dim=384",
+                "trainer.max_steps=4",
+                f"trainer.resume={ckpt}",
+                "run.tag=other",
+            )
+        )
 
 
 def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, token_cache):
-    result = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=4",
-                        "trainer.ckpt_interval=2", "trainer.val_interval=0"))
+    result = train(
+        _cfg(
+            tmp_path,
+            token_cache,
+            "recipe=delayed",
+            "trainer.max_steps=4",
+            "trainer.ckpt_interval=2",
+            "trainer.val_interval=0",
+        )
+    )
     mgr = CheckpointManager(result.run_dir / "checkpoints", keep=2)
     good = mgr.latest()
     before = good.read_bytes()
@@ -205,20 +275,28 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, token_cac
 
 
 def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_path, token_cache):
-    result = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=4",
-                        "trainer.ckpt_interval=2", "trainer.val_interval=0"))
+    result = train(
+        _cfg(
+            tmp_path,
+            token_cache,
+            "recipe=delayed",
+            "trainer.max_steps=4",
+            "trainer.ckpt_interval=2",
+            "trainer.val_interval=0",
+        )
+    )
     ckpt_dir = result.run_dir / "checkpoints"
     # A child process starts writing step 6 and dies inside torch.save (os._exit: no cleanup,
     # no exception handling), exactly like a kill -9 or a node failure mid-write.
     script = textwrap.dedent(f"""
         import os, torch
         from nemo_fp8_recipes.trainer.checkpoint import load_checkpoint, save_checkpoint
-        state = load_checkpoint({str(ckpt_dir / 'step_00000004.pt')!r})
+        state = load_checkpoint({str(ckpt_dir / "step_00000004.pt")!r})
         class Die:
             def __reduce__(self):
                 os._exit(9)
         state["model"]["zz_die"] = Die()
-        save_checkpoint(state, {str(ckpt_dir / 'step_00000006.pt')!r})
+        save_checkpoint(state, {str(ckpt_dir / "step_00000006.pt")!r})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 9, proc.stderr
@@ -228,14 +306,30 @@ def test_a_process_killed_mid_save_leaves_the_previous_checkpoint_loadable(tmp_p
     assert mgr.latest().name == "step_00000004.pt"
     assert load_checkpoint(mgr.latest())["step"] == 4
     # the trainer resumes from it and the next successful save clears the debris
-    cont = train(_cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=6",
-                      "trainer.ckpt_interval=2", "trainer.val_interval=0"))
+    cont = train(
+        _cfg(
+            tmp_path,
+            token_cache,
+            "recipe=delayed",
+            "trainer.max_steps=6",
+            "trainer.ckpt_interval=2",
+            "trainer.val_interval=0",
+        )
+    )
     assert cont.start_step == 4
     assert not [p for p in ckpt_dir.iterdir() if p.name.startswith(".tmp-")]
 
 
-NAN = ["recipe=bf16", "trainer.lr=1e30", "trainer.min_lr=1e30", "trainer.warmup_steps=0", "trainer.grad_clip=0",
-       "trainer.max_steps=6", "trainer.ckpt_interval=1", "trainer.val_interval=0"]
+NAN = [
+    "recipe=bf16",
+    "trainer.lr=1e30",
+    "trainer.min_lr=1e30",
+    "trainer.warmup_steps=0",
+    "trainer.grad_clip=0",
+    "trainer.max_steps=6",
+    "trainer.ckpt_interval=1",
+    "trainer.val_interval=0",
+]
 
 
 def test_nan_loss_stops_with_the_step_and_last_good_checkpoint(tmp_path, token_cache):
@@ -248,10 +342,28 @@ def test_nan_loss_stops_with_the_step_and_last_good_checkpoint(tmp_path, token_c
 
 def test_nan_skip_policy_counts_skipped_batches(tmp_path, token_cache):
     with pytest.raises(NonFiniteLossError):
-        train(_cfg(tmp_path, token_cache, *NAN, "trainer.nan_policy=skip", "trainer.max_skipped_steps=2",
-                   "trainer.ckpt_interval=0"))
-    ok = train(_cfg(tmp_path, token_cache, *NAN, "trainer.nan_policy=skip", "trainer.max_skipped_steps=10",
-                    "trainer.log_interval=1", "trainer.ckpt_interval=0", "run.tag=skip"))
+        train(
+            _cfg(
+                tmp_path,
+                token_cache,
+                *NAN,
+                "trainer.nan_policy=skip",
+                "trainer.max_skipped_steps=2",
+                "trainer.ckpt_interval=0",
+            )
+        )
+    ok = train(
+        _cfg(
+            tmp_path,
+            token_cache,
+            *NAN,
+            "trainer.nan_policy=skip",
+            "trainer.max_skipped_steps=10",
+            "trainer.log_interval=1",
+            "trainer.ckpt_interval=0",
+            "run.tag=skip",
+        )
+    )
     assert ok.skipped_steps == 5 and [h["skipped"] for h in ok.history] == [False] + [True] * 5
     skipped = [e.value for e in _events(ok.run_dir).Scalars("train/skipped_steps")]
     assert skipped[-1] == 5
@@ -263,8 +375,16 @@ def test_skipped_non_finite_steps_leave_the_delayed_scaling_histories_finite(tmp
     from nemo_fp8_recipes.nn import fp8_modules, pinned_scales
 
     nan = [o if not o.startswith("recipe=") else "recipe=delayed" for o in NAN]
-    ok = train(_cfg(tmp_path, token_cache, *nan, "trainer.nan_policy=skip", "trainer.max_skipped_steps=10",
-                    "trainer.ckpt_interval=0"))
+    ok = train(
+        _cfg(
+            tmp_path,
+            token_cache,
+            *nan,
+            "trainer.nan_policy=skip",
+            "trainer.max_skipped_steps=10",
+            "trainer.ckpt_interval=0",
+        )
+    )
     assert ok.skipped_steps == 5
     mods = [m for m in fp8_modules(ok.model).values() if m.recipe.is_delayed]
     assert mods and all(torch.isfinite(m.fp8_amax_history).all() for m in mods)
@@ -292,8 +412,13 @@ def test_cli_errors_are_clean_and_name_the_fix(tmp_path, token_cache, capsys, mo
 def test_console_script_trains_and_prints_the_tensorboard_command(tmp_path, token_cache):
     exe = shutil.which("nemo-fp8-train")
     cmd = [exe] if exe else [sys.executable, "-m", "nemo_fp8_recipes.train"]
-    args = TINY + [f"run.root={tmp_path}", f"data.cache_dir={token_cache}", "recipe=tensorwise",
-                   "trainer.max_steps=3", "trainer.val_interval=0"]
+    args = TINY + [
+        f"run.root={tmp_path}",
+        f"data.cache_dir={token_cache}",
+        "recipe=tensorwise",
+        "trainer.max_steps=3",
+        "trainer.val_interval=0",
+    ]
     proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout + proc.stderr
@@ -307,8 +432,15 @@ def test_console_script_trains_and_prints_the_tensorboard_command(tmp_path, toke
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list_recipes())
 def test_compile_trains_like_eager(recipe, tmp_path, token_cache):
-    args = [f"recipe={recipe}", "trainer.max_steps=4", "trainer.log_interval=2", "trainer.val_interval=2",
-            "trainer.val_steps=1", "trainer.telemetry_interval=2", "model.num_layers=1"]  # (compile time per layer)
+    args = [
+        f"recipe={recipe}",
+        "trainer.max_steps=4",
+        "trainer.log_interval=2",
+        "trainer.val_interval=2",
+        "trainer.val_steps=1",
+        "trainer.telemetry_interval=2",
+        "model.num_layers=1",
+    ]  # (compile time per layer)
     if recipe in ("blockwise", "mxfp8"):
         # torch.compile's C++ backend fails on these emulations after minutes: refused at once
         t0 = time.monotonic()
@@ -333,8 +465,15 @@ def test_compile_with_micro_batches_caches_fp8_weights(tmp_path, token_cache):
     default), the losses follow the run without the cache, no cache is stale at the end, and
     resuming from the checkpoint re-quantises from the loaded weights."""
     # one layer: what is checked is per FP8 linear, and compiling on CPU costs time per layer
-    args = ["recipe=tensorwise", "trainer.compile=true", "trainer.global_batch_size=8", "trainer.max_steps=2",
-            "trainer.val_interval=0", "trainer.log_interval=1", "model.num_layers=1"]
+    args = [
+        "recipe=tensorwise",
+        "trainer.compile=true",
+        "trainer.global_batch_size=8",
+        "trainer.max_steps=2",
+        "trainer.val_interval=0",
+        "trainer.log_interval=1",
+        "model.num_layers=1",
+    ]
     cached = train(_cfg(tmp_path / "cached", token_cache, *args, "trainer.ckpt_interval=2"))
     plain = train(_cfg(tmp_path / "plain", token_cache, *args, "trainer.compiled_weight_cache=false"))
     n_fp8 = sum(isinstance(m, Float8Linear) for m in cached.model.modules())
@@ -353,14 +492,25 @@ def test_compile_mode_is_checked_before_any_work(tmp_path, token_cache):
     the graphs there without a word) before the run directory exists."""
     with pytest.raises(ConfigError, match="compile_mode='fast' is not valid; choose one of: default, reduce-overhead"):
         train(_cfg(tmp_path / "a", token_cache, "trainer.compile=true", "trainer.compile_mode=fast"))
-    with pytest.raises(ConfigError, match="compile_mode=reduce-overhead is a torch.compile mode; it needs "
-                                          "trainer.compile=true"):
+    with pytest.raises(
+        ConfigError, match="compile_mode=reduce-overhead is a torch.compile mode; it needs trainer.compile=true"
+    ):
         train(_cfg(tmp_path / "b", token_cache, "trainer.compile_mode=reduce-overhead"))
     for mode in ("reduce-overhead", "max-autotune"):
-        with pytest.raises(ConfigError, match=f"compile_mode={mode} replays the compiled graphs as CUDA graphs and "
-                                              "needs a CUDA device \\(this run: cpu\\)"):
-            train(_cfg(tmp_path / "c", token_cache, "recipe=tensorwise", "trainer.compile=true",
-                       f"trainer.compile_mode={mode}"))
+        with pytest.raises(
+            ConfigError,
+            match=f"compile_mode={mode} replays the compiled graphs as CUDA graphs and "
+            "needs a CUDA device \\(this run: cpu\\)",
+        ):
+            train(
+                _cfg(
+                    tmp_path / "c",
+                    token_cache,
+                    "recipe=tensorwise",
+                    "trainer.compile=true",
+                    f"trainer.compile_mode={mode}",
+                )
+            )
     assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()
 
 
@@ -372,9 +522,17 @@ def _gpu_reason(recipe: str):
     return None if ok else reason
 
 
-GPU_MODEL = ["model=llama3_tiny", "trainer.seq_len=256", "trainer.micro_batch_size=8",
-             "trainer.global_batch_size=8", "trainer.warmup_steps=5", "trainer.progress=false",
-             "trainer.device=cuda", "data.max_files=100", "trainer.val_steps=2"]
+GPU_MODEL = [
+    "model=llama3_tiny",
+    "trainer.seq_len=256",
+    "trainer.micro_batch_size=8",
+    "trainer.global_batch_size=8",
+    "trainer.warmup_steps=5",
+    "trainer.progress=false",
+    "trainer.device=cuda",
+    "data.max_files=100",
+    "trainer.val_steps=2",
+]
 
 
 @pytest.mark.gpu
@@ -383,9 +541,18 @@ def test_gpu_run_uses_real_fp8_gemms(recipe, tmp_path, token_cache):
     reason = _gpu_reason(recipe)
     if reason:
         pytest.skip(reason)
-    cfg = compose_config(GPU_MODEL + [f"recipe={recipe}", "trainer.max_steps=40", "trainer.log_interval=10",
-                                      "trainer.val_interval=20", "trainer.telemetry_interval=10",
-                                      f"run.root={tmp_path}", f"data.cache_dir={token_cache}"])
+    cfg = compose_config(
+        GPU_MODEL
+        + [
+            f"recipe={recipe}",
+            "trainer.max_steps=40",
+            "trainer.log_interval=10",
+            "trainer.val_interval=20",
+            "trainer.telemetry_interval=10",
+            f"run.root={tmp_path}",
+            f"data.cache_dir={token_cache}",
+        ]
+    )
     result = train(cfg)
     assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
     if recipe != "bf16":
@@ -400,10 +567,17 @@ def test_gpu_mxfp8_on_hopper_needs_emulate(tmp_path, token_cache):
         pytest.skip("no CUDA GPU")
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs a Hopper GPU (SM90)")
-    base = GPU_MODEL + [f"run.root={tmp_path}", f"data.cache_dir={token_cache}", "recipe=mxfp8",
-                        "trainer.max_steps=20", "trainer.val_interval=0", "trainer.log_interval=5"]
-    proc = subprocess.run([sys.executable, "-m", "nemo_fp8_recipes.train", *base], capture_output=True, text=True,
-                          timeout=300)
+    base = GPU_MODEL + [
+        f"run.root={tmp_path}",
+        f"data.cache_dir={token_cache}",
+        "recipe=mxfp8",
+        "trainer.max_steps=20",
+        "trainer.val_interval=0",
+        "trainer.log_interval=5",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "nemo_fp8_recipes.train", *base], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = proc.stderr
     assert "mxfp8 needs SM100" in err and "emulate=true" in err and "Traceback" not in err
@@ -416,8 +590,15 @@ def test_fused_wgrad_accumulation_trains_like_unfused(tmp_path, token_cache, mon
     """``trainer.fuse_wgrad_accumulation=true`` with two micro-batches per step: the second adds
     into the FP32 gradients inside the wgrad GEMM (emulated on CPU: the same FP32 add), so the
     run is the unfused run, loss for loss; under compile it is refused with the fix."""
-    args = ["recipe=tensorwise", "trainer.max_steps=3", "trainer.log_interval=1", "trainer.val_interval=0",
-            "trainer.micro_batch_size=2", "trainer.global_batch_size=4", "trainer.checkpoint=false"]
+    args = [
+        "recipe=tensorwise",
+        "trainer.max_steps=3",
+        "trainer.log_interval=1",
+        "trainer.val_interval=0",
+        "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=4",
+        "trainer.checkpoint=false",
+    ]
     from nemo_fp8_recipes.nn import fp8_modules, gemms
 
     plain = train(_cfg(tmp_path / "plain", token_cache, *args))
@@ -441,9 +622,16 @@ def test_gpu_fused_wgrad_accumulation_trains_like_unfused(recipe, tmp_path, toke
     reason = _gpu_reason(recipe)
     if reason:
         pytest.skip(reason)
-    base = GPU_MODEL + [f"recipe={recipe}", "trainer.max_steps=10", "trainer.log_interval=1", "trainer.val_interval=0",
-                        "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.checkpoint=false",
-                        f"data.cache_dir={token_cache}"]
+    base = GPU_MODEL + [
+        f"recipe={recipe}",
+        "trainer.max_steps=10",
+        "trainer.log_interval=1",
+        "trainer.val_interval=0",
+        "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=8",
+        "trainer.checkpoint=false",
+        f"data.cache_dir={token_cache}",
+    ]
     from nemo_fp8_recipes.quant import cublaslt
 
     plain = train(compose_config(base + [f"run.root={tmp_path / 'plain'}"]))
@@ -467,8 +655,15 @@ def test_main_called_from_python_gives_the_callers_logging_back(tmp_path, capsys
 
     root = logging.getLogger()
     before = list(root.handlers)
-    code = main(["model=llama3_tiny", "trainer.device=cpu", "trainer.progress=false", f"run.root={tmp_path}",
-                 "trainer.resume=/nonexistent/step.pt"])
+    code = main(
+        [
+            "model=llama3_tiny",
+            "trainer.device=cpu",
+            "trainer.progress=false",
+            f"run.root={tmp_path}",
+            "trainer.resume=/nonexistent/step.pt",
+        ]
+    )
     assert code == 4  # a checkpoint error, raised inside the Hydra job
     assert "no such checkpoint file" in capsys.readouterr().err
     assert root.handlers == before
@@ -486,8 +681,14 @@ def test_kernel_options_reach_the_model_and_are_recorded(tmp_path, token_cache, 
     from nemo_fp8_recipes.options import KernelOptions
 
     monkeypatch.setenv("NEMO_FP8_SHARED_INPUT", "0")
-    cfg = _cfg(tmp_path, token_cache, "recipe=tensorwise", "trainer.max_steps=2", "kernels.fused_swiglu=false",
-               "trainer.val_interval=0")
+    cfg = _cfg(
+        tmp_path,
+        token_cache,
+        "recipe=tensorwise",
+        "trainer.max_steps=2",
+        "kernels.fused_swiglu=false",
+        "trainer.val_interval=0",
+    )
     result = train(cfg)
     want = KernelOptions(shared_input=False, fused_swiglu=False)
     mods = fp8_modules(result.model)
@@ -513,8 +714,14 @@ def test_size_rule_from_the_config_reaches_the_model_and_the_audit(tmp_path, tok
     from nemo_fp8_recipes.nn import fp8_modules
 
     # TINY: wq/wo/w1/w2/w3 are 256x256 = 65,536 elements; wk/wv 128x256 = 32,768
-    cfg = _cfg(tmp_path, token_cache, "recipe=tensorwise", "trainer.max_steps=2", "trainer.val_interval=0",
-               "policy.min_fp8_weight_elements=50000")
+    cfg = _cfg(
+        tmp_path,
+        token_cache,
+        "recipe=tensorwise",
+        "trainer.max_steps=2",
+        "trainer.val_interval=0",
+        "policy.min_fp8_weight_elements=50000",
+    )
     result = train(cfg)
     names = set(fp8_modules(result.model))
     assert "layers.0.attention.wq" in names and "layers.1.feed_forward.w2" in names
@@ -522,8 +729,13 @@ def test_size_rule_from_the_config_reaches_the_model_and_the_audit(tmp_path, tok
     assert "min_fp8_weight_elements: 50000" in (result.run_dir / "config.yaml").read_text()
     audit_txt = (result.run_dir / "audit.txt").read_text()
     assert "128x256 weight (32,768 elements) is below min_fp8_weight_elements=50,000 (policy)" in audit_txt
-    assert main(TINY + [f"run.root={tmp_path / 'bad'}", f"data.cache_dir={token_cache}",
-                        "policy.min_fp8_weight_elements=lots"]) == 2
+    assert (
+        main(
+            TINY
+            + [f"run.root={tmp_path / 'bad'}", f"data.cache_dir={token_cache}", "policy.min_fp8_weight_elements=lots"]
+        )
+        == 2
+    )
 
 
 def test_the_small_gemm_hint_names_the_size_rule(tmp_path, token_cache, caplog):
@@ -534,8 +746,9 @@ def test_the_small_gemm_hint_names_the_size_rule(tmp_path, token_cache, caplog):
     from nemo_fp8_recipes.trainer import Trainer
 
     for rule, expect in (("0", True), ("auto", False)):
-        trainer = Trainer(_cfg(tmp_path / rule, token_cache, "recipe=tensorwise",
-                               f"policy.min_fp8_weight_elements={rule}"))
+        trainer = Trainer(
+            _cfg(tmp_path / rule, token_cache, "recipe=tensorwise", f"policy.min_fp8_weight_elements={rule}")
+        )
         try:
             trainer.setup()
             caplog.clear()
@@ -553,8 +766,9 @@ def _rel_dev(a: dict, b: dict) -> float:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe,accum", [("bf16", 1), ("tensorwise", 1), ("tensorwise", 2), ("blockwise", 2),
-                                          ("delayed", 2)])
+@pytest.mark.parametrize(
+    "recipe,accum", [("bf16", 1), ("tensorwise", 1), ("tensorwise", 2), ("blockwise", 2), ("delayed", 2)]
+)
 def test_gpu_cuda_graphs_train_like_the_default_compile(recipe, accum, tmp_path, token_cache):
     """``trainer.compile_mode=reduce-overhead`` (the compiled graphs replayed as CUDA graphs)
     trains the model the default mode trains, with one and two micro-batches per step (the
@@ -567,9 +781,18 @@ def test_gpu_cuda_graphs_train_like_the_default_compile(recipe, accum, tmp_path,
     reason = _gpu_reason(recipe)
     if reason:
         pytest.skip(reason)
-    base = GPU_MODEL + [f"recipe={recipe}", "trainer.max_steps=6", "trainer.log_interval=1", "trainer.val_interval=3",
-                        "trainer.compile=true", "trainer.micro_batch_size=4", f"trainer.global_batch_size={4 * accum}",
-                        "trainer.checkpoint=false", "trainer.telemetry_interval=0", f"data.cache_dir={token_cache}"]
+    base = GPU_MODEL + [
+        f"recipe={recipe}",
+        "trainer.max_steps=6",
+        "trainer.log_interval=1",
+        "trainer.val_interval=3",
+        "trainer.compile=true",
+        "trainer.micro_batch_size=4",
+        f"trainer.global_batch_size={4 * accum}",
+        "trainer.checkpoint=false",
+        "trainer.telemetry_interval=0",
+        f"data.cache_dir={token_cache}",
+    ]
     plain, again = (train(compose_config(base + [f"run.root={tmp_path / name}"])) for name in ("default", "again"))
     graphs = train(compose_config(base + [f"run.root={tmp_path / 'graphs'}", "trainer.compile_mode=reduce-overhead"]))
     assert graphs.cuda_graph_skips == 0 and plain.cuda_graph_skips is None
@@ -577,8 +800,11 @@ def test_gpu_cuda_graphs_train_like_the_default_compile(recipe, accum, tmp_path,
     def norms(r):
         return {h["step"]: h["grad_norm"] for h in r.history}
 
-    for what, get, floor in (("loss", lambda r: r.losses, 1e-4), ("val", lambda r: dict(r.val), 1e-4),
-                             ("grad norm", norms, 1e-3)):
+    for what, get, floor in (
+        ("loss", lambda r: r.losses, 1e-4),
+        ("val", lambda r: dict(r.val), 1e-4),
+        ("grad norm", norms, 1e-3),
+    ):
         spread = _rel_dev(get(again), get(plain))
         assert _rel_dev(get(graphs), get(plain)) <= max(floor, 10 * spread), (what, get(graphs), get(plain), spread)
     for (name, a), b in zip(plain.model.state_dict().items(), graphs.model.state_dict().values()):
@@ -602,18 +828,37 @@ def test_the_loop_talks_to_its_backend_through_the_protocol(tmp_path, token_cach
         name = "recording"
 
         def __getattribute__(self, attr):
-            if attr in ("check", "convert", "autocast", "audit", "start_telemetry", "collect_telemetry",
-                        "snapshot", "restore", "after_optimizer_step", "skipped_step"):
+            if attr in (
+                "check",
+                "convert",
+                "autocast",
+                "audit",
+                "start_telemetry",
+                "collect_telemetry",
+                "snapshot",
+                "restore",
+                "after_optimizer_step",
+                "skipped_step",
+            ):
                 method = super().__getattribute__(attr)
 
                 def record(*args, **kwargs):
                     calls.append((attr, args[0]) if attr == "autocast" else attr)
                     return method(*args, **kwargs)
+
                 return record
             return super().__getattribute__(attr)
 
-    cfg = _cfg(tmp_path, token_cache, "recipe=delayed", "trainer.max_steps=4", "trainer.global_batch_size=8",
-               "trainer.val_interval=2", "trainer.telemetry_interval=2", "trainer.checkpoint=false")
+    cfg = _cfg(
+        tmp_path,
+        token_cache,
+        "recipe=delayed",
+        "trainer.max_steps=4",
+        "trainer.global_batch_size=8",
+        "trainer.val_interval=2",
+        "trainer.telemetry_interval=2",
+        "trainer.checkpoint=false",
+    )
     trainer = Trainer(cfg, backend=Recording())
     try:
         result = trainer.run()
@@ -622,8 +867,9 @@ def test_the_loop_talks_to_its_backend_through_the_protocol(tmp_path, token_cach
     assert result.final_step == 4 and calls[:2] == ["check", "convert"]
     steps = [c for c in calls if c == "after_optimizer_step"]
     assert len(steps) == 4 and calls.count("audit") == 1 and "skipped_step" not in calls
-    assert [c for c in calls if isinstance(c, tuple)] == ([("autocast", True), ("autocast", False)] * 2
-                                                          + [("autocast", None)] * 2) * 2
+    assert [c for c in calls if isinstance(c, tuple)] == (
+        [("autocast", True), ("autocast", False)] * 2 + [("autocast", None)] * 2
+    ) * 2
     assert calls.count("start_telemetry") == calls.count("collect_telemetry") == 2
     assert calls.count("snapshot") == calls.count("restore") == 2
     summary = json.loads((result.run_dir / "summary.json").read_text())

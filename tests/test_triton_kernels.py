@@ -75,8 +75,8 @@ def _same_codes(a, b, nan_codes=True):
 
 def _input(dtype, special):
     x = structured(200, 300, seed=7)
-    x[70, :128] = 0.0          # an all-zero group
-    x[90, 10] = 1e-30          # deep underflow
+    x[70, :128] = 0.0  # an all-zero group
+    x[90, 10] = 1e-30  # deep underflow
     x[11, 40] = 460.0 * 2.0**-3  # near the E8M0 ceil boundary
     if special:
         x[3, 5] = float("nan")
@@ -84,8 +84,13 @@ def _input(dtype, special):
     return x.to(DEV, dtype)
 
 
-CASES = [("e4m3", 128, "pow2"), ("e4m3", 128, "fp32"), ("e5m2", 128, "fp32"),
-         ("e4m3", 32, "e8m0_ceil"), ("e4m3", 32, "e8m0_floor")]
+CASES = [
+    ("e4m3", 128, "pow2"),
+    ("e4m3", 128, "fp32"),
+    ("e5m2", 128, "fp32"),
+    ("e4m3", 32, "e8m0_ceil"),
+    ("e4m3", 32, "e8m0_floor"),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -164,9 +169,9 @@ def test_bf16_tile_amax_keeps_nan_inf_and_tiny_groups(tk, fmt, group, rounding):
     and codes of the reference (on CPU the tile's BF16 values are converted from their bits: the
     interpreter's own conversion loses subnormals)."""
     x = _input(torch.float32, special=True)
-    x[40, 9], x[41, 9] = float("-inf"), -0.0          # -Inf in a group; a negative zero
-    x[:, 20] = 1e-40 * torch.arange(200) - 1e-38      # a column of BF16 subnormals only (and zeros)
-    x[5, 21] = -2.0**-133                             # the smallest BF16 subnormal, negative
+    x[40, 9], x[41, 9] = float("-inf"), -0.0  # -Inf in a group; a negative zero
+    x[:, 20] = 1e-40 * torch.arange(200) - 1e-38  # a column of BF16 subnormals only (and zeros)
+    x[5, 21] = -(2.0**-133)  # the smallest BF16 subnormal, negative
     x = x.to(DEV, torch.bfloat16)
     assert (x[:, 20].float().abs() < 2.0**-126).all() and (x[:, 20] != 0).sum() > 100
     ref = quantize(x, fmt, f"1x{group}", rounding, dim=0)
@@ -195,9 +200,12 @@ def test_group_scale_grids_are_written_outer_dim_major(tk, quantize_dual, group,
     from nemo_fp8_recipes.quant.scaled_mm import outer_major
 
     x = structured(200, 384, seed=3).to(DEV, torch.bfloat16)
-    qs = [tk.quantize_rows(x, "e4m3", group, rounding), tk.quantize_cols_t(x, "e4m3", group, rounding),
-          *quantize_dual(x, "e4m3", group, rounding),
-          tk.rmsnorm_forward(x, torch.ones(384, device=DEV), 1e-5, rows=("e4m3", group, rounding))[3]]
+    qs = [
+        tk.quantize_rows(x, "e4m3", group, rounding),
+        tk.quantize_cols_t(x, "e4m3", group, rounding),
+        *quantize_dual(x, "e4m3", group, rounding),
+        tk.rmsnorm_forward(x, torch.ones(384, device=DEV), 1e-5, rows=("e4m3", group, rounding))[3],
+    ]
     for q in qs:
         rows = q.data.shape[0]
         grids = [q.scale_inv] + ([q.scale_e8m0] if q.scale_e8m0 is not None else [])
@@ -250,24 +258,40 @@ def test_rounding_ties_subnormals_and_saturation(tk, fmt):
     assert torch.equal(quantize(xr, fmt, "1x128", "pow2").scale_inv, torch.ones_like(xr[:, :1]))
 
 
-@pytest.mark.parametrize("kernel, cfg", [
-    ("rows128", {"block_r": 8, "num_warps": 8}), ("rows128", {"block_r": 64, "num_warps": 2}),
-    ("rows32", {"block_r": 128}), ("cols_t128", {"block_c": 32}), ("cols_t32", {"block_c": 128, "num_warps": 8}),
-    ("rows32", {"block_r": 16, "groups": 8}), ("rows128", {"block_r": 8, "groups": 2}),
-    ("cols_t32", {"block_c": 64, "groups": 4}), ("cols_t128", {"block_c": 32, "groups": 2}),
-    ("blocks128", {"num_warps": 8}),
-    ("tensor", {"block": 2048, "num_warps": 8}), ("tensor_dual", {"block_r": 32, "block_c": 64}),
-    ("tensor_dual", {"block_r": 128, "block_c": 32}), ("tensor_dual_delayed", {"fold_amax": False}),
-    ("tensor_dual_delayed", {"block_r": 32, "block_c": 64, "num_warps": 4}),
-    # tile order: bands of group_r row tiles (3 of 4 row tiles: a partial last band)
-    ("rows128", {"group_r": 3}), ("rows32", {"group_r": 5}), ("cols_t128", {"group_r": 1}),
-    ("cols_t32", {"group_r": 2, "block_c": 32}), ("blocks128", {"group_r": 1}),
-    # the BF16 tile kept in BF16 through the amax (the test's input is BF16)
-    ("cols_t128", {"bf16_tile": False}), ("cols_t128", {"bf16_tile": True, "groups": 2, "block_c": 32}),
-    ("cols_t32", {"bf16_tile": False}), ("cols_t32", {"bf16_tile": True, "groups": 4, "block_c": 32}),
-    ("tensor_delayed", {"block": 2048, "num_warps": 4}),
-    ("tensor_dual_delayed", {"bf16_tile": False}), ("tensor_dual_delayed", {"bf16_tile": True, "block_r": 32, "block_c": 256}),
-])
+@pytest.mark.parametrize(
+    "kernel, cfg",
+    [
+        ("rows128", {"block_r": 8, "num_warps": 8}),
+        ("rows128", {"block_r": 64, "num_warps": 2}),
+        ("rows32", {"block_r": 128}),
+        ("cols_t128", {"block_c": 32}),
+        ("cols_t32", {"block_c": 128, "num_warps": 8}),
+        ("rows32", {"block_r": 16, "groups": 8}),
+        ("rows128", {"block_r": 8, "groups": 2}),
+        ("cols_t32", {"block_c": 64, "groups": 4}),
+        ("cols_t128", {"block_c": 32, "groups": 2}),
+        ("blocks128", {"num_warps": 8}),
+        ("tensor", {"block": 2048, "num_warps": 8}),
+        ("tensor_dual", {"block_r": 32, "block_c": 64}),
+        ("tensor_dual", {"block_r": 128, "block_c": 32}),
+        ("tensor_dual_delayed", {"fold_amax": False}),
+        ("tensor_dual_delayed", {"block_r": 32, "block_c": 64, "num_warps": 4}),
+        # tile order: bands of group_r row tiles (3 of 4 row tiles: a partial last band)
+        ("rows128", {"group_r": 3}),
+        ("rows32", {"group_r": 5}),
+        ("cols_t128", {"group_r": 1}),
+        ("cols_t32", {"group_r": 2, "block_c": 32}),
+        ("blocks128", {"group_r": 1}),
+        # the BF16 tile kept in BF16 through the amax (the test's input is BF16)
+        ("cols_t128", {"bf16_tile": False}),
+        ("cols_t128", {"bf16_tile": True, "groups": 2, "block_c": 32}),
+        ("cols_t32", {"bf16_tile": False}),
+        ("cols_t32", {"bf16_tile": True, "groups": 4, "block_c": 32}),
+        ("tensor_delayed", {"block": 2048, "num_warps": 4}),
+        ("tensor_dual_delayed", {"bf16_tile": False}),
+        ("tensor_dual_delayed", {"bf16_tile": True, "block_r": 32, "block_c": 256}),
+    ],
+)
 def test_launch_configurations_change_speed_not_bits(tk, kernel, cfg):
     """The tuning knobs of benchmarks/quant_bandwidth.py --sweep: any tile size and tile order
     gives the same codes and scales (ragged shape, so partial tiles are exercised)."""
@@ -384,8 +408,10 @@ def test_per_tensor_strided_and_empty_inputs(tk):
     assert e.data.shape == (0, 64) and e.scale_inv.item() == 1.0 and e.amax.item() == 0.0
 
 
-@pytest.mark.parametrize("kernel, cfg", [("dual32", {"tile": 128}), ("dual128", {"num_warps": 8}),
-                                         ("dual128", {"group_r": 1}), ("dual32", {"group_r": 2})])
+@pytest.mark.parametrize(
+    "kernel, cfg",
+    [("dual32", {"tile": 128}), ("dual128", {"num_warps": 8}), ("dual128", {"group_r": 1}), ("dual32", {"group_r": 2})],
+)
 def test_one_read_pair_launch_configurations_change_speed_not_bits(tk, quantize_dual, kernel, cfg):
     """The sweep's knobs of the benchmarks' one-read pair kernel (``dual128`` / ``dual32``)."""
     x = structured(200, 300, seed=11).to(DEV, torch.bfloat16)
@@ -405,12 +431,16 @@ def test_tensors_beyond_32_bit_offsets_are_refused_with_what_to_do():
 
     big = torch.empty(65536, 53248, dtype=torch.bfloat16, device="meta")
     wide = torch.empty(2, 2**31, dtype=torch.bfloat16, device="meta")[:, :256]  # 512 elements, row stride 2^31
-    calls = [lambda t: tk.quantize_rows(t, "e4m3", 128, "pow2"), lambda t: tk.quantize_cols_t(t, "e4m3", 128, "pow2"),
-             lambda t: tk.quantize_blocks128(t, "e4m3", "pow2"), lambda t: tk.quantize_tensor(t, "e4m3"),
-             lambda t: tk.quantize_tensor_dual(t, "e4m3"),
-             lambda t: _dual_module().quantize_dual(t, "e4m3", 128, "pow2"),  # (the benchmarks' kernel)
-             lambda t: tk.rmsnorm_forward(t, torch.ones(t.shape[1], device="meta"), 1e-5),
-             lambda t: tk.swiglu_backward(t, t, t)]
+    calls = [
+        lambda t: tk.quantize_rows(t, "e4m3", 128, "pow2"),
+        lambda t: tk.quantize_cols_t(t, "e4m3", 128, "pow2"),
+        lambda t: tk.quantize_blocks128(t, "e4m3", "pow2"),
+        lambda t: tk.quantize_tensor(t, "e4m3"),
+        lambda t: tk.quantize_tensor_dual(t, "e4m3"),
+        lambda t: _dual_module().quantize_dual(t, "e4m3", 128, "pow2"),  # (the benchmarks' kernel)
+        lambda t: tk.rmsnorm_forward(t, torch.ones(t.shape[1], device="meta"), 1e-5),
+        lambda t: tk.swiglu_backward(t, t, t),
+    ]
     for t in (big, wide):
         for call in calls:
             with pytest.raises(ValueError, match=r"32-bit offsets.*KernelOptions\(triton=False\)"):
@@ -456,8 +486,10 @@ def test_given_scale_cast_folds_the_amax_into_one_pass(tk, fmt, bf16_tile, amax_
     ``bf16_tile``: the pair kernel takes that amax on the BF16 tile's 16-bit magnitudes.
     ``amax_check``: each program reads the accumulator and skips its atomic unless larger
     (small tiles here, so that many programs fold into one accumulator)."""
-    with tk.launch_config("tensor_dual_delayed", bf16_tile=bf16_tile, amax_check=amax_check, block_r=32,
-                          block_c=64), tk.launch_config("tensor_delayed", amax_check=amax_check, block=1024):
+    with (
+        tk.launch_config("tensor_dual_delayed", bf16_tile=bf16_tile, amax_check=amax_check, block_r=32, block_c=64),
+        tk.launch_config("tensor_delayed", amax_check=amax_check, block=1024),
+    ):
         _given_scale_cast_folds_the_amax(tk, fmt)
 
 
@@ -530,8 +562,9 @@ def test_delayed_commit_kernel_matches_advance_delayed_scaling(tk, L, algo):
                     if k == 0 and L > 1:
                         hist.zero_()  # an all-zero history: amax 0 keeps the old scale
                     scale = torch.tensor([0.75])
-                    ref_h, ref_s = advance_delayed_scaling(hist[None, None], scale[None], torch.tensor([[pend]]),
-                                                           torch.tensor([[flag]]), (fmt,), r)
+                    ref_h, ref_s = advance_delayed_scaling(
+                        hist[None, None], scale[None], torch.tensor([[pend]]), torch.tensor([[flag]]), (fmt,), r
+                    )
                     h, sc = hist.to(DEV), scale.to(DEV)
                     p, f = torch.tensor([pend], device=DEV), torch.tensor([flag], device=DEV)
                     after = float((k + int(flag)) % 2)  # both values of flag_after, for every class
@@ -622,8 +655,12 @@ def test_delayed_telemetry_reports_each_calls_amax_in_step_mode(tk, use_triton, 
 
     if use_triton:
         _force_triton(monkeypatch)
-    m = Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False, device=DEV), get_recipe("delayed"),
-                                 emulate=not ON_GPU, options=KernelOptions(triton=use_triton))
+    m = Float8Linear.from_linear(
+        torch.nn.Linear(64, 32, bias=False, device=DEV),
+        get_recipe("delayed"),
+        emulate=not ON_GPU,
+        options=KernelOptions(triton=use_triton),
+    )
     m.scaling_update = "step"
     m.telemetry_enabled = True
     xs = [structured(16, 64, seed=1) * 100, structured(16, 64, seed=2), structured(16, 64, seed=3)]
@@ -645,8 +682,9 @@ def test_delayed_commit_is_undone_when_the_cast_fails(tk, monkeypatch):
     from nemo_fp8_recipes.recipes import get_recipe
 
     calls = _force_triton(monkeypatch)
-    m = Float8Linear.from_linear(torch.nn.Linear(64, 32, bias=False, device=DEV), get_recipe("delayed"),
-                                 emulate=not ON_GPU)
+    m = Float8Linear.from_linear(
+        torch.nn.Linear(64, 32, bias=False, device=DEV), get_recipe("delayed"), emulate=not ON_GPU
+    )
     x = structured(16, 64, seed=4).to(DEV)
     with torch.no_grad():
         m(x)  # records the first amaxes
@@ -853,6 +891,7 @@ def test_swiglu_backward_kernel_matches_autograd(tk, dtype):
     # the interpreter's BF16 store of subnormal results is not exact (g near -88 gives some):
     # there, compare the normal range; a GPU compares everything
     tiny = torch.finfo(torch.float32).tiny
+
     def normal(t):
         a = t.float().abs()
         return torch.ones_like(a, dtype=torch.bool) if ON_GPU else (a == 0) | (a >= tiny)
@@ -901,8 +940,9 @@ def test_fused_swiglu_mlp_matches_the_unfused_mlp(tk, recipe, params, monkeypatc
     calls, gated = [], []
     real_bwd, real_dual = tk.swiglu_backward, tk.quantize_tensor_dual
     monkeypatch.setattr(tk, "swiglu_backward", lambda *a: calls.append(1) or real_bwd(*a))
-    monkeypatch.setattr(tk, "quantize_tensor_dual",
-                        lambda *a, **k: gated.append(k.get("gate") is not None) or real_dual(*a, **k))
+    monkeypatch.setattr(
+        tk, "quantize_tensor_dual", lambda *a, **k: gated.append(k.get("gate") is not None) or real_dual(*a, **k)
+    )
 
     def run(fused: bool):
         opts = KernelOptions(fused_swiglu=fused)
@@ -910,8 +950,9 @@ def test_fused_swiglu_mlp_matches_the_unfused_mlp(tk, recipe, params, monkeypatc
         pdt = torch.float32 if params == "fp32-autocast" else torch.bfloat16
         ff = FeedForward(128, 256).to(DEV, pdt)
         for name in ("w1", "w2", "w3"):
-            setattr(ff, name, Float8Linear.from_linear(getattr(ff, name), get_recipe(recipe), emulate=emulate,
-                                                       options=opts))
+            setattr(
+                ff, name, Float8Linear.from_linear(getattr(ff, name), get_recipe(recipe), emulate=emulate, options=opts)
+            )
         if params == "frozen-w2":
             ff.w2.weight.requires_grad_(False)
         x = (structured(64, 128, seed=31) * 2).to(DEV, pdt).reshape(2, 32, 128).requires_grad_()

@@ -24,8 +24,10 @@ def _pair(name, device="cpu", emulate=True, seed=0):
 
 
 def _micro_batches(n, device="cpu", dtype=torch.float32, rows=M):
-    return [(structured(rows, K, seed=i).to(device, dtype), (structured(rows, N, seed=50 + i) * 1e-3).to(device, dtype))
-            for i in range(n)]
+    return [
+        (structured(rows, K, seed=i).to(device, dtype), (structured(rows, N, seed=50 + i) * 1e-3).to(device, dtype))
+        for i in range(n)
+    ]
 
 
 def _count_calls(monkeypatch, module, fn_name: str) -> list:
@@ -80,12 +82,12 @@ def test_fused_accumulation_writes_into_the_existing_gradient():
 
 def test_autograd_grad_and_backward_inputs_still_return_the_gradient():
     plain, fused = _pair("tensorwise")
-    (x, dy), = _micro_batches(1)
+    ((x, dy),) = _micro_batches(1)
     for mod in (plain, fused):
         mod.weight.grad = torch.ones_like(mod.weight)
     # autograd.grad returns the gradient and leaves .grad alone
-    gw_fused, = torch.autograd.grad(fused(x), [fused.weight], dy)
-    gw_plain, = torch.autograd.grad(plain(x), [plain.weight], dy)
+    (gw_fused,) = torch.autograd.grad(fused(x), [fused.weight], dy)
+    (gw_plain,) = torch.autograd.grad(plain(x), [plain.weight], dy)
     assert torch.equal(gw_fused, gw_plain)
     assert torch.equal(fused.weight.grad, torch.ones_like(fused.weight))
     # backward(inputs=...) that leaves the weight out does not touch it
@@ -97,7 +99,7 @@ def test_autograd_grad_and_backward_inputs_still_return_the_gradient():
 
 def test_first_micro_batch_after_zero_grad_runs_unfused():
     plain, fused = _pair("tensorwise")
-    (x, dy), = _micro_batches(1)
+    ((x, dy),) = _micro_batches(1)
     for mod in (plain, fused):
         mod.weight.grad = None
         mod(x).backward(dy)
@@ -106,7 +108,7 @@ def test_first_micro_batch_after_zero_grad_runs_unfused():
 
 def test_refusals_name_the_fix():
     plain, fused = _pair("tensorwise")
-    (x, dy), = _micro_batches(1)
+    ((x, dy),) = _micro_batches(1)
     # BF16 parameters (BF16 gradients, not accumulated in FP32): refused when set ...
     plain.to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="accumulates FP32 gradients.*bfloat16; keep FP32 master weights"):
@@ -139,7 +141,7 @@ def test_refusals_name_the_fix():
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
 def test_create_graph_keeps_the_returned_gradient():
     plain, fused = _pair("tensorwise")
-    (x, dy), = _micro_batches(1)
+    ((x, dy),) = _micro_batches(1)
     got = _accumulate_grad_inputs(fused)
     for mod in (plain, fused):
         mod.weight.grad = torch.zeros_like(mod.weight)

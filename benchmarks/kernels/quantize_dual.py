@@ -47,10 +47,31 @@ if HAVE_TRITON:
     )
 
     @triton.jit
-    def _quant_dual_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, qt_ptr, sit_ptr, e8t_ptr, R, C, G_row, G_col,
-                           stride_x, n_r, n_c, group_r, GROUP: tl.constexpr, TILE: tl.constexpr, MODE: tl.constexpr,
-                           FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
-                           IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+    def _quant_dual_kernel(
+        x_ptr,
+        q_ptr,
+        si_ptr,
+        e8_ptr,
+        qt_ptr,
+        sit_ptr,
+        e8t_ptr,
+        R,
+        C,
+        G_row,
+        G_col,
+        stride_x,
+        n_r,
+        n_c,
+        group_r,
+        GROUP: tl.constexpr,
+        TILE: tl.constexpr,
+        MODE: tl.constexpr,
+        FMAX: tl.constexpr,
+        EMAX: tl.constexpr,
+        TOP_MANT: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        HW_CVT: tl.constexpr,
+    ):
         # One read of a TILE x TILE tile; writes the row-grouped codes [R, C] and the
         # column-grouped codes transposed [C, R] (GROUP divides TILE).
         pr, pc = tile_ids(n_r, n_c, group_r)
@@ -60,8 +81,9 @@ if HAVE_TRITON:
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
         NG: tl.constexpr = TILE // GROUP
         # row-wise groups: [TILE, NG, GROUP]
-        codes, si, e8 = quant_last_groups(tl.reshape(x, (TILE, NG, GROUP)), q_ptr.dtype.element_ty,
-                                           FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
+        codes, si, e8 = quant_last_groups(
+            tl.reshape(x, (TILE, NG, GROUP)), q_ptr.dtype.element_ty, FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT
+        )
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], tl.reshape(codes, (TILE, TILE)), mask=m)
         gcol = pc * NG + tl.arange(0, NG)
         ms = (rows[:, None] < R) & (gcol[None, :] < G_row)
@@ -104,11 +126,38 @@ def quantize_dual(x: torch.Tensor, fmt, group: int, rounding):
     cfg = LAUNCH["dual128" if group == 128 else "dual32"]
     tile = 128 if group == 128 else cfg["tile"]
     n_r, n_c = cdiv(R, tile), cdiv(C, tile)
-    launch(_quant_dual_kernel, (n_r * n_c,), x, q, si, e8, qt, sit, e8t, R, C, Gr, Gc, x.stride(0), n_r, n_c,
-           tile_group_rows(cfg, n_r), GROUP=group, num_warps=cfg["num_warps"], TILE=tile, MODE=SCALE_MODE_ID[rounding],
-           FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=hw_cvt(x))
-    a = QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
-                        scale_e8m0=e8m0_view(e8) if mx else None)
-    b = QuantizedTensor(data=qt, scale_inv=sit, block=(1, group), fmt=fmt, amax=sit,
-                        scale_e8m0=e8m0_view(e8t) if mx else None)
+    launch(
+        _quant_dual_kernel,
+        (n_r * n_c,),
+        x,
+        q,
+        si,
+        e8,
+        qt,
+        sit,
+        e8t,
+        R,
+        C,
+        Gr,
+        Gc,
+        x.stride(0),
+        n_r,
+        n_c,
+        tile_group_rows(cfg, n_r),
+        GROUP=group,
+        num_warps=cfg["num_warps"],
+        TILE=tile,
+        MODE=SCALE_MODE_ID[rounding],
+        FMAX=fmt.max,
+        EMAX=fmt.emax,
+        TOP_MANT=top_mant(fmt),
+        IS_E4M3=fmt is Format.E4M3,
+        HW_CVT=hw_cvt(x),
+    )
+    a = QuantizedTensor(
+        data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si, scale_e8m0=e8m0_view(e8) if mx else None
+    )
+    b = QuantizedTensor(
+        data=qt, scale_inv=sit, block=(1, group), fmt=fmt, amax=sit, scale_e8m0=e8m0_view(e8t) if mx else None
+    )
     return a, b

@@ -36,8 +36,7 @@ from nemo_fp8_recipes.recipes import check_supported, get_recipe, list_recipes  
 def profile_recipe(recipe: str, d: int, f: int, tokens: int, steps: int, top: int, dev: str) -> dict:
     emulate = dev != "cuda"
     up = Float8Linear.from_linear(torch.nn.Linear(d, f, bias=False, device=dev), get_recipe(recipe), emulate=emulate)
-    down = Float8Linear.from_linear(torch.nn.Linear(f, d, bias=False, device=dev), get_recipe(recipe),
-                                    emulate=emulate)
+    down = Float8Linear.from_linear(torch.nn.Linear(f, d, bias=False, device=dev), get_recipe(recipe), emulate=emulate)
     x = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, d, device=dev, dtype=torch.bfloat16) * 1e-3
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
@@ -55,11 +54,16 @@ def profile_recipe(recipe: str, d: int, f: int, tokens: int, steps: int, top: in
     sync()
     prof.disable()
     stats = pstats.Stats(prof).stats  # {(file, line, name): (cc, nc, tottime, cumtime, callers)}
-    rows = sorted(((tt, nc, f"{os.path.basename(k[0])}:{k[1]}({k[2]})") for k, (cc, nc, tt, ct, _) in stats.items()),
-                  reverse=True)[:top]
-    return {"recipe": recipe, "host_us_per_step": us,
-            "top_own_time": [{"function": name, "calls_per_step": nc / steps, "us_per_step": tt / steps * 1e6}
-                             for tt, nc, name in rows]}
+    rows = sorted(
+        ((tt, nc, f"{os.path.basename(k[0])}:{k[1]}({k[2]})") for k, (cc, nc, tt, ct, _) in stats.items()), reverse=True
+    )[:top]
+    return {
+        "recipe": recipe,
+        "host_us_per_step": us,
+        "top_own_time": [
+            {"function": name, "calls_per_step": nc / steps, "us_per_step": tt / steps * 1e6} for tt, nc, name in rows
+        ],
+    }
 
 
 def main(argv=None) -> int:
@@ -90,15 +94,31 @@ def main(argv=None) -> int:
                 p.error(f"recipe {r}: {reason}")
     res = [profile_recipe(r, a.dim, a.ffn, a.tokens, a.steps, a.top, dev) for r in recipes]
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (emulated, smoke: no timing claims)"
-    print(f"{name}, torch {torch.__version__}, d {a.dim}, ffn {a.ffn}, {a.tokens} tokens: host µs per "
-          f"up+down fwd+bwd step\n")
+    print(
+        f"{name}, torch {torch.__version__}, d {a.dim}, ffn {a.ffn}, {a.tokens} tokens: host µs per "
+        f"up+down fwd+bwd step\n"
+    )
     print(table(["recipe", "host µs per step"], [(r["recipe"], f"{r['host_us_per_step']:.0f}") for r in res]))
     for r in res:
         print(f"\n{r['recipe']}: own time per step (cProfile)\n")
-        print(table(["function", "calls per step", "µs per step"],
-                    [(t["function"], f"{t['calls_per_step']:g}", f"{t['us_per_step']:.1f}") for t in r["top_own_time"]]))
-    write_json(a.out, {"device": name, "torch": torch.__version__, "dim": a.dim, "ffn": a.ffn, "tokens": a.tokens,
-                       "steps": a.steps, "results": res})
+        print(
+            table(
+                ["function", "calls per step", "µs per step"],
+                [(t["function"], f"{t['calls_per_step']:g}", f"{t['us_per_step']:.1f}") for t in r["top_own_time"]],
+            )
+        )
+    write_json(
+        a.out,
+        {
+            "device": name,
+            "torch": torch.__version__,
+            "dim": a.dim,
+            "ffn": a.ffn,
+            "tokens": a.tokens,
+            "steps": a.steps,
+            "results": res,
+        },
+    )
     return 0
 
 

@@ -31,15 +31,19 @@ def live_at_peak(events: Sequence[dict], base_bytes: int, top: int = 12) -> dict
             cur -= size
     during = sum(int(e["size"]) for e in at_peak.values())
     blocks = sorted(at_peak.values(), key=lambda e: -int(e["size"]))[:top]
-    return {"peak_gib": peak / 2**30, "before_gib": (peak - during) / 2**30,
-            "during_gib": during / 2**30,
-            "top": [[int(e["size"]) / 2**20, _alloc_site(e.get("frames") or [])] for e in blocks]}
+    return {
+        "peak_gib": peak / 2**30,
+        "before_gib": (peak - during) / 2**30,
+        "during_gib": during / 2**30,
+        "top": [[int(e["size"]) / 2**20, _alloc_site(e.get("frames") or [])] for e in blocks],
+    }
 
 
 def _alloc_site(frames: Sequence[dict]) -> str:
     """Where a block was allocated, for a person: the innermost Python frame in this package or
     in Inductor's generated code (with that line's text and the source-node comment above it),
     else the innermost frame."""
+
     def text(fr):
         try:
             with open(fr["filename"]) as f:

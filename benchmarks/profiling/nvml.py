@@ -16,8 +16,13 @@ from typing import Callable, ContextManager, Dict, List, Optional, Tuple
 from _timing import bench_samples
 
 #: NVML clock-event ("throttle") reason bits worth reporting next to a timing
-_CLOCK_REASONS = {0x4: "sw-power-cap", 0x8: "hw-slowdown", 0x20: "sw-thermal", 0x40: "hw-thermal",
-                  0x80: "hw-power-brake"}
+_CLOCK_REASONS = {
+    0x4: "sw-power-cap",
+    0x8: "hw-slowdown",
+    0x20: "sw-thermal",
+    0x40: "hw-thermal",
+    0x80: "hw-power-brake",
+}
 
 
 class GpuMonitor:
@@ -75,13 +80,17 @@ class GpuMonitor:
         try:
             if not uuid:
                 raise LookupError("this torch reports no device UUID")
-            self._handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
+            self._handle = pynvml.nvmlDeviceGetHandleByUUID(
+                uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+            )
         except Exception as e:  # noqa: BLE001
             if os.environ.get("CUDA_VISIBLE_DEVICES") is None:  # torch's index is NVML's
                 self._handle = pynvml.nvmlDeviceGetHandleByIndex(idx)
             else:
-                self._note(f"NVML: device {idx} not found by UUID ({type(e).__name__}: {e}) and "
-                           "CUDA_VISIBLE_DEVICES renumbers devices: not sampled")
+                self._note(
+                    f"NVML: device {idx} not found by UUID ({type(e).__name__}: {e}) and "
+                    "CUDA_VISIBLE_DEVICES renumbers devices: not sampled"
+                )
                 self._close()
                 return
         try:
@@ -99,12 +108,15 @@ class GpuMonitor:
 
     def _sample(self) -> None:
         nv, h = self._nvml, self._handle
-        get_reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons",
-                              getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
-        reads = {"sm_mhz": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
-                 "power_w": lambda: nv.nvmlDeviceGetPowerUsage(h) / 1e3,
-                 "temp_c": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
-                 "reasons": lambda: get_reasons(h)}
+        get_reasons = getattr(
+            nv, "nvmlDeviceGetCurrentClocksEventReasons", getattr(nv, "nvmlDeviceGetCurrentClocksThrottleReasons", None)
+        )
+        reads = {
+            "sm_mhz": lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+            "power_w": lambda: nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+            "temp_c": lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU),
+            "reasons": lambda: get_reasons(h),
+        }
         while not self._stop.is_set():
             sample = {}
             for name, read in list(reads.items()):
@@ -164,17 +176,28 @@ class GpuMonitor:
         seen = 0
         for b in bits:
             seen |= b
-        return {"sm_mhz_median": statistics.median(clk) if clk else None, "sm_mhz_min": min(clk, default=None),
-                "power_w_mean": statistics.fmean(pw) if pw else None, "power_w_max": max(pw, default=None),
-                "power_limit_w": self.power_limit_w, "temp_c_max": max(temp, default=None),
-                "clock_reasons": [n for bit, n in _CLOCK_REASONS.items() if seen & bit],
-                "samples": len(self.samples)}
+        return {
+            "sm_mhz_median": statistics.median(clk) if clk else None,
+            "sm_mhz_min": min(clk, default=None),
+            "power_w_mean": statistics.fmean(pw) if pw else None,
+            "power_w_max": max(pw, default=None),
+            "power_limit_w": self.power_limit_w,
+            "temp_c_max": max(temp, default=None),
+            "clock_reasons": [n for bit, n in _CLOCK_REASONS.items() if seen & bit],
+            "samples": len(self.samples),
+        }
 
 
-def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device, *, seconds: float,
-                  rounds: int = 2,
-                  contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
-                  group: int = 1) -> Dict[str, dict]:
+def energy_window(
+    fns: Dict[str, Callable[[int], object]],
+    n_inputs: int,
+    device,
+    *,
+    seconds: float,
+    rounds: int = 2,
+    contexts: Optional[Dict[str, Callable[[], ContextManager]]] = None,
+    group: int = 1,
+) -> Dict[str, dict]:
     """Energy per call of each variant at the GPU's sustained draw: each variant in turn
     (``rounds`` round-robin passes) runs back to back for about ``seconds`` (the call count from a
     3-call calibration), between two refreshes of the board's energy counter, less the idle
@@ -200,16 +223,20 @@ def energy_window(fns: Dict[str, Callable[[int], object]], n_inputs: int, device
                 calls = max(3, math.ceil(seconds * 1e3 / max(call_ms, 1e-3)))
                 calls = math.ceil(calls / max(1, group)) * max(1, group)
                 with GpuMonitor(device) as mon:  # (the GPU idle: the calibration synchronised)
-                    ms, joules, extra = _energy_of(mon, lambda: bench_samples(
-                        fn, n_inputs, warmup=0, iters=1, cuda=cuda, window=calls)[0])
+                    ms, joules, extra = _energy_of(
+                        mon, lambda: bench_samples(fn, n_inputs, warmup=0, iters=1, cuda=cuda, window=calls)[0]
+                    )
             samples[name]["ms"].append(ms)
             if joules is not None:
                 samples[name]["j"].append(joules / calls)
                 samples[name].setdefault("idle", []).append(extra)
-            out[name] = {"gpu": mon.summary(), "calls": calls,
-                         "idle_w": [x["idle_w"] for x in samples[name].get("idle", [])],
-                         "counter_wait_ms": [x["counter_wait_ms"] for x in samples[name].get("idle", [])],
-                         "energy_reason": None if samples[name]["j"] else (mon.reason or "energy counter did not advance")}
+            out[name] = {
+                "gpu": mon.summary(),
+                "calls": calls,
+                "idle_w": [x["idle_w"] for x in samples[name].get("idle", [])],
+                "counter_wait_ms": [x["counter_wait_ms"] for x in samples[name].get("idle", [])],
+                "energy_reason": None if samples[name]["j"] else (mon.reason or "energy counter did not advance"),
+            }
     for name, s in samples.items():
         ms = statistics.median(s["ms"])
         j = statistics.median(s["j"]) if s["j"] else None
@@ -257,7 +284,9 @@ def _energy_of(mon: "GpuMonitor", run: Callable[[], float]) -> Tuple[float, Opti
     idle_w = (e0 - ea) / 1e3 / interval
     joules = (e1 - e0) / 1e3 - idle_w * wait_ms / 1e3
     if t1 - t0 < 3 * interval or joules <= 0:  # (refresh-sized errors would dominate)
-        mon._note(f"window of {(t1 - t0) * 1e3:.0f} ms is under three refreshes of the energy counter "
-                  f"({interval * 1e3:.0f} ms each): too short to read")
+        mon._note(
+            f"window of {(t1 - t0) * 1e3:.0f} ms is under three refreshes of the energy counter "
+            f"({interval * 1e3:.0f} ms each): too short to read"
+        )
         return ms, None, None
     return ms, joules, {"idle_w": idle_w, "counter_wait_ms": wait_ms}

@@ -7,33 +7,33 @@ TensorBoard). It imports no trainer: other layers may use its readers and layout
 
 from .cli import main
 from .outputs import (
-                      DEVIATION_HIGH_TAG,
-                      DEVIATION_LOW_TAG,
-                      DEVIATION_TAG,
-                      plot,
-                      tensorboard_layout,
-                      write_deviation_events,
-                      write_outputs,
+    DEVIATION_HIGH_TAG,
+    DEVIATION_LOW_TAG,
+    DEVIATION_TAG,
+    plot,
+    tensorboard_layout,
+    write_deviation_events,
+    write_outputs,
 )
 from .reading import (
-                      DEFAULT_TAG,
-                      LOSS_TAGS,
-                      TOKENS_TAG,
-                      CompareError,
-                      RunSeries,
-                      check_event_file,
-                      find_runs,
-                      load_run,
-                      load_runs,
-                      resolve_run_dirs,
+    DEFAULT_TAG,
+    LOSS_TAGS,
+    TOKENS_TAG,
+    CompareError,
+    RunSeries,
+    check_event_file,
+    find_runs,
+    load_run,
+    load_runs,
+    resolve_run_dirs,
 )
 from .seeds import (
-                      GroupStats,
-                      NoiseFloor,
-                      group_label,
-                      mean_interval,
-                      t_quantile,
-                      welch_interval,
+    GroupStats,
+    NoiseFloor,
+    group_label,
+    mean_interval,
+    t_quantile,
+    welch_interval,
 )
 from .statistics import JSON_VERSION, Comparison, RunStats, compare_runs, moving_average
 

@@ -102,23 +102,54 @@ def _parser() -> argparse.ArgumentParser:
             "exit status: 0 ok, 1 a run failed the gate, 2 bad arguments or unreadable runs"
         ),
     )
-    p.add_argument("runs", nargs="*", metavar="RUN_DIR",
-                   help="run directories (holding events.out.tfevents.*), or a parent of several runs")
-    p.add_argument("--baseline", metavar="RUN", default=None,
-                   help="run to compare against (name or path); default: the run named bf16, else the first")
-    p.add_argument("--tag", default=None, help=f"scalar to compare (default: the training loss, {DEFAULT_TAG} of "
-                   "nemo-fp8-train runs or 'lm loss' of Megatron-Bridge runs; e.g. val/loss)")
+    p.add_argument(
+        "runs",
+        nargs="*",
+        metavar="RUN_DIR",
+        help="run directories (holding events.out.tfevents.*), or a parent of several runs",
+    )
+    p.add_argument(
+        "--baseline",
+        metavar="RUN",
+        default=None,
+        help="run to compare against (name or path); default: the run named bf16, else the first",
+    )
+    p.add_argument(
+        "--tag",
+        default=None,
+        help=f"scalar to compare (default: the training loss, {DEFAULT_TAG} of "
+        "nemo-fp8-train runs or 'lm loss' of Megatron-Bridge runs; e.g. val/loss)",
+    )
     p.add_argument("--tokens-tag", default=None, help=f"throughput scalar (default {TOKENS_TAG})")
-    p.add_argument("--smooth", type=int, default=None, metavar="N",
-                   help="trailing moving average over N logged points before everything (default 1 = off)")
-    p.add_argument("--last", type=int, default=None, metavar="N",
-                   help="final-loss and gate window in training steps (default 100)")
-    p.add_argument("--max-rel-dev", type=float, default=None, metavar="X",
-                   help="gate: fail (exit 1) when a run's max |rel dev| in the window exceeds X (0.01 = 1%%)")
-    p.add_argument("--out", default=None, metavar="DIR",
-                   help="output directory (default: <common parent of the runs>/compare, or the JSON's directory)")
-    p.add_argument("--from-json", default=None, metavar="FILE",
-                   help="re-import a compare.json instead of reading event files, and re-render")
+    p.add_argument(
+        "--smooth",
+        type=int,
+        default=None,
+        metavar="N",
+        help="trailing moving average over N logged points before everything (default 1 = off)",
+    )
+    p.add_argument(
+        "--last", type=int, default=None, metavar="N", help="final-loss and gate window in training steps (default 100)"
+    )
+    p.add_argument(
+        "--max-rel-dev",
+        type=float,
+        default=None,
+        metavar="X",
+        help="gate: fail (exit 1) when a run's max |rel dev| in the window exceeds X (0.01 = 1%%)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        metavar="DIR",
+        help="output directory (default: <common parent of the runs>/compare, or the JSON's directory)",
+    )
+    p.add_argument(
+        "--from-json",
+        default=None,
+        metavar="FILE",
+        help="re-import a compare.json instead of reading event files, and re-render",
+    )
     p.add_argument("--no-png", action="store_true", help="skip the PNG")
     p.add_argument("--no-events", action="store_true", help="skip the deviation/<run> TensorBoard runs")
     return p
@@ -139,11 +170,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         for flag, value, minimum in (("--smooth", args.smooth, 1), ("--last", args.last, 1)):
             if value is not None and value < minimum:
-                raise CompareError(f"{flag} must be >= {minimum}, got {value}"
-                                   + (" (1 = no smoothing)" if flag == "--smooth" else " (training steps)"))
+                raise CompareError(
+                    f"{flag} must be >= {minimum}, got {value}"
+                    + (" (1 = no smoothing)" if flag == "--smooth" else " (training steps)")
+                )
         if args.max_rel_dev is not None and not (math.isfinite(args.max_rel_dev) and args.max_rel_dev >= 0):
-            raise CompareError(f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {args.max_rel_dev}; "
-                               "leave it out to compare without a gate")
+            raise CompareError(
+                f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {args.max_rel_dev}; "
+                "leave it out to compare without a gate"
+            )
         if args.from_json:
             if args.runs:
                 raise CompareError("give either RUN_DIRs or --from-json, not both")
@@ -151,14 +186,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if not src.is_file():
                 raise CompareError(f"--from-json {src}: no such file")
             if args.tag is not None or args.tokens_tag is not None:
-                raise CompareError("--tag/--tokens-tag cannot change a JSON export (it holds one tag); "
-                                   "compare the run directories again instead")
+                raise CompareError(
+                    "--tag/--tokens-tag cannot change a JSON export (it holds one tag); "
+                    "compare the run directories again instead"
+                )
             try:
                 text = src.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise CompareError(f"--from-json {src}: cannot be read as text ({e})") from None
-            comparison = Comparison.from_json(text, baseline=args.baseline,
-                                              smooth=args.smooth, last=args.last, max_rel_dev=args.max_rel_dev)
+            comparison = Comparison.from_json(
+                text, baseline=args.baseline, smooth=args.smooth, last=args.last, max_rel_dev=args.max_rel_dev
+            )
             out = Path(args.out) if args.out else src.parent
         else:
             if not args.runs:
@@ -168,13 +206,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tag = args.tag  # None: each run's training loss (train/loss, or Megatron-Bridge's "lm loss")
             tokens_tag = args.tokens_tag or TOKENS_TAG
             runs = [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, run_names(dirs))]
-            comparison = compare_runs(runs, baseline=args.baseline, smooth=1 if args.smooth is None else args.smooth,
-                                      last=100 if args.last is None else args.last, max_rel_dev=args.max_rel_dev,
-                                      tokens_tag=tokens_tag)
+            comparison = compare_runs(
+                runs,
+                baseline=args.baseline,
+                smooth=1 if args.smooth is None else args.smooth,
+                last=100 if args.last is None else args.last,
+                max_rel_dev=args.max_rel_dev,
+                tokens_tag=tokens_tag,
+            )
             out = Path(args.out) if args.out else _default_out([str(d) for d in dirs])
         if out.exists() and not out.is_dir():
-            raise CompareError(f"--out {out} is a file; give a directory (it receives compare.md, .csv, .json, "
-                               ".png and deviation/)")
+            raise CompareError(
+                f"--out {out} is a file; give a directory (it receives compare.md, .csv, .json, .png and deviation/)"
+            )
         for r in comparison.runs:
             for problem in r.problems:
                 print(f"nemo-fp8-compare: warning: run {r.name}: {problem}", file=sys.stderr)
@@ -187,23 +231,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"{kind + ':':10s} {p}")
     if "deviation" in paths:
         try:
-            logdir = os.path.commonpath([str(Path(r.path).resolve().parent) for r in comparison.runs]
-                                        + [str(out.resolve())])
+            logdir = os.path.commonpath(
+                [str(Path(r.path).resolve().parent) for r in comparison.runs] + [str(out.resolve())]
+            )
         except ValueError:
             logdir = str(out)
         print(f"TensorBoard: tensorboard --logdir {logdir}   (Custom Scalars tab: overlay + deviation)")
     if not comparison.passed:
         lines = "\n".join(f"  {name}: {why}" for name, why in comparison.failures)
-        rule = (f"95% interval over seeds within ±{pct(comparison.max_rel_dev)}" if comparison.seeded else
-                f"max |rel dev| <= {pct(comparison.max_rel_dev)} over the baseline's last {comparison.last} steps")
+        rule = (
+            f"95% interval over seeds within ±{pct(comparison.max_rel_dev)}"
+            if comparison.seeded
+            else f"max |rel dev| <= {pct(comparison.max_rel_dev)} over the baseline's last {comparison.last} steps"
+        )
         print(f"GATE FAILED ({rule}):\n{lines}", file=sys.stderr)
         return 1
     if comparison.max_rel_dev is not None:
         if comparison.seeded:
-            print(f"gate passed: every group's 95% interval over seeds within ±{pct(comparison.max_rel_dev)} of "
-                  f"{comparison.baseline}")
+            print(
+                f"gate passed: every group's 95% interval over seeds within ±{pct(comparison.max_rel_dev)} of "
+                f"{comparison.baseline}"
+            )
         else:
-            print(f"gate passed: every run within {pct(comparison.max_rel_dev)} of {comparison.baseline} "
-                  "(one seed each: this cannot separate FP8 from seed noise; see the notes)")
+            print(
+                f"gate passed: every run within {pct(comparison.max_rel_dev)} of {comparison.baseline} "
+                "(one seed each: this cannot separate FP8 from seed noise; see the notes)"
+            )
     return 0
-

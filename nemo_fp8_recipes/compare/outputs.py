@@ -41,10 +41,11 @@ def tensorboard_layout() -> Dict[str, Dict[str, list]]:
             "grad norm": ["Multiline", [r"^grad_norm$"]],
         },
         "FP8 compare (nemo-fp8-compare)": {
-            "relative deviation from the baseline, (run - baseline) / baseline": [
-                "Multiline", [r"^compare/rel_dev$"]],
+            "relative deviation from the baseline, (run - baseline) / baseline": ["Multiline", [r"^compare/rel_dev$"]],
             "relative deviation, mean over seeds with its 95% interval": [
-                "Margin", [DEVIATION_TAG, DEVIATION_LOW_TAG, DEVIATION_HIGH_TAG]],
+                "Margin",
+                [DEVIATION_TAG, DEVIATION_LOW_TAG, DEVIATION_HIGH_TAG],
+            ],
         },
     }
 
@@ -84,8 +85,13 @@ def plot(comparison: Comparison, path: Optional[Path] = None):
         ax_dev.axhspan(-g, g, color="tab:green", alpha=0.08, label=f"gate ±{g:.3g}%")
     windows = [s.gate_window for s in comparison.stats if s.gate_window]
     if windows:
-        ax_dev.axvspan(min(w[0] for w in windows), max(w[1] for w in windows), color="tab:olive", alpha=0.10,
-                       label=f"final-loss window (last {comparison.last} steps)")
+        ax_dev.axvspan(
+            min(w[0] for w in windows),
+            max(w[1] for w in windows),
+            color="tab:olive",
+            alpha=0.10,
+            label=f"final-loss window (last {comparison.last} steps)",
+        )
     ax_dev.set_ylabel(f"rel. deviation from {comparison.baseline} [%]")
     ax_dev.set_xlabel("step")
     ax_dev.grid(alpha=0.3)
@@ -100,8 +106,14 @@ def _plot_runs(comparison: Comparison, ax_loss, ax_dev, color) -> None:
     for r in comparison.runs:
         steps, vals = comparison.curve(r.name)
         is_base = r.name == comparison.baseline
-        ax_loss.plot(steps, vals, label=f"{r.name} (baseline)" if is_base else r.name, color=color[r.name],
-                     linewidth=3.0 if is_base else 1.4, zorder=1 if is_base else 2)
+        ax_loss.plot(
+            steps,
+            vals,
+            label=f"{r.name} (baseline)" if is_base else r.name,
+            color=color[r.name],
+            linewidth=3.0 if is_base else 1.4,
+            zorder=1 if is_base else 2,
+        )
     for s in comparison.stats:
         if s.baseline or s.name not in comparison.deviations:
             continue
@@ -116,23 +128,38 @@ def _plot_groups(comparison: Comparison, ax_loss, ax_dev, color) -> None:
         vals = [[c[t] for c in curves] for t in steps]
         n = len(curves)
         label = f"{g.label} ({n} seed{'s' if n > 1 else ''}{', baseline' if g.baseline else ''})"
-        ax_loss.plot(steps, [sum(v) / n for v in vals], label=label, color=color[g.label],
-                     linewidth=3.0 if g.baseline else 1.4, zorder=1 if g.baseline else 2)
+        ax_loss.plot(
+            steps,
+            [sum(v) / n for v in vals],
+            label=label,
+            color=color[g.label],
+            linewidth=3.0 if g.baseline else 1.4,
+            zorder=1 if g.baseline else 2,
+        )
         if n > 1:
-            ax_loss.fill_between(steps, [min(v) for v in vals], [max(v) for v in vals], color=color[g.label],
-                                 alpha=0.15, linewidth=0)
+            ax_loss.fill_between(
+                steps, [min(v) for v in vals], [max(v) for v in vals], color=color[g.label], alpha=0.15, linewidth=0
+            )
     spread_steps, spread = comparison.seed_spread
     if spread_steps:
-        ax_dev.fill_between(spread_steps, [-100 * v for v in spread], [100 * v for v in spread], color="grey",
-                            alpha=0.18, linewidth=0, label=f"{comparison.baseline} seed-to-seed spread (±1 sd)")
+        ax_dev.fill_between(
+            spread_steps,
+            [-100 * v for v in spread],
+            [100 * v for v in spread],
+            color="grey",
+            alpha=0.18,
+            linewidth=0,
+            label=f"{comparison.baseline} seed-to-seed spread (±1 sd)",
+        )
     for g in comparison.groups:
         if g.baseline or g.label not in comparison.group_deviations:
             continue
         steps, mean, lo, hi = comparison.group_deviations[g.label]
         ax_dev.plot(steps, [100 * d for d in mean], color=color[g.label], linewidth=1.4, label=g.label)
         if any(a != b for a, b in zip(lo, hi)):
-            ax_dev.fill_between(steps, [100 * d for d in lo], [100 * d for d in hi], color=color[g.label],
-                                alpha=0.2, linewidth=0)
+            ax_dev.fill_between(
+                steps, [100 * d for d in lo], [100 * d for d in hi], color=color[g.label], alpha=0.2, linewidth=0
+            )
 
 
 def write_deviation_events(comparison: Comparison, out_dir: Path) -> List[Path]:
@@ -144,8 +171,10 @@ def write_deviation_events(comparison: Comparison, out_dir: Path) -> List[Path]:
     from torch.utils.tensorboard import SummaryWriter
 
     if comparison.seeded:
-        series = {k: {DEVIATION_TAG: (v[0], v[1]), DEVIATION_LOW_TAG: (v[0], v[2]), DEVIATION_HIGH_TAG: (v[0], v[3])}
-                  for k, v in comparison.group_deviations.items()}
+        series = {
+            k: {DEVIATION_TAG: (v[0], v[1]), DEVIATION_LOW_TAG: (v[0], v[2]), DEVIATION_HIGH_TAG: (v[0], v[3])}
+            for k, v in comparison.group_deviations.items()
+        }
     else:
         series = {k: {DEVIATION_TAG: v} for k, v in comparison.deviations.items()}
     written = []

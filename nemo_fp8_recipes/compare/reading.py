@@ -130,8 +130,10 @@ class RunSeries:
 def _accumulator(path: Path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 1, "images": 1,
-                                                     "histograms": 1, "audio": 1, "compressedHistograms": 1})
+    acc = EventAccumulator(
+        str(path),
+        size_guidance={"scalars": 0, "tensors": 1, "images": 1, "histograms": 1, "audio": 1, "compressedHistograms": 1},
+    )
     acc.Reload()
     return acc
 
@@ -161,8 +163,10 @@ def check_event_file(path: Path) -> Optional[str]:
     except errors.DataLossError as e:
         msg = str(getattr(e, "message", "") or e)
         what = "truncated" if "truncat" in msg.lower() else "corrupt"
-        return (f"{path.name} is {what} after {n} readable record(s) ({size} bytes): {msg.strip()}; the steps "
-                "after that point are missing")
+        return (
+            f"{path.name} is {what} after {n} readable record(s) ({size} bytes): {msg.strip()}; the steps "
+            "after that point are missing"
+        )
     finally:
         try:
             reader.file_handle.close()
@@ -170,7 +174,9 @@ def check_event_file(path: Path) -> Optional[str]:
             pass
 
 
-def load_run(path: Path, tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG, name: Optional[str] = None) -> RunSeries:
+def load_run(
+    path: Path, tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG, name: Optional[str] = None
+) -> RunSeries:
     """Read ``tag`` (and ``tokens_tag`` if present) from the event files of run directory ``path``;
     every event file is checked record by record first (:func:`check_event_file`). ``tag=None``:
     the run's training loss under the name its trainer logs it (:data:`LOSS_TAGS`)."""
@@ -196,9 +202,19 @@ def load_run(path: Path, tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG
     seed, deterministic, variant, problem = read_run_config(path)
     if problem:
         print(f"nemo-fp8-compare: warning: {problem}", file=sys.stderr)
-    return RunSeries(name=name, path=str(path), tag=tag, steps=steps, values=[by_step[s] for s in steps],
-                     tokens_per_s=tps, tags=tags, problems=problems, seed=seed, deterministic=deterministic,
-                     variant=variant)
+    return RunSeries(
+        name=name,
+        path=str(path),
+        tag=tag,
+        steps=steps,
+        values=[by_step[s] for s in steps],
+        tokens_per_s=tps,
+        tags=tags,
+        problems=problems,
+        seed=seed,
+        deterministic=deterministic,
+        variant=variant,
+    )
 
 
 def run_names(paths: Sequence[Path]) -> List[str]:

@@ -59,9 +59,24 @@ __all__ = [
 ]
 
 #: config keys that do not change what a run trains (besides trainer.seed, the pairing key)
-NOT_VARIANT = ("trainer.seed", "run.root", "run.dir", "run.sweep", "run.tensorboard", "hydra", "submit", "cluster",
-               "trainer.progress", "trainer.resume", "trainer.force_resume", "trainer.checkpoint",
-               "trainer.ckpt_interval", "trainer.ckpt_keep", "trainer.memory_check", "data.cache_dir")
+NOT_VARIANT = (
+    "trainer.seed",
+    "run.root",
+    "run.dir",
+    "run.sweep",
+    "run.tensorboard",
+    "hydra",
+    "submit",
+    "cluster",
+    "trainer.progress",
+    "trainer.resume",
+    "trainer.force_resume",
+    "trainer.checkpoint",
+    "trainer.ckpt_interval",
+    "trainer.ckpt_keep",
+    "trainer.memory_check",
+    "data.cache_dir",
+)
 
 
 # ---- run metadata ---------------------------------------------------------------------------------
@@ -206,8 +221,9 @@ def mean_interval(xs: Sequence[float], level: float = 0.95) -> Tuple[float, Opti
     return m, (m - half, m + half)
 
 
-def welch_interval(a: Sequence[float], b: Sequence[float], level: float = 0.95
-                   ) -> Tuple[float, Optional[Tuple[float, float]]]:
+def welch_interval(
+    a: Sequence[float], b: Sequence[float], level: float = 0.95
+) -> Tuple[float, Optional[Tuple[float, float]]]:
     """``mean(a) - mean(b)`` and its Welch interval (None unless both have two values or more)."""
     ma, sa = _mean_sd(a)
     mb, sb = _mean_sd(b)
@@ -273,15 +289,19 @@ class NoiseFloor:
             return f"measured on {len(self.reruns)} rerun pair(s): final loss differs by up to {100 * worst:.3f}%"
         if self.deterministic:
             return "0 (every run deterministic: trainer.deterministic=true repeats a run bit for bit)"
-        return ("unknown: the runs are not deterministic and no rerun of a seed is given "
-                "(trainer.deterministic=true makes it 0)")
+        return (
+            "unknown: the runs are not deterministic and no rerun of a seed is given "
+            "(trainer.deterministic=true makes it 0)"
+        )
 
     def seed_text(self) -> str:
         """The seed-to-seed floor in words."""
         if self.seed_sd is None:
             return f"unknown: one {self.baseline} seed (train several: trainer.seed=1,2,3)"
-        return (f"{self.baseline} over {len(self.seeds)} seeds: final loss sd {100 * self.seed_sd:.3f}% of the "
-                f"mean, two seeds differ by up to {100 * self.seed_max_pair:.3f}%")
+        return (
+            f"{self.baseline} over {len(self.seeds)} seeds: final loss sd {100 * self.seed_sd:.3f}% of the "
+            f"mean, two seeds differ by up to {100 * self.seed_max_pair:.3f}%"
+        )
 
 
 def seed_key(seed: Optional[int]) -> str:
@@ -305,7 +325,6 @@ def interval_text(value: Optional[float], interval: Optional[Tuple[float, float]
     if interval is None:
         return pct(value, signed)
     return f"{pct(value, signed)} [{pct(interval[0], signed)}, {pct(interval[1], signed)}]"
-
 
 
 # ---- the statistics -------------------------------------------------------------------------------
@@ -336,9 +355,17 @@ def _rel_curve(curve: Dict[int, float], base: Dict[int, float]) -> Dict[int, flo
     return {s: ((v - base[s]) / base[s] if base[s] != 0 else math.inf) for s, v in curve.items() if s in base}
 
 
-def group_statistics(groups: Dict[str, List], base_label: str, curves: Dict[str, Dict[int, float]],
-                     finals: Dict[str, float], run_stats: Dict[str, object], *, last: int,
-                     max_rel_dev: Optional[float], seeded: bool):
+def group_statistics(
+    groups: Dict[str, List],
+    base_label: str,
+    curves: Dict[str, Dict[int, float]],
+    finals: Dict[str, float],
+    run_stats: Dict[str, object],
+    *,
+    last: int,
+    max_rel_dev: Optional[float],
+    seeded: bool,
+):
     """The seed table (:class:`GroupStats` per group, baseline first), the :class:`NoiseFloor`,
     the per-step deviation of each group (``{label: (steps, mean, low, high)}``, the interval
     across paired seeds; low = high = mean with one seed) and the baseline's per-step seed spread
@@ -355,11 +382,18 @@ def group_statistics(groups: Dict[str, List], base_label: str, curves: Dict[str,
         fl, sd = _mean_sd(fl_values)
         tps = median([run_stats[r.name].tokens_per_s for r in seed_runs.values()])
         base_tps = median([run_stats[r.name].tokens_per_s for r in base_seed_runs.values()])
-        row = GroupStats(label=label, baseline=label == base_label, runs=[r.name for r in seed_runs.values()],
-                         seeds=list(seed_runs), method="baseline", final_loss=fl,
-                         final_loss_sd=sd if len(fl_values) > 1 else None, tokens_per_s=tps,
-                         speedup=tps / base_tps if tps is not None and base_tps else None,
-                         deterministic=_all_known([r.deterministic for r in members]))
+        row = GroupStats(
+            label=label,
+            baseline=label == base_label,
+            runs=[r.name for r in seed_runs.values()],
+            seeds=list(seed_runs),
+            method="baseline",
+            final_loss=fl,
+            final_loss_sd=sd if len(fl_values) > 1 else None,
+            tokens_per_s=tps,
+            speedup=tps / base_tps if tps is not None and base_tps else None,
+            deterministic=_all_known([r.deterministic for r in members]),
+        )
         rows.append(row)
         if row.baseline:
             continue
@@ -382,8 +416,10 @@ def group_statistics(groups: Dict[str, List], base_label: str, curves: Dict[str,
             diff, ci = welch_interval(fl_values, base_finals)
             row.final_vs_baseline = diff / base_mean
             row.interval = None if ci is None else (ci[0] / base_mean, ci[1] / base_mean)
-            row.notes.append("no seed in common with the baseline: Welch's interval over the two groups' seeds "
-                             "(seed-to-seed noise included; same seeds would pair the runs)")
+            row.notes.append(
+                "no seed in common with the baseline: Welch's interval over the two groups' seeds "
+                "(seed-to-seed noise included; same seeds would pair the runs)"
+            )
         else:
             row.method = "one seed"
             if paired:
@@ -392,11 +428,15 @@ def group_statistics(groups: Dict[str, List], base_label: str, curves: Dict[str,
             else:
                 row.final_vs_baseline = (fl - base_mean) / base_mean
             if seeded or len(seed_runs) == 1:
-                row.notes.append("one seed: this comparison cannot separate the recipe from seed noise (train "
-                                 "several seeds, e.g. trainer.seed=1,2,3, for an interval)")
+                row.notes.append(
+                    "one seed: this comparison cannot separate the recipe from seed noise (train "
+                    "several seeds, e.g. trainer.seed=1,2,3, for an interval)"
+                )
             if not row.deterministic:
-                row.notes.append("not deterministic: run-to-run noise is in the deviation too "
-                                 "(trainer.deterministic=true removes it)")
+                row.notes.append(
+                    "not deterministic: run-to-run noise is in the deviation too "
+                    "(trainer.deterministic=true removes it)"
+                )
         # the per-step deviation over the paired seeds
         if paired:
             per = [_rel_curve(curves[seed_runs[s].name], curves[base_seed_runs[s].name]) for s in paired]
@@ -431,8 +471,10 @@ def _judge(row: GroupStats, judged_stats: Sequence, x: float, last: int) -> None
             if lo > x or hi < -x:
                 row.reasons.append(f"deviation shown beyond ±{pct(x)}: {span}")
             else:
-                row.reasons.append(f"the {span} reaches beyond ±{pct(x)}: these seeds cannot show the deviation "
-                                   "within it (more seeds or longer runs narrow the interval)")
+                row.reasons.append(
+                    f"the {span} reaches beyond ±{pct(x)}: these seeds cannot show the deviation "
+                    "within it (more seeds or longer runs narrow the interval)"
+                )
         return
     run = judged_stats[0] if len(judged_stats) == 1 else None
     if run is None or run.gate_rel_dev is None:
@@ -447,8 +489,11 @@ def _judge(row: GroupStats, judged_stats: Sequence, x: float, last: int) -> None
 
 
 def _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, curves, finals) -> NoiseFloor:
-    noise = NoiseFloor(baseline=base_label, seeds=[s for s in base_seed_runs if s is not None],
-                       deterministic=_all_known([r.deterministic for m in groups.values() for r in m]))
+    noise = NoiseFloor(
+        baseline=base_label,
+        seeds=[s for s in base_seed_runs if s is not None],
+        deterministic=_all_known([r.deterministic for m in groups.values() for r in m]),
+    )
     if len(base_finals) >= 2:
         noise.seed_sd = _mean_sd(base_finals)[1] / base_mean
         noise.seed_max_pair = (max(base_finals) - min(base_finals)) / base_mean
@@ -459,7 +504,13 @@ def _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, cur
             if r is a:
                 continue
             devs = _rel_curve(curves[r.name], curves[a.name])
-            noise.reruns.append({"group": label, "seed": r.seed, "runs": [a.name, r.name],
-                                 "final_dev": (finals[r.name] - finals[a.name]) / finals[a.name],
-                                 "max_rel_dev": max((abs(d) for d in devs.values()), default=None)})
+            noise.reruns.append(
+                {
+                    "group": label,
+                    "seed": r.seed,
+                    "runs": [a.name, r.name],
+                    "final_dev": (finals[r.name] - finals[a.name]) / finals[a.name],
+                    "max_rel_dev": max((abs(d) for d in devs.values()), default=None),
+                }
+            )
     return noise

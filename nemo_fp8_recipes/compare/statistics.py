@@ -142,34 +142,65 @@ class Comparison:
         if self.max_rel_dev is None:
             gate = "off (--max-rel-dev)"
         elif self.seeded:
-            gate = (f"the 95% interval over seeds of the final-loss deviation within ±{pct(self.max_rel_dev)} "
-                    "(one seed: max |rel dev| over the baseline's last steps), every run reaching the baseline's "
-                    "last step")
+            gate = (
+                f"the 95% interval over seeds of the final-loss deviation within ±{pct(self.max_rel_dev)} "
+                "(one seed: max |rel dev| over the baseline's last steps), every run reaching the baseline's "
+                "last step"
+            )
         else:
-            gate = (f"max |rel dev| over the baseline's last {self.last} steps <= {pct(self.max_rel_dev)}, "
-                    "every run reaching the baseline's last step")
-        return (f"tag `{self.tag}`, baseline **{self.baseline}**, smoothing: {sm}, final loss: mean over "
-                f"the last {self.last} steps, gate: {gate}")
+            gate = (
+                f"max |rel dev| over the baseline's last {self.last} steps <= {pct(self.max_rel_dev)}, "
+                "every run reaching the baseline's last step"
+            )
+        return (
+            f"tag `{self.tag}`, baseline **{self.baseline}**, smoothing: {sm}, final loss: mean over "
+            f"the last {self.last} steps, gate: {gate}"
+        )
 
     def _run_table(self) -> List[str]:
         seeds = self.seeded
-        head = ["run", *(["seed"] if seeds else []), "final loss", "final vs baseline", "max \\|rel dev\\|",
-                "mean \\|rel dev\\|", f"max \\|rel dev\\| last {self.last}", "tokens/s", "speedup",
-                *([] if seeds else ["gate"])]
+        head = [
+            "run",
+            *(["seed"] if seeds else []),
+            "final loss",
+            "final vs baseline",
+            "max \\|rel dev\\|",
+            "mean \\|rel dev\\|",
+            f"max \\|rel dev\\| last {self.last}",
+            "tokens/s",
+            "speedup",
+            *([] if seeds else ["gate"]),
+        ]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for s in self.stats:
             name = f"{s.name} (baseline)" if s.baseline else s.name
             gate = "—" if s.passed is None else ("pass" if s.passed else "**FAIL**")
-            row = [name, *([str(s.seed) if s.seed is not None else "?"] if seeds else []), _num(s.final_loss, 4),
-                   pct(s.final_vs_baseline, signed=True), pct(s.max_rel_dev), pct(s.mean_rel_dev),
-                   pct(s.gate_rel_dev), _num(s.tokens_per_s, 0, thousands=True),
-                   "—" if s.speedup is None else f"{s.speedup:.2f}×", *([] if seeds else [gate])]
+            row = [
+                name,
+                *([str(s.seed) if s.seed is not None else "?"] if seeds else []),
+                _num(s.final_loss, 4),
+                pct(s.final_vs_baseline, signed=True),
+                pct(s.max_rel_dev),
+                pct(s.mean_rel_dev),
+                pct(s.gate_rel_dev),
+                _num(s.tokens_per_s, 0, thousands=True),
+                "—" if s.speedup is None else f"{s.speedup:.2f}×",
+                *([] if seeds else [gate]),
+            ]
             lines.append("| " + " | ".join(row) + " |")
         return lines
 
     def _group_table(self) -> List[str]:
-        head = ["run group", "seeds", "final loss (mean ± sd)", "final vs baseline [95% interval]",
-                f"mean \\|rel dev\\| last {self.last} [95% interval]", "tokens/s", "speedup", "gate"]
+        head = [
+            "run group",
+            "seeds",
+            "final loss (mean ± sd)",
+            "final vs baseline [95% interval]",
+            f"mean \\|rel dev\\| last {self.last} [95% interval]",
+            "tokens/s",
+            "speedup",
+            "gate",
+        ]
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for g in self.groups:
             name = f"{g.label} (baseline)" if g.baseline else g.label
@@ -178,9 +209,16 @@ class Comparison:
                 seeds += f" ({g.method})"
             fl = _num(g.final_loss, 4) + (f" ± {g.final_loss_sd:.4f}" if g.final_loss_sd is not None else "")
             gate = "—" if g.passed is None else ("pass" if g.passed else "**FAIL**")
-            row = [name, seeds, fl, "—" if g.baseline else interval_text(g.final_vs_baseline, g.interval),
-                   "—" if g.baseline else interval_text(g.mean_abs_dev, g.mean_abs_dev_interval, signed=False),
-                   _num(g.tokens_per_s, 0, thousands=True), "—" if g.speedup is None else f"{g.speedup:.2f}×", gate]
+            row = [
+                name,
+                seeds,
+                fl,
+                "—" if g.baseline else interval_text(g.final_vs_baseline, g.interval),
+                "—" if g.baseline else interval_text(g.mean_abs_dev, g.mean_abs_dev_interval, signed=False),
+                _num(g.tokens_per_s, 0, thousands=True),
+                "—" if g.speedup is None else f"{g.speedup:.2f}×",
+                gate,
+            ]
             lines.append("| " + " | ".join(row) + " |")
         return lines
 
@@ -190,11 +228,17 @@ class Comparison:
         lines = [self.settings_line(), ""]
         if self.seeded:
             lines += self._group_table()
-            lines += ["", f"Noise floor: seed to seed, {self.noise.seed_text()}; same seed run again, "
-                      f"{self.noise.rerun_text()}.", "", "Per run, against the baseline run of the same seed:", ""]
+            lines += [
+                "",
+                f"Noise floor: seed to seed, {self.noise.seed_text()}; same seed run again, {self.noise.rerun_text()}.",
+                "",
+                "Per run, against the baseline run of the same seed:",
+                "",
+            ]
         lines += self._run_table()
-        notes = [f"- **{g.label}**: {why}" for g in self.groups for why in (g.reasons + g.notes if self.seeded
-                                                                             else g.notes)]
+        notes = [
+            f"- **{g.label}**: {why}" for g in self.groups for why in (g.reasons + g.notes if self.seeded else g.notes)
+        ]
         notes += [f"- **{s.name}**: {why}" for s in self.stats for why in s.reasons]
         if notes:
             lines += ["", "Notes:", *dict.fromkeys(notes)]
@@ -204,9 +248,28 @@ class Comparison:
         """The per-run table as CSV, full precision, fractions (not percent); empty cells = n/a."""
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        cols = ["run", "path", "baseline", "seed", "group", "paired_with", "last_step", "aligned_steps", "final_loss",
-                "final_vs_baseline", "max_rel_dev", "mean_rel_dev", "window_mean_rel_dev", "gate_rel_dev",
-                "gate_first_step", "gate_last_step", "tokens_per_s", "speedup", "passed", "reasons"]
+        cols = [
+            "run",
+            "path",
+            "baseline",
+            "seed",
+            "group",
+            "paired_with",
+            "last_step",
+            "aligned_steps",
+            "final_loss",
+            "final_vs_baseline",
+            "max_rel_dev",
+            "mean_rel_dev",
+            "window_mean_rel_dev",
+            "gate_rel_dev",
+            "gate_first_step",
+            "gate_last_step",
+            "tokens_per_s",
+            "speedup",
+            "passed",
+            "reasons",
+        ]
         w.writerow(cols)
         for s in self.stats:
             d = asdict(s)
@@ -221,33 +284,79 @@ class Comparison:
         """The seed table as CSV (one row per group; fractions; interval bounds in their own columns)."""
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        cols = ["group", "baseline", "method", "seeds", "runs", "final_loss", "final_loss_sd", "final_vs_baseline",
-                "interval_low", "interval_high", "mean_abs_dev", "mean_abs_dev_low", "mean_abs_dev_high",
-                "tokens_per_s", "speedup", "deterministic", "passed", "reasons", "notes"]
+        cols = [
+            "group",
+            "baseline",
+            "method",
+            "seeds",
+            "runs",
+            "final_loss",
+            "final_loss_sd",
+            "final_vs_baseline",
+            "interval_low",
+            "interval_high",
+            "mean_abs_dev",
+            "mean_abs_dev_low",
+            "mean_abs_dev_high",
+            "tokens_per_s",
+            "speedup",
+            "deterministic",
+            "passed",
+            "reasons",
+            "notes",
+        ]
         w.writerow(cols)
         for g in self.groups:
             iv, mv = g.interval or (None, None), g.mean_abs_dev_interval or (None, None)
-            w.writerow([_cell(v) for v in (
-                g.label, g.baseline, g.method, " ".join("?" if x is None else str(x) for x in g.seeds), " ".join(g.runs),
-                g.final_loss, g.final_loss_sd, g.final_vs_baseline, iv[0], iv[1], g.mean_abs_dev, mv[0], mv[1],
-                g.tokens_per_s, g.speedup, g.deterministic, g.passed, "; ".join(g.reasons) or None,
-                "; ".join(g.notes) or None)])
+            w.writerow(
+                [
+                    _cell(v)
+                    for v in (
+                        g.label,
+                        g.baseline,
+                        g.method,
+                        " ".join("?" if x is None else str(x) for x in g.seeds),
+                        " ".join(g.runs),
+                        g.final_loss,
+                        g.final_loss_sd,
+                        g.final_vs_baseline,
+                        iv[0],
+                        iv[1],
+                        g.mean_abs_dev,
+                        mv[0],
+                        mv[1],
+                        g.tokens_per_s,
+                        g.speedup,
+                        g.deterministic,
+                        g.passed,
+                        "; ".join(g.reasons) or None,
+                        "; ".join(g.notes) or None,
+                    )
+                ]
+            )
         return buf.getvalue()
 
     def to_dict(self) -> dict:
         """Everything needed to re-render: settings, raw curves, results."""
         return {
             "version": JSON_VERSION,
-            "settings": {"tag": self.tag, "tokens_tag": self.tokens_tag, "baseline": self.baseline,
-                         "smooth": self.smooth, "last": self.last, "max_rel_dev": self.max_rel_dev},
+            "settings": {
+                "tag": self.tag,
+                "tokens_tag": self.tokens_tag,
+                "baseline": self.baseline,
+                "smooth": self.smooth,
+                "last": self.last,
+                "max_rel_dev": self.max_rel_dev,
+            },
             "runs": [asdict(r) for r in self.runs],
             "results": [asdict(s) for s in self.stats],
             "deviations": {k: {"steps": v[0], "rel_dev": v[1]} for k, v in self.deviations.items()},
             "seeded": self.seeded,
             "groups": [asdict(g) for g in self.groups],
             "noise": asdict(self.noise) if self.noise else None,
-            "group_deviations": {k: {"steps": v[0], "mean": v[1], "low": v[2], "high": v[3]}
-                                 for k, v in self.group_deviations.items()},
+            "group_deviations": {
+                k: {"steps": v[0], "mean": v[1], "low": v[2], "high": v[3]} for k, v in self.group_deviations.items()
+            },
             "passed": self.passed,
         }
 
@@ -287,10 +396,11 @@ class Comparison:
         except CompareError as e:
             raise CompareError(f"damaged nemo-fp8-compare JSON export: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CompareError(f"damaged nemo-fp8-compare JSON export ({type(e).__name__}: {e}); "
-                               "write it again from the run directories") from None
-        return compare_runs(runs, baseline=baseline, smooth=smooth, last=last, max_rel_dev=mrd,
-                            tokens_tag=tokens_tag)
+            raise CompareError(
+                f"damaged nemo-fp8-compare JSON export ({type(e).__name__}: {e}); "
+                "write it again from the run directories"
+            ) from None
+        return compare_runs(runs, baseline=baseline, smooth=smooth, last=last, max_rel_dev=mrd, tokens_tag=tokens_tag)
 
 
 def _cell(v):
@@ -339,11 +449,14 @@ def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str]) 
                 return label_of[r.name]
         named = ", ".join(f"{r.name} ({r.path})" for r in runs)
         extra = [g for g in groups if g not in label_of]
-        raise CompareError(f"--baseline {baseline!r} is not one of the runs (give a run's name or its "
-                           f"directory{', or a group: ' + ', '.join(extra) if extra else ''}): {named}")
+        raise CompareError(
+            f"--baseline {baseline!r} is not one of the runs (give a run's name or its "
+            f"directory{', or a group: ' + ', '.join(extra) if extra else ''}): {named}"
+        )
     for label, members in groups.items():
-        if label == "bf16" or any(Path(r.path).name == "bf16" or group_label(r.name, r.seed) == "bf16"
-                                  for r in members):
+        if label == "bf16" or any(
+            Path(r.path).name == "bf16" or group_label(r.name, r.seed) == "bf16" for r in members
+        ):
             return label
     for label, members in groups.items():
         if label.rsplit("/", 1)[-1].startswith("bf16-"):
@@ -351,8 +464,15 @@ def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str]) 
     return next(iter(groups))
 
 
-def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, smooth: int = 1, last: int = 100,
-                 max_rel_dev: Optional[float] = None, tokens_tag: str = TOKENS_TAG) -> Comparison:
+def compare_runs(
+    runs: Sequence[RunSeries],
+    *,
+    baseline: Optional[str] = None,
+    smooth: int = 1,
+    last: int = 100,
+    max_rel_dev: Optional[float] = None,
+    tokens_tag: str = TOKENS_TAG,
+) -> Comparison:
     """Compute the tables (see the docstrings of :mod:`nemo_fp8_recipes.compare.cli` and, for seeds,
     :mod:`nemo_fp8_recipes.compare.seeds` for every definition)."""
     if not runs:
@@ -362,12 +482,15 @@ def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, s
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise CompareError(f"--last must be an integer >= 1 (training steps), got {last!r}")
     if max_rel_dev is not None and not (math.isfinite(max_rel_dev) and max_rel_dev >= 0):
-        raise CompareError(f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {max_rel_dev}; "
-                           "leave it out to compare without a gate")
+        raise CompareError(
+            f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {max_rel_dev}; "
+            "leave it out to compare without a gate"
+        )
     for r in runs:
         if not r.steps:
-            raise CompareError(f"run {r.name} ({r.path}) has no {r.tag} values"
-                               + (f" ({'; '.join(r.problems)})" if r.problems else ""))
+            raise CompareError(
+                f"run {r.name} ({r.path}) has no {r.tag} values" + (f" ({'; '.join(r.problems)})" if r.problems else "")
+            )
     groups = group_runs(runs)
     seeded = any(len(members) > 1 for members in groups.values())
     if not seeded:  # one run per configuration: each is known by its own name
@@ -389,37 +512,83 @@ def compare_runs(runs: Sequence[RunSeries], *, baseline: Optional[str] = None, s
     stats: List[RunStats] = []
     deviations: Dict[str, Tuple[List[int], List[float]]] = {}
     for r in runs:
-        common = dict(name=r.name, path=r.path, last_step=r.steps[-1], final_loss=finals[r.name],
-                      tokens_per_s=tps[r.name], seed=r.seed, group=label_of[r.name])
+        common = dict(
+            name=r.name,
+            path=r.path,
+            last_step=r.steps[-1],
+            final_loss=finals[r.name],
+            tokens_per_s=tps[r.name],
+            seed=r.seed,
+            group=label_of[r.name],
+        )
         if label_of[r.name] == base_label:
             partner = base_by_seed[r.seed]
-            stats.append(RunStats(**common, baseline=True, aligned_steps=len(r.steps), final_vs_baseline=None,
-                                  max_rel_dev=None, mean_rel_dev=None, gate_rel_dev=None, gate_window=None,
-                                  speedup=1.0 if tps[r.name] is not None else None, passed=None,
-                                  paired_with=None if partner is r else partner.name,
-                                  reasons=[f"damaged event file: {p}" for p in r.problems]))
+            stats.append(
+                RunStats(
+                    **common,
+                    baseline=True,
+                    aligned_steps=len(r.steps),
+                    final_vs_baseline=None,
+                    max_rel_dev=None,
+                    mean_rel_dev=None,
+                    gate_rel_dev=None,
+                    gate_window=None,
+                    speedup=1.0 if tps[r.name] is not None else None,
+                    passed=None,
+                    paired_with=None if partner is r else partner.name,
+                    reasons=[f"damaged event file: {p}" for p in r.problems],
+                )
+            )
             continue
         base = base_by_seed.get(r.seed) if seeded else base_runs[0]
         if base is None:
-            stats.append(RunStats(**common, baseline=False, aligned_steps=0, final_vs_baseline=None, max_rel_dev=None,
-                                  mean_rel_dev=None, gate_rel_dev=None, gate_window=None, speedup=None, passed=None,
-                                  reasons=[f"no {base_label} run of seed {r.seed} to pair it with"]))
+            stats.append(
+                RunStats(
+                    **common,
+                    baseline=False,
+                    aligned_steps=0,
+                    final_vs_baseline=None,
+                    max_rel_dev=None,
+                    mean_rel_dev=None,
+                    gate_rel_dev=None,
+                    gate_window=None,
+                    speedup=None,
+                    passed=None,
+                    reasons=[f"no {base_label} run of seed {r.seed} to pair it with"],
+                )
+            )
             continue
-        row, deviations[r.name] = _run_stats(r, base, curves, finals, tps, last, None if seeded else max_rel_dev,
-                                             common)
+        row, deviations[r.name] = _run_stats(
+            r, base, curves, finals, tps, last, None if seeded else max_rel_dev, common
+        )
         stats.append(row)
     stats.sort(key=lambda st: not st.baseline)  # baseline rows first, the rest in the order given
     by_name = {s.name: s for s in stats}
     group_rows, noise, group_devs, spread = group_statistics(
-        groups, base_label, curves, finals, by_name, last=last, max_rel_dev=max_rel_dev, seeded=seeded)
+        groups, base_label, curves, finals, by_name, last=last, max_rel_dev=max_rel_dev, seeded=seeded
+    )
     tags = list(dict.fromkeys(r.tag for r in runs))  # one per trainer when runs of both are compared
-    return Comparison(tag=" / ".join(tags), baseline=base_label, smooth=smooth, last=last, max_rel_dev=max_rel_dev,
-                      runs=list(runs), stats=stats, deviations=deviations, tokens_tag=tokens_tag, groups=group_rows,
-                      noise=noise, group_deviations=group_devs, seed_spread=spread, seeded=seeded)
+    return Comparison(
+        tag=" / ".join(tags),
+        baseline=base_label,
+        smooth=smooth,
+        last=last,
+        max_rel_dev=max_rel_dev,
+        runs=list(runs),
+        stats=stats,
+        deviations=deviations,
+        tokens_tag=tokens_tag,
+        groups=group_rows,
+        noise=noise,
+        group_deviations=group_devs,
+        seed_spread=spread,
+        seeded=seeded,
+    )
 
 
-def _run_stats(r: RunSeries, base: RunSeries, curves, finals, tps, last: int, max_rel_dev: Optional[float],
-               common: dict) -> Tuple[RunStats, Tuple[List[int], List[float]]]:
+def _run_stats(
+    r: RunSeries, base: RunSeries, curves, finals, tps, last: int, max_rel_dev: Optional[float], common: dict
+) -> Tuple[RunStats, Tuple[List[int], List[float]]]:
     """One run against its baseline run ``base`` (the per-run gate only when ``max_rel_dev``), and
     its per-step deviation ``(steps, rel_dev)``."""
     c, base_curve, base_end = curves[r.name], curves[base.name], base.steps[-1]
@@ -439,22 +608,37 @@ def _run_stats(r: RunSeries, base: RunSeries, curves, finals, tps, last: int, ma
     if base.problems:
         reasons.append(f"the baseline {base.name} has a damaged event file")
     if r.steps[-1] < base_end:
-        reasons.append(f"ended at step {r.steps[-1]}, before the baseline's last step {base_end} "
-                       "(stopped early, or its event file was cut short): only a run that reaches it is judged")
+        reasons.append(
+            f"ended at step {r.steps[-1]}, before the baseline's last step {base_end} "
+            "(stopped early, or its event file was cut short): only a run that reaches it is judged"
+        )
     if not in_window:
-        reasons.append(f"no step of the gate window (steps > {base_end - last}, the baseline's last {last}) "
-                       "was logged by both runs")
+        reasons.append(
+            f"no step of the gate window (steps > {base_end - last}, the baseline's last {last}) "
+            "was logged by both runs"
+        )
     passed = None
     if max_rel_dev is not None:
         passed = not reasons and gate_dev is not None and gate_dev <= max_rel_dev
         if not reasons and gate_dev is not None and gate_dev > max_rel_dev:
-            reasons.append(f"max |rel dev| {pct(gate_dev)} over steps {window[0]}..{window[1]} is above "
-                           f"{pct(max_rel_dev)}")
+            reasons.append(
+                f"max |rel dev| {pct(gate_dev)} over steps {window[0]}..{window[1]} is above {pct(max_rel_dev)}"
+            )
     fl, base_final = finals[r.name], finals[base.name]
     tps_r, tps_b = tps[r.name], tps[base.name]
-    out = RunStats(**common, baseline=False, aligned_steps=len(aligned),
-                   final_vs_baseline=(fl - base_final) / base_final if base_final else None,
-                   max_rel_dev=_abs_max(dev), mean_rel_dev=mean_dev, gate_rel_dev=gate_dev, gate_window=window,
-                   speedup=tps_r / tps_b if (tps_r is not None and tps_b) else None, passed=passed, reasons=reasons,
-                   paired_with=base.name, window_mean_rel_dev=window_mean)
+    out = RunStats(
+        **common,
+        baseline=False,
+        aligned_steps=len(aligned),
+        final_vs_baseline=(fl - base_final) / base_final if base_final else None,
+        max_rel_dev=_abs_max(dev),
+        mean_rel_dev=mean_dev,
+        gate_rel_dev=gate_dev,
+        gate_window=window,
+        speedup=tps_r / tps_b if (tps_r is not None and tps_b) else None,
+        passed=passed,
+        reasons=reasons,
+        paired_with=base.name,
+        window_mean_rel_dev=window_mean,
+    )
     return out, (aligned, dev)

@@ -194,7 +194,8 @@ def list_source_files(cfg: DataConfig) -> List[SourceFile]:
                 if cfg.source == "text" and _looks_binary(p):
                     raise DataError(
                         f"data path {entry} is a binary file (it holds NUL bytes), not text; give text files or "
-                        "directories (binary files found inside a directory are skipped)")
+                        "directories (binary files found inside a directory are skipped)"
+                    )
                 files.append(SourceFile(p.resolve(), p.name))
                 continue
             root = p.resolve()
@@ -238,8 +239,9 @@ def iter_documents(cfg: DataConfig, files: Sequence[SourceFile]) -> Iterator[Tup
                         rec = json.loads(line)
                     except UnicodeDecodeError as e:
                         raise DataError(
-                            f"{f.path}:{lineno}: not valid UTF-8 (byte {e.start} of the line: {line[e.start:e.start + 4]!r}); "
-                            "JSONL files must be UTF-8 text: re-encode it (e.g. iconv -f latin1 -t utf-8) or drop the line"
+                            f"{f.path}:{lineno}: not valid UTF-8 (byte {e.start} of the line: "
+                            f"{line[e.start : e.start + 4]!r}); JSONL files must be UTF-8 text: re-encode it "
+                            "(e.g. iconv -f latin1 -t utf-8) or drop the line"
                         ) from None
                     except json.JSONDecodeError as e:
                         raise DataError(f"{f.path}:{lineno}: not valid JSON ({e.msg})") from None
@@ -378,8 +380,13 @@ def _build_cache_files(cfg: DataConfig, files, tokenizer, out_dir: Path, fingerp
     _fsync_dir(out_dir)
     log.info(
         "tokenised %d files (%d train / %d val docs, %d / %d tokens) in %.1fs into %s",
-        len(files), meta["train_docs"], meta["val_docs"], meta["train_tokens"],
-        meta["val_tokens"], time.perf_counter() - t0, out_dir,
+        len(files),
+        meta["train_docs"],
+        meta["val_docs"],
+        meta["train_tokens"],
+        meta["val_tokens"],
+        time.perf_counter() - t0,
+        out_dir,
     )
 
 

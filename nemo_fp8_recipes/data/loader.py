@@ -62,9 +62,7 @@ class TrainBatches:
     iterator state to checkpoint.
     """
 
-    def __init__(
-        self, packed: PackedTokens, *, seed: int, micro_batch_size: int, grad_accum: int
-    ) -> None:
+    def __init__(self, packed: PackedTokens, *, seed: int, micro_batch_size: int, grad_accum: int) -> None:
         if len(packed) == 0:
             raise DataError(
                 f"the {packed.split} split has {len(packed.tokens)} tokens, fewer than one sequence "
@@ -143,9 +141,7 @@ class ValBatches:
         n = len(packed)
         count = min(want, n)
         idx = np.unique(np.linspace(0, n - 1, count).round().astype(np.int64))
-        self.batches = [
-            idx[i : i + micro_batch_size].tolist() for i in range(0, len(idx), micro_batch_size)
-        ]
+        self.batches = [idx[i : i + micro_batch_size].tolist() for i in range(0, len(idx), micro_batch_size)]
 
     def __len__(self) -> int:
         return len(self.batches)

@@ -93,14 +93,18 @@ class TEAuditReport:
 
     def table(self) -> str:
         hdr = ("module", "role", "policy", "calls", "fp8 calls", "TE recipe", "reason")
-        body = [(r.name, r.role, r.decision, str(r.calls), str(r.fp8_calls), ",".join(r.te_recipes) or "-", r.reason)
-                for r in self.rows]
+        body = [
+            (r.name, r.role, r.decision, str(r.calls), str(r.fp8_calls), ",".join(r.te_recipes) or "-", r.reason)
+            for r in self.rows
+        ]
         w = [max(len(x[i]) for x in [hdr] + body) for i in range(len(hdr))]
         lines = ["  ".join(h.ljust(w[i]) for i, h in enumerate(hdr)).rstrip(), "  ".join("-" * x for x in w)]
         lines += ["  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in body]
         ran8 = sum(r.fp8_calls for r in self.rows)
-        lines.append(f"recipe {self.recipe}: {ran8} TE module calls in FP8, "
-                     f"{sum(r.calls for r in self.rows) - ran8} in high precision")
+        lines.append(
+            f"recipe {self.recipe}: {ran8} TE module calls in FP8, "
+            f"{sum(r.calls for r in self.rows) - ran8} in high precision"
+        )
         if self.violations:
             lines.append("POLICY VIOLATIONS (ran with FP8 on): " + ", ".join(self.violations))
         if self.fp8_off:
@@ -138,11 +142,17 @@ class TEPrecisionHooks:
             ``te.autocast(enabled=False)``).
     """
 
-    def __init__(self, recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *,
-                 strict: bool = False, telemetry: bool = False,
-                 is_te: Optional[Callable[[nn.Module], bool]] = None,
-                 fp8_state: Optional[Callable[[], Tuple[bool, Optional[str]]]] = None,
-                 disable_fp8: Optional[Callable[[], Any]] = None) -> None:
+    def __init__(
+        self,
+        recipe: Union[str, Recipe],
+        policy: Optional[PrecisionPolicy] = None,
+        *,
+        strict: bool = False,
+        telemetry: bool = False,
+        is_te: Optional[Callable[[nn.Module], bool]] = None,
+        fp8_state: Optional[Callable[[], Tuple[bool, Optional[str]]]] = None,
+        disable_fp8: Optional[Callable[[], Any]] = None,
+    ) -> None:
         self.recipe = recipe if isinstance(recipe, Recipe) else get_recipe(recipe)
         self.policy = policy or PrecisionPolicy()
         self.strict = strict
@@ -239,8 +249,7 @@ class TEPrecisionHooks:
         """Decisions vs what ran since attach / :meth:`reset`."""
         rows = sorted(self.rows.values(), key=lambda r: r.name)
         violations = [r.name for r in rows if r.decision != "fp8" and r.fp8_calls > 0]
-        off = [r.name for r in rows if r.decision == "fp8" and r.calls > 0 and r.fp8_calls == 0
-               and self.recipe.is_fp8]
+        off = [r.name for r in rows if r.decision == "fp8" and r.calls > 0 and r.fp8_calls == 0 and self.recipe.is_fp8]
         return TEAuditReport(self.recipe.name, rows, violations, off)
 
     def check(self) -> TEAuditReport:
@@ -248,7 +257,8 @@ class TEPrecisionHooks:
         rep = self.report()
         if self.strict and rep.violations:
             raise PolicyViolation(
-                "modules kept out of FP8 by the policy ran with FP8 on: " + ", ".join(rep.violations)
+                "modules kept out of FP8 by the policy ran with FP8 on: "
+                + ", ".join(rep.violations)
                 + " (check that nothing re-enters te.autocast inside them, or run without strict)"
             )
         return rep
@@ -302,9 +312,16 @@ def _make_writer(log_dir: Optional[str]):
     return SummaryWriter(log_dir)
 
 
-def lightning_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *,
-                       strict: bool = False, telemetry_interval: int = 0, log_dir: Optional[str] = None,
-                       audit_at_step: int = 1, **hook_kwargs):
+def lightning_callback(
+    recipe: Union[str, Recipe],
+    policy: Optional[PrecisionPolicy] = None,
+    *,
+    strict: bool = False,
+    telemetry_interval: int = 0,
+    log_dir: Optional[str] = None,
+    audit_at_step: int = 1,
+    **hook_kwargs,
+):
     """A Lightning callback (NeMo 2.x ``nl.Trainer(callbacks=[...])``) running
     :class:`TEPrecisionHooks`: attach at ``setup``, audit table logged (strict: raised) after
     ``audit_at_step`` training batches, telemetry every ``telemetry_interval`` steps to the
@@ -322,8 +339,9 @@ def lightning_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPol
 
         def __init__(self) -> None:
             super().__init__()
-            self.hooks = TEPrecisionHooks(recipe, policy, strict=strict, telemetry=telemetry_interval > 0,
-                                          **hook_kwargs)
+            self.hooks = TEPrecisionHooks(
+                recipe, policy, strict=strict, telemetry=telemetry_interval > 0, **hook_kwargs
+            )
             self.audit: Optional[TEAuditReport] = None
             self._writer = None
 
@@ -364,9 +382,17 @@ def write_audit(report: "TEAuditReport", directory) -> None:
     (d / "audit.json").write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
 
 
-def bridge_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *,
-                    expected_model_fields: Optional[Dict[str, Any]] = None, strict: bool = False,
-                    telemetry_interval: int = 0, audit_at_step: int = 1, audit_dir=None, **hook_kwargs):
+def bridge_callback(
+    recipe: Union[str, Recipe],
+    policy: Optional[PrecisionPolicy] = None,
+    *,
+    expected_model_fields: Optional[Dict[str, Any]] = None,
+    strict: bool = False,
+    telemetry_interval: int = 0,
+    audit_at_step: int = 1,
+    audit_dir=None,
+    **hook_kwargs,
+):
     """A Megatron-Bridge callback (``pretrain(cfg, forward_step, callbacks=[...])``):
 
     * ``on_train_start``: checks that the model config Bridge finally built carries
@@ -384,15 +410,19 @@ def bridge_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy
         """Applies, audits and logs the FP8 precision policy inside Megatron-Bridge training."""
 
         def __init__(self) -> None:
-            self.hooks = TEPrecisionHooks(recipe, policy, strict=strict, telemetry=telemetry_interval > 0,
-                                          **hook_kwargs)
+            self.hooks = TEPrecisionHooks(
+                recipe, policy, strict=strict, telemetry=telemetry_interval > 0, **hook_kwargs
+            )
             self.audit: Optional[TEAuditReport] = None
             self.steps = 0
 
         def on_train_start(self, context) -> None:
             model_cfg = context.state.cfg.model
-            bad = {k: (getattr(model_cfg, k, None), v) for k, v in (expected_model_fields or {}).items()
-                   if getattr(model_cfg, k, None) != v}
+            bad = {
+                k: (getattr(model_cfg, k, None), v)
+                for k, v in (expected_model_fields or {}).items()
+                if getattr(model_cfg, k, None) != v
+            }
             if bad:
                 raise RuntimeError(
                     "the model config Megatron-Bridge built does not carry the FP8 recipe: "
@@ -400,8 +430,10 @@ def bridge_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy
                     + "; something overwrote it after mixed_precision.setup(); run nemo-fp8-check with the "
                     "same overrides"
                 )
-            log.info("FP8 settings on the built model: %s",
-                     {k: getattr(model_cfg, k, None) for k in (expected_model_fields or {})})
+            log.info(
+                "FP8 settings on the built model: %s",
+                {k: getattr(model_cfg, k, None) for k in (expected_model_fields or {})},
+            )
             self.hooks.attach(context.model)
 
         def on_train_step_end(self, context) -> None:
@@ -417,8 +449,9 @@ def bridge_callback(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy
                 if audit_dir is not None:
                     write_audit(self.audit, audit_dir)
             if telemetry_interval and self.steps % telemetry_interval == 0:
-                _write_scalars(getattr(context.state, "tensorboard_logger", None),
-                               self.hooks.collect_telemetry(), self.steps)
+                _write_scalars(
+                    getattr(context.state, "tensorboard_logger", None), self.hooks.collect_telemetry(), self.steps
+                )
 
         def on_train_end(self, context) -> None:
             self.hooks.detach()

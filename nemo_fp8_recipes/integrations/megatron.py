@@ -106,8 +106,17 @@ class MegatronFP8Config(dict):
     parsed ``quant_recipe`` for the per-module overrides.
     """
 
-    def __init__(self, fields: Dict[str, Any], *, recipe: Recipe, policy: PrecisionPolicy, backend: str,
-                 te_precision_config: Optional[dict], env: Dict[str, str], notes: List[str]) -> None:
+    def __init__(
+        self,
+        fields: Dict[str, Any],
+        *,
+        recipe: Recipe,
+        policy: PrecisionPolicy,
+        backend: str,
+        te_precision_config: Optional[dict],
+        env: Dict[str, str],
+        notes: List[str],
+    ) -> None:
         super().__init__(fields)
         self.recipe = recipe
         self.policy = policy
@@ -154,14 +163,26 @@ class MegatronFP8Config(dict):
         """The same settings as Megatron-LM ``pretrain_gpt.py`` flags."""
         args: List[str] = []
         if self.get("fp8"):
-            args += ["--fp8-format", self["fp8"], "--fp8-recipe", self["fp8_recipe"],
-                     "--fp8-margin", str(self["fp8_margin"]),
-                     "--fp8-amax-history-len", str(self["fp8_amax_history_len"]),
-                     "--fp8-amax-compute-algo", self["fp8_amax_compute_algo"]]
+            args += [
+                "--fp8-format",
+                self["fp8"],
+                "--fp8-recipe",
+                self["fp8_recipe"],
+                "--fp8-margin",
+                str(self["fp8_margin"]),
+                "--fp8-amax-history-len",
+                str(self["fp8_amax_history_len"]),
+                "--fp8-amax-compute-algo",
+                self["fp8_amax_compute_algo"],
+            ]
             if self["first_last_layers_bf16"]:
-                args += ["--first-last-layers-bf16",
-                         "--num-layers-at-start-in-bf16", str(self["num_layers_at_start_in_bf16"]),
-                         "--num-layers-at-end-in-bf16", str(self["num_layers_at_end_in_bf16"])]
+                args += [
+                    "--first-last-layers-bf16",
+                    "--num-layers-at-start-in-bf16",
+                    str(self["num_layers_at_start_in_bf16"]),
+                    "--num-layers-at-end-in-bf16",
+                    str(self["num_layers_at_end_in_bf16"]),
+                ]
             if self.te_precision_config is not None:
                 args += ["--te-precision-config-file", te_precision_config_file or "<write_te_precision_config(path)>"]
         args += ["--moe-router-dtype", self["moe_router_dtype"]]
@@ -186,13 +207,13 @@ def te_precision_config(recipe: Recipe, policy: PrecisionPolicy) -> Optional[dic
             name = "attention_projections_bf16_" + pat.rsplit(".", 1)[-1]
             matchers[name] = {"type": "glob", "enabled": True, "pattern": pat, "config": _BF16_CONFIG_KEY}
     for i, pat in enumerate(policy.exclude):
-        matchers[f"policy_exclude_{i}"] = {"type": "glob", "enabled": True, "pattern": pat,
-                                           "config": _BF16_CONFIG_KEY}
+        matchers[f"policy_exclude_{i}"] = {"type": "glob", "enabled": True, "pattern": pat, "config": _BF16_CONFIG_KEY}
     if not matchers:
         return None
     return {
-        "configs": {_BF16_CONFIG_KEY: {"transformer_engine_config_type": "TEQuantizationParams",
-                                       "training_recipe": {}}},
+        "configs": {
+            _BF16_CONFIG_KEY: {"transformer_engine_config_type": "TEQuantizationParams", "training_recipe": {}}
+        },
         "matchers": matchers,
     }
 
@@ -247,7 +268,8 @@ def megatron_config(
             f"policy.min_fp8_weight_elements={p.min_fp8_weight_elements!r} (the size rule) cannot be expressed in "
             "Megatron-Core's FP8 settings, which decide per layer and per module name: keep the small GEMMs in "
             "BF16 with policy.exclude patterns (e.g. policy.exclude=['*.linear_proj']), or set "
-            "policy.min_fp8_weight_elements=0")
+            "policy.min_fp8_weight_elements=0"
+        )
     if backend not in ("te", "native"):
         raise ValueError(f"backend={backend!r} is not valid; choose te or native")
     notes: List[str] = []
@@ -264,8 +286,9 @@ def megatron_config(
         }
         if r.is_fp8:
             notes.append("fp8=None: Transformer Engine stays off; FP8 GEMMs come from convert_megatron_model")
-        return MegatronFP8Config(fields, recipe=r, policy=p, backend=backend, te_precision_config=None,
-                                 env={}, notes=notes)
+        return MegatronFP8Config(
+            fields, recipe=r, policy=p, backend=backend, te_precision_config=None, env={}, notes=notes
+        )
 
     _megatron_expressible(r)
     first, last = p.first_layers_bf16, p.last_layers_bf16
@@ -308,10 +331,13 @@ def megatron_config(
     if tpc is not None:
         notes.append(f"per-module BF16 overrides: {len(tpc['matchers'])} matcher(s) (--te-precision-config-file)")
     if p.include:
-        notes.append("policy.include has no effect with Transformer Engine: TE modules already run in FP8 "
-                     "inside the autocast, and Megatron's non-TE modules (output layer, router) cannot")
-    return MegatronFP8Config(fields, recipe=r, policy=p, backend="te", te_precision_config=tpc,
-                             env=te_env(r), notes=notes)
+        notes.append(
+            "policy.include has no effect with Transformer Engine: TE modules already run in FP8 "
+            "inside the autocast, and Megatron's non-TE modules (output layer, router) cannot"
+        )
+    return MegatronFP8Config(
+        fields, recipe=r, policy=p, backend="te", te_precision_config=tpc, env=te_env(r), notes=notes
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -360,8 +386,9 @@ class Float8MegatronLinear(Float8Linear):
         return f"{self.megatron_class}, {super().extra_repr()}, skip_bias_add={self.skip_bias_add}"
 
     @torch.compiler.disable
-    def forward(self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None,
-                runtime_gather_output: Optional[bool] = None):
+    def forward(
+        self, input_: torch.Tensor, weight: Optional[torch.Tensor] = None, runtime_gather_output: Optional[bool] = None
+    ):
         if weight is not None and weight is not self.weight:
             raise NotImplementedError(
                 f"{self.fqn}: an externally supplied weight (shared embeddings / output layer) is not "
@@ -379,7 +406,11 @@ def _check_swappable(fqn: str, layer: nn.Module) -> None:
     if tp is None:
         from megatron.core import parallel_state
 
-        tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        tp = (
+            parallel_state.get_tensor_model_parallel_world_size()
+            if parallel_state.model_parallel_is_initialized()
+            else 1
+        )
     problems = []
     if tp != 1:
         problems.append(f"tensor parallel size {tp} (the swap supports 1)")
@@ -397,8 +428,9 @@ def _check_swappable(fqn: str, layer: nn.Module) -> None:
         )
 
 
-def _swap_megatron_linear(fqn: str, layer: nn.Module, decision: Decision, recipe: Recipe,
-                          emulate: bool) -> Float8MegatronLinear:
+def _swap_megatron_linear(
+    fqn: str, layer: nn.Module, decision: Decision, recipe: Recipe, emulate: bool
+) -> Float8MegatronLinear:
     """The :data:`~nemo_fp8_recipes.nn.SwapFactory` of Megatron's parallel linears."""
     return Float8MegatronLinear.from_megatron(layer, recipe, emulate=emulate)
 
@@ -426,8 +458,14 @@ def convert_megatron_model(
     for fqn, layer in model.named_modules():
         if isinstance(layer, (col, row)):
             _check_swappable(fqn, layer)
-    return convert_model(model, recipe, policy=policy, emulate=emulate, device=device,
-                         swaps={col: _swap_megatron_linear, row: _swap_megatron_linear})
+    return convert_model(
+        model,
+        recipe,
+        policy=policy,
+        emulate=emulate,
+        device=device,
+        swaps={col: _swap_megatron_linear, row: _swap_megatron_linear},
+    )
 
 
 def transformer_config_field_names() -> set:

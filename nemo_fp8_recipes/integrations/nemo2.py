@@ -48,10 +48,24 @@ __all__ = [
 ]
 
 _COMMON = (
-    "precision", "params_dtype", "pipeline_dtype", "autocast_dtype", "autocast_enabled", "grad_reduce_in_fp32",
-    "fp8", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad",
-    "fp8_dot_product_attention", "fp8_multi_head_attention", "fp16_loss_scale", "fp16_initial_loss_scale",
-    "fp16_min_loss_scale", "fp16_loss_scale_window", "fp16_hysteresis",
+    "precision",
+    "params_dtype",
+    "pipeline_dtype",
+    "autocast_dtype",
+    "autocast_enabled",
+    "grad_reduce_in_fp32",
+    "fp8",
+    "fp8_margin",
+    "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
+    "fp8_wgrad",
+    "fp8_dot_product_attention",
+    "fp8_multi_head_attention",
+    "fp16_loss_scale",
+    "fp16_initial_loss_scale",
+    "fp16_min_loss_scale",
+    "fp16_loss_scale_window",
+    "fp16_hysteresis",
 )
 _BF16_LAYERS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16")
 #: ``MegatronMixedPrecision.__init__`` arguments by NeMo release, read from the nemo_toolkit wheels
@@ -62,16 +76,24 @@ _BF16_LAYERS = ("first_last_layers_bf16", "num_layers_at_start_in_bf16", "num_la
 NEMO2_SIGNATURES = {
     "2.2": _COMMON + ("fp8_params",),
     "2.3": _COMMON + ("fp8_recipe", "fp8_param_gather") + _BF16_LAYERS,
-    "2.7": _COMMON + ("fp8_recipe", "fp8_params", "fp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "fp4",
-                      "fp4_recipe") + _BF16_LAYERS,
+    "2.7": _COMMON
+    + ("fp8_recipe", "fp8_params", "fp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "fp4", "fp4_recipe")
+    + _BF16_LAYERS,
 }
 #: The newest (used when NeMo is not installed).
 NEMO2_MIXED_PRECISION_ARGS = NEMO2_SIGNATURES["2.7"]
 
 # Arguments an older NeMo 2.x may lack, with the value that means "not used".
-_NEUTRAL = {"first_last_layers_bf16": False, "num_layers_at_start_in_bf16": 0, "num_layers_at_end_in_bf16": 0,
-            "fp8_recipe": "delayed", "fp8_dot_product_attention": False, "fp8_multi_head_attention": False,
-            "fp8_wgrad": True, "reuse_grad_buf_for_mxfp8_param_ag": False}
+_NEUTRAL = {
+    "first_last_layers_bf16": False,
+    "num_layers_at_start_in_bf16": 0,
+    "num_layers_at_end_in_bf16": 0,
+    "fp8_recipe": "delayed",
+    "fp8_dot_product_attention": False,
+    "fp8_multi_head_attention": False,
+    "fp8_wgrad": True,
+    "reuse_grad_buf_for_mxfp8_param_ag": False,
+}
 
 
 def _installed_signature() -> Optional[set]:
@@ -84,9 +106,13 @@ def _installed_signature() -> Optional[set]:
     return set(inspect.signature(MegatronMixedPrecision.__init__).parameters) - {"self"}
 
 
-def nemo2_mixed_precision_kwargs(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *,
-                                 fp8_param_gather: bool = False,
-                                 signature: Optional[Collection[str]] = None) -> Dict[str, Any]:
+def nemo2_mixed_precision_kwargs(
+    recipe: Union[str, Recipe],
+    policy: Optional[PrecisionPolicy] = None,
+    *,
+    fp8_param_gather: bool = False,
+    signature: Optional[Collection[str]] = None,
+) -> Dict[str, Any]:
     """``MegatronMixedPrecision(**kwargs)`` for ``recipe``: ``bf16-mixed`` with BF16 params and
     every FP8 field pinned from :func:`~.megatron.megatron_config`.
 
@@ -108,9 +134,19 @@ def nemo2_mixed_precision_kwargs(recipe: Union[str, Recipe], policy: Optional[Pr
     }
     if r.is_fp8:
         mc = megatron_config(r, policy, backend="te", fp8_param=fp8_param_gather)
-        for k in ("fp8", "fp8_recipe", "first_last_layers_bf16", "fp8_margin", "fp8_amax_history_len",
-                  "fp8_amax_compute_algo", "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention",
-                  "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        for k in (
+            "fp8",
+            "fp8_recipe",
+            "first_last_layers_bf16",
+            "fp8_margin",
+            "fp8_amax_history_len",
+            "fp8_amax_compute_algo",
+            "fp8_wgrad",
+            "fp8_dot_product_attention",
+            "fp8_multi_head_attention",
+            "num_layers_at_start_in_bf16",
+            "num_layers_at_end_in_bf16",
+        ):
             kw[k] = mc[k]
     else:
         kw["fp8"] = None
@@ -132,8 +168,9 @@ def nemo2_mixed_precision_kwargs(recipe: Union[str, Recipe], policy: Optional[Pr
     return out
 
 
-def megatron_mixed_precision(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *,
-                             fp8_param_gather: bool = False):
+def megatron_mixed_precision(
+    recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *, fp8_param_gather: bool = False
+):
     """The real NeMo 2.x ``MegatronMixedPrecision`` plugin for ``recipe`` (imports NeMo; the NVTE_*
     environment is set first, see :func:`~.te.prepare_te_env`)."""
     from .te import prepare_te_env

@@ -203,8 +203,9 @@ def te_recipe_spec(recipe: Union[str, Recipe]) -> TERecipeSpec:
         expected = {f"{q}.power_2_scale": pow2 for q in _Q_FIELDS}
         expected.update({f"{q}.amax_epsilon": 0.0 for q in _Q_FIELDS})
         expected.update({f"{m}.use_split_accumulator": kwargs[m]["use_split_accumulator"] for m in _MM_FIELDS})
-        return TERecipeSpec(r.name, TE_CLASSES[r.name], kwargs,
-                            {ENV_CURRENT_POW2_SCALES: "1" if pow2 else "0"}, expected, optional)
+        return TERecipeSpec(
+            r.name, TE_CLASSES[r.name], kwargs, {ENV_CURRENT_POW2_SCALES: "1" if pow2 else "0"}, expected, optional
+        )
     if r.name == "blockwise":
         fp32 = r.scale_rounding is ScaleRounding.FP32
         kwargs = {
@@ -221,9 +222,12 @@ def te_recipe_spec(recipe: Union[str, Recipe]) -> TERecipeSpec:
         }
         expected = {f"{q}.power_2_scale": not fp32 for q in _Q_FIELDS}
         expected.update({f"{q}.amax_epsilon": 0.0 for q in _Q_FIELDS})
-        expected.update({k: kwargs[k] for k in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")})
-        return TERecipeSpec(r.name, TE_CLASSES[r.name], kwargs,
-                            {ENV_BLOCK_FP32_SCALES: "1" if fp32 else "0"}, expected, optional)
+        expected.update(
+            {k: kwargs[k] for k in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")}
+        )
+        return TERecipeSpec(
+            r.name, TE_CLASSES[r.name], kwargs, {ENV_BLOCK_FP32_SCALES: "1" if fp32 else "0"}, expected, optional
+        )
     if r.name == "mxfp8":
         if r.scale_rounding is not ScaleRounding.E8M0_CEIL:
             raise TEUnsupportedError(
@@ -231,8 +235,13 @@ def te_recipe_spec(recipe: Union[str, Recipe]) -> TERecipeSpec:
                 "(2^ceil(log2(amax/448))); scale_rounding=e8m0_floor (OCP) exists only in backend=native. "
                 "Drop recipe.scale_rounding for TE"
             )
-        kwargs = {"margin": 0, "fp8_format": _fmt(r), **common, "backward_override": None,
-                  "enable_2d_quantization": False}
+        kwargs = {
+            "margin": 0,
+            "fp8_format": _fmt(r),
+            **common,
+            "backward_override": None,
+            "enable_2d_quantization": False,
+        }
         expected = {"margin": 0, "fp8_dpa": False, "fp8_mha": False}
         return TERecipeSpec(r.name, TE_CLASSES[r.name], kwargs, {}, expected, optional)
     raise TEUnsupportedError(f"{r.name}: no Transformer Engine recipe")
@@ -272,7 +281,7 @@ def check_te_import_order(recipe: Union[str, Recipe], te_recipe_module=None) -> 
     want = spec.expected[f"{_Q_FIELDS[0]}.power_2_scale"]
     have = getattr(getattr(cls, _Q_FIELDS[0]), "power_2_scale")
     if have != want:
-        (var, val), = spec.env.items()
+        ((var, val),) = spec.env.items()
         got = "power-of-2" if have else "FP32"
         need = "power-of-2" if want else "FP32"
         raise TEImportOrderError(
@@ -353,7 +362,7 @@ def build_te_recipe(spec: TERecipeSpec, te_recipe_module) -> Any:
     if bad:
         msg = f"{spec.te_class} built for recipe {spec.recipe} does not match it: {', '.join(bad)}."
         if any("power_2_scale" in b for b in bad):
-            (var, val), = spec.env.items()
+            ((var, val),) = spec.env.items()
             raise TEImportOrderError(
                 msg + f" Transformer Engine read {var} at import with the other value; export "
                 f"{var}={val} before Python starts (or call to_te_recipe() before importing TE)"
@@ -422,7 +431,10 @@ def te_available() -> Tuple[bool, str]:
     except (ImportError, ValueError):
         found = False
     if not found:
-        return False, "Transformer Engine is not installed (pip install 'transformer_engine[pytorch]>=2.9' on a CUDA machine)"
+        return (
+            False,
+            "Transformer Engine is not installed (pip install 'transformer_engine[pytorch]>=2.9' on a CUDA machine)",
+        )
     v = te_version()
     return True, f"transformer_engine {'.'.join(map(str, v)) if v else 'unknown version'}"
 

@@ -145,8 +145,9 @@ class ValidationReport:
             for f in self.findings:
                 lines.append(f"{f.level.upper()} [{f.code}] {f.message}")
         lines.append("")
-        lines.append(f"{len(self.errors)} error(s), {len(self.warnings)} warning(s)"
-                     + ("" if self.errors else ": OK to launch"))
+        lines.append(
+            f"{len(self.errors)} error(s), {len(self.warnings)} warning(s)" + ("" if self.errors else ": OK to launch")
+        )
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -154,7 +155,10 @@ class ValidationReport:
 
     def to_dict(self) -> dict:
         return {
-            "recipe": self.recipe, "backend": self.backend, "target": self.target, "ok": self.ok,
+            "recipe": self.recipe,
+            "backend": self.backend,
+            "target": self.target,
+            "ok": self.ok,
             "settings": [list(r) for r in self.settings],
             "findings": [dataclasses.asdict(f) for f in self.findings],
         }
@@ -270,9 +274,14 @@ def _bridge_builds_our_model(args: Sequence[str]) -> bool:
         return next((a.split("=", 1)[1] for a in args if a.split("=", 1)[0].lstrip("+") == key), default)
 
     try:
-        return provider_mode(value("model") or _default_model(), value("backend.provider", "auto"),
-                             value("backend.recipe_fn") if value("backend.recipe_fn") not in (None, "null") else None
-                             ) == "ours"
+        return (
+            provider_mode(
+                value("model") or _default_model(),
+                value("backend.provider", "auto"),
+                value("backend.recipe_fn") if value("backend.recipe_fn") not in (None, "null") else None,
+            )
+            == "ours"
+        )
     except BridgeLaunchError:
         return False  # the launcher reports the bad value
 
@@ -313,9 +322,16 @@ def _model_dims(model: Any) -> Dict[str, Optional[int]]:
 
 
 #: ``model.<Megatron field>=`` overrides that set a model dim (field, dim).
-_DIM_OVERRIDES = (("hidden_size", "hidden"), ("ffn_hidden_size", "ffn"), ("num_attention_heads", "heads"),
-                  ("num_query_groups", "kv_heads"), ("kv_channels", "head_dim"), ("num_layers", "layers"),
-                  ("num_moe_experts", "experts"), ("moe_ffn_hidden_size", "moe_ffn"))
+_DIM_OVERRIDES = (
+    ("hidden_size", "hidden"),
+    ("ffn_hidden_size", "ffn"),
+    ("num_attention_heads", "heads"),
+    ("num_query_groups", "kv_heads"),
+    ("kv_channels", "head_dim"),
+    ("num_layers", "layers"),
+    ("num_moe_experts", "experts"),
+    ("moe_ffn_hidden_size", "moe_ffn"),
+)
 
 
 def _dims_from_overrides(ov: Mapping[str, Any]) -> Dict[str, Any]:
@@ -427,8 +443,9 @@ def validate(
     return rep
 
 
-def _settings_rows(r: Recipe, p: PrecisionPolicy, backend: str, target: DeviceInfo, ov: Mapping[str, Any],
-                   fp8_param_gather: bool) -> List[Tuple[str, str, str]]:
+def _settings_rows(
+    r: Recipe, p: PrecisionPolicy, backend: str, target: DeviceInfo, ov: Mapping[str, Any], fp8_param_gather: bool
+) -> List[Tuple[str, str, str]]:
     rows: List[Tuple[str, str, str]] = []
     if backend == "native" or not r.is_fp8:
         for k, v in r.describe().items():
@@ -454,7 +471,9 @@ def _settings_rows(r: Recipe, p: PrecisionPolicy, backend: str, target: DeviceIn
                         break
                 rows.append((k, str(v), src))
             if mc.te_precision_config is not None:
-                rows.append(("te_precision_config", f"{len(mc.te_precision_config['matchers'])} BF16 matcher(s)", "policy"))
+                rows.append(
+                    ("te_precision_config", f"{len(mc.te_precision_config['matchers'])} BF16 matcher(s)", "policy")
+                )
             for var, val in mc.env.items():
                 rows.append((var, val, "recipe scale_rounding"))
             try:
@@ -463,7 +482,9 @@ def _settings_rows(r: Recipe, p: PrecisionPolicy, backend: str, target: DeviceIn
                 pass
         if backend == "megatron_bridge":
             fpg = ov.get("mixed_precision.fp8_param_gather", fp8_param_gather)
-            rows.append(("fp8_param_gather", str(fpg), "override" if "mixed_precision.fp8_param_gather" in ov else "backend"))
+            rows.append(
+                ("fp8_param_gather", str(fpg), "override" if "mixed_precision.fp8_param_gather" in ov else "backend")
+            )
             rows.append(("bf16 / params_dtype", "True / torch.bfloat16", "mixed_precision"))
     rows.append(("policy.attention_projections", p.attention_projections, "policy"))
     rows.append(("policy.first/last_layers_bf16", f"{p.first_layers_bf16}/{p.last_layers_bf16}", "policy"))
@@ -473,8 +494,15 @@ def _settings_rows(r: Recipe, p: PrecisionPolicy, backend: str, target: DeviceIn
     return rows
 
 
-def validate_config(cfg, framework_overrides: Sequence[str] = (), *, device=None, te_version="auto",
-                    environ=None, backend: Optional[str] = None) -> ValidationReport:
+def validate_config(
+    cfg,
+    framework_overrides: Sequence[str] = (),
+    *,
+    device=None,
+    te_version="auto",
+    environ=None,
+    backend: Optional[str] = None,
+) -> ValidationReport:
     """:func:`validate` for a composed ``nemo-fp8-train`` config (``DictConfig``) plus framework
     overrides (the arguments :func:`split_overrides` did not claim)."""
     from omegaconf import OmegaConf
@@ -496,9 +524,19 @@ def validate_config(cfg, framework_overrides: Sequence[str] = (), *, device=None
             f"backend=native takes no framework overrides, got {list(framework_overrides)}; these keys belong "
             "to backend=te or backend=megatron_bridge"
         )
-    return validate(r, p, backend=backend, model=model, device=device, te_version=te_version,
-                    overrides=list(framework_overrides), micro_batch_size=mbs, seq_len=seq,
-                    fp8_param_gather=fpg, environ=environ)
+    return validate(
+        r,
+        p,
+        backend=backend,
+        model=model,
+        device=device,
+        te_version=te_version,
+        overrides=list(framework_overrides),
+        micro_batch_size=mbs,
+        seq_len=seq,
+        fp8_param_gather=fpg,
+        environ=environ,
+    )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -509,36 +547,53 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="nemo-fp8-check",
         description="Check an FP8 configuration before launch. Arguments without '--' are Hydra overrides "
-                    "(as for nemo-fp8-train: recipe=, policy.*, model=, backend=) and framework overrides "
-                    "(model.<TransformerConfig field>=, mixed_precision.*=, ddp.*=, train.*=).",
+        "(as for nemo-fp8-train: recipe=, policy.*, model=, backend=) and framework overrides "
+        "(model.<TransformerConfig field>=, mixed_precision.*=, ddp.*=, train.*=).",
     )
-    parser.add_argument("--gpu", default=None, help="target GPU: h100, h200, b200, gb200, b300, rtx5090, smNN, cpu "
-                                                    "(default: this machine)")
+    parser.add_argument(
+        "--gpu",
+        default=None,
+        help="target GPU: h100, h200, b200, gb200, b300, rtx5090, smNN, cpu (default: this machine)",
+    )
     parser.add_argument("--cuda", default=None, help="CUDA version on the target, e.g. 12.9")
-    parser.add_argument("--te", default="auto", help="Transformer Engine version on the target (default: installed here)")
+    parser.add_argument(
+        "--te", default="auto", help="Transformer Engine version on the target (default: installed here)"
+    )
     parser.add_argument("--json", default=None, help="also write the report as JSON to this path")
     parser.add_argument("--strict", action="store_true", help="treat warnings as errors")
-    parser.add_argument("--megatron", action="store_true",
-                        help="check for plain Megatron-Core / Megatron-LM with Transformer Engine (backend te); "
-                             "model.<field>= overrides are then TransformerConfig fields")
+    parser.add_argument(
+        "--megatron",
+        action="store_true",
+        help="check for plain Megatron-Core / Megatron-LM with Transformer Engine (backend te); "
+        "model.<field>= overrides are then TransformerConfig fields",
+    )
     args, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     flags = [a for a in rest if a.startswith("-")]
     if flags:
         print(f"nemo-fp8-check: unknown option(s) {flags}; see --help", file=sys.stderr)
         return 2
     if args.te != "auto" and not re.fullmatch(r"\d+(\.\d+){0,3}([.+-]?[A-Za-z0-9.+-]*)?", str(args.te)):
-        print(f"nemo-fp8-check: --te {args.te!r} is not a Transformer Engine version like 2.9 or 2.20.2 "
-              "(or auto: the one installed here)", file=sys.stderr)
+        print(
+            f"nemo-fp8-check: --te {args.te!r} is not a Transformer Engine version like 2.9 or 2.20.2 "
+            "(or auto: the one installed here)",
+            file=sys.stderr,
+        )
         return 2
     if args.json:
         parent = Path(args.json).expanduser().resolve().parent
         if not parent.is_dir():
-            print(f"nemo-fp8-check: --json {args.json}: the directory {parent} does not exist; create it "
-                  f"(mkdir -p {parent}) or write the report elsewhere", file=sys.stderr)
+            print(
+                f"nemo-fp8-check: --json {args.json}: the directory {parent} does not exist; create it "
+                f"(mkdir -p {parent}) or write the report elsewhere",
+                file=sys.stderr,
+            )
             return 2
         if Path(args.json).is_dir():
-            print(f"nemo-fp8-check: --json {args.json} is a directory; give a file name (e.g. "
-                  f"{Path(args.json) / 'check.json'})", file=sys.stderr)
+            print(
+                f"nemo-fp8-check: --json {args.json} is a directory; give a file name (e.g. "
+                f"{Path(args.json) / 'check.json'})",
+                file=sys.stderr,
+            )
             return 2
     backend = "te" if args.megatron else None
     ours, theirs = split_overrides(rest, backend=backend)

@@ -211,8 +211,9 @@ def _absolute(path: str, base: Path) -> Path:
     return Path(os.path.normpath(p if p.is_absolute() else base / p))
 
 
-def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str] = (),
-             cwd: Optional[Path] = None) -> PlannedJob:
+def plan_job(
+    cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str] = (), cwd: Optional[Path] = None
+) -> PlannedJob:
     """Turn one composed config (+ the overrides that made it, and for ``backend=megatron_bridge``
     the pass-through overrides that are Bridge's) into a :class:`PlannedJob`.
 
@@ -237,8 +238,10 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
     if backend not in BACKENDS:
         raise ConfigError(f"{PROG} launches backend=native, te or megatron_bridge, got backend={backend}")
     if framework_overrides and backend != "megatron_bridge":
-        raise ConfigError(f"overrides {list(framework_overrides)} are not nemo-fp8-train keys (they pass "
-                          "through to Megatron-Bridge only with backend=megatron_bridge)")
+        raise ConfigError(
+            f"overrides {list(framework_overrides)} are not nemo-fp8-train keys (they pass "
+            "through to Megatron-Bridge only with backend=megatron_bridge)"
+        )
 
     run_dir = _absolute(rcfg.dir, cwd)
     run_root = _absolute(rcfg.root, cwd)
@@ -251,8 +254,10 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
         job_name = check_job_name(str(cl.job_name))
     else:
         size = f"{cl.nodes * cl.gpus_per_node}x{gpu_type}" if cl.gpus_per_node > 0 else f"{cl.nodes}xcpu"
-        job_name = check_job_name(f"{model}-{size}-{run_name(recipe.name, rcfg.tag, rcfg.sweep, _root_=cfg)}",
-                                  "the job name derived from model, GPUs, recipe and run.tag (or set cluster.job_name)")
+        job_name = check_job_name(
+            f"{model}-{size}-{run_name(recipe.name, rcfg.tag, rcfg.sweep, _root_=cfg)}",
+            "the job name derived from model, GPUs, recipe and run.tag (or set cluster.job_name)",
+        )
 
     image = cl.container.image
     python = check_program(cl.python or ("python" if image else sys.executable), "cluster.python")
@@ -281,8 +286,7 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
     comment = [
         f"Rendered by {PROG} on {_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d %H:%M:%S} UTC from:",
         "  " + " ".join([PROG, *overrides, *framework_overrides]),
-        f"model {model}, recipe {recipe.name}, backend {backend}, "
-        f"{cl.nodes} node(s) x {cl.gpus_per_node} GPU(s)",
+        f"model {model}, recipe {recipe.name}, backend {backend}, {cl.nodes} node(s) x {cl.gpus_per_node} GPU(s)",
     ]
     if backend in ("native", "te"):  # the embedded trainer (te: with Transformer Engine's linears)
         args = trainer_overrides(overrides, run_root, run_dir_overridden)
@@ -291,17 +295,22 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
             comment.append("CPU job: one plain python process (no torchrun, no GPUs)")
         elif cl.gpus_per_node == 0:
             command = [*torchrun_args(torchrun, 1), "-m", "nemo_fp8_recipes.train", *args]
-            comment.append(f"CPU job on {cl.nodes} nodes: one process per node, data parallel over gloo "
-                           f"(trainer.data_parallel={cfg.trainer.data_parallel})")
+            comment.append(
+                f"CPU job on {cl.nodes} nodes: one process per node, data parallel over gloo "
+                f"(trainer.data_parallel={cfg.trainer.data_parallel})"
+            )
         else:
             command = [*torchrun_args(torchrun, cl.gpus_per_node), "-m", "nemo_fp8_recipes.train", *args]
             n = cl.nodes * cl.gpus_per_node
             if n > 1:
-                comment.append(f"{n} processes (one per GPU), data parallel: trainer.data_parallel="
-                               f"{cfg.trainer.data_parallel}; rank 0 writes the run directory")
+                comment.append(
+                    f"{n} processes (one per GPU), data parallel: trainer.data_parallel="
+                    f"{cfg.trainer.data_parallel}; rank 0 writes the run directory"
+                )
     else:
-        args, bridge_warnings = _bridge_command(cfg, recipe, sub.bridge, framework_overrides, overrides,
-                                                run_dir, cl, env, variables, comment)
+        args, bridge_warnings = _bridge_command(
+            cfg, recipe, sub.bridge, framework_overrides, overrides, run_dir, cl, env, variables, comment
+        )
         warnings += bridge_warnings
         command = [*torchrun_args(torchrun, cl.gpus_per_node), *args]
     comment += [f"WARNING: {w}" for w in warnings]
@@ -310,24 +319,51 @@ def plan_job(cfg, overrides: Sequence[str], *, framework_overrides: Sequence[str
         for p in (str(run_root), str(chdir)):
             if not any(m.split(":")[0] == p for m in mounts):
                 mounts.append(p)
-    container = ContainerSpec(image=image, mounts=tuple(mounts),
-                              workdir=cl.container.workdir or (str(chdir) if image else None),
-                              mount_home=cl.container.mount_home)
+    container = ContainerSpec(
+        image=image,
+        mounts=tuple(mounts),
+        workdir=cl.container.workdir or (str(chdir) if image else None),
+        mount_home=cl.container.mount_home,
+    )
     job = SlurmJob(
-        job_name=job_name, run_dir=str(run_dir), command=tuple(command), nodes=cl.nodes,
-        gpus_per_node=cl.gpus_per_node, partition=cl.partition, account=cl.account, qos=cl.qos,
-        time=cl.time, mem=cl.mem, cpus_per_task=cl.cpus_per_task, exclusive=cl.exclusive,
-        chdir=str(chdir), sbatch_args=dict(cl.sbatch_args or {}), env=env, container=container,
-        master_port=cl.master_port, variables=variables, comment=tuple(comment),
+        job_name=job_name,
+        run_dir=str(run_dir),
+        command=tuple(command),
+        nodes=cl.nodes,
+        gpus_per_node=cl.gpus_per_node,
+        partition=cl.partition,
+        account=cl.account,
+        qos=cl.qos,
+        time=cl.time,
+        mem=cl.mem,
+        cpus_per_task=cl.cpus_per_task,
+        exclusive=cl.exclusive,
+        chdir=str(chdir),
+        sbatch_args=dict(cl.sbatch_args or {}),
+        env=env,
+        container=container,
+        master_port=cl.master_port,
+        variables=variables,
+        comment=tuple(comment),
     )
     script = render_sbatch(job)
-    return PlannedJob(job=job, script=script, run_dir=run_dir, overrides=list(args), backend=backend,
-                      submit=sub, warnings=warnings)
+    return PlannedJob(
+        job=job, script=script, run_dir=run_dir, overrides=list(args), backend=backend, submit=sub, warnings=warnings
+    )
 
 
-def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], overrides: Sequence[str],
-                    run_dir: Path, cl: SlurmClusterConfig, env: Dict[str, str], variables: Dict[str, str],
-                    comment: List[str]) -> Tuple[List[str], List[str]]:
+def _bridge_command(
+    cfg,
+    recipe,
+    br: BridgeLaunchConfig,
+    theirs: Sequence[str],
+    overrides: Sequence[str],
+    run_dir: Path,
+    cl: SlurmClusterConfig,
+    env: Dict[str, str],
+    variables: Dict[str, str],
+    comment: List[str],
+) -> Tuple[List[str], List[str]]:
     """The program + arguments torchrun starts for ``backend=megatron_bridge``, and warnings.
     Runs the pre-launch validator for ``cluster.gpu_type`` (errors refuse the job)."""
     from ..integrations.bridge.recipes import bridge_recipe_name
@@ -347,9 +383,11 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
     if fn is not None:
         check_word(fn, "backend.recipe_fn", "a recipe function name of megatron.bridge.recipes")
     elif br.entry == "run_recipe":
-        raise ConfigError(f"submit.bridge.entry=run_recipe runs a Bridge recipe function, and model={cfg.model.name} "
-                          "is built from our model config (backend.provider=ours); use submit.bridge.entry=nemo_fp8, "
-                          "or name a function with backend.recipe_fn=<name>")
+        raise ConfigError(
+            f"submit.bridge.entry=run_recipe runs a Bridge recipe function, and model={cfg.model.name} "
+            "is built from our model config (backend.provider=ours); use submit.bridge.entry=nemo_fp8, "
+            "or name a function with backend.recipe_fn=<name>"
+        )
     for o in theirs:
         check_arg(o, "Megatron-Bridge override")
 
@@ -360,13 +398,17 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
         device = None
     report = validate_config(cfg, list(theirs), device=device, te_version=None, environ=env)
     if report.errors:
-        raise ConfigError(f"the pre-launch check refuses this job (cluster.gpu_type={cl.gpu_type}):\n"
-                          + report.table())
-    warnings = [f"pre-launch check: {f.message}" for f in report.warnings
-                if device is not None or "hardware" not in str(getattr(f, "code", ""))]
+        raise ConfigError(f"the pre-launch check refuses this job (cluster.gpu_type={cl.gpu_type}):\n" + report.table())
+    warnings = [
+        f"pre-launch check: {f.message}"
+        for f in report.warnings
+        if device is not None or "hardware" not in str(getattr(f, "code", ""))
+    ]
     if device is None:
-        warnings.append(f"cluster.gpu_type={cl.gpu_type} is not a GPU the pre-launch check knows; set it to e.g. "
-                        "H100, H200 or B200 so the recipe is checked against the nodes' GPUs")
+        warnings.append(
+            f"cluster.gpu_type={cl.gpu_type} is not a GPU the pre-launch check knows; set it to e.g. "
+            "H100, H200 or B200 so the recipe is checked against the nodes' GPUs"
+        )
 
     from ..integrations.bridge.launch import check_world_size, launch_plan
     from ..integrations.bridge.recipes import BridgeLaunchError
@@ -375,24 +417,43 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
         plan = launch_plan(cfg, list(theirs), [o for o in overrides if not _override_key(o).startswith("cluster")])
         par = plan.get("parallel")
         if par:
-            check_world_size(par["tensor_parallel"], par["pipeline_parallel"], par["context_parallel"],
-                             plan.get("recipe_fn") or f"model={plan['model']}", world=cl.nodes * cl.gpus_per_node)
+            check_world_size(
+                par["tensor_parallel"],
+                par["pipeline_parallel"],
+                par["context_parallel"],
+                plan.get("recipe_fn") or f"model={plan['model']}",
+                world=cl.nodes * cl.gpus_per_node,
+            )
     except BridgeLaunchError as e:
-        raise ConfigError(f"{e} (the job asks for cluster.nodes={cl.nodes} x cluster.gpus_per_node="
-                          f"{cl.gpus_per_node})") from None
-    comment.append(f"Megatron-Bridge model: {'recipe ' + plan['recipe_fn'] if plan.get('recipe_fn') else 'built from our model config (offline)'}"
-                   + (f", {par['gpus_per_replica']} GPU(s) per replica" if par else ""))
+        raise ConfigError(
+            f"{e} (the job asks for cluster.nodes={cl.nodes} x cluster.gpus_per_node={cl.gpus_per_node})"
+        ) from None
+    built = "recipe " + plan["recipe_fn"] if plan.get("recipe_fn") else "built from our model config (offline)"
+    comment.append(
+        f"Megatron-Bridge model: {built}" + (f", {par['gpus_per_replica']} GPU(s) per replica" if par else "")
+    )
     given = {o.split("=", 1)[0].lstrip("+~") for o in theirs}
-    dirs = [a for k, a in (("logger.tensorboard_dir", f"logger.tensorboard_dir={run_dir}"),
-                           ("checkpoint.save", f"checkpoint.save={run_dir}/checkpoints")) if k not in given]
+    dirs = [
+        a
+        for k, a in (
+            ("logger.tensorboard_dir", f"logger.tensorboard_dir={run_dir}"),
+            ("checkpoint.save", f"checkpoint.save={run_dir}/checkpoints"),
+        )
+        if k not in given
+    ]
     if br.entry == "nemo_fp8":
-        ours = [o for o in overrides if _override_key(o).split(".", 1)[0].split("/", 1)[0]
-                not in ("cluster", "submit", "hydra", "run")]
+        ours = [
+            o
+            for o in overrides
+            if _override_key(o).split(".", 1)[0].split("/", 1)[0] not in ("cluster", "submit", "hydra", "run")
+        ]
         if not any(_override_key(o) == "backend" for o in ours):
             ours.append("backend=megatron_bridge")
         ours.append(f"run.dir={run_dir}")  # audit.txt where this command says the run directory is
-        comment.append(f"Megatron-Bridge {'recipe ' + fn if fn else 'with our model config'}, FP8 recipe {recipe.name} "
-                       "applied through mixed_precision (nemo_fp8_recipes.integrations.bridge)")
+        comment.append(
+            f"Megatron-Bridge {'recipe ' + fn if fn else 'with our model config'}, FP8 recipe {recipe.name} "
+            "applied through mixed_precision (nemo_fp8_recipes.integrations.bridge)"
+        )
         return ["-m", "nemo_fp8_recipes.integrations.bridge", *ours, *theirs, *dirs], warnings
 
     preset = br.mixed_precision or BRIDGE_PRESETS[recipe.name]
@@ -405,8 +466,16 @@ def _bridge_command(cfg, recipe, br: BridgeLaunchConfig, theirs: Sequence[str], 
         "applies them"
     )
     comment.append(f"Megatron-Bridge run_recipe.py: recipe {fn}, mixed precision preset {preset}")
-    return [ShellExpr('"$BRIDGE_DIR/scripts/training/run_recipe.py"'), "--recipe", fn, "--dataset", br.dataset,
-            f"mixed_precision={preset}", *dirs, *theirs], warnings
+    return [
+        ShellExpr('"$BRIDGE_DIR/scripts/training/run_recipe.py"'),
+        "--recipe",
+        fn,
+        "--dataset",
+        br.dataset,
+        f"mixed_precision={preset}",
+        *dirs,
+        *theirs,
+    ], warnings
 
 
 def _with_cluster_default(overrides: Sequence[str]) -> List[str]:

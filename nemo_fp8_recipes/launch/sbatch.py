@@ -48,10 +48,13 @@ def parse_job_id(output: str) -> str:
     raise SbatchError(f"could not read a job id from sbatch's output: {text!r}")
 
 
-def _run(cmd: Sequence[str], *, timeout: float = 60.0, env: Optional[Mapping[str, str]] = None) -> subprocess.CompletedProcess:
+def _run(
+    cmd: Sequence[str], *, timeout: float = 60.0, env: Optional[Mapping[str, str]] = None
+) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout,
-                              env=dict(env) if env is not None else None)
+        return subprocess.run(
+            list(cmd), capture_output=True, text=True, timeout=timeout, env=dict(env) if env is not None else None
+        )
     except FileNotFoundError:
         raise SbatchError(
             f"'{cmd[0]}' not found: run on a SLURM login node (or set submit.sbatch to its path); "
@@ -71,10 +74,21 @@ def submit_script(script: Union[str, Path], *, sbatch: str = "sbatch", env: Opti
 
 
 #: SLURM job states after which the job will not run again.
-TERMINAL_STATES = frozenset({
-    "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
-    "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT",
-})
+TERMINAL_STATES = frozenset(
+    {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+        "NODE_FAIL",
+        "OUT_OF_MEMORY",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "REVOKED",
+        "SPECIAL_EXIT",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,13 @@ def _scontrol_state(job_id: str, env) -> Optional[JobState]:
     if proc.returncode != 0 or "JobState=" not in proc.stdout:
         return None
     fields = dict(re.findall(r"(\w+)=(\S*)", proc.stdout))
-    return JobState(job_id=str(job_id), state=fields.get("JobState", "UNKNOWN").rstrip("+"),
-                    exit_code=fields.get("ExitCode"), reason=fields.get("Reason"), source="scontrol")
+    return JobState(
+        job_id=str(job_id),
+        state=fields.get("JobState", "UNKNOWN").rstrip("+"),
+        exit_code=fields.get("ExitCode"),
+        reason=fields.get("Reason"),
+        source="scontrol",
+    )
 
 
 def _sacct_state(job_id: str, env) -> Optional[JobState]:
@@ -126,12 +145,16 @@ def _sacct_state(job_id: str, env) -> Optional[JobState]:
 def job_state(job_id: str, *, env: Optional[Mapping[str, str]] = None) -> JobState:
     """Ask ``scontrol show job`` (live and recently finished jobs), then ``sacct`` (accounting,
     if the cluster has it). ``state='UNKNOWN'`` when neither knows the job."""
-    return (_scontrol_state(job_id, env) or _sacct_state(job_id, env)
-            or JobState(job_id=str(job_id), state="UNKNOWN", source="none"))
+    return (
+        _scontrol_state(job_id, env)
+        or _sacct_state(job_id, env)
+        or JobState(job_id=str(job_id), state="UNKNOWN", source="none")
+    )
 
 
-def wait_for_job(job_id: str, *, timeout_s: float = 0.0, poll_s: float = 2.0,
-                 env: Optional[Mapping[str, str]] = None, on_change=None) -> JobState:
+def wait_for_job(
+    job_id: str, *, timeout_s: float = 0.0, poll_s: float = 2.0, env: Optional[Mapping[str, str]] = None, on_change=None
+) -> JobState:
     """Poll :func:`job_state` until the job reaches a terminal state; return it.
 
     ``timeout_s=0`` waits forever; otherwise :class:`TimeoutError` names the last state.

@@ -103,14 +103,19 @@ def _need(pattern: re.Pattern, value, key: str, allowed: str) -> str:
 
 def check_job_name(name: str, key: str = "cluster.job_name") -> str:
     """A SLURM job name: 1-128 of ``[A-Za-z0-9._+-]``, starting with a letter or digit."""
-    return _need(_JOB_NAME_RE, name, key,
-                 "use 1-128 characters from letters, digits and . _ + -, starting with a letter or digit")
+    return _need(
+        _JOB_NAME_RE,
+        name,
+        key,
+        "use 1-128 characters from letters, digits and . _ + -, starting with a letter or digit",
+    )
 
 
 def check_partition(value: str, key: str = "cluster.partition") -> str:
     """One partition or a comma-separated list, each ``[A-Za-z0-9][A-Za-z0-9._-]*``."""
-    return _need(_PARTITION_RE, value, key,
-                 "use a partition name (letters, digits, . _ -) or a comma-separated list of them")
+    return _need(
+        _PARTITION_RE, value, key, "use a partition name (letters, digits, . _ -) or a comma-separated list of them"
+    )
 
 
 def check_account(value: str, key: str = "cluster.account") -> str:
@@ -120,8 +125,9 @@ def check_account(value: str, key: str = "cluster.account") -> str:
 
 def check_time(value, key: str = "cluster.time") -> str:
     """A SLURM time limit: ``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH``, ``D-HH:MM``, ``D-HH:MM:SS``."""
-    return _need(_TIME_RE, value, key,
-                 "use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 2-00:00:00)")
+    return _need(
+        _TIME_RE, value, key, "use minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM or D-HH:MM:SS (e.g. 04:00:00 or 2-00:00:00)"
+    )
 
 
 def check_path(value, key: str) -> str:
@@ -143,7 +149,8 @@ def check_env(env: Mapping[str, object], key: str = "cluster.env") -> Dict[str, 
             raise SlurmSpecError(
                 f"{key}.{k}={v!r} is not allowed: an environment variable holds one string, not a "
                 f"{type(v).__name__}; quote it for Hydra if the commas are meant literally, e.g. "
-                f"\"{key}.{k}='a,b'\"")
+                f"\"{key}.{k}='a,b'\""
+            )
         text = str(v)
         if "\n" in text or "\r" in text or "\0" in text:
             raise SlurmSpecError(f"{key}.{k}={text!r} is not allowed: values must be one line (no newline or NUL)")
@@ -171,23 +178,32 @@ def check_program(value, key: str) -> str:
         raise SlurmSpecError(
             f"{key}={text!r} is not a program: srun would read it as one of its own options. Give the program's "
             "absolute path (e.g. /opt/venv/bin/python) or its name on the nodes' PATH (python); srun options "
-            "go in cluster.sbatch_args or cluster.env")
+            "go in cluster.sbatch_args or cluster.env"
+        )
     if "/" in text:
         if not os.path.isabs(text):
             raise SlurmSpecError(
                 f"{key}={text!r} is a relative path, which the job would resolve from its working directory; give "
-                f"the absolute path (e.g. {os.path.abspath(text)}) or a plain program name on the nodes' PATH")
+                f"the absolute path (e.g. {os.path.abspath(text)}) or a plain program name on the nodes' PATH"
+            )
         return check_path(text, key)
-    return _need(_PROGRAM_NAME_RE, text, key,
-                 "use an absolute path or a program name (letters, digits and . _ + -, not starting with -)")
+    return _need(
+        _PROGRAM_NAME_RE,
+        text,
+        key,
+        "use an absolute path or a program name (letters, digits and . _ + -, not starting with -)",
+    )
 
 
 def check_mount(mount: str, key: str = "cluster.container.mounts") -> str:
     """A pyxis mount ``SRC[:DST[:FLAGS]]``; paths as :func:`check_path`, flags like ``ro``."""
     text = str(mount)
     parts = text.split(":")
-    ok = 1 <= len(parts) <= 3 and all(_PATH_RE.fullmatch(p) for p in parts[:2]) and (
-        len(parts) < 3 or _MOUNT_FLAGS_RE.fullmatch(parts[2]) is not None)
+    ok = (
+        1 <= len(parts) <= 3
+        and all(_PATH_RE.fullmatch(p) for p in parts[:2])
+        and (len(parts) < 3 or _MOUNT_FLAGS_RE.fullmatch(parts[2]) is not None)
+    )
     if not ok:
         raise SlurmSpecError(
             f"{key} entry {text!r} is not allowed: use SRC[:DST[:FLAGS]] with paths made of {_PATH_CHARS} "
@@ -212,11 +228,20 @@ def check_arg(value, key: str) -> str:
 # neither by name nor by an abbreviation (sbatch, like getopt_long, takes any unambiguous prefix
 # of a long option: --outp is --output).
 _OWN_SBATCH_OPTIONS = {
-    "job-name": "cluster.job_name", "nodes": "cluster.nodes", "ntasks-per-node": "(always 1)",
-    "gpus-per-node": "cluster.gpus_per_node", "partition": "cluster.partition",
-    "account": "cluster.account", "qos": "cluster.qos", "time": "cluster.time", "mem": "cluster.mem",
-    "cpus-per-task": "cluster.cpus_per_task", "exclusive": "cluster.exclusive",
-    "output": "(the run directory)", "error": "(the run directory)", "chdir": "cluster.chdir",
+    "job-name": "cluster.job_name",
+    "nodes": "cluster.nodes",
+    "ntasks-per-node": "(always 1)",
+    "gpus-per-node": "cluster.gpus_per_node",
+    "partition": "cluster.partition",
+    "account": "cluster.account",
+    "qos": "cluster.qos",
+    "time": "cluster.time",
+    "mem": "cluster.mem",
+    "cpus-per-task": "cluster.cpus_per_task",
+    "exclusive": "cluster.exclusive",
+    "output": "(the run directory)",
+    "error": "(the run directory)",
+    "chdir": "cluster.chdir",
 }
 # sbatch long options that are proper prefixes of one of ours but name another option themselves
 # (an exact name wins over an abbreviation): --gpus is not --gpus-per-node.
@@ -246,9 +271,13 @@ class ContainerSpec:
     def validate(self) -> "ContainerSpec":
         """Check every field (raises :class:`SlurmSpecError`)."""
         if self.image is not None:
-            _need(_IMAGE_RE, self.image, "cluster.container.image",
-                  "use an image reference made of letters, digits and . _ / : @ # + - "
-                  "(e.g. nvcr.io#nvidia/nemo:25.04 or /shared/images/nemo.sqsh)")
+            _need(
+                _IMAGE_RE,
+                self.image,
+                "cluster.container.image",
+                "use an image reference made of letters, digits and . _ / : @ # + - "
+                "(e.g. nvcr.io#nvidia/nemo:25.04 or /shared/images/nemo.sqsh)",
+            )
         for m in self.mounts:
             check_mount(m)
         if self.workdir is not None:
@@ -301,7 +330,9 @@ class SlurmJob:
         if not isinstance(self.nodes, int) or self.nodes < 1:
             raise SlurmSpecError(f"cluster.nodes must be an integer >= 1, got {self.nodes!r}")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 0:
-            raise SlurmSpecError(f"cluster.gpus_per_node must be an integer >= 0 (0 = CPU job), got {self.gpus_per_node!r}")
+            raise SlurmSpecError(
+                f"cluster.gpus_per_node must be an integer >= 0 (0 = CPU job), got {self.gpus_per_node!r}"
+            )
         if self.cpus_per_task is not None and (not isinstance(self.cpus_per_task, int) or self.cpus_per_task < 1):
             raise SlurmSpecError(f"cluster.cpus_per_task must be null or an integer >= 1, got {self.cpus_per_task!r}")
         if not isinstance(self.master_port, int) or not 1024 <= self.master_port <= 65535:
@@ -319,20 +350,30 @@ class SlurmJob:
         if self.chdir is not None:
             check_path(self.chdir, "cluster.chdir")
         for opt, value in self.sbatch_args.items():
-            _need(_SBATCH_OPT_RE, opt, "cluster.sbatch_args option",
-                  "use the long option name without dashes, e.g. reservation or constraint")
+            _need(
+                _SBATCH_OPT_RE,
+                opt,
+                "cluster.sbatch_args option",
+                "use the long option name without dashes, e.g. reservation or constraint",
+            )
             ours = reserved_sbatch_option(opt)
             if ours == opt:
                 raise SlurmSpecError(
-                    f"cluster.sbatch_args.{opt} is rendered from {_OWN_SBATCH_OPTIONS[opt]}; set that instead")
+                    f"cluster.sbatch_args.{opt} is rendered from {_OWN_SBATCH_OPTIONS[opt]}; set that instead"
+                )
             if ours is not None:
                 raise SlurmSpecError(
                     f"cluster.sbatch_args.{opt}: sbatch reads --{opt} as an abbreviation of --{ours}, which is "
                     f"rendered from {_OWN_SBATCH_OPTIONS[ours]}; set that instead (give other sbatch options "
-                    "by their full name)")
+                    "by their full name)"
+                )
             if not isinstance(value, bool):
-                _need(_SBATCH_VALUE_RE, value, f"cluster.sbatch_args.{opt}",
-                      "use letters, digits and . _ : , = / @ + % - (or true for a flag)")
+                _need(
+                    _SBATCH_VALUE_RE,
+                    value,
+                    f"cluster.sbatch_args.{opt}",
+                    "use letters, digits and . _ : , = / @ + % - (or true for a flag)",
+                )
         check_env(self.env)
         for k, v in self.variables.items():
             _need(_ENV_KEY_RE, k, "script variable", "use letters, digits and _")
@@ -412,8 +453,13 @@ def render_sbatch(job: SlurmJob) -> str:
         sb.append(f"#SBATCH --gpus-per-node={job.gpus_per_node}")
     if job.cpus_per_task is not None:
         sb.append(f"#SBATCH --cpus-per-task={job.cpus_per_task}")
-    for opt, value in (("partition", job.partition), ("account", job.account), ("qos", job.qos),
-                       ("time", job.time), ("mem", job.mem)):
+    for opt, value in (
+        ("partition", job.partition),
+        ("account", job.account),
+        ("qos", job.qos),
+        ("time", job.time),
+        ("mem", job.mem),
+    ):
         if value is not None:
             sb.append(f"#SBATCH --{opt}={value}")
     if job.exclusive:

@@ -107,8 +107,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if a in ("-m", "--multirun"):
             multirun = True
         elif a.startswith("-"):
-            print(f"{PROG}: unknown option {a!r}; options are -m/--multirun and -h/--help; everything "
-                  "else is a Hydra override (key=value)", file=sys.stderr)
+            print(
+                f"{PROG}: unknown option {a!r}; options are -m/--multirun and -h/--help; everything "
+                "else is a Hydra override (key=value)",
+                file=sys.stderr,
+            )
             return 2
         else:
             overrides.append(a)
@@ -140,18 +143,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{PROG}: error: {e}", file=sys.stderr)
             return 3
         log = j.job.log_path(job_id)
-        write_json(j.run_dir / "submit.json", {
-            "job_id": job_id, "job_name": j.job.job_name, "script": str(j.script_path), "log": str(log),
-            "run_dir": str(j.run_dir), "backend": j.backend, "nodes": j.job.nodes,
-            "gpus_per_node": j.job.gpus_per_node, "command": render_command(j.job.command),
-            "submitted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        })
+        write_json(
+            j.run_dir / "submit.json",
+            {
+                "job_id": job_id,
+                "job_name": j.job.job_name,
+                "script": str(j.script_path),
+                "log": str(log),
+                "run_dir": str(j.run_dir),
+                "backend": j.backend,
+                "nodes": j.job.nodes,
+                "gpus_per_node": j.job.gpus_per_node,
+                "command": render_command(j.job.command),
+                "submitted_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            },
+        )
         submitted.append((j, job_id))
-        print(f"Submitted job {job_id} ({j.job.job_name})\n"
-              f"  script:  {j.script_path}\n"
-              f"  log:     {log}\n"
-              f"  run dir: {j.run_dir}\n"
-              f"  watch:   squeue -j {job_id}; tail -f {log}", flush=True)
+        print(
+            f"Submitted job {job_id} ({j.job.job_name})\n"
+            f"  script:  {j.script_path}\n"
+            f"  log:     {log}\n"
+            f"  run dir: {j.run_dir}\n"
+            f"  watch:   squeue -j {job_id}; tail -f {log}",
+            flush=True,
+        )
     if len(submitted) > 1:
         dirs = " ".join(str(j.run_dir) for j, _ in submitted)
         print(f"\n{len(submitted)} jobs submitted; when they are done: nemo-fp8-compare {dirs}")
@@ -161,8 +176,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     timeout = float(sub.wait_timeout_s or 0)
     failed = 0
     for j, job_id in submitted:
+
         def show(st, job_id=job_id):
             print(f"  job {job_id}: {st.state}", flush=True)
+
         try:
             st = wait_for_job(job_id, timeout_s=timeout, on_change=show)
         except (TimeoutError, SbatchError) as e:
@@ -170,8 +187,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 1 if isinstance(e, TimeoutError) else 3
         if not st.ok:
             failed += 1
-            print(f"{PROG}: job {job_id} ended {st.state} (exit {st.exit_code}); last lines of "
-                  f"{j.job.log_path(job_id)}:\n{_tail(j.job.log_path(job_id))}", file=sys.stderr)
+            print(
+                f"{PROG}: job {job_id} ended {st.state} (exit {st.exit_code}); last lines of "
+                f"{j.job.log_path(job_id)}:\n{_tail(j.job.log_path(job_id))}",
+                file=sys.stderr,
+            )
     return 1 if failed else 0
 
 

@@ -81,34 +81,42 @@ class ModelConfig:
                 raise ValueError(f"model config {self.name!r}: {msg}")
 
         need(self.arch in _ARCHS, f"arch must be one of {list(_ARCHS)}, got {self.arch!r}")
-        for f in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim",
-                  "max_seq_len"):
+        for f in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "max_seq_len"):
             need(int(getattr(self, f)) > 0, f"{f} must be positive, got {getattr(self, f)}")
-        need(self.dim % self.num_heads == 0,
-             f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
-        need(self.num_heads % self.num_kv_heads == 0,
-             f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
-             f"({self.num_kv_heads})")
+        need(self.dim % self.num_heads == 0, f"dim ({self.dim}) must be divisible by num_heads ({self.num_heads})")
+        need(
+            self.num_heads % self.num_kv_heads == 0,
+            f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})",
+        )
         need(self.head_dim % 2 == 0, f"head_dim ({self.head_dim}) must be even for RoPE")
         if self.arch == "moe":
             need(self.num_experts > 0, "arch=moe needs num_experts > 0")
-            need(0 < self.moe_top_k <= self.num_experts,
-                 f"moe_top_k must be in [1, num_experts={self.num_experts}], "
-                 f"got {self.moe_top_k}")
+            need(
+                0 < self.moe_top_k <= self.num_experts,
+                f"moe_top_k must be in [1, num_experts={self.num_experts}], got {self.moe_top_k}",
+            )
             need(self.moe_ffn_dim > 0, "arch=moe needs moe_ffn_dim > 0")
             need(self.num_shared_experts >= 0, "num_shared_experts must be >= 0")
-            need(0 <= self.first_k_dense <= self.num_layers,
-                 f"first_k_dense must be in [0, num_layers={self.num_layers}]")
-            need(self.router_score in _ROUTER_SCORES,
-                 f"router_score must be one of {list(_ROUTER_SCORES)}, got {self.router_score!r}")
+            need(
+                0 <= self.first_k_dense <= self.num_layers,
+                f"first_k_dense must be in [0, num_layers={self.num_layers}]",
+            )
+            need(
+                self.router_score in _ROUTER_SCORES,
+                f"router_score must be one of {list(_ROUTER_SCORES)}, got {self.router_score!r}",
+            )
             need(self.aux_loss_coef >= 0, "aux_loss_coef must be >= 0")
         for f in ("init_std", "norm_eps", "rope_theta"):
             v = float(getattr(self, f))
             need(math.isfinite(v) and v > 0, f"{f} must be a finite number > 0, got {getattr(self, f)}")
-        need(0 <= int(self.outlier_channels) <= self.dim,
-             f"outlier_channels must be in [0, dim={self.dim}], got {self.outlier_channels}")
-        need(math.isfinite(float(self.outlier_scale)) and float(self.outlier_scale) > 0,
-             f"outlier_scale must be a finite number > 0, got {self.outlier_scale}")
+        need(
+            0 <= int(self.outlier_channels) <= self.dim,
+            f"outlier_channels must be in [0, dim={self.dim}], got {self.outlier_channels}",
+        )
+        need(
+            math.isfinite(float(self.outlier_scale)) and float(self.outlier_scale) > 0,
+            f"outlier_scale must be a finite number > 0, got {self.outlier_scale}",
+        )
 
     # ---- derived quantities ----------------------------------------------------------------
     @property
@@ -232,9 +240,7 @@ def load_model_config(name: str, **overrides: Any) -> ModelConfig:
 
     path = MODEL_CONFIG_DIR / f"{name}.yaml"
     if not path.is_file():
-        raise ValueError(
-            f"unknown model {name!r}; available: {', '.join(list_model_configs())}"
-        )
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(list_model_configs())}")
     with open(path, encoding="utf-8") as f:
         values = yaml.safe_load(f) or {}
     values.update(overrides)

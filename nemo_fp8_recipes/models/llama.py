@@ -154,9 +154,7 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if v.dtype != q.dtype:  # FP8 / autocast paths can leave V in another dtype than Q, K
             v = v.to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads
-        )
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.num_kv_heads != self.num_heads)
         o = o.transpose(1, 2).reshape(bsz, seqlen, self.num_heads * self.head_dim)
         return self.wo(o)
 
@@ -238,13 +236,9 @@ class MoE(nn.Module):
         self.route_scale = cfg.route_scale
         self.compute_aux = cfg.aux_loss_coef > 0
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(
-            FeedForward(cfg.dim, cfg.moe_ffn_dim) for _ in range(cfg.num_experts)
-        )
+        self.experts = nn.ModuleList(FeedForward(cfg.dim, cfg.moe_ffn_dim) for _ in range(cfg.num_experts))
         self.shared_expert = (
-            FeedForward(cfg.dim, cfg.moe_ffn_dim * cfg.num_shared_experts)
-            if cfg.num_shared_experts > 0
-            else None
+            FeedForward(cfg.dim, cfg.moe_ffn_dim * cfg.num_shared_experts) if cfg.num_shared_experts > 0 else None
         )
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -365,9 +359,7 @@ class Transformer(nn.Module):
         losses when ``targets`` ``[B, T]`` are given; target ``-100`` is ignored)."""
         seqlen = tokens.shape[1]
         if seqlen > self.rope_cache.shape[0]:
-            raise ValueError(
-                f"sequence length {seqlen} exceeds model.max_seq_len={self.rope_cache.shape[0]}"
-            )
+            raise ValueError(f"sequence length {seqlen} exceeds model.max_seq_len={self.rope_cache.shape[0]}")
         rope = self.rope_cache[:seqlen].float()
         h = self.tok_embeddings(tokens)
         aux_total = torch.zeros((), device=h.device, dtype=torch.float32)

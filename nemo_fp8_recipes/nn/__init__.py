@@ -2,23 +2,23 @@
 
 from .audit import AuditReport, PolicyViolation, audit
 from .convert import (
-                      SwapFactory,
-                      apply_kernel_options,
-                      convert_model,
-                      invalidate_weight_cache,
-                      reset_gemm_counts,
-                      set_amax_reduce_fn,
-                      set_graph_weight_cache,
-                      set_wgrad_accumulation_fusion,
+    SwapFactory,
+    apply_kernel_options,
+    convert_model,
+    invalidate_weight_cache,
+    reset_gemm_counts,
+    set_amax_reduce_fn,
+    set_graph_weight_cache,
+    set_wgrad_accumulation_fusion,
 )
 from .linear import Float8Linear, fp8_modules
 from .scaling import (
-                      discard_delayed_scaling,
-                      fp8_state_snapshot,
-                      pinned_scales,
-                      restore_fp8_state,
-                      set_delayed_scaling_update,
-                      sync_delayed_scaling,
+    discard_delayed_scaling,
+    fp8_state_snapshot,
+    pinned_scales,
+    restore_fp8_state,
+    set_delayed_scaling_update,
+    sync_delayed_scaling,
 )
 from .telemetry import collect_telemetry, set_telemetry
 

@@ -65,12 +65,16 @@ class AuditReport:
         for r in self.rows[: max_rows or len(self.rows)]:
             f = r.fp8_gemms
             h = r.hp_gemms
-            body.append((
-                r.name, r.role, r.precision,
-                f"{f.get('fprop', 0)}/{f.get('dgrad', 0)}/{f.get('wgrad', 0)}" if f else "-",
-                f"{h.get('fprop', 0)}/{h.get('dgrad', 0)}/{h.get('wgrad', 0)}" if h else "-",
-                r.reason,
-            ))
+            body.append(
+                (
+                    r.name,
+                    r.role,
+                    r.precision,
+                    f"{f.get('fprop', 0)}/{f.get('dgrad', 0)}/{f.get('wgrad', 0)}" if f else "-",
+                    f"{h.get('fprop', 0)}/{h.get('dgrad', 0)}/{h.get('wgrad', 0)}" if h else "-",
+                    r.reason,
+                )
+            )
         widths = [max(len(str(x[i])) for x in [hdr] + body) for i in range(len(hdr))]
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(hdr, widths)).rstrip()]
         lines.append("  ".join("-" * w for w in widths))
@@ -79,8 +83,10 @@ class AuditReport:
         if max_rows and len(self.rows) > max_rows:
             lines.append(f"... {len(self.rows) - max_rows} more modules")
         if self.stale_weight_caches:
-            lines.append("STALE compiled FP8 weight cache (weight written in place since its last "
-                         "refresh; call invalidate_weight_cache): " + ", ".join(self.stale_weight_caches))
+            lines.append(
+                "STALE compiled FP8 weight cache (weight written in place since its last "
+                "refresh; call invalidate_weight_cache): " + ", ".join(self.stale_weight_caches)
+            )
         c8, ch = self.counts["fp8"], self.counts["high_precision"]
         mode = "no FP8" if self.recipe == "bf16" else ("emulated" if self.emulated else "real FP8 GEMMs")
         lines.append(
@@ -89,8 +95,9 @@ class AuditReport:
             f"{ch['fprop']}/{ch['dgrad']}/{ch['wgrad']}"
         )
         if self.kernel_options:
-            lines.append("kernel options: " + " ".join(f"{k}={'on' if v else 'off'}"
-                                                       for k, v in self.kernel_options.items()))
+            lines.append(
+                "kernel options: " + " ".join(f"{k}={'on' if v else 'off'}" for k, v in self.kernel_options.items())
+            )
         if self.violations:
             lines.append("POLICY VIOLATIONS (high-precision role ran in FP8): " + ", ".join(self.violations))
         return "\n".join(lines)
@@ -133,7 +140,8 @@ def audit(model: nn.Module, strict: bool = False) -> AuditReport:
     )
     if strict and violations:
         raise PolicyViolation(
-            "high-precision roles ran in FP8: " + ", ".join(violations)
+            "high-precision roles ran in FP8: "
+            + ", ".join(violations)
             + " (remove them from policy.include, or run without strict)"
         )
     if strict and stale:

@@ -27,8 +27,14 @@ from .gemms import (
 from .shared_input import input_quantizer
 from .wgrad_fusion import wgrad_target
 
-__all__ = ["Float8LinearDelayedTracedFn", "Float8LinearFn", "Float8LinearTracedFn", "Float8SwiGLULinearFn",
-           "module_fprop", "module_grads"]
+__all__ = [
+    "Float8LinearDelayedTracedFn",
+    "Float8LinearFn",
+    "Float8LinearTracedFn",
+    "Float8SwiGLULinearFn",
+    "module_fprop",
+    "module_grads",
+]
 
 
 class Float8LinearFn(torch.autograd.Function):
@@ -46,13 +52,19 @@ class Float8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def module_fprop(ctx, x, weight, bias, mod: nn.Module, out_dtype, quantize_operand, grad_enabled: bool,
-                  keep=()):
+def module_fprop(ctx, x, weight, bias, mod: nn.Module, out_dtype, quantize_operand, grad_enabled: bool, keep=()):
     """The eager autograd functions' forward: :func:`fprop` with the module's cached FP8 weight
     and ``quantize_operand``, the fprop count, and the saved tensors (plus ``keep``, appended)."""
     y, to_save = fprop(
-        ctx, x, bias, mod._quantized_weight(), recipe=mod.recipe, emulate=mod.emulate,
-        row_multiple=mod._row_multiple, out_dtype=out_dtype, quantize_operand=quantize_operand,
+        ctx,
+        x,
+        bias,
+        mod._quantized_weight(),
+        recipe=mod.recipe,
+        emulate=mod.emulate,
+        row_multiple=mod._row_multiple,
+        out_dtype=out_dtype,
+        quantize_operand=quantize_operand,
         grad_enabled=grad_enabled,
     )
     mod._count("fprop")
@@ -67,8 +79,17 @@ def module_grads(ctx, dy, saved, need_dx: Optional[bool] = None):
     counted."""
     mod = ctx.mod
     into = wgrad_target(mod, ctx) if mod.fuse_wgrad_accumulation else None
-    dx, dw, db = grads(ctx, dy, saved, recipe=mod.recipe, emulate=mod.emulate, w_dtype=ctx.w_dtype,
-                        quantize_operand=mod._quantize_operand, need_dx=need_dx, accumulate_into=into)
+    dx, dw, db = grads(
+        ctx,
+        dy,
+        saved,
+        recipe=mod.recipe,
+        emulate=mod.emulate,
+        w_dtype=ctx.w_dtype,
+        quantize_operand=mod._quantize_operand,
+        need_dx=need_dx,
+        accumulate_into=into,
+    )
     if dx is not None:
         mod._count("dgrad")
     if dw is not None:
@@ -120,9 +141,22 @@ class Float8LinearTracedFn(torch.autograd.Function):
     module, only ever mutated in backward)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, bwd_counts, recipe: Recipe, emulate: bool,
-                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool, triton: bool, wmeta,
-                *wcache):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        bwd_counts,
+        recipe: Recipe,
+        emulate: bool,
+        row_multiple: int,
+        out_dtype: torch.dtype,
+        fqn: str,
+        grad_enabled: bool,
+        triton: bool,
+        wmeta,
+        *wcache,
+    ):
         check_device(x, emulate, fqn)
         quantize_operand = functools.partial(quantize_current, recipe, triton=triton)
         if wmeta is None:  # quantised here, in the graph
@@ -130,8 +164,16 @@ class Float8LinearTracedFn(torch.autograd.Function):
         else:  # the module's cached FP8 weight (buffers re-quantised after each optimizer step)
             weights = (unpack(wmeta[0], wcache[:3]), unpack(wmeta[1], wcache[3:]))
         y, to_save = fprop(
-            ctx, x, bias, weights, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
-            out_dtype=out_dtype, quantize_operand=quantize_operand, grad_enabled=grad_enabled,
+            ctx,
+            x,
+            bias,
+            weights,
+            recipe=recipe,
+            emulate=emulate,
+            row_multiple=row_multiple,
+            out_dtype=out_dtype,
+            quantize_operand=quantize_operand,
+            grad_enabled=grad_enabled,
         )
         ctx.save_for_backward(*to_save, bwd_counts)
         ctx.recipe, ctx.emulate, ctx.triton = recipe, emulate, triton
@@ -142,9 +184,15 @@ class Float8LinearTracedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         *saved, bwd_counts = ctx.saved_tensors
-        dx, dw, db = grads(ctx, dy, saved, recipe=ctx.recipe, emulate=ctx.emulate,
-                            w_dtype=ctx.w_dtype,
-                            quantize_operand=functools.partial(quantize_current, ctx.recipe, triton=ctx.triton))
+        dx, dw, db = grads(
+            ctx,
+            dy,
+            saved,
+            recipe=ctx.recipe,
+            emulate=ctx.emulate,
+            w_dtype=ctx.w_dtype,
+            quantize_operand=functools.partial(quantize_current, ctx.recipe, triton=ctx.triton),
+        )
         if dx is not None:
             bwd_counts[0].add_(1)
         if dw is not None:
@@ -176,15 +224,37 @@ class Float8LinearDelayedTracedFn(torch.autograd.Function):
     codes are those the eager path caches for the step)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scales, grad_pending, bwd_counts, recipe: Recipe, emulate: bool,
-                row_multiple: int, out_dtype: torch.dtype, fqn: str, grad_enabled: bool, triton: bool):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        scales,
+        grad_pending,
+        bwd_counts,
+        recipe: Recipe,
+        emulate: bool,
+        row_multiple: int,
+        out_dtype: torch.dtype,
+        fqn: str,
+        grad_enabled: bool,
+        triton: bool,
+    ):
         check_device(x, emulate, fqn)
         amaxes: dict = {}
         quantize_operand = _recording(recipe, scales, triton, amaxes)
         weights = quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
         y, to_save = fprop(
-            ctx, x, bias, weights, recipe=recipe, emulate=emulate, row_multiple=row_multiple,
-            out_dtype=out_dtype, quantize_operand=quantize_operand, grad_enabled=grad_enabled,
+            ctx,
+            x,
+            bias,
+            weights,
+            recipe=recipe,
+            emulate=emulate,
+            row_multiple=row_multiple,
+            out_dtype=out_dtype,
+            quantize_operand=quantize_operand,
+            grad_enabled=grad_enabled,
         )
         ctx.save_for_backward(*to_save, scales, grad_pending, bwd_counts)
         ctx.recipe, ctx.emulate, ctx.triton = recipe, emulate, triton
@@ -197,8 +267,15 @@ class Float8LinearDelayedTracedFn(torch.autograd.Function):
     def backward(ctx, dy, _unused):
         *saved, scales, grad_pending, bwd_counts = ctx.saved_tensors
         amaxes: dict = {}
-        dx, dw, db = grads(ctx, dy, saved, recipe=ctx.recipe, emulate=ctx.emulate, w_dtype=ctx.w_dtype,
-                            quantize_operand=_recording(ctx.recipe, scales, ctx.triton, amaxes))
+        dx, dw, db = grads(
+            ctx,
+            dy,
+            saved,
+            recipe=ctx.recipe,
+            emulate=ctx.emulate,
+            w_dtype=ctx.w_dtype,
+            quantize_operand=_recording(ctx.recipe, scales, ctx.triton, amaxes),
+        )
         grad_pending[0:1].copy_(torch.maximum(grad_pending[0:1], amaxes[GO]))
         grad_pending[1:2].fill_(1.0)
         if dx is not None:

@@ -202,7 +202,8 @@ def convert_model(
                 f"convert_model was already applied to the submodule {fqn!r} (recipe {done.recipe.name}): converting "
                 f"the whole model now (recipe {r.name}) would leave that part under its own recipe and outside "
                 "this model's audit. Convert the whole model once, and keep parts out of FP8 with the policy "
-                "(PrecisionPolicy(exclude=[...]))")
+                "(PrecisionPolicy(exclude=[...]))"
+            )
     if device is None:
         p = next(iter(model.parameters()), None)
         device = p.device if p is not None and p.device.type != "meta" else None
@@ -234,13 +235,16 @@ def convert_model(
                 raise ValueError(
                     f"{fqn}: convert_model's swaps name {type(module).__name__}, but the policy does not "
                     f"classify it as a GEMM module ({decision.reason}); it recognises nn.Linear and classes "
-                    "whose name ends in 'Linear', so name the class so or drop it from swaps")
+                    "whose name ends in 'Linear', so name the class so or drop it from swaps"
+                )
             continue
         if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and decision.role in GEMM_ROLES:
             continue
         if decision.fp8 and factory is None:
             decision = Decision(
-                fqn, decision.role, "bf16",
+                fqn,
+                decision.role,
+                "bf16",
                 f"{type(module).__name__} is not an nn.Linear and convert_model has no swap for it: the "
                 "native backend converts nn.Linear and the classes in swaps= (use the Megatron integration "
                 "for Megatron layers)",
@@ -250,16 +254,22 @@ def convert_model(
         if decision.fp8:
             if shape is None and not isinstance(module, nn.Linear):
                 w = getattr(module, "weight", None)
-                got = "no weight" if w is None else f"a weight {type(w).__name__} of shape {tuple(getattr(w, 'shape', ()))}"
+                got = (
+                    "no weight"
+                    if w is None
+                    else f"a weight {type(w).__name__} of shape {tuple(getattr(w, 'shape', ()))}"
+                )
                 raise TypeError(
                     f"{fqn}: the policy puts this {type(module).__name__} in FP8 but it has {got}; a "
                     "module in convert_model's swaps keeps its GEMM weight in .weight as a 2-D "
-                    "[out_features, in_features] tensor (keep it in BF16 with PrecisionPolicy(exclude=[...]))")
+                    "[out_features, in_features] tensor (keep it in BF16 with PrecisionPolicy(exclude=[...]))"
+                )
             new = factory(fqn, module, decision, r, use_emulation)
             if not isinstance(new, Float8Linear):
                 raise TypeError(
                     f"{fqn}: the swap for {type(module).__name__} returned {type(new).__name__}, not a "
-                    "Float8Linear (or subclass), which audit() and the telemetry count as FP8")
+                    "Float8Linear (or subclass), which audit() and the telemetry count as FP8"
+                )
             replaced += (fqn + ".",)
         plan.append((fqn, module, decision, new))
 
@@ -275,8 +285,12 @@ def convert_model(
     # DDP broadcasts buffers from rank 0 before every forward; the delayed-scaling state is
     # per-rank until the amax reduction, and the GEMM counters are per rank, so keep them out of
     # that broadcast.
-    fp8_buffers = [f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, Float8Linear)
-                   for b, _ in m.named_buffers(recurse=False)]
+    fp8_buffers = [
+        f"{n}.{b}"
+        for n, m in model.named_modules()
+        if isinstance(m, Float8Linear)
+        for b, _ in m.named_buffers(recurse=False)
+    ]
     fp8_buffers += [f"{n}.{b}" for n in state.hp_modules for b in (HP_FWD_COUNT, HP_BWD_COUNT)]
     _ddp_ignore(model, fp8_buffers)
     apply_kernel_options(model, opts)

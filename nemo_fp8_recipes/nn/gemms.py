@@ -20,9 +20,25 @@ from ..quant.gemm import scaled_matmul
 from ..quant.reference import QuantizedTensor
 from ..recipes import Recipe
 
-__all__ = ["GO", "IN", "OPERANDS", "W", "accumulate_wgrad", "check_device", "contiguous_codes", "fprop", "grads",
-           "operand_spec", "pack_meta", "pack_tensors", "quantize_current", "quantize_delayed", "quantize_plain",
-           "quantize_weight", "unpack"]
+__all__ = [
+    "GO",
+    "IN",
+    "OPERANDS",
+    "W",
+    "accumulate_wgrad",
+    "check_device",
+    "contiguous_codes",
+    "fprop",
+    "grads",
+    "operand_spec",
+    "pack_meta",
+    "pack_tensors",
+    "quantize_current",
+    "quantize_delayed",
+    "quantize_plain",
+    "quantize_weight",
+    "unpack",
+]
 
 OPERANDS = ("input", "weight", "grad_output")
 IN, W, GO = 0, 1, 2
@@ -45,8 +61,9 @@ def unpack(meta, tensors) -> Optional[QuantizedTensor]:
         return None
     block, fmt, has_e8m0 = meta
     data, scale_inv, e8m0 = tensors
-    return QuantizedTensor(data=data, scale_inv=scale_inv, block=block, fmt=fmt,
-                           amax=scale_inv, scale_e8m0=e8m0 if has_e8m0 else None)
+    return QuantizedTensor(
+        data=data, scale_inv=scale_inv, block=block, fmt=fmt, amax=scale_inv, scale_e8m0=e8m0 if has_e8m0 else None
+    )
 
 
 def operand_spec(recipe: Recipe, i: int):
@@ -71,8 +88,10 @@ def quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False
 
         if gran is Granularity.TENSOR and pair:
             q, qt, si, amax = ops.tensor_pair(t, fmt.value, rounding.value)
-            return (QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
-                    QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax))
+            return (
+                QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
+                QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax),
+            )
         if gran is Granularity.TILE_1x128 and rounding in (ScaleRounding.FP32, ScaleRounding.POW2):
             q, si = ops.group_rows(t, fmt.value, 128, rounding.value)
             rows = QuantizedTensor(data=q, scale_inv=si, block=(1, 128), fmt=fmt, amax=si)
@@ -90,8 +109,9 @@ def quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False
     return quantize_plain(recipe, i, t, pair, triton=False)
 
 
-def quantize_delayed(recipe: Recipe, scales: torch.Tensor, i: int, t: torch.Tensor, pair: bool = False,
-                     triton: bool = True):
+def quantize_delayed(
+    recipe: Recipe, scales: torch.Tensor, i: int, t: torch.Tensor, pair: bool = False, triton: bool = True
+):
     """Stateless delayed scaling of operand ``i`` with its given scale ``scales[i]`` (the
     module's ``fp8_scale``, fixed for the optimizer step under the ``step`` update schedule): the
     quantiser of the compile-traced delayed path. Returns what :func:`quantize_current` returns,
@@ -102,8 +122,9 @@ def quantize_delayed(recipe: Recipe, scales: torch.Tensor, i: int, t: torch.Tens
     :meth:`Float8Linear._quantize_operand` with the same scale."""
     fmt, gran = operand_spec(recipe, i)
     if gran is not Granularity.TENSOR:
-        raise ValueError(f"delayed scaling is per tensor; operand {OPERANDS[i]} of recipe {recipe.name} "
-                         f"is {gran.value}")
+        raise ValueError(
+            f"delayed scaling is per tensor; operand {OPERANDS[i]} of recipe {recipe.name} is {gran.value}"
+        )
     scale = scales[i]
     rounding = recipe.scale_rounding
     if triton and triton_enabled(t) and rounding in (ScaleRounding.FP32, ScaleRounding.POW2):
@@ -111,8 +132,10 @@ def quantize_delayed(recipe: Recipe, scales: torch.Tensor, i: int, t: torch.Tens
 
         if pair:
             q, qt, si, amax = ops.tensor_pair_scaled(t, scale, fmt.value, rounding.value)
-            return (QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
-                    QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax))
+            return (
+                QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax),
+                QuantizedTensor(data=qt, scale_inv=si, block=None, fmt=fmt, amax=amax),
+            )
         q, si, amax = ops.tensor_scaled(t, scale, fmt.value, rounding.value)
         return QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
     q = quantize(t, fmt, gran, rounding, dim=-1, scale=scale, triton=False)  # (its amax: this tensor's, [1, 1])
@@ -131,8 +154,9 @@ def quantize_plain(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False, 
 def contiguous_codes(q: QuantizedTensor) -> QuantizedTensor:
     """``q`` with row-major codes (what ``torch._scaled_mm`` wants for its first operand and, as
     the transpose of a row-major tensor, for its second)."""
-    return QuantizedTensor(data=q.data.contiguous(), scale_inv=q.scale_inv, block=q.block,
-                           fmt=q.fmt, amax=q.amax, scale_e8m0=q.scale_e8m0)
+    return QuantizedTensor(
+        data=q.data.contiguous(), scale_inv=q.scale_inv, block=q.block, fmt=q.fmt, amax=q.amax, scale_e8m0=q.scale_e8m0
+    )
 
 
 def quantize_weight(w: torch.Tensor, recipe: Recipe, emulate: bool, quantize_operand):
@@ -160,8 +184,19 @@ def check_device(x: torch.Tensor, emulate: bool, fqn: str) -> None:
         )
 
 
-def fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple: int, out_dtype,
-           quantize_operand, grad_enabled: bool):
+def fprop(
+    ctx,
+    x,
+    bias,
+    weights,
+    *,
+    recipe: Recipe,
+    emulate: bool,
+    row_multiple: int,
+    out_dtype,
+    quantize_operand,
+    grad_enabled: bool,
+):
     """fprop of ``x`` (any leading dims) with ``weights`` = (W along K, W along N) from
     :func:`quantize_weight`: returns ``(y, tensors to save)`` and records on ``ctx`` what
     :func:`grads` needs. ``grad_enabled``: the caller's grad mode (inside ``forward`` autograd
@@ -179,7 +214,11 @@ def fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple:
     else:
         qx, qx_wgrad = quantize_operand(IN, x2), None
     y = scaled_matmul(
-        qx, w_fprop, emulate=emulate, out_dtype=out_dtype, fast_accum=recipe.fprop.fast_accum,
+        qx,
+        w_fprop,
+        emulate=emulate,
+        out_dtype=out_dtype,
+        fast_accum=recipe.fprop.fast_accum,
         bias=bias,
     )[:m]
     # Save only FP8 codes and the scales the GEMMs consume, through save_for_backward so
@@ -193,8 +232,18 @@ def fprop(ctx, x, bias, weights, *, recipe: Recipe, emulate: bool, row_multiple:
     return y.reshape(*in_shape[:-1], y.shape[-1]), (*pack_tensors(qx_wgrad), *pack_tensors(w_dgrad))
 
 
-def grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_operand,
-           need_dx: Optional[bool] = None, accumulate_into: Optional[torch.Tensor] = None):
+def grads(
+    ctx,
+    dy,
+    saved,
+    *,
+    recipe: Recipe,
+    emulate: bool,
+    w_dtype,
+    quantize_operand,
+    need_dx: Optional[bool] = None,
+    accumulate_into: Optional[torch.Tensor] = None,
+):
     """dgrad and wgrad (each only if needed) and the bias gradient from ``dy`` and the tensors
     :func:`fprop` saved: returns ``(dx, dw, db)``, None for a gradient not needed (``need_dx``:
     whether dgrad runs; default: whether the input needs a gradient). ``accumulate_into``: an
@@ -216,16 +265,21 @@ def grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_op
         qdy, qdy_wgrad = quantize_operand(GO, dy2), None
     if need_dx:
         dx = scaled_matmul(
-            qdy, saved_w, emulate=emulate, out_dtype=ctx.x_dtype,
+            qdy,
+            saved_w,
+            emulate=emulate,
+            out_dtype=ctx.x_dtype,
             fast_accum=recipe.dgrad.fast_accum,
         )[: ctx.m]
         dx = dx.reshape(ctx.in_shape)
     if need_w and accumulate_into is not None:
-        dw = accumulate_wgrad(qdy_wgrad, saved_qx, accumulate_into, emulate=emulate,
-                               fast_accum=recipe.wgrad.fast_accum)
+        dw = accumulate_wgrad(qdy_wgrad, saved_qx, accumulate_into, emulate=emulate, fast_accum=recipe.wgrad.fast_accum)
     elif need_w:
         dw = scaled_matmul(
-            qdy_wgrad, saved_qx, emulate=emulate, out_dtype=torch.float32,
+            qdy_wgrad,
+            saved_qx,
+            emulate=emulate,
+            out_dtype=torch.float32,
             fast_accum=recipe.wgrad.fast_accum,
         ).to(w_dtype)
     if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -233,8 +287,9 @@ def grads(ctx, dy, saved, *, recipe: Recipe, emulate: bool, w_dtype, quantize_op
     return dx, dw, db
 
 
-def accumulate_wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, grad: torch.Tensor, *, emulate: bool,
-                      fast_accum: bool) -> torch.Tensor:
+def accumulate_wgrad(
+    qdy: QuantizedTensor, qx: QuantizedTensor, grad: torch.Tensor, *, emulate: bool, fast_accum: bool
+) -> torch.Tensor:
     """``grad += dYᵀ · X`` in FP32, in place. Real per-tensor and blockwise GEMMs add in the GEMM
     itself (cuBLASLt with ``beta = 1``: :func:`~nemo_fp8_recipes.quant.cublaslt.fp8_matmul_accumulate`),
     so the weight-sized FP32 product is never written; emulation and real MXFP8 (whose E8M0 GEMM
@@ -248,6 +303,7 @@ def accumulate_wgrad(qdy: QuantizedTensor, qx: QuantizedTensor, grad: torch.Tens
         def scale(q):  # each scale as the non-accumulating GEMM dispatch passes it
             return scalar_scale(q.scale_inv) if per_tensor else outer_major(q.scale_inv.float())
 
-        return fp8_matmul_accumulate(qdy.data, scale(qdy), qx.data, scale(qx), grad, block=blocks,
-                                     fast_accum=fast_accum and per_tensor)
+        return fp8_matmul_accumulate(
+            qdy.data, scale(qdy), qx.data, scale(qx), grad, block=blocks, fast_accum=fast_accum and per_tensor
+        )
     return grad.add_(scaled_matmul(qdy, qx, emulate=emulate, out_dtype=torch.float32, fast_accum=fast_accum))

@@ -116,8 +116,9 @@ class Float8Linear(nn.Linear):
         self._setup_fp8(recipe, emulate, options)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: Recipe, emulate: bool,
-                    options: Optional[KernelOptions] = None) -> "Float8Linear":
+    def from_linear(
+        cls, linear: nn.Linear, recipe: Recipe, emulate: bool, options: Optional[KernelOptions] = None
+    ) -> "Float8Linear":
         """A Float8Linear sharing ``linear``'s weight and bias Parameter objects."""
         new = cls.__new__(cls)
         nn.Module.__init__(new)
@@ -158,10 +159,8 @@ class Float8Linear(nn.Linear):
         # GEMM counters of the compile-traced path, added to in-graph (in-place adds that the
         # compiler keeps in its graphs); fprop is counted in forward, dgrad/wgrad in backward, in
         # two buffers so that none is mutated in both. Not in state_dict.
-        self.register_buffer("fp8_fwd_count", torch.zeros(1, dtype=torch.int64, device=dev),
-                             persistent=False)
-        self.register_buffer("fp8_bwd_count", torch.zeros(2, dtype=torch.int64, device=dev),
-                             persistent=False)
+        self.register_buffer("fp8_fwd_count", torch.zeros(1, dtype=torch.int64, device=dev), persistent=False)
+        self.register_buffer("fp8_bwd_count", torch.zeros(2, dtype=torch.int64, device=dev), persistent=False)
         if recipe.is_delayed:
             L = recipe.amax_history_len
             self.register_buffer("fp8_amax_history", torch.zeros(3, L, device=dev))
@@ -269,8 +268,14 @@ class Float8Linear(nn.Linear):
             self.refresh_graph_weight_cache()
 
     # ---- the compiled path's FP8 weight cache ----------------------------------------------------
-    _GRAPH_WCACHE = ("_fp8_wcache_fprop_data", "_fp8_wcache_fprop_scale", "_fp8_wcache_fprop_e8m0",
-                     "_fp8_wcache_dgrad_data", "_fp8_wcache_dgrad_scale", "_fp8_wcache_dgrad_e8m0")
+    _GRAPH_WCACHE = (
+        "_fp8_wcache_fprop_data",
+        "_fp8_wcache_fprop_scale",
+        "_fp8_wcache_fprop_e8m0",
+        "_fp8_wcache_dgrad_data",
+        "_fp8_wcache_dgrad_scale",
+        "_fp8_wcache_dgrad_e8m0",
+    )
 
     def set_graph_weight_cache(self, enabled: bool = True) -> None:
         """Let the compiled (traced) forward read the FP8 weight from buffers of this module
@@ -298,13 +303,17 @@ class Float8Linear(nn.Linear):
             self._graph_wcache_meta = self._graph_wcache_version = None
             return
         if self.recipe.is_delayed:
-            raise ValueError(f"{self.fqn or 'Float8Linear'}: recipe {self.recipe.name} quantises its weight with the "
-                             "step's delayed scale (the eager path caches it); the compiled weight cache is for "
-                             "current scaling (tensorwise, blockwise, mxfp8)")
+            raise ValueError(
+                f"{self.fqn or 'Float8Linear'}: recipe {self.recipe.name} quantises its weight with the "
+                "step's delayed scale (the eager path caches it); the compiled weight cache is for "
+                "current scaling (tensorwise, blockwise, mxfp8)"
+            )
         if type(self.weight.data) is not torch.Tensor or self.weight.is_meta:
-            raise ValueError(f"{self.fqn or 'Float8Linear'}: the compiled weight cache needs a plain, materialised "
-                             f"weight tensor, got {type(self.weight.data).__name__} on {self.weight.device} "
-                             "(a DTensor / FSDP2 weight is re-quantised in the graph)")
+            raise ValueError(
+                f"{self.fqn or 'Float8Linear'}: the compiled weight cache needs a plain, materialised "
+                f"weight tensor, got {type(self.weight.data).__name__} on {self.weight.device} "
+                "(a DTensor / FSDP2 weight is re-quantised in the graph)"
+            )
         self._graph_wcache_on = True
         GRAPH_CACHED.add(self)
         self.refresh_graph_weight_cache()
@@ -320,17 +329,25 @@ class Float8Linear(nn.Linear):
         if w.is_meta:  # (.to("meta"), deferred init): quantised when the weight is materialised
             return
         if type(self.weight.data) is not torch.Tensor:
-            raise RuntimeError(f"{self.fqn or 'Float8Linear'}: the weight became a {type(self.weight.data).__name__} "
-                               "(e.g. fully_shard) after set_graph_weight_cache; the cached FP8 weight would be the "
-                               "unsharded old one. Call set_graph_weight_cache(model, False) before sharding")
+            raise RuntimeError(
+                f"{self.fqn or 'Float8Linear'}: the weight became a {type(self.weight.data).__name__} "
+                "(e.g. fully_shard) after set_graph_weight_cache; the cached FP8 weight would be the "
+                "unsharded old one. Call set_graph_weight_cache(model, False) before sharding"
+            )
         # current scaling, the eager quantisers (the fused kernels on CUDA), no module state
-        q_f, q_d = quantize_weight(w, self.recipe, self.emulate,
-                                    functools.partial(quantize_plain, self.recipe, triton=self._triton_arg()))
+        q_f, q_d = quantize_weight(
+            w, self.recipe, self.emulate, functools.partial(quantize_plain, self.recipe, triton=self._triton_arg())
+        )
         new = (*pack_tensors(q_f), *pack_tensors(q_d))
         for name, t in zip(self._GRAPH_WCACHE, new):
             old = self._buffers.get(name)
-            if (old is not None and old.shape == t.shape and old.dtype == t.dtype and old.device == t.device
-                    and old.stride() == t.stride()):
+            if (
+                old is not None
+                and old.shape == t.shape
+                and old.dtype == t.dtype
+                and old.device == t.device
+                and old.stride() == t.stride()
+            ):
                 old.copy_(t)
             else:  # (empty_like keeps t's strides: the GEMMs' layouts)
                 self.register_buffer(name, torch.empty_like(t).copy_(t), persistent=False)
@@ -356,20 +373,36 @@ class Float8Linear(nn.Linear):
         r = self.recipe
         fmt = (r.input_format, r.weight_format, r.grad_format)[i]
         hist_i = self.fp8_amax_history[i]
-        if (self.amax_reduce_fn is None and triton_enabled(hist_i, self._triton_arg())
-                and r.scale_rounding is ScaleRounding.FP32):
+        if (
+            self.amax_reduce_fn is None
+            and triton_enabled(hist_i, self._triton_arg())
+            and r.scale_rounding is ScaleRounding.FP32
+        ):
             from ..quant.triton_kernels import delayed_commit
 
-            delayed_commit(hist_i, self.fp8_scale[i], self.fp8_amax_pending[i], self.fp8_pending[i], fmt,
-                           r.amax_compute_algo, r.margin, flag_after=1.0 if quantising else 0.0)
+            delayed_commit(
+                hist_i,
+                self.fp8_scale[i],
+                self.fp8_amax_pending[i],
+                self.fp8_pending[i],
+                fmt,
+                r.amax_compute_algo,
+                r.margin,
+                flag_after=1.0 if quantising else 0.0,
+            )
             self._pending[i] = quantising
             return quantising
         pending = self.fp8_amax_pending[i : i + 1]
         if self.amax_reduce_fn is not None:
             pending = self.amax_reduce_fn(pending.clone())
         hist, scale = advance_delayed_scaling(
-            self.fp8_amax_history[i : i + 1], self.fp8_scale[i : i + 1], pending.reshape(1),
-            self.fp8_pending[i : i + 1], (fmt,), r)
+            self.fp8_amax_history[i : i + 1],
+            self.fp8_scale[i : i + 1],
+            pending.reshape(1),
+            self.fp8_pending[i : i + 1],
+            (fmt,),
+            r,
+        )
         self.fp8_amax_history[i : i + 1].copy_(hist)
         self.fp8_scale[i : i + 1].copy_(scale)
         self.fp8_amax_pending[i].zero_()
@@ -377,8 +410,7 @@ class Float8Linear(nn.Linear):
         self._pending[i] = False
         return False
 
-    def _quantize_operand(self, i: int, t: torch.Tensor, pair: bool = False,
-                          gate: Optional[torch.Tensor] = None):
+    def _quantize_operand(self, i: int, t: torch.Tensor, pair: bool = False, gate: Optional[torch.Tensor] = None):
         """Quantise operand ``i`` (input, weight, grad_output) of 2-D ``t`` along its last dim;
         with ``pair=True`` also along its first dim (the wgrad copy), from one read on CUDA.
         ``gate``: the operand is ``F.silu(gate) * t`` (fused into the per-tensor pair kernels,
@@ -404,11 +436,23 @@ class Float8Linear(nn.Linear):
             t, gate = torch.nn.functional.silu(gate) * t, None
         try:
             if pair:
-                q, qt = quantize_pair_auto(t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out,
-                                           gate=gate, triton=self._triton_arg())
+                q, qt = quantize_pair_auto(
+                    t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out, gate=gate, triton=self._triton_arg()
+                )
             else:
-                q, qt = quantize(t, fmt, gran, r.scale_rounding, dim=-1, scale=scale, amax_out=amax_out,
-                                 triton=self._triton_arg()), None
+                q, qt = (
+                    quantize(
+                        t,
+                        fmt,
+                        gran,
+                        r.scale_rounding,
+                        dim=-1,
+                        scale=scale,
+                        amax_out=amax_out,
+                        triton=self._triton_arg(),
+                    ),
+                    None,
+                )
         except BaseException:
             if committed:  # the commit left the flag set for an amax that never came
                 with torch.no_grad():
@@ -524,9 +568,13 @@ class Float8Linear(nn.Linear):
         backward's ``dg`` may differ by one unit in the last place — tested on an H200 and under
         Triton's interpreter; ``fused_swiglu=False`` turns it off for an A/B run). Otherwise
         the activation is materialised first."""
-        if (torch.compiler.is_compiling() or not self.kernel_options.fused_swiglu
-                or self.recipe.input_granularity is not Granularity.TENSOR or self.telemetry_enabled
-                or not triton_enabled(x, self._triton_arg())):
+        if (
+            torch.compiler.is_compiling()
+            or not self.kernel_options.fused_swiglu
+            or self.recipe.input_granularity is not Granularity.TENSOR
+            or self.telemetry_enabled
+            or not triton_enabled(x, self._triton_arg())
+        ):
             return False
         from ..quant.triton_kernels import gate_fusable
 
@@ -578,8 +626,10 @@ class Float8Linear(nn.Linear):
         re-trace once for each state (a guard on ``telemetry_enabled``).
         """
         if not x.is_floating_point():
-            raise RuntimeError(f"Float8Linear {self.fqn or ''}: expected a floating-point input, got {x.dtype} "
-                               "(as nn.Linear, it multiplies floating-point tensors; cast the input first)")
+            raise RuntimeError(
+                f"Float8Linear {self.fqn or ''}: expected a floating-point input, got {x.dtype} "
+                "(as nn.Linear, it multiplies floating-point tensors; cast the input first)"
+            )
         out_dtype = _out_dtype_for(x)
         if gate is not None:
             if self.fuses_swiglu(gate, x):
@@ -589,9 +639,20 @@ class Float8Linear(nn.Linear):
             self.fp8_fwd_count.add_(1)
             if self.recipe.is_delayed:
                 y, amax = Float8LinearDelayedTracedFn.apply(
-                    x, self.weight, self.bias, self.fp8_scale, self.fp8_grad_pending, self.fp8_bwd_count,
-                    self.recipe, self.emulate, self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled(),
-                    self.kernel_options.triton)
+                    x,
+                    self.weight,
+                    self.bias,
+                    self.fp8_scale,
+                    self.fp8_grad_pending,
+                    self.fp8_bwd_count,
+                    self.recipe,
+                    self.emulate,
+                    self._row_multiple,
+                    out_dtype,
+                    self.fqn,
+                    torch.is_grad_enabled(),
+                    self.kernel_options.triton,
+                )
                 with torch.no_grad():  # the step schedule's max over every use in the step (NaN sticks)
                     self.fp8_amax_pending[:2].copy_(torch.maximum(self.fp8_amax_pending[:2], amax))
                     self.fp8_pending[:2].fill_(1.0)
@@ -600,9 +661,20 @@ class Float8Linear(nn.Linear):
             if self._graph_wcache_on:
                 wmeta, wcache = self._graph_wcache_meta, tuple(getattr(self, n) for n in self._GRAPH_WCACHE)
             return Float8LinearTracedFn.apply(
-                x, self.weight, self.bias, self.fp8_bwd_count, self.recipe, self.emulate,
-                self._row_multiple, out_dtype, self.fqn, torch.is_grad_enabled(), self.kernel_options.triton,
-                wmeta, *wcache)
+                x,
+                self.weight,
+                self.bias,
+                self.fp8_bwd_count,
+                self.recipe,
+                self.emulate,
+                self._row_multiple,
+                out_dtype,
+                self.fqn,
+                torch.is_grad_enabled(),
+                self.kernel_options.triton,
+                wmeta,
+                *wcache,
+            )
         return self._forward_eager(x, out_dtype)
 
     # The eager island: under torch.compile this call is a graph break; quantisation (fused

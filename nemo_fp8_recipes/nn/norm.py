@@ -90,8 +90,7 @@ class _RMSNormFn(torch.autograd.Function):
         # y is made in x's shape (not a view of a 2-D result: a custom Function's view output
         # could not be modified in place by the caller)
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _, rstd, acc, q = tk.rmsnorm_forward(x2, weight, eps, amax=amax, rows=rows,
-                                             out=y.view(-1, x.shape[-1]))
+        _, rstd, acc, q = tk.rmsnorm_forward(x2, weight, eps, amax=amax, rows=rows, out=y.view(-1, x.shape[-1]))
         if extras is not None:
             extras["amax"], extras["rows"] = acc, q
         ctx.save_for_backward(x2, weight, rstd)
@@ -104,13 +103,17 @@ class _RMSNormFn(torch.autograd.Function):
         from ..quant import triton_kernels as tk
 
         x2, weight, rstd = ctx.saved_tensors
-        dx, dw = tk.rmsnorm_backward(dy.reshape(-1, x2.shape[-1]), x2, weight, rstd,
-                                     need_dw=ctx.needs_input_grad[1])
+        dx, dw = tk.rmsnorm_backward(dy.reshape(-1, x2.shape[-1]), x2, weight, rstd, need_dw=ctx.needs_input_grad[1])
         return dx.view(ctx.in_shape), dw, None, None, None
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, consumer: Optional[torch.nn.Module] = None,
-             options: Optional[KernelOptions] = None):
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    consumer: Optional[torch.nn.Module] = None,
+    options: Optional[KernelOptions] = None,
+):
     """RMSNorm of ``x``'s last dim (:func:`rms_norm_reference`'s formula), fused when
     :func:`fused_norm_enabled`. ``consumer``: the first FP8 linear that reads the result (the
     others that read it with the same recipe share with it) — when its input quantisation can

@@ -114,11 +114,13 @@ def _advance(mods: List[nn.Module], process_group, reduce: bool) -> None:
         hist = torch.stack([m.fp8_amax_history for m in group])
         scale = torch.stack([m.fp8_scale for m in group])
         new_hist, new_scale = advance_delayed_scaling(
-            hist, scale, p, f, (r.input_format, r.weight_format, r.grad_format), r)
+            hist, scale, p, f, (r.input_format, r.weight_format, r.grad_format), r
+        )
         torch._foreach_copy_([m.fp8_amax_history for m in group], list(new_hist.unbind(0)))
         torch._foreach_copy_([m.fp8_scale for m in group], list(new_scale.unbind(0)))
-    torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods]
-                         + [m.fp8_grad_pending for m in mods])
+    torch._foreach_zero_(
+        [m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods] + [m.fp8_grad_pending for m in mods]
+    )
     for m in mods:
         m._pending = [False, False, False]
         m._scale_generation += 1  # the cached FP8 weight is re-quantised with the new scale
@@ -133,8 +135,9 @@ def discard_delayed_scaling(model: nn.Module) -> int:
     (the trainer's skip decision is taken on all-reduced values). Returns the number of modules."""
     mods = _delayed_modules(model)
     if mods:
-        torch._foreach_zero_([m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods]
-                             + [m.fp8_grad_pending for m in mods])
+        torch._foreach_zero_(
+            [m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods] + [m.fp8_grad_pending for m in mods]
+        )
         for m in mods:
             m._pending = [False, False, False]
     return len(mods)
@@ -162,8 +165,9 @@ def fp8_state_snapshot(model: nn.Module) -> Dict[str, Dict[str, Any]]:
     snap = {}
     for name, m in fp8_modules(model).items():
         params = {n for n, _ in m.named_parameters(recurse=False)}
-        snap[name] = {k: (v.detach().clone() if torch.is_tensor(v) else v)
-                      for k, v in m.state_dict().items() if k not in params}
+        snap[name] = {
+            k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in m.state_dict().items() if k not in params
+        }
     return snap
 
 

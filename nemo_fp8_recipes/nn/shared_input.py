@@ -69,9 +69,12 @@ SHARED_INPUT = SharedInput()
 def shareable(mod: nn.Module, x: torch.Tensor) -> bool:
     """:func:`input_quantizer`'s conditions on the module and the moment (not on ``x``'s
     ``grad_fn``, which a producer checks once it has made ``x``)."""
-    return not (mod.recipe.is_delayed or mod.telemetry_enabled
-                or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-                or not mod.kernel_options.shared_input)
+    return not (
+        mod.recipe.is_delayed
+        or mod.telemetry_enabled
+        or (x.is_cuda and torch.cuda.is_current_stream_capturing())
+        or not mod.kernel_options.shared_input
+    )
 
 
 def share_key(mod: nn.Module, x: torch.Tensor):
@@ -88,9 +91,11 @@ def input_prequantization(mod, x: torch.Tensor) -> Optional[Tuple[Format, Granul
     when that is per tensor or 1x32 / 1x128 along rows and ``mod`` shares its input quantisation
     (:func:`input_quantizer`: an eager FP8 linear with current scaling and telemetry off, no CUDA
     graph being captured, ``KernelOptions.shared_input`` on) with a trainable weight (the pair
-    includes the wgrad copy) and takes ``x``'s rows unpadded; else None. ``x``: the producer's input (same rows, device)."""
-    if (not is_fp8_linear(mod) or torch.compiler.is_compiling() or not shareable(mod, x)
-            or not mod.weight.requires_grad):  # a frozen weight takes no wgrad copy of x
+    includes the wgrad copy) and takes ``x``'s rows unpadded; else None. ``x``: the producer's
+    input (same rows, device)."""
+    if (
+        not is_fp8_linear(mod) or torch.compiler.is_compiling() or not shareable(mod, x) or not mod.weight.requires_grad
+    ):  # a frozen weight takes no wgrad copy of x
         return None
     fmt, gran = operand_spec(mod.recipe, IN)
     if gran is not Granularity.TENSOR and gran.block not in ((1, 32), (1, 128)):

@@ -57,8 +57,7 @@ def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
                 acc.setdefault(f"fp8/{group}/{operand}/{stat}", []).append(v)
         if m.recipe.is_delayed:
             for operand in OPERANDS:
-                acc.setdefault(f"fp8/{group}/{operand}/scale_pinned", []).append(
-                    float(operand in pinned.get(name, ())))
+                acc.setdefault(f"fp8/{group}/{operand}/scale_pinned", []).append(float(operand in pinned.get(name, ())))
     out = {}
     for k, vs in acc.items():
         out[k] = max(vs) if k.endswith("/amax") else sum(vs) / len(vs)

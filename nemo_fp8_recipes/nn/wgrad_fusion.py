@@ -27,14 +27,20 @@ def wgrad_target(mod: nn.Module, ctx) -> Optional[torch.Tensor]:
     except RuntimeError:  # autograd.grad(): gradients are returned, not accumulated
         return None
     check_wgrad_fusion(mod)
-    if (g.dtype != torch.float32 or g.shape != w.shape or not g.is_contiguous() or g.device != w.device
-            or g.data_ptr() % 16):
+    if (
+        g.dtype != torch.float32
+        or g.shape != w.shape
+        or not g.is_contiguous()
+        or g.device != w.device
+        or g.data_ptr() % 16
+    ):
         raise RuntimeError(
             f"{mod.fqn or 'Float8Linear'}: fuse_wgrad_accumulation accumulates into a contiguous, 16-byte aligned "
             f"float32 weight.grad of shape {tuple(w.shape)} on {w.device}; got {g.dtype} {tuple(g.shape)} on "
             f"{g.device}{'' if g.is_contiguous() else ' (not contiguous)'}"
             f"{' at a misaligned address' if g.data_ptr() % 16 else ''} — keep FP32 master weights and their own "
-            "gradient tensors, or turn it off (set_wgrad_accumulation_fusion(model, False))")
+            "gradient tensors, or turn it off (set_wgrad_accumulation_fusion(model, False))"
+        )
     return g
 
 
@@ -44,13 +50,22 @@ def check_wgrad_fusion(mod: nn.Module) -> None:
     receive what goes to — AccumulateGrad, which the fused GEMM bypasses."""
     w, name = mod.weight, mod.fqn or "Float8Linear"
     if w.dtype != torch.float32:
-        raise RuntimeError(f"{name}: fuse_wgrad_accumulation accumulates FP32 gradients, and this weight is "
-                           f"{w.dtype}; keep FP32 master weights, or turn it off (set_wgrad_accumulation_fusion"
-                           "(model, False))")
-    hooks = [kind for kind, attr in (("register_hook", "_backward_hooks"),
-                                     ("register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks"))
-             if getattr(w, attr, None)]
+        raise RuntimeError(
+            f"{name}: fuse_wgrad_accumulation accumulates FP32 gradients, and this weight is "
+            f"{w.dtype}; keep FP32 master weights, or turn it off (set_wgrad_accumulation_fusion"
+            "(model, False))"
+        )
+    hooks = [
+        kind
+        for kind, attr in (
+            ("register_hook", "_backward_hooks"),
+            ("register_post_accumulate_grad_hook", "_post_accumulate_grad_hooks"),
+        )
+        if getattr(w, attr, None)
+    ]
     if hooks:
-        raise RuntimeError(f"{name}: fuse_wgrad_accumulation adds the weight gradient inside the GEMM, so the "
-                           f"weight's {' and '.join(hooks)} hooks would never see it; turn it off for this module "
-                           "(set_wgrad_accumulation_fusion(module, False))")
+        raise RuntimeError(
+            f"{name}: fuse_wgrad_accumulation adds the weight gradient inside the GEMM, so the "
+            f"weight's {' and '.join(hooks)} hooks would never see it; turn it off for this module "
+            "(set_wgrad_accumulation_fusion(module, False))"
+        )

@@ -45,9 +45,18 @@ _SCALE_SCALAR_32F, _SCALE_VEC128_32F = 0, 4
 _PREF_MAX_WORKSPACE_BYTES = 1
 _WORKSPACE_BYTES = 32 * 2**20  # as PyTorch's default cuBLASLt workspace on Hopper
 
-_STATUS = {0: "SUCCESS", 1: "NOT_INITIALIZED", 3: "ALLOC_FAILED", 7: "INVALID_VALUE", 8: "ARCH_MISMATCH",
-           11: "MAPPING_ERROR", 13: "EXECUTION_FAILED", 14: "INTERNAL_ERROR", 15: "NOT_SUPPORTED",
-           16: "LICENSE_ERROR"}
+_STATUS = {
+    0: "SUCCESS",
+    1: "NOT_INITIALIZED",
+    3: "ALLOC_FAILED",
+    7: "INVALID_VALUE",
+    8: "ARCH_MISMATCH",
+    11: "MAPPING_ERROR",
+    13: "EXECUTION_FAILED",
+    14: "INTERNAL_ERROR",
+    15: "NOT_SUPPORTED",
+    16: "LICENSE_ERROR",
+}
 
 
 class CublasLtError(RuntimeError):
@@ -59,8 +68,13 @@ class _Algo(ctypes.Structure):
 
 
 class _Heuristic(ctypes.Structure):
-    _fields_ = [("algo", _Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
-                ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspaceSize", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("wavesCount", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
 
 
 _LOCK = threading.Lock()
@@ -106,8 +120,10 @@ def library_path() -> str:
         _declare(lib)
         _LIB, _LIB_PATH = lib, cand
         return cand
-    raise CublasLtError("could not load cuBLASLt (tried " + "; ".join(tried) + "). Fused wgrad accumulation "
-                        "needs the cuBLAS that PyTorch's CUDA build ships; turn fuse_wgrad_accumulation off")
+    raise CublasLtError(
+        "could not load cuBLASLt (tried " + "; ".join(tried) + "). Fused wgrad accumulation "
+        "needs the cuBLAS that PyTorch's CUDA build ships; turn fuse_wgrad_accumulation off"
+    )
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -119,8 +135,18 @@ def _declare(lib: ctypes.CDLL) -> None:
         "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), i32, u64, u64, i64],
         "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
         "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
-        "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32, ctypes.POINTER(_Heuristic),
-                                           ctypes.POINTER(i32)],
+        "cublasLtMatmulAlgoGetHeuristic": [
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            vp,
+            i32,
+            ctypes.POINTER(_Heuristic),
+            ctypes.POINTER(i32),
+        ],
         "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, ctypes.POINTER(_Algo), vp, sz, vp],
         "cublasLtMatmulPreferenceDestroy": [vp],
         "cublasLtMatmulDescDestroy": [vp],
@@ -162,12 +188,24 @@ class _Plan:
     """The descriptors and the heuristic's algorithm for one shape and dtype combination (made
     once; cuBLASLt reads the scale pointers from the descriptor, set per call under the lock)."""
 
-    def __init__(self, device: int, a_dtype, b_dtype, m: int, n: int, k: int, block: bool, fast_accum: bool,
-                 scale_ptrs: Tuple[int, int]):
+    def __init__(
+        self,
+        device: int,
+        a_dtype,
+        b_dtype,
+        m: int,
+        n: int,
+        k: int,
+        block: bool,
+        fast_accum: bool,
+        scale_ptrs: Tuple[int, int],
+    ):
         lib = _LIB
         self.desc = ctypes.c_void_p()
-        _check(lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R[torch.float32]),
-               "cublasLtMatmulDescCreate")
+        _check(
+            lib.cublasLtMatmulDescCreate(ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_R[torch.float32]),
+            "cublasLtMatmulDescCreate",
+        )
         set_desc = lib.cublasLtMatmulDescSetAttribute
         _set(set_desc, self.desc, _DESC_TRANSA, ctypes.c_int32(_OP_T))
         _set(set_desc, self.desc, _DESC_TRANSB, ctypes.c_int32(_OP_N))
@@ -178,23 +216,41 @@ class _Plan:
         self.set_scales(*scale_ptrs)  # (the heuristic refuses block scales without their pointers)
         # column-major: cuBLAS A = b ([K, N] with ld K, transposed), B = a ([K, M], ld K), D [N, M]
         self.a_layout, self.b_layout, self.d_layout = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.a_layout), _CUDA_R[b_dtype], k, n, k),
-               "cublasLtMatrixLayoutCreate(A)")
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.b_layout), _CUDA_R[a_dtype], k, m, k),
-               "cublasLtMatrixLayoutCreate(B)")
-        _check(lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.d_layout), _CUDA_R[torch.float32], n, m, n),
-               "cublasLtMatrixLayoutCreate(C/D)")
+        _check(
+            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.a_layout), _CUDA_R[b_dtype], k, n, k),
+            "cublasLtMatrixLayoutCreate(A)",
+        )
+        _check(
+            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.b_layout), _CUDA_R[a_dtype], k, m, k),
+            "cublasLtMatrixLayoutCreate(B)",
+        )
+        _check(
+            lib.cublasLtMatrixLayoutCreate(ctypes.byref(self.d_layout), _CUDA_R[torch.float32], n, m, n),
+            "cublasLtMatrixLayoutCreate(C/D)",
+        )
         pref = ctypes.c_void_p()
         _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
-        _set(lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES,
-             ctypes.c_uint64(_WORKSPACE_BYTES))
+        _set(
+            lib.cublasLtMatmulPreferenceSetAttribute, pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.c_uint64(_WORKSPACE_BYTES)
+        )
         self.heuristic = _Heuristic()
         found = ctypes.c_int(0)
         try:
-            _check(lib.cublasLtMatmulAlgoGetHeuristic(_handle(device), self.desc, self.a_layout, self.b_layout,
-                                                      self.d_layout, self.d_layout, pref, 1,
-                                                      ctypes.byref(self.heuristic), ctypes.byref(found)),
-                   "cublasLtMatmulAlgoGetHeuristic")
+            _check(
+                lib.cublasLtMatmulAlgoGetHeuristic(
+                    _handle(device),
+                    self.desc,
+                    self.a_layout,
+                    self.b_layout,
+                    self.d_layout,
+                    self.d_layout,
+                    pref,
+                    1,
+                    ctypes.byref(self.heuristic),
+                    ctypes.byref(found),
+                ),
+                "cublasLtMatmulAlgoGetHeuristic",
+            )
         finally:
             lib.cublasLtMatmulPreferenceDestroy(pref)
         if found.value == 0:
@@ -204,7 +260,8 @@ class _Plan:
                 f"cuBLASLt has no kernel for an accumulating FP8 GEMM {names[a_dtype]} [{m}, {k}] x "
                 f"{names[b_dtype]} [{n}, {k}]ᵀ -> FP32 with {'1x128' if block else 'per-tensor'} scales on "
                 f"{torch.cuda.get_device_name(device)} (block scales need Hopper and cuBLAS >= 12.9); "
-                "turn fuse_wgrad_accumulation off")
+                "turn fuse_wgrad_accumulation off"
+            )
 
     def destroy(self) -> None:
         """Free the descriptors (a graph that captured a GEMM of this plan does not need them)."""
@@ -230,13 +287,23 @@ def _scale_ptr(s: torch.Tensor, rows: int, k: int, block: bool, device: torch.de
         return s.data_ptr()
     kb = -(-k // 128)
     if tuple(s.shape) != (rows, kb) or (kb > 1 and s.stride() != (1, rows)) or (kb == 1 and s.stride(0) != 1):
-        raise ValueError(f"1x128 scales must be [{rows}, {kb}] with strides (1, {rows}) (outer-dim major), got "
-                         f"{tuple(s.shape)} with strides {s.stride()}")
+        raise ValueError(
+            f"1x128 scales must be [{rows}, {kb}] with strides (1, {rows}) (outer-dim major), got "
+            f"{tuple(s.shape)} with strides {s.stride()}"
+        )
     return s.data_ptr()
 
 
-def fp8_matmul_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor, b_scale_inv: torch.Tensor,
-                          out: torch.Tensor, *, block: bool = False, fast_accum: bool = False) -> torch.Tensor:
+def fp8_matmul_accumulate(
+    a: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    block: bool = False,
+    fast_accum: bool = False,
+) -> torch.Tensor:
     """``out += (a · bᵀ)`` in FP32, in place, and return ``out``: ``a`` ``[M, K]`` and ``b`` ``[N, K]``
     contiguous FP8 codes (E4M3 or E5M2; not both E5M2), ``out`` a contiguous FP32 ``[M, N]``.
     ``block=False``: per-tensor ``scale_inv`` (one FP32 element each); ``block=True``: 1x128 groups
@@ -257,8 +324,10 @@ def fp8_matmul_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
     if a.dtype == torch.float8_e5m2 and b.dtype == torch.float8_e5m2:
         raise ValueError("E5M2 x E5M2 has no FP8 GEMM; quantise one operand to E4M3")
     if out.dtype != torch.float32 or tuple(out.shape) != (M, N) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous float32 [{M}, {N}] tensor, got {out.dtype} "
-                         f"{tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+        raise ValueError(
+            f"out must be a contiguous float32 [{M}, {N}] tensor, got {out.dtype} "
+            f"{tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
     if out.device != a.device or b.device != a.device:
         raise ValueError(f"operands on {a.device}, {b.device} and out on {out.device}: one device, please")
     if block and (K % 128 or M % 128 or N % 128):
@@ -269,8 +338,10 @@ def fp8_matmul_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
         raise ValueError("1x128 block scales do not take fast accumulation (cuBLAS promotes every K block)")
     for name, t in (("a", a), ("b", b), ("out", out)):
         if t.data_ptr() % 16:
-            raise ValueError(f"{name} is not 16-byte aligned (a view at an odd offset into a larger buffer?); "
-                             "cuBLASLt's FP8 GEMMs need 16-byte aligned operands")
+            raise ValueError(
+                f"{name} is not 16-byte aligned (a view at an odd offset into a larger buffer?); "
+                "cuBLASLt's FP8 GEMMs need 16-byte aligned operands"
+            )
     if M == 0 or N == 0 or K == 0:
         return out
     sa = _scale_ptr(a_scale_inv, M, K, block, a.device)
@@ -292,10 +363,25 @@ def fp8_matmul_accumulate(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.T
         plan.set_scales(sa, sb)
         one = ctypes.c_float(1.0)
         o = ctypes.c_void_p(out.data_ptr())
-        _check(lib.cublasLtMatmul(_handle(device), plan.desc, ctypes.byref(one), ctypes.c_void_p(b.data_ptr()),
-                                  plan.a_layout, ctypes.c_void_p(a.data_ptr()), plan.b_layout, ctypes.byref(one),
-                                  o, plan.d_layout, o, plan.d_layout, ctypes.byref(plan.heuristic.algo),
-                                  ctypes.c_void_p(ws.data_ptr()), ctypes.c_size_t(_WORKSPACE_BYTES),
-                                  ctypes.c_void_p(stream)),
-               "cublasLtMatmul")
+        _check(
+            lib.cublasLtMatmul(
+                _handle(device),
+                plan.desc,
+                ctypes.byref(one),
+                ctypes.c_void_p(b.data_ptr()),
+                plan.a_layout,
+                ctypes.c_void_p(a.data_ptr()),
+                plan.b_layout,
+                ctypes.byref(one),
+                o,
+                plan.d_layout,
+                o,
+                plan.d_layout,
+                ctypes.byref(plan.heuristic.algo),
+                ctypes.c_void_p(ws.data_ptr()),
+                ctypes.c_size_t(_WORKSPACE_BYTES),
+                ctypes.c_void_p(stream),
+            ),
+            "cublasLtMatmul",
+        )
     return out

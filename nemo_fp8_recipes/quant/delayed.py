@@ -15,8 +15,9 @@ __all__ = ["advance_delayed_scaling"]
 
 
 @torch.no_grad()
-def advance_delayed_scaling(history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor,
-                            flag: torch.Tensor, fmts: Sequence, recipe):
+def advance_delayed_scaling(
+    history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, flag: torch.Tensor, fmts: Sequence, recipe
+):
     """New ``(history, scale)`` after appending ``pending`` where ``flag`` is set.
 
     Shapes: ``history [..., k, L]``, ``scale``/``pending``/``flag`` ``[..., k]`` with
@@ -28,7 +29,8 @@ def advance_delayed_scaling(history: torch.Tensor, scale: torch.Tensor, pending:
     hist = torch.where(f.unsqueeze(-1), rolled, history)
     amax = hist.amax(-1) if recipe.amax_compute_algo == "max" else hist[..., 0]
     new = torch.stack(
-        [amax_to_scale(amax[..., i], fmt, recipe.scale_rounding, margin=recipe.margin)
-         for i, fmt in enumerate(fmts)], dim=-1)
+        [amax_to_scale(amax[..., i], fmt, recipe.scale_rounding, margin=recipe.margin) for i, fmt in enumerate(fmts)],
+        dim=-1,
+    )
     ok = torch.isfinite(amax) & (amax > 0) & f
     return hist, torch.where(ok, new, scale)

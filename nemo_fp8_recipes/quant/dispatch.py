@@ -39,8 +39,10 @@ def triton_enabled(x: torch.Tensor, triton: Optional[bool] = None) -> bool:
         if not triton_kernels.HAVE_TRITON:
             raise RuntimeError("triton=True: Triton is not installed (`pip install triton`)")
         if x.device.type != "cuda" and not triton_kernels.interpreting():
-            raise RuntimeError(f"triton=True: the Triton kernels run on CUDA tensors (got {x.device.type}), or on "
-                               "CPU under Triton's interpreter (TRITON_INTERPRET=1 set before Triton is imported)")
+            raise RuntimeError(
+                f"triton=True: the Triton kernels run on CUDA tensors (got {x.device.type}), or on "
+                "CPU under Triton's interpreter (TRITON_INTERPRET=1 set before Triton is imported)"
+            )
         return True
     if x.device.type != "cuda":
         return False
@@ -99,13 +101,21 @@ def fold_amax_block(q: QuantizedTensor, amax_out: Optional[torch.Tensor]) -> Qua
     if amax_out is None:
         return q
     accumulate_amax(amax_out, q.amax)
-    return QuantizedTensor(data=q.data, scale_inv=q.scale_inv, block=q.block, fmt=q.fmt,
-                           amax=amax_out.view(1, 1), scale_e8m0=q.scale_e8m0)
+    return QuantizedTensor(
+        data=q.data, scale_inv=q.scale_inv, block=q.block, fmt=q.fmt, amax=amax_out.view(1, 1), scale_e8m0=q.scale_e8m0
+    )
 
 
-def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding.FP32,
-                       scale: Optional[torch.Tensor] = None, triton: Optional[bool] = None,
-                       amax_out: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None):
+def quantize_pair_auto(
+    x: torch.Tensor,
+    fmt,
+    granularity,
+    rounding=ScaleRounding.FP32,
+    scale: Optional[torch.Tensor] = None,
+    triton: Optional[bool] = None,
+    amax_out: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
+):
     """``(quantize(x, dim=-1), quantize(x, dim=0))`` — the operand for the GEMM contracting over
     ``x``'s last dim and the one contracting over its first dim (the wgrad copy, written already
     transposed and contiguous). Per tensor, both copies come from one read of ``x`` after the
@@ -135,8 +145,7 @@ def quantize_pair_auto(x: torch.Tensor, fmt, granularity, rounding=ScaleRounding
         x = torch.nn.functional.silu(gate) * x
     if not triton_enabled(x, triton):
         a = fold_amax_block(quantize(x, fmt, g, rounding, dim=-1, scale=scale), amax_out)
-        b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(
-            x, fmt, g, rounding, dim=0)
+        b = a.t() if g in (Granularity.TENSOR, Granularity.BLOCK_128x128) else quantize(x, fmt, g, rounding, dim=0)
         return a, b
     from . import triton_kernels as tk
 

@@ -123,9 +123,7 @@ def _real_matmul(a, b, out_dtype, fast_accum):
                 swizzle_b=F.SwizzleType.SWIZZLE_32_4_4,
                 output_dtype=out_dtype,
             )[:M]
-        return torch._scaled_mm(
-            a_data, b.data.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype
-        )[:M]
+        return torch._scaled_mm(a_data, b.data.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)[:M]
     raise ValueError(f"no real FP8 GEMM for scaling groups {ba} x {bb}")
 
 
@@ -142,6 +140,5 @@ def scaled_matmul(
     """``A · Bᵀ (+ bias)``: emulated (exact dequantise + FP32 matmul, bias added in FP32 before
     the one cast) or on the FP8 tensor cores (bias added in the output dtype)."""
     if emulate:
-        return emulated_matmul(a, b, out_dtype=out_dtype,
-                               compute_dtype=compute_dtype or torch.float32, bias=bias)
+        return emulated_matmul(a, b, out_dtype=out_dtype, compute_dtype=compute_dtype or torch.float32, bias=bias)
     return real_matmul(a, b, out_dtype=out_dtype, fast_accum=fast_accum, bias=bias)

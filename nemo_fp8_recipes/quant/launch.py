@@ -54,9 +54,13 @@ _ENABLED = default_kernel_options().fast_launch  # (KernelOptions.fast_launch; a
 # per JIT function: {(device, specialisation, options, debug, instrumentation mode): CompiledKernel}
 _CACHE: Dict[Any, Dict[Tuple, Any]] = {}
 # why the direct path is not usable here (None: it is)
-_MISSING_API: Any = ("Triton is not installed" if _JIT is None else
-                     f"Triton {triton.__version__} has no triton.knobs (launch hooks); launches take Triton's path"
-                     if _knobs is None else None)
+_MISSING_API: Any = (
+    "Triton is not installed"
+    if _JIT is None
+    else f"Triton {triton.__version__} has no triton.knobs (launch hooks); launches take Triton's path"
+    if _knobs is None
+    else None
+)
 _COUNTS = {"direct": 0, "triton": 0}  # launches by path, for tests and benchmarks
 
 
@@ -78,8 +82,9 @@ def set_fast_launch(enabled: bool) -> bool:
 
 def _note_gap(what: str) -> None:
     global _MISSING_API
-    _MISSING_API = (f"Triton {triton.__version__} has no {what} (its launch internals changed); "
-                    "launches take Triton's path")
+    _MISSING_API = (
+        f"Triton {triton.__version__} has no {what} (its launch internals changed); launches take Triton's path"
+    )
 
 
 _HookChain = getattr(_knobs, "HookChain", None)
@@ -91,8 +96,9 @@ def _hooks_idle() -> bool:
     hook, so the launch takes Triton's path, which calls it."""
     rt = _knobs.runtime
     a, b = rt.launch_enter_hook, rt.launch_exit_hook
-    return ((a is None or (type(a) is _HookChain and not a.calls))
-            and (b is None or (type(b) is _HookChain and not b.calls)))
+    return (a is None or (type(a) is _HookChain and not a.calls)) and (
+        b is None or (type(b) is _HookChain and not b.calls)
+    )
 
 
 def fast_launch_status() -> str:
@@ -112,8 +118,13 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``: the same launch, through the compiled-kernel cache when
     it applies (module docstring). ``grid`` is a tuple of 1–3 ints."""
     # (this runs for every quantiser launch: kept to a few attribute and dict lookups)
-    if (_ENABLED and type(kernel) is _JIT and _MISSING_API is None and _hooks_idle()
-            and not getattr(kernel, "pre_run_hooks", None)):
+    if (
+        _ENABLED
+        and type(kernel) is _JIT
+        and _MISSING_API is None
+        and _hooks_idle()
+        and not getattr(kernel, "pre_run_hooks", None)
+    ):
         device = torch._C._cuda_getDevice()
         caches = kernel.device_caches.get(device)  # (kernels, keys, target, backend, binder)
         if caches is not None:  # (None before the first launch on this device creates the binder)
@@ -125,9 +136,13 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
             if bound is not None:
                 # what JITFunction.run adds to the options before it looks a kernel up
                 rt = _knobs.runtime
-                key = (device, tuple(spec), tuple(options.items()),
-                       bool(kwargs.get("debug", getattr(kernel, "debug", None)) or rt.debug),
-                       _knobs.compilation.instrumentation_mode)
+                key = (
+                    device,
+                    tuple(spec),
+                    tuple(options.items()),
+                    bool(kwargs.get("debug", getattr(kernel, "debug", None)) or rt.debug),
+                    _knobs.compilation.instrumentation_mode,
+                )
                 try:
                     hash(key)
                 except TypeError:  # an unhashable option: Triton's path every time
@@ -136,9 +151,18 @@ def launch(kernel, grid: tuple, *args, **kwargs) -> None:
             compiled = per_kernel.get(key) if per_kernel is not None and key is not None else None
             if compiled is not None:
                 n = len(grid)
-                compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
-                             torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                             compiled.packed_metadata, None, None, None, *bound.values())
+                compiled.run(
+                    grid[0],
+                    grid[1] if n > 1 else 1,
+                    grid[2] if n > 2 else 1,
+                    torch._C._cuda_getCurrentRawStream(device),
+                    compiled.function,
+                    compiled.packed_metadata,
+                    None,
+                    None,
+                    None,
+                    *bound.values(),
+                )
                 _COUNTS["direct"] += 1
                 return
             compiled = kernel[grid](*args, **kwargs)  # compiles if needed, launches

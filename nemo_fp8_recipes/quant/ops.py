@@ -44,8 +44,15 @@ from .reference import (  # as_format: how the kernels read ``fmt``, so fake and
     scale_grid,
 )
 
-__all__ = ["blocks128", "blockwise_mm", "group_cols_t", "group_rows", "tensor_pair", "tensor_pair_scaled",
-           "tensor_scaled"]
+__all__ = [
+    "blocks128",
+    "blockwise_mm",
+    "group_cols_t",
+    "group_rows",
+    "tensor_pair",
+    "tensor_pair_scaled",
+    "tensor_scaled",
+]
 
 _LIB = torch.library.Library("nemo_fp8_recipes", "FRAGMENT")
 
@@ -82,8 +89,12 @@ def _tensor_pair_fake(x: Tensor, fmt: str, rounding: str):
     rows, cols = x.shape
     dt = as_format(fmt).dtype
     one = (1, 1)
-    return (x.new_empty((rows, cols), dtype=dt), x.new_empty((cols, rows), dtype=dt),
-            x.new_empty(one, dtype=torch.float32), x.new_empty(one, dtype=torch.float32))
+    return (
+        x.new_empty((rows, cols), dtype=dt),
+        x.new_empty((cols, rows), dtype=dt),
+        x.new_empty(one, dtype=torch.float32),
+        x.new_empty(one, dtype=torch.float32),
+    )
 
 
 @_operator("tensor_pair_scaled(Tensor x, Tensor scale, str fmt, str rounding) -> (Tensor, Tensor, Tensor, Tensor)")
@@ -116,15 +127,20 @@ def tensor_scaled(x: Tensor, scale: Tensor, fmt: str, rounding: str) -> Tuple[Te
 @tensor_scaled.register_fake
 def _tensor_scaled_fake(x: Tensor, scale: Tensor, fmt: str, rounding: str):
     one = (1, 1)
-    return (x.new_empty(x.shape, dtype=as_format(fmt).dtype), x.new_empty(one, dtype=torch.float32),
-            x.new_empty(one, dtype=torch.float32))
+    return (
+        x.new_empty(x.shape, dtype=as_format(fmt).dtype),
+        x.new_empty(one, dtype=torch.float32),
+        x.new_empty(one, dtype=torch.float32),
+    )
 
 
 def _check_group_rounding(rounding: str) -> None:
     """The 1xN operators return FP32 ``scale_inv`` only (no E8M0 scales)."""
     if ScaleRounding(rounding) not in (ScaleRounding.FP32, ScaleRounding.POW2):
-        raise ValueError(f"the group quantiser operators take fp32 or pow2 scales (FP32 scale_inv), got {rounding!r}; "
-                         "E8M0 (mxfp8) operands are quantised by the reference quantisers under torch.compile")
+        raise ValueError(
+            f"the group quantiser operators take fp32 or pow2 scales (FP32 scale_inv), got {rounding!r}; "
+            "E8M0 (mxfp8) operands are quantised by the reference quantisers under torch.compile"
+        )
 
 
 @_operator("group_rows(Tensor x, str fmt, int group, str rounding) -> (Tensor, Tensor)")
@@ -141,8 +157,10 @@ def group_rows(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor, 
 @group_rows.register_fake
 def _group_rows_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=as_format(fmt).dtype),
-            scale_grid(rows, -(-cols // group), torch.float32, x.device))
+    return (
+        x.new_empty((rows, cols), dtype=as_format(fmt).dtype),
+        scale_grid(rows, -(-cols // group), torch.float32, x.device),
+    )
 
 
 @_operator("group_cols_t(Tensor x, str fmt, int group, str rounding) -> (Tensor, Tensor)")
@@ -159,8 +177,10 @@ def group_cols_t(x: Tensor, fmt: str, group: int, rounding: str) -> Tuple[Tensor
 @group_cols_t.register_fake
 def _group_cols_t_fake(x: Tensor, fmt: str, group: int, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((cols, rows), dtype=as_format(fmt).dtype),
-            scale_grid(cols, -(-rows // group), torch.float32, x.device))
+    return (
+        x.new_empty((cols, rows), dtype=as_format(fmt).dtype),
+        scale_grid(cols, -(-rows // group), torch.float32, x.device),
+    )
 
 
 @_operator("blocks128(Tensor x, str fmt, str rounding) -> (Tensor, Tensor)")
@@ -176,14 +196,19 @@ def blocks128(x: Tensor, fmt: str, rounding: str) -> Tuple[Tensor, Tensor]:
 @blocks128.register_fake
 def _blocks128_fake(x: Tensor, fmt: str, rounding: str):
     rows, cols = x.shape
-    return (x.new_empty((rows, cols), dtype=as_format(fmt).dtype),
-            x.new_empty((-(-rows // 128), -(-cols // 128)), dtype=torch.float32))
+    return (
+        x.new_empty((rows, cols), dtype=as_format(fmt).dtype),
+        x.new_empty((-(-rows // 128), -(-cols // 128)), dtype=torch.float32),
+    )
 
 
-@_operator("blockwise_mm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, bool weight_blocks, "
-           "ScalarType out_dtype) -> Tensor")
-def blockwise_mm(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, weight_blocks: bool,
-                 out_dtype: torch.dtype) -> Tensor:
+@_operator(
+    "blockwise_mm(Tensor a, Tensor a_scale_inv, Tensor b, Tensor b_scale_inv, bool weight_blocks, "
+    "ScalarType out_dtype) -> Tensor"
+)
+def blockwise_mm(
+    a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale_inv: Tensor, weight_blocks: bool, out_dtype: torch.dtype
+) -> Tensor:
     """:func:`~.scaled_mm.blockwise_matmul`: ``A · Bᵀ`` ``[M, N]`` from 1x128-scaled ``a`` ``[M, K]`` and
     ``b`` ``[N, K]`` with 128x128 blocks (``weight_blocks``) or 1x128 groups."""
     from .scaled_mm import blockwise_matmul

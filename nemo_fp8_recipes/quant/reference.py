@@ -156,9 +156,7 @@ def amax_to_scale(
     return torch.where(amax == 0, torch.ones_like(s), s)
 
 
-def e8m0_exponent(
-    amax: torch.Tensor, fmt: Union[Format, str], rounding: Union[ScaleRounding, str]
-) -> torch.Tensor:
+def e8m0_exponent(amax: torch.Tensor, fmt: Union[Format, str], rounding: Union[ScaleRounding, str]) -> torch.Tensor:
     """Unbiased exponent ``e`` of the MX scale ``scale_inv = 2**e`` for each group, as FP32
     (NaN for a non-finite amax), clamped to E8M0's ``[-127, 127]``.
 
@@ -280,9 +278,7 @@ def quantize_blocks(
         s = amax_to_scale(amax, fmt, rounding)
         scale_inv = _div_rn(1.0, s)
     data = cast_to_fp8(x.float() * _expand(s, block, x.shape), fmt)
-    return QuantizedTensor(
-        data=data, scale_inv=scale_inv, block=block, fmt=fmt, amax=amax, scale_e8m0=scale_e8m0
-    )
+    return QuantizedTensor(data=data, scale_inv=scale_inv, block=block, fmt=fmt, amax=amax, scale_e8m0=scale_e8m0)
 
 
 def quantize(

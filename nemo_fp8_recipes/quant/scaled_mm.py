@@ -50,8 +50,14 @@ def scalar_scale(s: torch.Tensor) -> torch.Tensor:
     return s if s.dim() == 0 or s.shape == (1, 1) else s.reshape(())
 
 
-def blockwise_matmul(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor,
-                     b_scale_inv: torch.Tensor, weight_blocks: bool, out_dtype: torch.dtype) -> torch.Tensor:
+def blockwise_matmul(
+    a_data: torch.Tensor,
+    a_scale_inv: torch.Tensor,
+    b_data: torch.Tensor,
+    b_scale_inv: torch.Tensor,
+    weight_blocks: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """The SM90 block-scaled GEMM ``A · Bᵀ`` on raw tensors: ``a_data`` ``[M, K]`` FP8 codes with
     1x128 groups along K (``a_scale_inv`` ``[M, K/128]``); ``b_data`` ``[N, K]`` with 128x128 blocks
     (``weight_blocks``, ``b_scale_inv`` ``[N/128, K/128]``: fprop, dgrad) or 1x128 groups along K

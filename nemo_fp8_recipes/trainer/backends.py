@@ -45,8 +45,17 @@ class Backend(Protocol):
     def check(self, recipe: Recipe, device: torch.device, tcfg) -> None:
         """Raise (naming the fix) when the recipe cannot run on ``device`` with this backend."""
 
-    def convert(self, model: nn.Module, *, recipe: Recipe, policy: PrecisionPolicy, options: KernelOptions,
-                ctx: DistContext, tcfg, accum: int) -> None:
+    def convert(
+        self,
+        model: nn.Module,
+        *,
+        recipe: Recipe,
+        policy: PrecisionPolicy,
+        options: KernelOptions,
+        ctx: DistContext,
+        tcfg,
+        accum: int,
+    ) -> None:
         """Put the recipe into ``model`` (in place), with the per-step options of the run."""
 
     def fp8_gemm_modules(self, model: nn.Module) -> List[nn.Module]:
@@ -93,37 +102,64 @@ class NativeBackend:
 
         require_supported(recipe, device)
 
-    def convert(self, model: nn.Module, *, recipe: Recipe, policy: PrecisionPolicy, options: KernelOptions,
-                ctx: DistContext, tcfg, accum: int) -> None:
-        from ..nn import (convert_model, set_delayed_scaling_update, set_graph_weight_cache,
-                          set_wgrad_accumulation_fusion)
+    def convert(
+        self,
+        model: nn.Module,
+        *,
+        recipe: Recipe,
+        policy: PrecisionPolicy,
+        options: KernelOptions,
+        ctx: DistContext,
+        tcfg,
+        accum: int,
+    ) -> None:
+        from ..nn import (
+            convert_model,
+            set_delayed_scaling_update,
+            set_graph_weight_cache,
+            set_wgrad_accumulation_fusion,
+        )
 
         convert_model(model, recipe, policy, options=options)
         # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
         set_delayed_scaling_update(model, "step")
         if tcfg.fuse_wgrad_accumulation:
             if ctx.distributed:
-                raise ConfigError(f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks "
-                                  f"{tcfg.data_parallel} reduces with ({ctx.world_size} ranks); set it to false "
-                                  "under torchrun")
+                raise ConfigError(
+                    f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks "
+                    f"{tcfg.data_parallel} reduces with ({ctx.world_size} ranks); set it to false "
+                    "under torchrun"
+                )
             n_fused = set_wgrad_accumulation_fusion(model)
             if accum > 1:
-                log.info("fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 "
-                         "gradients inside the wgrad GEMM", n_fused, accum)
+                log.info(
+                    "fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 "
+                    "gradients inside the wgrad GEMM",
+                    n_fused,
+                    accum,
+                )
             else:
-                log.warning("trainer.fuse_wgrad_accumulation=true has nothing to fuse with one micro-batch per "
-                            "step (global_batch_size = micro_batch_size): every backward starts from zeroed "
-                            "gradients")
+                log.warning(
+                    "trainer.fuse_wgrad_accumulation=true has nothing to fuse with one micro-batch per "
+                    "step (global_batch_size = micro_batch_size): every backward starts from zeroed "
+                    "gradients"
+                )
         self.cached_weights = 0
         if tcfg.compile and tcfg.compiled_weight_cache and recipe.is_fp8 and accum > 1:
             if ctx.distributed and tcfg.data_parallel == "fsdp2":
-                log.info("compiled FP8 weight cache off under FSDP2: the sharded weights are quantised in the "
-                         "graph at every micro-batch")
+                log.info(
+                    "compiled FP8 weight cache off under FSDP2: the sharded weights are quantised in the "
+                    "graph at every micro-batch"
+                )
             else:  # (before DDP wraps the model and before it is compiled)
                 self.cached_weights = set_graph_weight_cache(model)
                 if self.cached_weights:
-                    log.info("compiled FP8 weight cache: %d FP8 linears quantise their weights once per optimizer "
-                             "step, not in each of the %d micro-batches", self.cached_weights, accum)
+                    log.info(
+                        "compiled FP8 weight cache: %d FP8 linears quantise their weights once per optimizer "
+                        "step, not in each of the %d micro-batches",
+                        self.cached_weights,
+                        accum,
+                    )
 
     def fp8_gemm_modules(self, model: nn.Module) -> List[nn.Module]:
         from ..nn import fp8_modules

@@ -85,8 +85,11 @@ def state_checksums(state: Dict[str, Any]) -> Dict[str, Any]:
     tensors: Dict[str, str] = {}
     values: List[str] = []
     _leaves({k: v for k, v in state.items() if k != _CHECKSUM_KEY}, "", tensors, values)
-    return {"algorithm": _CHECKSUM_ALGORITHM, "tensors": tensors,
-            "values": zlib.crc32("\n".join(values).encode("utf-8")) & 0xFFFFFFFF}
+    return {
+        "algorithm": _CHECKSUM_ALGORITHM,
+        "tensors": tensors,
+        "values": zlib.crc32("\n".join(values).encode("utf-8")) & 0xFFFFFFFF,
+    }
 
 
 def _verify(state: Dict[str, Any], path: Path) -> None:
@@ -104,7 +107,8 @@ def _verify(state: Dict[str, Any], path: Path) -> None:
     if bad:
         raise CheckpointError(
             f"{path} is corrupt: {len(bad)} entr{'y does' if len(bad) == 1 else 'ies do'} not match the checksums "
-            f"written with it ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})")
+            f"written with it ({', '.join(bad[:4])}{', ...' if len(bad) > 4 else ''})"
+        )
 
 
 def _disk_full(e: BaseException, directory: Path) -> bool:
@@ -173,7 +177,9 @@ def load_checkpoint(path: Union[str, Path], map_location: Union[str, torch.devic
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # noqa: BLE001 - re-raised with the path and the cause
         first = str(e).splitlines()[0] if str(e) else ""
-        raise CheckpointError(f"cannot read checkpoint {path} (truncated or corrupt?): {type(e).__name__}: {first}") from e
+        raise CheckpointError(
+            f"cannot read checkpoint {path} (truncated or corrupt?): {type(e).__name__}: {first}"
+        ) from e
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} is not a checkpoint of this trainer (it holds a {type(state).__name__})")
     _verify(state, path)
@@ -315,7 +321,8 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
         else:
             log.warning(
                 "checkpoint has %d CUDA RNG states, this machine has %d devices: CUDA RNG not restored",
-                len(cuda), torch.cuda.device_count(),
+                len(cuda),
+                torch.cuda.device_count(),
             )
 
 
@@ -334,8 +341,13 @@ def is_fp8_state_key(key: str) -> bool:
     return leaf.startswith(FP8_STATE_MARKERS)
 
 
-def load_model_state(model: torch.nn.Module, optimizer, state: Dict[str, torch.Tensor],
-                      optim_state: Optional[Dict[str, Any]], forced: bool) -> None:
+def load_model_state(
+    model: torch.nn.Module,
+    optimizer,
+    state: Dict[str, torch.Tensor],
+    optim_state: Optional[Dict[str, Any]],
+    forced: bool,
+) -> None:
     """Load a checkpoint's model and optimizer state. ``forced`` (a resume across recipes or
     backends): FP8 scaling state that does not match is dropped or starts fresh, with a warning;
     any other mismatch of the weights is refused."""
@@ -349,8 +361,9 @@ def load_model_state(model: torch.nn.Module, optimizer, state: Dict[str, torch.T
     fresh = len(result.missing_keys)
     if dropped or fresh:
         log.warning(
-            "forced resume across recipes: %d FP8 state entries of the checkpoint dropped, %d "
-            "initialised fresh", dropped, fresh,
+            "forced resume across recipes: %d FP8 state entries of the checkpoint dropped, %d initialised fresh",
+            dropped,
+            fresh,
         )
 
 
@@ -388,23 +401,47 @@ def load_for_resume(path: Path, tcfg: TrainerConfig) -> Dict[str, Any]:
         return load_checkpoint(path, map_location="cpu")
     except CheckpointError as e:
         good = CheckpointManager(path.parent).last_good(before=path)
-        how = "trainer.resume=auto picked it as the latest" if tcfg.resume == "auto" else f"trainer.resume={tcfg.resume}"
+        how = (
+            "trainer.resume=auto picked it as the latest" if tcfg.resume == "auto" else f"trainer.resume={tcfg.resume}"
+        )
         if good is not None:
-            fix = (f"The newest older checkpoint that loads and verifies is {good}: resume from it with "
-                   f"trainer.resume={good} (the later checkpoints of the directory are then kept aside as "
-                   "*.superseded-<time>), or move the bad file away")
+            fix = (
+                f"The newest older checkpoint that loads and verifies is {good}: resume from it with "
+                f"trainer.resume={good} (the later checkpoints of the directory are then kept aside as "
+                "*.superseded-<time>), or move the bad file away"
+            )
         else:
             fix = "No older checkpoint of that directory loads either: start a new run (run.tag=<name>)"
         raise CheckpointError(f"{e} ({how}). {fix}") from None
 
 
 #: trainer settings an automatic resume must find unchanged (see :func:`check_compatible`)
-RESUME_HYPERPARAMETERS = ("seed", "seq_len", "micro_batch_size", "global_batch_size", "lr", "min_lr",
-                          "warmup_steps", "weight_decay", "beta1", "beta2", "eps", "grad_clip")
+RESUME_HYPERPARAMETERS = (
+    "seed",
+    "seq_len",
+    "micro_batch_size",
+    "global_batch_size",
+    "lr",
+    "min_lr",
+    "warmup_steps",
+    "weight_decay",
+    "beta1",
+    "beta2",
+    "eps",
+    "grad_clip",
+)
 
 
-def check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig, tcfg: TrainerConfig,
-                      fingerprint: str, auto: bool = False, backend: str = "native") -> bool:
+def check_compatible(
+    ckpt: Dict[str, Any],
+    path: Path,
+    recipe,
+    mcfg: ModelConfig,
+    tcfg: TrainerConfig,
+    fingerprint: str,
+    auto: bool = False,
+    backend: str = "native",
+) -> bool:
     """Refuse a checkpoint from another recipe (unless forced) or model shape; refuse an
     *automatic* resume whose trainer hyperparameters changed (e.g. two jobs of a
     ``-m trainer.lr=...`` sweep sharing a run directory) unless forced; warn on data changes.
@@ -412,8 +449,11 @@ def check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig
     if ckpt.get("format") != CHECKPOINT_FORMAT:
         raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
     old_model = ckpt.get("model_config", {})
-    diffs = [f"{k}: {old_model.get(k)!r} -> {v!r}" for k, v in mcfg.to_dict().items()
-             if k != "name" and old_model.get(k) != v]
+    diffs = [
+        f"{k}: {old_model.get(k)!r} -> {v!r}"
+        for k, v in mcfg.to_dict().items()
+        if k != "name" and old_model.get(k) != v
+    ]
     if diffs:
         raise CheckpointError(f"{path} was written for another model shape ({'; '.join(diffs)})")
     old_recipe = ckpt.get("recipe", {})
@@ -425,10 +465,12 @@ def check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig
                 f"{path} was written by backend={old_backend}, this run uses backend={new_backend}. The weights "
                 "map one to one between the backends, their FP8 scaling state does not (our amax histories vs "
                 "Transformer Engine's extra state): pass trainer.force_resume=true to load the weights and "
-                "optimizer and start the FP8 state fresh, or resume with the same backend")
+                "optimizer and start the FP8 state fresh, or resume with the same backend"
+            )
         forced = True
-        log.warning("forced resume across backends (%s -> %s): FP8 scaling state starts fresh", old_backend,
-                    new_backend)
+        log.warning(
+            "forced resume across backends (%s -> %s): FP8 scaling state starts fresh", old_backend, new_backend
+        )
     if old_recipe.get("name") != recipe.name:
         if not tcfg.force_resume:
             raise CheckpointError(
@@ -440,8 +482,9 @@ def check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig
         forced = True
         log.warning("forced resume: checkpoint recipe %s, this run %s", old_recipe.get("name"), recipe.name)
     elif old_recipe != recipe.describe():
-        changed = sorted(k for k in set(old_recipe) | set(recipe.describe())
-                         if old_recipe.get(k) != recipe.describe().get(k))
+        changed = sorted(
+            k for k in set(old_recipe) | set(recipe.describe()) if old_recipe.get(k) != recipe.describe().get(k)
+        )
         if not tcfg.force_resume:
             raise CheckpointError(
                 f"{path} was written with different {recipe.name} settings ({', '.join(changed)}); "
@@ -452,8 +495,11 @@ def check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig
     if data.get("fingerprint") != fingerprint:
         log.warning("the training data changed since %s: the resumed run will not match an uninterrupted one", path)
     old_t = ckpt.get("trainer", {})
-    changed = [f"trainer.{k}: {old_t[k]!r} -> {getattr(tcfg, k)!r}" for k in RESUME_HYPERPARAMETERS
-               if k in old_t and old_t[k] != getattr(tcfg, k)]
+    changed = [
+        f"trainer.{k}: {old_t[k]!r} -> {getattr(tcfg, k)!r}"
+        for k in RESUME_HYPERPARAMETERS
+        if k in old_t and old_t[k] != getattr(tcfg, k)
+    ]
     if changed and auto and not tcfg.force_resume:
         raise CheckpointError(
             f"{path.parent.parent} holds a run with other trainer settings ({'; '.join(changed)}), "
@@ -464,6 +510,9 @@ def check_compatible(ckpt: Dict[str, Any], path: Path, recipe, mcfg: ModelConfig
     for c in changed:
         log.warning("%s changed since the checkpoint; the current value is used", c)
     if "max_steps" in old_t and old_t["max_steps"] != tcfg.max_steps:
-        log.info("trainer.max_steps: %r -> %r (the cosine schedule follows the new value)",
-                 old_t["max_steps"], tcfg.max_steps)
+        log.info(
+            "trainer.max_steps: %r -> %r (the cosine schedule follows the new value)",
+            old_t["max_steps"],
+            tcfg.max_steps,
+        )
     return forced

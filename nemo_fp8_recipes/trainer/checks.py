@@ -23,8 +23,16 @@ if TYPE_CHECKING:  # annotations only
     from ..data import DataConfig
     from ..models import ModelConfig
 
-__all__ = ["NO_CPU_COMPILE", "check_embedded_run", "check_batch_split", "model_and_data_configs",
-           "check_compile_mode", "check_cpu_compile", "check_memory", "te_backend_problem_for"]
+__all__ = [
+    "NO_CPU_COMPILE",
+    "check_embedded_run",
+    "check_batch_split",
+    "model_and_data_configs",
+    "check_compile_mode",
+    "check_cpu_compile",
+    "check_memory",
+    "te_backend_problem_for",
+]
 
 #: recipes whose emulation torch.compile's CPU (C++) backend cannot compile
 NO_CPU_COMPILE = ("blockwise", "mxfp8")
@@ -99,12 +107,16 @@ def check_compile_mode(tcfg: TrainerConfig, device: "torch.device", *, world_siz
         return
     mode = tcfg.compile_mode
     if device.type != "cuda":
-        raise ConfigError(f"trainer.compile_mode={mode} replays the compiled graphs as CUDA graphs and needs a CUDA "
-                          f"device (this run: {device.type}); use trainer.compile_mode=default on CPU")
+        raise ConfigError(
+            f"trainer.compile_mode={mode} replays the compiled graphs as CUDA graphs and needs a CUDA "
+            f"device (this run: {device.type}); use trainer.compile_mode=default on CPU"
+        )
     if world_size > 1:
-        raise ConfigError(f"trainer.compile_mode={mode} runs in one process only: under torchrun the "
-                          f"{tcfg.data_parallel} gradient hooks run between the CUDA-graph replays ({world_size} "
-                          "ranks); use trainer.compile_mode=default there")
+        raise ConfigError(
+            f"trainer.compile_mode={mode} runs in one process only: under torchrun the "
+            f"{tcfg.data_parallel} gradient hooks run between the CUDA-graph replays ({world_size} "
+            "ranks); use trainer.compile_mode=default there"
+        )
 
 
 def check_cpu_compile(tcfg: TrainerConfig, recipe, device: "torch.device") -> None:
@@ -127,8 +139,9 @@ def check_cpu_compile(tcfg: TrainerConfig, recipe, device: "torch.device") -> No
         )
 
 
-def check_memory(tcfg: TrainerConfig, mcfg: "ModelConfig", recipe, device: "torch.device", *, world_size: int,
-                 bf16_activations: bool) -> None:
+def check_memory(
+    tcfg: TrainerConfig, mcfg: "ModelConfig", recipe, device: "torch.device", *, world_size: int, bf16_activations: bool
+) -> None:
     """Refuse a run whose estimated training memory does not fit ``device``, naming what would
     fit (:func:`nemo_fp8_recipes.memory.check_fits`); ``trainer.memory_check=false`` skips it."""
     if not tcfg.memory_check:
@@ -137,10 +150,16 @@ def check_memory(tcfg: TrainerConfig, mcfg: "ModelConfig", recipe, device: "torc
 
     distributed = world_size > 1
     shard = world_size if distributed and tcfg.data_parallel == "fsdp2" else 1
-    too_big = check_fits(mcfg, device, tokens_per_micro_batch=tcfg.micro_batch_size * tcfg.seq_len,
-                         fp8=recipe.is_fp8, activation_bytes=2 if bf16_activations else 4, shard=shard,
-                         where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} tokens"
-                               + (" per rank" if distributed else ""))
+    too_big = check_fits(
+        mcfg,
+        device,
+        tokens_per_micro_batch=tcfg.micro_batch_size * tcfg.seq_len,
+        fp8=recipe.is_fp8,
+        activation_bytes=2 if bf16_activations else 4,
+        shard=shard,
+        where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} tokens"
+        + (" per rank" if distributed else ""),
+    )
     if too_big:
         raise ConfigError(too_big)
 

@@ -87,4 +87,3 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         finally:
             sys.argv = old_argv
     return 0
-

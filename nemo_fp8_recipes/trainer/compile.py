@@ -50,8 +50,12 @@ class CudaGraphReplays:
         self.skips0 = cuda_graph_skips()
         self.reported: Optional[int] = None
         self.hooks = [p.register_hook(torch.clone) for p in model.parameters() if p.requires_grad]
-        log.info("trainer.compile_mode=%s: the compiled graphs replay as CUDA graphs (gradients copied out of "
-                 "the graph pool: %d parameters)", mode, len(self.hooks))
+        log.info(
+            "trainer.compile_mode=%s: the compiled graphs replay as CUDA graphs (gradients copied out of "
+            "the graph pool: %d parameters)",
+            mode,
+            len(self.hooks),
+        )
 
     @staticmethod
     def mark() -> None:
@@ -65,8 +69,12 @@ class CudaGraphReplays:
         n = cuda_graph_skips() - self.skips0
         if not (final and n == self.reported):
             if n:
-                log.warning("trainer.compile_mode=%s: %d compiled graph(s) run without CUDA graphs, with the host's "
-                            "launch overhead (TORCH_LOGS=cudagraphs prints why)", self.mode, n)
+                log.warning(
+                    "trainer.compile_mode=%s: %d compiled graph(s) run without CUDA graphs, with the host's "
+                    "launch overhead (TORCH_LOGS=cudagraphs prints why)",
+                    self.mode,
+                    n,
+                )
             else:
                 log.info("trainer.compile_mode=%s: every compiled graph replays as a CUDA graph", self.mode)
         self.reported = n
@@ -81,8 +89,9 @@ class CudaGraphReplays:
         return self.report(final=True)
 
 
-def compile_model(dp_model: torch.nn.Module, raw_model: torch.nn.Module, tcfg
-                  ) -> Tuple[torch.nn.Module, Optional[CudaGraphReplays]]:
+def compile_model(
+    dp_model: torch.nn.Module, raw_model: torch.nn.Module, tcfg
+) -> Tuple[torch.nn.Module, Optional[CudaGraphReplays]]:
     """The module the trainer runs forward: ``dp_model`` (the data-parallel wrapper, or the model
     itself) under ``torch.compile`` with ``trainer.compile_mode`` when ``trainer.compile=true``;
     and, for a CUDA-graph mode, the :class:`CudaGraphReplays` on ``raw_model``'s parameters."""

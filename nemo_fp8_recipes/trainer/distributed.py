@@ -134,7 +134,8 @@ def init_distributed(device: torch.device) -> DistContext:
         if local >= torch.cuda.device_count():
             raise RuntimeError(
                 f"rank {rank} has LOCAL_RANK {local} but only {torch.cuda.device_count()} GPU(s) are "
-                "visible; start at most one process per GPU (torchrun --nproc_per_node)")
+                "visible; start at most one process per GPU (torchrun --nproc_per_node)"
+            )
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     return DistContext(world_size=world, rank=rank, local_rank=local, device=device, initialized_here=here)
@@ -148,8 +149,9 @@ def _sum_allreduce_hook(process_group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
-def wrap_model(model: nn.Module, mode: str, ctx: DistContext, *, find_unused_parameters: bool = False,
-               block_attr: str = "layers") -> nn.Module:
+def wrap_model(
+    model: nn.Module, mode: str, ctx: DistContext, *, find_unused_parameters: bool = False, block_attr: str = "layers"
+) -> nn.Module:
     """Wrap ``model`` for data parallelism; returns it unchanged on one rank.
 
     ``ddp``: :class:`~torch.nn.parallel.DistributedDataParallel` (FP8 scaling buffers are kept out
@@ -163,9 +165,11 @@ def wrap_model(model: nn.Module, mode: str, ctx: DistContext, *, find_unused_par
         return model
     fused = [fqn for fqn, m in model.named_modules() if getattr(m, "fuse_wgrad_accumulation", False)]
     if fused:
-        raise ValueError(f"{len(fused)} FP8 linears (e.g. {fused[0]!r}) fuse their weight-gradient accumulation into "
-                         f"the GEMM, which skips the gradient hooks {mode} reduces with; call "
-                         "set_wgrad_accumulation_fusion(model, False) before wrap_model")
+        raise ValueError(
+            f"{len(fused)} FP8 linears (e.g. {fused[0]!r}) fuse their weight-gradient accumulation into "
+            f"the GEMM, which skips the gradient hooks {mode} reduces with; call "
+            "set_wgrad_accumulation_fusion(model, False) before wrap_model"
+        )
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -245,8 +249,9 @@ def state_dicts(model: nn.Module, optimizer) -> Tuple[Dict[str, Any], Dict[str, 
     return get_model_state_dict(model, options=opts), get_optimizer_state_dict(model, optimizer, options=opts)
 
 
-def load_state_dicts(model: nn.Module, optimizer, model_state: Dict[str, Any],
-                     optim_state: Optional[Dict[str, Any]], strict: bool = True):
+def load_state_dicts(
+    model: nn.Module, optimizer, model_state: Dict[str, Any], optim_state: Optional[Dict[str, Any]], strict: bool = True
+):
     """Load full state dicts written by :func:`state_dicts` (any world size / wrapper) into this
     rank's model and optimizer. Returns the model's incompatible keys (``strict=False``)."""
     from torch.distributed.checkpoint.state_dict import (

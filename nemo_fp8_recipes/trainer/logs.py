@@ -30,8 +30,16 @@ import torch
 from ..hardware import gpu_by_device_name
 from .distributed import DistContext, merge_audits
 
-__all__ = ["LogWindow", "record_audit", "logging_as_it_was", "quiet_failing_log_files", "peak_tflops",
-           "MetricsWriter", "format_count", "format_duration"]
+__all__ = [
+    "LogWindow",
+    "record_audit",
+    "logging_as_it_was",
+    "quiet_failing_log_files",
+    "peak_tflops",
+    "MetricsWriter",
+    "format_count",
+    "format_duration",
+]
 
 log = logging.getLogger("nemo_fp8_recipes.train")  # (the trainer's: these lines belong to the run)
 
@@ -78,8 +86,16 @@ class LogWindow:
         self.loss_sum, self.steps, self.time_s, self.tokens = 0.0, 0, 0.0, 0
 
 
-def record_audit(report, ctx: DistContext, *, run_dir: Path, writer: MetricsWriter, step: int,
-                 extra: Optional[str] = None, data_parallel: str = "ddp") -> str:
+def record_audit(
+    report,
+    ctx: DistContext,
+    *,
+    run_dir: Path,
+    writer: MetricsWriter,
+    step: int,
+    extra: Optional[str] = None,
+    data_parallel: str = "ddp",
+) -> str:
     """Record the precision audit ``report`` of the first step and return its table.
 
     Every rank's audit is compared (:func:`~nemo_fp8_recipes.distributed.merge_audits`); ``extra``
@@ -92,8 +108,9 @@ def record_audit(report, ctx: DistContext, *, run_dir: Path, writer: MetricsWrit
     if extra:
         table += f"\n{extra}"
     if ctx.distributed:
-        table += (f"\n{ctx.world_size} data-parallel ranks ({data_parallel}): "
-                  + ("; ".join(rank_problems) if rank_problems else "every rank ran the same precision per module"))
+        table += f"\n{ctx.world_size} data-parallel ranks ({data_parallel}): " + (
+            "; ".join(rank_problems) if rank_problems else "every rank ran the same precision per module"
+        )
     if ctx.is_main:
         (run_dir / "audit.txt").write_text(table + "\n", encoding="utf-8")
         d = report.to_dict()
@@ -115,8 +132,9 @@ def logging_as_it_was():
     ``disabled`` and ``propagate`` of the root logger and of every logger that existed before
     (Hydra's configuration may disable them); the handlers the job added are closed. Loggers
     created during the run (a library's import) keep their own."""
-    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(lg, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
     saved = [(lg, lg.disabled, lg.level, list(lg.handlers), lg.propagate) for lg in loggers]
     try:
         yield
@@ -147,8 +165,11 @@ def quiet_failing_log_files() -> None:
                 h.close()
             except Exception:  # noqa: BLE001 - the file is already broken
                 pass
-            print(f"nemo-fp8-train: warning: cannot write the log file {h.baseFilename} ({err}); "
-                  "logging to the console only from here on", file=sys.stderr)
+            print(
+                f"nemo-fp8-train: warning: cannot write the log file {h.baseFilename} ({err}); "
+                "logging to the console only from here on",
+                file=sys.stderr,
+            )
 
         h.handleError = handle_error
         h._nemo_fp8_quiet = True

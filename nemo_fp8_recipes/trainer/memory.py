@@ -64,9 +64,15 @@ class MemoryEstimate:
         return sum(self.parts().values())
 
     def parts(self) -> Dict[str, float]:
-        return {"parameters (FP32)": self.parameters, "gradients (FP32)": self.gradients,
-                "AdamW moments (FP32)": self.optimizer, "FP8 weight copies": self.fp8_weights,
-                "activations": self.activations, "logits and loss": self.loss, "the process": self.runtime}
+        return {
+            "parameters (FP32)": self.parameters,
+            "gradients (FP32)": self.gradients,
+            "AdamW moments (FP32)": self.optimizer,
+            "FP8 weight copies": self.fp8_weights,
+            "activations": self.activations,
+            "logits and loss": self.loss,
+            "the process": self.runtime,
+        }
 
     def describe(self) -> str:
         return ", ".join(f"{k} {format_bytes(v)}" for k, v in self.parts().items() if v)
@@ -75,28 +81,42 @@ class MemoryEstimate:
 def _fp8_params(mcfg: ModelConfig) -> int:
     """Parameters of the linears the default policy runs in FP8 (every transformer-layer GEMM but
     the router; embedding and output head stay BF16)."""
-    return mcfg.num_params(include_embedding=False) - mcfg.vocab_size * mcfg.dim - mcfg.dim - sum(
-        2 * mcfg.dim + (mcfg.dim * mcfg.num_experts if mcfg.is_moe_layer(i) else 0) for i in range(mcfg.num_layers))
+    return (
+        mcfg.num_params(include_embedding=False)
+        - mcfg.vocab_size * mcfg.dim
+        - mcfg.dim
+        - sum(
+            2 * mcfg.dim + (mcfg.dim * mcfg.num_experts if mcfg.is_moe_layer(i) else 0) for i in range(mcfg.num_layers)
+        )
+    )
 
 
 #: What the process itself holds on the CPU (Python, PyTorch's libraries, the data pipeline).
 CPU_RUNTIME_BYTES = 0.75 * GiB
 
 
-def estimate_training_memory(mcfg: ModelConfig, *, tokens_per_micro_batch: int, fp8: bool, activation_bytes: int,
-                             shard: int = 1, cpu: bool = True) -> MemoryEstimate:
+def estimate_training_memory(
+    mcfg: ModelConfig,
+    *,
+    tokens_per_micro_batch: int,
+    fp8: bool,
+    activation_bytes: int,
+    shard: int = 1,
+    cpu: bool = True,
+) -> MemoryEstimate:
     """The estimate of the module docstring for one rank. ``shard``: ranks that FSDP2 shards the
     parameters, gradients and optimizer state over (1 for DDP or one process); ``cpu``: count the
     process's own memory (on a GPU it is host memory, not the device's)."""
     n = mcfg.num_params()
     per_layer = 0
     for i in range(mcfg.num_layers):
-        ffn = ((mcfg.moe_top_k + mcfg.num_shared_experts) * mcfg.moe_ffn_dim if mcfg.is_moe_layer(i)
-               else mcfg.ffn_dim)
+        ffn = (mcfg.moe_top_k + mcfg.num_shared_experts) * mcfg.moe_ffn_dim if mcfg.is_moe_layer(i) else mcfg.ffn_dim
         per_layer += 10 * mcfg.dim + 4 * ffn
     t = tokens_per_micro_batch
     return MemoryEstimate(
-        parameters=4.0 * n / shard, gradients=4.0 * n / shard, optimizer=8.0 * n / shard,
+        parameters=4.0 * n / shard,
+        gradients=4.0 * n / shard,
+        optimizer=8.0 * n / shard,
         fp8_weights=2.0 * _fp8_params(mcfg) if fp8 else 0.0,
         activations=float(activation_bytes) * t * per_layer,
         loss=12.0 * t * mcfg.vocab_size,
@@ -149,30 +169,47 @@ def _suggestions(mcfg: ModelConfig, available: int, **kw) -> List[str]:
     out = []
     for layers in range(mcfg.num_layers - 1, 0, -1):
         if estimate_training_memory(mcfg.replace(num_layers=layers), **kw).total <= available:
-            out.append(f"model.num_layers={layers} (the same layer shapes, "
-                       f"{format_bytes(estimate_training_memory(mcfg.replace(num_layers=layers), **kw).total)})")
+            out.append(
+                f"model.num_layers={layers} (the same layer shapes, "
+                f"{format_bytes(estimate_training_memory(mcfg.replace(num_layers=layers), **kw).total)})"
+            )
             break
     if mcfg.vocab_size > 512:
         small = mcfg.replace(vocab_size=512)
         for layers in range(mcfg.num_layers, 0, -1):
             est = estimate_training_memory(small.replace(num_layers=layers), **kw).total
             if est <= available:
-                out.append(f"model.vocab_size=512 model.num_layers={layers} (the byte-level vocabulary drops the "
-                           f"{mcfg.vocab_size}-entry embedding and head, {format_bytes(est)})")
+                out.append(
+                    f"model.vocab_size=512 model.num_layers={layers} (the byte-level vocabulary drops the "
+                    f"{mcfg.vocab_size}-entry embedding and head, {format_bytes(est)})"
+                )
                 break
     out.append("a smaller model (model=llama3_150m or model=llama3_tiny)")
     return out
 
 
-def check_fits(mcfg: ModelConfig, device: torch.device, *, tokens_per_micro_batch: int, fp8: bool,
-               activation_bytes: int, shard: int = 1, where: str = "") -> Optional[str]:
+def check_fits(
+    mcfg: ModelConfig,
+    device: torch.device,
+    *,
+    tokens_per_micro_batch: int,
+    fp8: bool,
+    activation_bytes: int,
+    shard: int = 1,
+    where: str = "",
+) -> Optional[str]:
     """None if the run fits (or the free memory cannot be read); else the message to refuse it
     with: the estimate by part, the memory available, and what would fit."""
     avail = available_memory(device)
     if avail is None:
         return None
-    kw = dict(tokens_per_micro_batch=tokens_per_micro_batch, fp8=fp8, activation_bytes=activation_bytes, shard=shard,
-              cpu=device.type == "cpu")
+    kw = dict(
+        tokens_per_micro_batch=tokens_per_micro_batch,
+        fp8=fp8,
+        activation_bytes=activation_bytes,
+        shard=shard,
+        cpu=device.type == "cpu",
+    )
     est = estimate_training_memory(mcfg, **kw)
     if est.total <= avail:
         return None
@@ -180,7 +217,8 @@ def check_fits(mcfg: ModelConfig, device: torch.device, *, tokens_per_micro_batc
     fixes = _suggestions(mcfg, avail, **kw)
     if device.type == "cpu":
         fixes.append("a GPU (trainer.device=cuda)")
-    return (f"model={mcfg.name} ({mcfg.num_params() / 1e9:.2f}B parameters, {mcfg.num_layers} layers) needs about "
-            f"{format_bytes(est.total)} to train{where}, and {dev} has {format_bytes(avail)} available "
-            f"({est.describe()}). What fits: " + "; ".join(fixes)
-            + ". trainer.memory_check=false skips this estimate")
+    return (
+        f"model={mcfg.name} ({mcfg.num_params() / 1e9:.2f}B parameters, {mcfg.num_layers} layers) needs about "
+        f"{format_bytes(est.total)} to train{where}, and {dev} has {format_bytes(avail)} available "
+        f"({est.describe()}). What fits: " + "; ".join(fixes) + ". trainer.memory_check=false skips this estimate"
+    )

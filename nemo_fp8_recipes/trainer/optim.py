@@ -29,8 +29,9 @@ def lr_at(step: int, tcfg: TrainerConfig) -> float:
     return tcfg.min_lr + 0.5 * (tcfg.lr - tcfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def build_optimizer(model: torch.nn.Module, tcfg: TrainerConfig, device: torch.device
-                    ) -> Tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    model: torch.nn.Module, tcfg: TrainerConfig, device: torch.device
+) -> Tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over ``model``'s trainable parameters (group 0: decayed, group 1: not) and the
     :func:`lr_at` schedule as a ``LambdaLR``; fused AdamW on CUDA."""
     decay, no_decay = [], []

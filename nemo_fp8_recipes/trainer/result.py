@@ -71,4 +71,3 @@ class StepStats(NamedTuple):
     grad_norm: float  #: before clipping
     skipped: bool  #: non-finite loss or gradient norm: no update (trainer.nan_policy=skip)
     time_s: float
-

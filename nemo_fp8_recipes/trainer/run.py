@@ -32,6 +32,7 @@ from ..config import (
 from ..data import ByteTokenizer, PackedTokens, TrainBatches, ValBatches, load_corpus
 from ..determinism import deterministic_mode, explain_nondeterministic_op
 from ..models import Transformer
+from .backends import Backend, make_backend
 from .checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointManager,
@@ -73,7 +74,6 @@ from .logs import (
 )
 from .optim import apply_hyperparameters, build_optimizer
 from .result import NonFiniteLossError, StepStats, TrainingError, TrainResult
-from .backends import Backend, make_backend
 
 __all__ = ["Trainer", "train"]
 
@@ -157,7 +157,8 @@ class Trainer:
             self.backend = make_backend(backend_name, cfg.backend, telemetry=tcfg.telemetry_interval > 0)
         # before anything imports Transformer Engine or runs a kernel (process-wide; close() restores)
         self.determinism = self._process_settings.enter_context(
-            deterministic_mode(tcfg.deterministic, transformer_engine=self.backend.uses_transformer_engine))
+            deterministic_mode(tcfg.deterministic, transformer_engine=self.backend.uses_transformer_engine)
+        )
         device = resolve_device(tcfg.device)
         self.recipe = build_recipe(cfg.recipe)
         self.policy = build_policy(cfg.get("policy"))
@@ -174,8 +175,7 @@ class Trainer:
         self.autocast, self.bf16 = _autocast(self.device, tcfg.autocast)  # (factory, whether BF16)
         self.tokenizer = ByteTokenizer()
         self.mcfg, self.dcfg = model_and_data_configs(cfg, tcfg, self.tokenizer.vocab_size)
-        check_memory(tcfg, self.mcfg, self.recipe, self.device, world_size=ctx.world_size,
-                     bf16_activations=self.bf16)
+        check_memory(tcfg, self.mcfg, self.recipe, self.device, world_size=ctx.world_size, bf16_activations=self.bf16)
         check_cpu_compile(tcfg, self.recipe, self.device)
         check_compile_mode(tcfg, self.device, world_size=ctx.world_size)
 
@@ -186,13 +186,16 @@ class Trainer:
         self.corpus = load_corpus(self.dcfg, self.tokenizer)
         self.train_batches = TrainBatches(
             PackedTokens(self.corpus.train, tcfg.seq_len, "train"),
-            seed=tcfg.seed, micro_batch_size=tcfg.micro_batch_size, grad_accum=tcfg.grad_accum,
+            seed=tcfg.seed,
+            micro_batch_size=tcfg.micro_batch_size,
+            grad_accum=tcfg.grad_accum,
         )
         self.val_batches = None
         if tcfg.val_interval > 0 and tcfg.val_steps > 0:
             self.val_batches = ValBatches(
                 PackedTokens(self.corpus.val, tcfg.seq_len, "validation"),
-                micro_batch_size=tcfg.micro_batch_size, num_batches=tcfg.val_steps,
+                micro_batch_size=tcfg.micro_batch_size,
+                num_batches=tcfg.val_steps,
             )
 
     def _build_model(self) -> None:
@@ -202,13 +205,21 @@ class Trainer:
         _seed_everything(tcfg.seed)
         with torch.device(self.device):
             raw_model = Transformer(self.mcfg)
-        self.backend.convert(raw_model, recipe=self.recipe, policy=self.policy, options=self.kernel_options,
-                             ctx=ctx, tcfg=tcfg, accum=self.accum)
+        self.backend.convert(
+            raw_model,
+            recipe=self.recipe,
+            policy=self.policy,
+            options=self.kernel_options,
+            ctx=ctx,
+            tcfg=tcfg,
+            accum=self.accum,
+        )
         if self.device.type == "cuda" and ctx.is_main:
             self._hint_small_gemms(raw_model)
         self.raw_model = raw_model
-        self.dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx,
-                                   find_unused_parameters=self.mcfg.arch == "moe")  # unrouted experts get no grad
+        self.dp_model = wrap_model(
+            raw_model, tcfg.data_parallel, ctx, find_unused_parameters=self.mcfg.arch == "moe"
+        )  # unrouted experts get no grad
 
     def _hint_small_gemms(self, raw_model: torch.nn.Module) -> None:
         """Warn when every FP8 GEMM is below the recipe's measured FP8/BF16 crossover (GPU runs)."""
@@ -230,8 +241,16 @@ class Trainer:
         if path is None:
             return
         ckpt = load_for_resume(path, tcfg)
-        forced = check_compatible(ckpt, path, self.recipe, self.mcfg, tcfg, self.corpus.fingerprint,
-                                  auto=tcfg.resume == "auto", backend=self.backend.name)
+        forced = check_compatible(
+            ckpt,
+            path,
+            self.recipe,
+            self.mcfg,
+            tcfg,
+            self.corpus.fingerprint,
+            auto=tcfg.resume == "auto",
+            backend=self.backend.name,
+        )
         load_model_state(self.dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
         self.scheduler.load_state_dict(ckpt["scheduler"])
         apply_hyperparameters(optimizer, self.scheduler, tcfg, int(ckpt["step"]))  # the current config's
@@ -243,8 +262,12 @@ class Trainer:
         self.last_ckpt = path
         if self.ctx.is_main and path.parent.resolve() == self.ckpt_mgr.directory.resolve():
             for q in self.ckpt_mgr.supersede_after(self.start_step):
-                log.warning("resumed from step %d: the later checkpoint %s is kept as %s and no longer resumed from",
-                            self.start_step, q.name.split(".superseded-")[0], q.name)
+                log.warning(
+                    "resumed from step %d: the later checkpoint %s is kept as %s and no longer resumed from",
+                    self.start_step,
+                    q.name.split(".superseded-")[0],
+                    q.name,
+                )
         log.info("resumed from %s at step %d", path, self.start_step)
 
     def _open_logs(self) -> None:
@@ -269,26 +292,48 @@ class Trainer:
 
         # (self.graphs: trainer.compile_mode=reduce-overhead / max-autotune replays them as CUDA graphs)
         self.model, self.graphs = compile_model(self.dp_model, self.raw_model, tcfg)
-        self.writer = MetricsWriter(self.run_dir, enabled=self.rcfg.tensorboard and ctx.is_main,
-                                    purge_step=self.start_step + 1 if self.start_step else None)
+        self.writer = MetricsWriter(
+            self.run_dir,
+            enabled=self.rcfg.tensorboard and ctx.is_main,
+            purge_step=self.start_step + 1 if self.start_step else None,
+        )
         log.info(
             "run %s | model %s (%s params, %d layers) | recipe %s (%s) | device %s | autocast %s | "
             "data %s: %s train / %s val tokens | %d steps x %d seq x %d tokens (grad accum %d%s)",
-            self.run_dir, self.mcfg.name, format_count(self.n_params), self.mcfg.num_layers, self.recipe.name,
-            self.mode, describe_device(self.device), "bf16" if self.bf16 else "off", self.dcfg.name,
-            format_count(len(self.corpus.train)), format_count(len(self.corpus.val)), tcfg.max_steps,
-            tcfg.global_batch_size, tcfg.seq_len, self.accum,
+            self.run_dir,
+            self.mcfg.name,
+            format_count(self.n_params),
+            self.mcfg.num_layers,
+            self.recipe.name,
+            self.mode,
+            describe_device(self.device),
+            "bf16" if self.bf16 else "off",
+            self.dcfg.name,
+            format_count(len(self.corpus.train)),
+            format_count(len(self.corpus.val)),
+            tcfg.max_steps,
+            tcfg.global_batch_size,
+            tcfg.seq_len,
+            self.accum,
             f" per rank, {ctx.world_size} ranks, {tcfg.data_parallel}" if ctx.distributed else "",
         )
         if tcfg.deterministic:
-            log.info("deterministic: on (%s): the same config and seed repeat this run bit for bit",
-                     ", ".join(f"{k}={v}" for k, v in self.determinism.items()))
+            log.info(
+                "deterministic: on (%s): the same config and seed repeat this run bit for bit",
+                ", ".join(f"{k}={v}" for k, v in self.determinism.items()),
+            )
         if self.start_step == 0:
             self.writer.text("config", OmegaConf.to_yaml(cfg, resolve=True))
-        self.result = TrainResult(run_dir=self.run_dir, start_step=self.start_step, final_step=self.start_step,
-                                  skipped_steps=self.skipped, checkpoint=self.last_ckpt, world_size=ctx.world_size,
-                                  model=self.raw_model,
-                                  compiled_weight_cache=self.backend.cached_weights)
+        self.result = TrainResult(
+            run_dir=self.run_dir,
+            start_step=self.start_step,
+            final_step=self.start_step,
+            skipped_steps=self.skipped,
+            checkpoint=self.last_ckpt,
+            world_size=ctx.world_size,
+            model=self.raw_model,
+            compiled_weight_cache=self.backend.cached_weights,
+        )
 
     # ---- the loop ----
     def run(self) -> TrainResult:
@@ -299,8 +344,9 @@ class Trainer:
             self.setup()
         tcfg = self.tcfg
         if self.start_step >= tcfg.max_steps:
-            log.info("run already complete at step %d (trainer.max_steps=%d); nothing to do",
-                     self.start_step, tcfg.max_steps)
+            log.info(
+                "run already complete at step %d (trainer.max_steps=%d); nothing to do", self.start_step, tcfg.max_steps
+            )
             self.writer.close()
             self.result.wall_s = time.perf_counter() - self.t_start
             return self.result
@@ -308,8 +354,14 @@ class Trainer:
         from tqdm.contrib.logging import logging_redirect_tqdm
 
         show_bar = tcfg.progress and sys.stderr.isatty() and self.ctx.is_main
-        self.bar = tqdm(total=tcfg.max_steps, initial=self.start_step, disable=not show_bar, dynamic_ncols=True,
-                        desc=f"{self.mcfg.name}/{self.recipe.name}", unit="step")
+        self.bar = tqdm(
+            total=tcfg.max_steps,
+            initial=self.start_step,
+            disable=not show_bar,
+            dynamic_ncols=True,
+            desc=f"{self.mcfg.name}/{self.recipe.name}",
+            unit="step",
+        )
         self.model.train()
         try:
             with logging_redirect_tqdm():
@@ -361,8 +413,13 @@ class Trainer:
                 raise NonFiniteLossError(step + 1, bad[0], bad[1], self.last_ckpt)
             self.backend.skipped_step(self.raw_model)
             self.skipped += 1
-            log.warning("step %d: non-finite %s (%s); batch skipped (%d skipped so far), its "
-                        "delayed-scaling amaxes discarded", step + 1, bad[0], bad[1], self.skipped)
+            log.warning(
+                "step %d: non-finite %s (%s); batch skipped (%d skipped so far), its delayed-scaling amaxes discarded",
+                step + 1,
+                bad[0],
+                bad[1],
+                self.skipped,
+            )
             if self.skipped > tcfg.max_skipped_steps:
                 raise NonFiniteLossError(step + 1, bad[0], bad[1], self.last_ckpt)
         else:
@@ -375,8 +432,14 @@ class Trainer:
         self.mid_step = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return StepStats(loss=loss, aux_loss_sum=aux_acc, lr=lr, grad_norm=grad_norm, skipped=bad is not None,
-                         time_s=time.perf_counter() - t0)
+        return StepStats(
+            loss=loss,
+            aux_loss_sum=aux_acc,
+            lr=lr,
+            grad_norm=grad_norm,
+            skipped=bad is not None,
+            time_s=time.perf_counter() - t0,
+        )
 
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, micro: int):
         """Forward and backward of micro-batch ``micro`` of the step; the gradients are synced
@@ -385,8 +448,11 @@ class Trainer:
         if self.graphs:
             self.graphs.mark()
         try:
-            with grad_sync(self.dp_model, tcfg.data_parallel, self.ctx, micro == self.accum - 1), self.autocast(), \
-                    self.backend.autocast(micro == 0):
+            with (
+                grad_sync(self.dp_model, tcfg.data_parallel, self.ctx, micro == self.accum - 1),
+                self.autocast(),
+                self.backend.autocast(micro == 0),
+            ):
                 out = self.model(x, y)
                 (out.loss / tcfg.grad_accum).backward()
         except Exception as e:
@@ -409,8 +475,9 @@ class Trainer:
         """What follows each optimizer step: history and timing, the first step's audit, FP8
         telemetry, the log line, and validation and a checkpoint when due."""
         tcfg, step = self.tcfg, self.global_step
-        self.result.history.append({"step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm,
-                                    "skipped": stats.skipped})
+        self.result.history.append(
+            {"step": step, "loss": stats.loss, "lr": stats.lr, "grad_norm": stats.grad_norm, "skipped": stats.skipped}
+        )
         self.window.add(stats.loss, stats.time_s, self.tokens_per_step)
         if step > self.start_step + 1:  # the first step pays compile/warm-up costs
             self.step_time_total += stats.time_s
@@ -438,10 +505,15 @@ class Trainer:
     def write_audit(self) -> None:
         """The precision audit of the first step (what ran in FP8, per module and GEMM), in the
         run directory, TensorBoard and the log."""
-        self.result.audit_table = record_audit(self.backend.audit(self.raw_model), self.ctx, run_dir=self.run_dir,
-                                               writer=self.writer, step=self.global_step,
-                                               extra=self.backend.audit_note(),
-                                               data_parallel=self.tcfg.data_parallel)
+        self.result.audit_table = record_audit(
+            self.backend.audit(self.raw_model),
+            self.ctx,
+            run_dir=self.run_dir,
+            writer=self.writer,
+            step=self.global_step,
+            extra=self.backend.audit_note(),
+            data_parallel=self.tcfg.data_parallel,
+        )
 
     def log_telemetry(self) -> None:
         """FP8 statistics per layer group (amax, scale, under/overflow) of this step, to TensorBoard."""
@@ -478,7 +550,13 @@ class Trainer:
         self.writer.scalars(scalars, step)
         log.info(
             "step %d/%d | loss %.4f | lr %.2e | grad_norm %.3f | %s tok/s | %.2f TFLOP/s | mfu %s",
-            step, tcfg.max_steps, avg, stats.lr, stats.grad_norm, format_count(tps), tflops,
+            step,
+            tcfg.max_steps,
+            avg,
+            stats.lr,
+            stats.grad_norm,
+            format_count(tps),
+            tflops,
             f"{100 * mfu:.1f}%" if mfu is not None else "n/a",
         )
         window.reset()
@@ -580,33 +658,51 @@ class Trainer:
         result, tcfg, step = self.result, self.tcfg, self.global_step
         result.final_step = step
         result.skipped_steps = self.skipped
-        result.tokens_per_s = (self.tokens_per_step * self.steps_timed / self.step_time_total
-                               if self.step_time_total else None)
+        result.tokens_per_s = (
+            self.tokens_per_step * self.steps_timed / self.step_time_total if self.step_time_total else None
+        )
         result.wall_s = time.perf_counter() - self.t_start
         result.cuda_graph_skips = self.graphs.close() if self.graphs else None
-        tail = [h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1):] if math.isfinite(h["loss"])]
+        tail = [h["loss"] for h in result.history[-max(1, tcfg.log_interval or 1) :] if math.isfinite(h["loss"])]
         final_train = float(np.mean(tail)) if tail else float("nan")
         if self.ctx.is_main:
             cuda = self.device.type == "cuda"
-            (self.run_dir / "summary.json").write_text(json.dumps({
-                "model": self.mcfg.name, "recipe": self.recipe.name, "mode": self.mode, "params": self.n_params,
-                "steps": step, "final_train_loss": final_train,
-                "final_val_loss": result.val[-1][1] if result.val else None,
-                "tokens_per_s": result.tokens_per_s, "skipped_steps": self.skipped,
-                "world_size": self.ctx.world_size,
-                "data_parallel": tcfg.data_parallel if self.ctx.distributed else None,
-                "wall_s": result.wall_s, "checkpoint": str(result.checkpoint) if result.checkpoint else None,
-                "kernel_options": self.kernel_options.as_dict(),
-                "compile": tcfg.compile, "compile_mode": tcfg.compile_mode if tcfg.compile else None,
-                "deterministic": tcfg.deterministic,
-                "cuda_graph_skips": result.cuda_graph_skips,
-                "peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None,
-            }, indent=2) + "\n", encoding="utf-8")
+            (self.run_dir / "summary.json").write_text(
+                json.dumps(
+                    {
+                        "model": self.mcfg.name,
+                        "recipe": self.recipe.name,
+                        "mode": self.mode,
+                        "params": self.n_params,
+                        "steps": step,
+                        "final_train_loss": final_train,
+                        "final_val_loss": result.val[-1][1] if result.val else None,
+                        "tokens_per_s": result.tokens_per_s,
+                        "skipped_steps": self.skipped,
+                        "world_size": self.ctx.world_size,
+                        "data_parallel": tcfg.data_parallel if self.ctx.distributed else None,
+                        "wall_s": result.wall_s,
+                        "checkpoint": str(result.checkpoint) if result.checkpoint else None,
+                        "kernel_options": self.kernel_options.as_dict(),
+                        "compile": tcfg.compile,
+                        "compile_mode": tcfg.compile_mode if tcfg.compile else None,
+                        "deterministic": tcfg.deterministic,
+                        "cuda_graph_skips": result.cuda_graph_skips,
+                        "peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None,
+                    },
+                    indent=2,
+                )
+                + "\n",
+                encoding="utf-8",
+            )
         log.info(
             "done: %d steps in %s | train loss %.4f%s | %s tok/s | run dir %s",
-            step - self.start_step, format_duration(result.wall_s), final_train,
+            step - self.start_step,
+            format_duration(result.wall_s),
+            final_train,
             f" | val loss {result.val[-1][1]:.4f}" if result.val else "",
-            format_count(result.tokens_per_s or 0), self.run_dir,
+            format_count(result.tokens_per_s or 0),
+            self.run_dir,
         )
         return result
 

@@ -46,8 +46,17 @@ from .distributed import DistContext
 
 log = logging.getLogger("nemo_fp8_recipes.train")  # (the trainer's: the TE backend logs into the run)
 
-__all__ = ["MicroBatchState", "TEBackend", "te_run_problem", "te_backend_problem", "convert_to_te", "te_modules", "te_autocast_for",
-           "snapshot_te_state", "restore_te_state"]
+__all__ = [
+    "MicroBatchState",
+    "TEBackend",
+    "te_run_problem",
+    "te_backend_problem",
+    "convert_to_te",
+    "te_modules",
+    "te_autocast_for",
+    "snapshot_te_state",
+    "restore_te_state",
+]
 
 
 @dataclass
@@ -74,12 +83,16 @@ def te_backend_problem(device: torch.device) -> Optional[str]:
 
     ok, why = te_available()
     if not ok:
-        return (f"backend=te needs Transformer Engine, which is not importable here ({why}): on a GPU machine "
-                "pip install \".[te]\" (Transformer Engine >= 2.9), or use backend=native (our FP8 path, which "
-                "also emulates FP8 on CPU)")
+        return (
+            f"backend=te needs Transformer Engine, which is not importable here ({why}): on a GPU machine "
+            'pip install ".[te]" (Transformer Engine >= 2.9), or use backend=native (our FP8 path, which '
+            "also emulates FP8 on CPU)"
+        )
     if device.type != "cuda":
-        return (f"backend=te runs Transformer Engine's FP8 GEMMs on a CUDA GPU; trainer.device resolves to "
-                f"{device}. Use a GPU (trainer.device=cuda), or backend=native (our FP8 path, emulated on CPU)")
+        return (
+            f"backend=te runs Transformer Engine's FP8 GEMMs on a CUDA GPU; trainer.device resolves to "
+            f"{device}. Use a GPU (trainer.device=cuda), or backend=native (our FP8 path, emulated on CPU)"
+        )
     return None
 
 
@@ -91,8 +104,13 @@ def _has_delayed_state(module: nn.Module) -> bool:
     """Whether a TE module holds delayed-scaling state (it ran under ``DelayedScaling``)."""
     meta = getattr(module, "fp8_meta", None) or {}
     recipe = meta.get("recipe")
-    return ("scaling_fwd" in meta and "scaling_bwd" in meta and recipe is not None
-            and recipe.delayed() and hasattr(meta["scaling_fwd"], "amax_history"))
+    return (
+        "scaling_fwd" in meta
+        and "scaling_bwd" in meta
+        and recipe is not None
+        and recipe.delayed()
+        and hasattr(meta["scaling_fwd"], "amax_history")
+    )
 
 
 def _te_linear_class():
@@ -116,9 +134,14 @@ def _te_linear_class():
                 if not _has_delayed_state(self):
                     return super().get_extra_state()  # stateless recipes: TE's empty tensor
                 meta = self.fp8_meta
-                out = {"format": _TE_STATE_FORMAT,
-                       "extra": {k: v for k, v in meta.items() if k != "buffer_index_and_autocast_key"
-                                 and isinstance(v, (bool, int, float, str))}}
+                out = {
+                    "format": _TE_STATE_FORMAT,
+                    "extra": {
+                        k: v
+                        for k, v in meta.items()
+                        if k != "buffer_index_and_autocast_key" and isinstance(v, (bool, int, float, str))
+                    },
+                }
                 for d in ("fwd", "bwd"):
                     st = meta[f"scaling_{d}"]
                     out[f"scale_{d}"] = st.scale.detach().to("cpu", copy=True)
@@ -136,7 +159,8 @@ def _te_linear_class():
                 if recipe is None or not recipe.delayed():
                     raise RuntimeError(
                         "this checkpoint holds delayed-scaling FP8 state (amax histories, scales) for a "
-                        "te.Linear that is not under delayed scaling: resume with recipe=delayed")
+                        "te.Linear that is not under delayed scaling: resume with recipe=delayed"
+                    )
                 self.fp8_meta.update(state["extra"])
                 self.fp8_meta["recipe"] = recipe
                 self.init_fp8_meta_tensors(recipe)  # keeps tensors that exist (TE's own rule)
@@ -149,15 +173,17 @@ def _te_linear_class():
                                 raise RuntimeError(
                                     f"delayed-scaling {name} ({d}) of shape {tuple(src.shape)} in the "
                                     f"checkpoint, {tuple(dst.shape)} in this run: recipe.amax_history_len "
-                                    "differs from the checkpoint's")
+                                    "differs from the checkpoint's"
+                                )
                             dst.copy_(src)  # in place: TE's quantizers and reduction buffers see it
 
         _TE_LINEAR_CLASS = NemoTELinear
     return _TE_LINEAR_CLASS
 
 
-def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPolicy] = None,
-                  micro: Optional[MicroBatchState] = None) -> TEConversion:
+def convert_to_te(
+    model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPolicy] = None, micro: Optional[MicroBatchState] = None
+) -> TEConversion:
     """Swap every ``nn.Linear`` of ``model`` that the policy puts in FP8 for a ``te.Linear`` with the
     same weights (FP32 parameters, the master weights; TE casts them under autocast), in place.
     Linears the policy keeps in high precision, and everything that is not a linear, stay as they
@@ -177,8 +203,9 @@ def convert_to_te(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPo
         if not d.fp8:
             continue
         w = module.weight
-        new = cls(module.in_features, module.out_features, bias=module.bias is not None, params_dtype=w.dtype,
-                  device=w.device)
+        new = cls(
+            module.in_features, module.out_features, bias=module.bias is not None, params_dtype=w.dtype, device=w.device
+        )
         with torch.no_grad():
             new.weight.copy_(w)
             if module.bias is not None:
@@ -261,11 +288,15 @@ class TEBackend:
 
             group = dist.group.WORLD  # delayed scaling: amaxes max-reduced over the data-parallel ranks
         self._autocast = te_autocast_for(recipe, amax_reduction_group=group)
-        self.hooks = TEPrecisionHooks(recipe, policy, strict=bool(self.backend_cfg.get("strict_audit", False)),
-                                      telemetry=self.telemetry)
+        self.hooks = TEPrecisionHooks(
+            recipe, policy, strict=bool(self.backend_cfg.get("strict_audit", False)), telemetry=self.telemetry
+        )
         self.hooks.attach(model)
-        log.info("backend te: %d linears are te.Linear (FP8 under te.autocast), %d kept in high precision",
-                 self.conversion.swapped, len(self.conversion.decisions) - self.conversion.swapped)
+        log.info(
+            "backend te: %d linears are te.Linear (FP8 under te.autocast), %d kept in high precision",
+            self.conversion.swapped,
+            len(self.conversion.decisions) - self.conversion.swapped,
+        )
 
     def fp8_gemm_modules(self, model) -> list:
         return [model.get_submodule(n) for n, d in self.conversion.decisions.items() if d.fp8]
@@ -319,25 +350,34 @@ def te_run_problem(recipe, device: torch.device, tcfg) -> Optional[str]:
     if problem:
         return problem
     if recipe.emulate:
-        return ("recipe.emulate=true is the native backend's exact emulation; Transformer Engine runs "
-                "real FP8 GEMMs only: use backend=native recipe.emulate=true, or drop recipe.emulate")
+        return (
+            "recipe.emulate=true is the native backend's exact emulation; Transformer Engine runs "
+            "real FP8 GEMMs only: use backend=native recipe.emulate=true, or drop recipe.emulate"
+        )
     info = describe_device(device)
     if recipe.name == "mxfp8" and (info.capability or (0, 0)) < (10, 0):
         return (
             f"recipe mxfp8 with backend=te needs SM100 (Blackwell): Transformer Engine refuses MXFP8 on "
             f"{info}. Use recipe=blockwise (fine-grained scales that Hopper runs), or backend=native "
-            "recipe.emulate=true for mxfp8's numerics")
+            "recipe.emulate=true for mxfp8's numerics"
+        )
     if tcfg.compile:
-        return ("trainer.compile=true with backend=te: Transformer Engine's modules run eager (and "
-                "DelayedScaling is refused under torch.compile); use trainer.compile=false, or "
-                "backend=native, which compiles")
+        return (
+            "trainer.compile=true with backend=te: Transformer Engine's modules run eager (and "
+            "DelayedScaling is refused under torch.compile); use trainer.compile=false, or "
+            "backend=native, which compiles"
+        )
     if tcfg.fuse_wgrad_accumulation:
-        return ("trainer.fuse_wgrad_accumulation=true is the native FP8 linear's; with backend=te use "
-                "trainer.fuse_wgrad_accumulation=false")
+        return (
+            "trainer.fuse_wgrad_accumulation=true is the native FP8 linear's; with backend=te use "
+            "trainer.fuse_wgrad_accumulation=false"
+        )
     from ..integrations.te import te_check_supported
 
     ok, why = te_check_supported(recipe)  # TE's own check on this GPU, after ours
     if not ok:
-        return (f"Transformer Engine refuses recipe {recipe.name} on {info}: {why}. Use backend=native "
-                "(which says what this GPU runs), or another recipe")
+        return (
+            f"Transformer Engine refuses recipe {recipe.name} on {info}: {why}. Use backend=native "
+            "(which says what this GPU runs), or another recipe"
+        )
     return None

@@ -6,26 +6,26 @@ Bridge nor a GPU."""
 
 from .cli import main
 from .launch import (
-                        build_bridge_config,
-                        check_world_size,
-                        launch_plan,
-                        provider_kwargs,
-                        trainer_settings,
+    build_bridge_config,
+    check_world_size,
+    launch_plan,
+    provider_kwargs,
+    trainer_settings,
 )
 from .precision import (
-                        bridge_mixed_precision_config,
-                        bridge_mixed_precision_kwargs,
-                        bridge_model_fields,
-                        expected_model_fields,
+    bridge_mixed_precision_config,
+    bridge_mixed_precision_kwargs,
+    bridge_model_fields,
+    expected_model_fields,
 )
 from .recipes import (
-                        BRIDGE_RECIPES,
-                        PROVIDER_MODES,
-                        PUBLISHED_RECIPES,
-                        BridgeLaunchError,
-                        PublishedRecipe,
-                        bridge_recipe_name,
-                        provider_mode,
+    BRIDGE_RECIPES,
+    PROVIDER_MODES,
+    PUBLISHED_RECIPES,
+    BridgeLaunchError,
+    PublishedRecipe,
+    bridge_recipe_name,
+    provider_mode,
 )
 
 __all__ = [

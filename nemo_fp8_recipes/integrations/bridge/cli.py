@@ -79,9 +79,11 @@ def _is_rank0() -> bool:
 
 
 def _print_plan(plan: Dict[str, Any]) -> None:
-    print(f"Megatron-Bridge launch: model={plan['model']} recipe={plan['recipe']} provider={plan['provider']}"
-          + (f" ({plan['recipe_fn']})" if plan.get("recipe_fn") else " (built from our model config, offline)"),
-          flush=True)
+    print(
+        f"Megatron-Bridge launch: model={plan['model']} recipe={plan['recipe']} provider={plan['provider']}"
+        + (f" ({plan['recipe_fn']})" if plan.get("recipe_fn") else " (built from our model config, offline)"),
+        flush=True,
+    )
     print("  FP8 settings (mixed_precision):", flush=True)
     for k, v in plan["mixed_precision"].items():
         print(f"    {k} = {v}", flush=True)
@@ -89,17 +91,24 @@ def _print_plan(plan: Dict[str, Any]) -> None:
     for k, v in plan["model_fields"].items():
         print(f"    {k} = {v}", flush=True)
     if plan["te_env"]:
-        print("  Transformer Engine environment: " + ", ".join(f"{k}={v}" for k, v in plan["te_env"].items()),
-              flush=True)
+        print(
+            "  Transformer Engine environment: " + ", ".join(f"{k}={v}" for k, v in plan["te_env"].items()), flush=True
+        )
     par = plan.get("parallel")
     if par:
         print("  parallel layout: " + ", ".join(f"{k}={v}" for k, v in par.items()), flush=True)
     if plan.get("provider_kwargs"):
         kw = plan["provider_kwargs"]
-        print("  GPTModelProvider: " + ", ".join(
-            f"{k}={getattr(v, '__name__', v)}" for k, v in kw.items() if not k.endswith("_parallel_size")), flush=True)
-        print(f"  tokenizer: {plan['tokenizer']}; data: {plan['dataset']['kind']}"
-              + (f" {plan['dataset']['blend']}" if plan["dataset"]["blend"] else ""), flush=True)
+        print(
+            "  GPTModelProvider: "
+            + ", ".join(f"{k}={getattr(v, '__name__', v)}" for k, v in kw.items() if not k.endswith("_parallel_size")),
+            flush=True,
+        )
+        print(
+            f"  tokenizer: {plan['tokenizer']}; data: {plan['dataset']['kind']}"
+            + (f" {plan['dataset']['blend']}" if plan["dataset"]["blend"] else ""),
+            flush=True,
+        )
     if plan["settings"]:
         print("  set on the ConfigContainer: " + ", ".join(f"{k}={v}" for k, v in plan["settings"]), flush=True)
     for note in plan.get("notes", ()):
@@ -131,16 +140,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if flag in args:
             i = args.index(flag)
             if i + 1 >= len(args) or args[i + 1].startswith("-"):
-                print(f"nemo-fp8 bridge: {flag} needs a value (--gpu h100|h200|b200|..., --cuda 12.8)",
-                      file=sys.stderr)
+                print(f"nemo-fp8 bridge: {flag} needs a value (--gpu h100|h200|b200|..., --cuda 12.8)", file=sys.stderr)
                 return 2
             flags[flag] = args[i + 1]
-            del args[i:i + 2]
+            del args[i : i + 2]
     unknown = [a for a in args if a.startswith("-")]
     if unknown:
-        print(f"nemo-fp8 bridge: unknown option {unknown[0]}; the options are --gpu NAME (the GPU to check "
-              "against; default: this machine's), --cuda VERSION and --help, the rest are overrides (key=value)",
-              file=sys.stderr)
+        print(
+            f"nemo-fp8 bridge: unknown option {unknown[0]}; the options are --gpu NAME (the GPU to check "
+            "against; default: this machine's), --cuda VERSION and --help, the rest are overrides (key=value)",
+            file=sys.stderr,
+        )
         return 2
     gpu = flags["--gpu"]
     if not any(a.split("=", 1)[0].lstrip("+") == "backend" for a in args):
@@ -152,8 +162,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     cfg = compose_config(ours)
     if cfg.backend.name != "megatron_bridge":
-        print(f"nemo-fp8 bridge: backend={cfg.backend.name}; this entry point runs backend=megatron_bridge",
-              file=sys.stderr)
+        print(
+            f"nemo-fp8 bridge: backend={cfg.backend.name}; this entry point runs backend=megatron_bridge",
+            file=sys.stderr,
+        )
         return 2
     try:
         report = validate_config(cfg, theirs, device=parse_gpu(gpu, cuda=flags["--cuda"]))
@@ -185,14 +197,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run_dir = Path(plan["run_dir"])
     if _is_rank0():
         run_dir.mkdir(parents=True, exist_ok=True)
-    cb = bridge_callback(build_recipe(cfg.recipe), build_policy(cfg.get("policy")), expected_model_fields=expected,
-                         strict=bool(cfg.backend.get("strict_audit", False)),
-                         telemetry_interval=int(cfg.backend.get("telemetry_interval", 0)),
-                         audit_dir=run_dir if _is_rank0() else None)
+    cb = bridge_callback(
+        build_recipe(cfg.recipe),
+        build_policy(cfg.get("policy")),
+        expected_model_fields=expected,
+        strict=bool(cfg.backend.get("strict_audit", False)),
+        telemetry_interval=int(cfg.backend.get("telemetry_interval", 0)),
+        audit_dir=run_dir if _is_rank0() else None,
+    )
     if "callbacks" in inspect.signature(pretrain).parameters:
         pretrain(config=container, forward_step_func=forward_step, callbacks=[cb])
     else:
-        raise SystemExit("nemo-fp8 bridge: this Megatron-Bridge's pretrain() takes no callbacks, so the run-time "
-                         "audit cannot run; use Megatron-Bridge >= 0.2 (0.6.2 is what this launcher is checked with)")
+        raise SystemExit(
+            "nemo-fp8 bridge: this Megatron-Bridge's pretrain() takes no callbacks, so the run-time "
+            "audit cannot run; use Megatron-Bridge >= 0.2 (0.6.2 is what this launcher is checked with)"
+        )
     return 0
-

@@ -51,9 +51,16 @@ def _apex_wgrad_fusion() -> bool:
     return True
 
 
-def provider_kwargs(mcfg, *, seq_length: int, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                    context_parallel: int = 1, sequence_parallel: bool = False,
-                    gradient_accumulation_fusion: Optional[bool] = None) -> Dict[str, Any]:
+def provider_kwargs(
+    mcfg,
+    *,
+    seq_length: int,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    context_parallel: int = 1,
+    sequence_parallel: bool = False,
+    gradient_accumulation_fusion: Optional[bool] = None,
+) -> Dict[str, Any]:
     """``GPTModelProvider(**kwargs)`` for one of our (dense Llama) model configs: the fields
     Megatron-Bridge's Hugging Face Llama conversion sets (``models/conversion/model_bridge.py``'s
     field map plus ``models/llama/llama_bridge.py``), computed from our config instead of a hub
@@ -65,37 +72,66 @@ def provider_kwargs(mcfg, *, seq_length: int, tensor_parallel: int = 1, pipeline
         raise BridgeLaunchError(
             f"model={mcfg.name} (arch {mcfg.arch}) cannot be built offline for Megatron-Bridge: only dense Llama "
             "configs are mapped; give a Bridge recipe function with backend.recipe_fn=<name> (e.g. "
-            "deepseek_v3_pretrain_config)")
-    for name, v in (("tensor_parallel", tensor_parallel), ("pipeline_parallel", pipeline_parallel),
-                    ("context_parallel", context_parallel)):
+            "deepseek_v3_pretrain_config)"
+        )
+    for name, v in (
+        ("tensor_parallel", tensor_parallel),
+        ("pipeline_parallel", pipeline_parallel),
+        ("context_parallel", context_parallel),
+    ):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise BridgeLaunchError(f"backend.{name} must be an integer >= 1, got {v!r}")
     if sequence_parallel and tensor_parallel < 2:
         raise BridgeLaunchError("backend.sequence_parallel=true needs backend.tensor_parallel >= 2")
     if mcfg.num_heads % tensor_parallel or mcfg.num_kv_heads % tensor_parallel:
-        raise BridgeLaunchError(f"backend.tensor_parallel={tensor_parallel} must divide model.num_heads "
-                                f"({mcfg.num_heads}) and model.num_kv_heads ({mcfg.num_kv_heads})")
+        raise BridgeLaunchError(
+            f"backend.tensor_parallel={tensor_parallel} must divide model.num_heads "
+            f"({mcfg.num_heads}) and model.num_kv_heads ({mcfg.num_kv_heads})"
+        )
     if mcfg.num_layers % pipeline_parallel:
-        raise BridgeLaunchError(f"backend.pipeline_parallel={pipeline_parallel} must divide model.num_layers "
-                                f"({mcfg.num_layers})")
+        raise BridgeLaunchError(
+            f"backend.pipeline_parallel={pipeline_parallel} must divide model.num_layers ({mcfg.num_layers})"
+        )
     if gradient_accumulation_fusion is None:
         gradient_accumulation_fusion = _apex_wgrad_fusion()
     scaled = float(getattr(mcfg, "rope_scaling_factor", 1.0) or 1.0)
     return {
-        "num_layers": mcfg.num_layers, "hidden_size": mcfg.dim, "ffn_hidden_size": mcfg.ffn_dim,
-        "num_attention_heads": mcfg.num_heads, "num_query_groups": mcfg.num_kv_heads, "kv_channels": mcfg.head_dim,
-        "vocab_size": mcfg.vocab_size, "make_vocab_size_divisible_by": 128, "seq_length": int(seq_length),
-        "layernorm_epsilon": mcfg.norm_eps, "init_method_std": mcfg.init_std,
-        "normalization": "RMSNorm", "gated_linear_unit": True, "activation_func": F.silu,
-        "add_bias_linear": False, "add_qkv_bias": False, "share_embeddings_and_output_weights": False,
-        "position_embedding_type": "rope", "rotary_base": mcfg.rope_theta, "rotary_percent": 1.0,
-        "rope_scaling": scaled > 1.0, "rope_scaling_factor": scaled if scaled > 1.0 else 1.0,
-        "attention_dropout": 0.0, "hidden_dropout": 0.0,
-        "bias_activation_fusion": True, "masked_softmax_fusion": True, "persist_layer_norm": True,
-        "bias_dropout_fusion": True, "apply_rope_fusion": True,
-        "bf16": True, "fp16": False, "params_dtype": torch.bfloat16,
-        "tensor_model_parallel_size": tensor_parallel, "pipeline_model_parallel_size": pipeline_parallel,
-        "context_parallel_size": context_parallel, "sequence_parallel": bool(sequence_parallel),
+        "num_layers": mcfg.num_layers,
+        "hidden_size": mcfg.dim,
+        "ffn_hidden_size": mcfg.ffn_dim,
+        "num_attention_heads": mcfg.num_heads,
+        "num_query_groups": mcfg.num_kv_heads,
+        "kv_channels": mcfg.head_dim,
+        "vocab_size": mcfg.vocab_size,
+        "make_vocab_size_divisible_by": 128,
+        "seq_length": int(seq_length),
+        "layernorm_epsilon": mcfg.norm_eps,
+        "init_method_std": mcfg.init_std,
+        "normalization": "RMSNorm",
+        "gated_linear_unit": True,
+        "activation_func": F.silu,
+        "add_bias_linear": False,
+        "add_qkv_bias": False,
+        "share_embeddings_and_output_weights": False,
+        "position_embedding_type": "rope",
+        "rotary_base": mcfg.rope_theta,
+        "rotary_percent": 1.0,
+        "rope_scaling": scaled > 1.0,
+        "rope_scaling_factor": scaled if scaled > 1.0 else 1.0,
+        "attention_dropout": 0.0,
+        "hidden_dropout": 0.0,
+        "bias_activation_fusion": True,
+        "masked_softmax_fusion": True,
+        "persist_layer_norm": True,
+        "bias_dropout_fusion": True,
+        "apply_rope_fusion": True,
+        "bf16": True,
+        "fp16": False,
+        "params_dtype": torch.bfloat16,
+        "tensor_model_parallel_size": tensor_parallel,
+        "pipeline_model_parallel_size": pipeline_parallel,
+        "context_parallel_size": context_parallel,
+        "sequence_parallel": bool(sequence_parallel),
         "pipeline_dtype": torch.bfloat16 if pipeline_parallel > 1 else None,
         "gradient_accumulation_fusion": bool(gradient_accumulation_fusion),
     }
@@ -106,17 +142,28 @@ def trainer_settings(tcfg, run_dir: Path) -> List[Tuple[str, Any]]:
     they are set: ``(dotted field, value)``. Pass-through Bridge overrides are applied after them."""
     ckpt_every = min(tcfg.ckpt_interval or tcfg.max_steps, tcfg.max_steps)
     return [
-        ("train.train_iters", tcfg.max_steps), ("train.micro_batch_size", tcfg.micro_batch_size),
+        ("train.train_iters", tcfg.max_steps),
+        ("train.micro_batch_size", tcfg.micro_batch_size),
         ("train.global_batch_size", tcfg.global_batch_size),
-        ("dataset.seq_length", tcfg.seq_len), ("model.seq_length", tcfg.seq_len),
-        ("optimizer.lr", tcfg.lr), ("optimizer.min_lr", tcfg.min_lr), ("optimizer.weight_decay", tcfg.weight_decay),
-        ("optimizer.adam_beta1", tcfg.beta1), ("optimizer.adam_beta2", tcfg.beta2), ("optimizer.adam_eps", tcfg.eps),
-        ("optimizer.clip_grad", tcfg.grad_clip), ("scheduler.lr_warmup_iters", tcfg.warmup_steps),
-        ("scheduler.lr_decay_iters", tcfg.max_steps), ("rng.seed", tcfg.seed), ("dataset.random_seed", tcfg.seed),
-        ("logger.log_interval", max(1, tcfg.log_interval)), ("logger.tensorboard_dir", str(run_dir)),
+        ("dataset.seq_length", tcfg.seq_len),
+        ("model.seq_length", tcfg.seq_len),
+        ("optimizer.lr", tcfg.lr),
+        ("optimizer.min_lr", tcfg.min_lr),
+        ("optimizer.weight_decay", tcfg.weight_decay),
+        ("optimizer.adam_beta1", tcfg.beta1),
+        ("optimizer.adam_beta2", tcfg.beta2),
+        ("optimizer.adam_eps", tcfg.eps),
+        ("optimizer.clip_grad", tcfg.grad_clip),
+        ("scheduler.lr_warmup_iters", tcfg.warmup_steps),
+        ("scheduler.lr_decay_iters", tcfg.max_steps),
+        ("rng.seed", tcfg.seed),
+        ("dataset.random_seed", tcfg.seed),
+        ("logger.log_interval", max(1, tcfg.log_interval)),
+        ("logger.tensorboard_dir", str(run_dir)),
         ("validation.eval_interval", min(tcfg.val_interval or tcfg.max_steps, tcfg.max_steps)),
         ("validation.eval_iters", max(1, tcfg.val_steps)),
-        ("checkpoint.save", str(run_dir / "checkpoints")), ("checkpoint.load", str(run_dir / "checkpoints")),
+        ("checkpoint.save", str(run_dir / "checkpoints")),
+        ("checkpoint.load", str(run_dir / "checkpoints")),
         ("checkpoint.save_interval", ckpt_every),
     ]
 
@@ -137,7 +184,8 @@ def check_world_size(tp: int, pp: int, cp: int, what: str, world: Optional[int] 
             f"{what} needs a multiple of {need} GPUs (tensor parallel {tp} x pipeline parallel {pp} x context parallel "
             f"{cp}); this run has {world} process(es). Launch it with torchrun --nproc-per-node / SLURM "
             f"cluster.nodes x cluster.gpus_per_node = {need} (or a multiple), or build the model offline with fewer "
-            "layers on the GPUs you have: backend.provider=ours model.num_layers=<n> (backend.tensor_parallel etc.)")
+            "layers on the GPUs you have: backend.provider=ours model.num_layers=<n> (backend.tensor_parallel etc.)"
+        )
 
 
 def _given(overrides: Sequence[str]) -> set:
@@ -162,11 +210,19 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
     mode = provider_mode(model_name, b.get("provider", "auto"), b.get("recipe_fn"))
     run_dir = Path(run_config(cfg).dir).expanduser().resolve()
     plan: Dict[str, Any] = {
-        "model": model_name, "recipe": r.name, "provider": mode, "run_dir": str(run_dir),
+        "model": model_name,
+        "recipe": r.name,
+        "provider": mode,
+        "run_dir": str(run_dir),
         "mixed_precision": bridge_mixed_precision_kwargs(r, p, fp8_param_gather=bool(b.get("fp8_param_gather", False))),
-        "model_fields": {k: (v if k != "quant_recipe" else "per-module BF16 overrides (set)")
-                         for k, v in bridge_model_fields(r, p).items()} if r.is_fp8 else {"moe_router_dtype": "fp32"},
-        "te_env": {}, "pass_through": list(bridge_overrides),
+        "model_fields": {
+            k: (v if k != "quant_recipe" else "per-module BF16 overrides (set)")
+            for k, v in bridge_model_fields(r, p).items()
+        }
+        if r.is_fp8
+        else {"moe_router_dtype": "fp32"},
+        "te_env": {},
+        "pass_through": list(bridge_overrides),
     }
     if r.is_fp8:
         from ..te import te_env
@@ -177,42 +233,62 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
         pub = next((v for v in PUBLISHED_RECIPES.values() if v.fn == fn), None)
         plan["recipe_fn"] = fn
         if pub is not None:
-            plan["parallel"] = {"tensor_parallel": pub.tensor_parallel, "pipeline_parallel": pub.pipeline_parallel,
-                                "context_parallel": pub.context_parallel, "virtual_pipeline": pub.virtual_pipeline,
-                                "seq_length": pub.seq_length, "gpus_per_replica": pub.gpus}
+            plan["parallel"] = {
+                "tensor_parallel": pub.tensor_parallel,
+                "pipeline_parallel": pub.pipeline_parallel,
+                "context_parallel": pub.context_parallel,
+                "virtual_pipeline": pub.virtual_pipeline,
+                "seq_length": pub.seq_length,
+                "gpus_per_replica": pub.gpus,
+            }
         ours = [o for o in our_overrides if o.split("=", 1)[0].lstrip("+~").split(".", 1)[0] == "trainer"]
         if ours:
             raise BridgeLaunchError(
                 f"{', '.join(ours)}: trainer.* keys apply to backend.provider=ours; Bridge's recipe {fn} keeps its own "
-                "schedule: override it with train.*, optimizer.*, scheduler.* (e.g. train.train_iters=100)")
-        plan["settings"] = [(k, v) for k, v in (("logger.tensorboard_dir", str(run_dir)),
-                                                ("checkpoint.save", str(run_dir / "checkpoints")))]
+                "schedule: override it with train.*, optimizer.*, scheduler.* (e.g. train.train_iters=100)"
+            )
+        plan["settings"] = [
+            (k, v)
+            for k, v in (("logger.tensorboard_dir", str(run_dir)), ("checkpoint.save", str(run_dir / "checkpoints")))
+        ]
     else:
         mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         tcfg = trainer_config(cfg)
-        par = dict(tensor_parallel=int(b.get("tensor_parallel", 1)), pipeline_parallel=int(b.get("pipeline_parallel", 1)),
-                   context_parallel=int(b.get("context_parallel", 1)),
-                   sequence_parallel=bool(b.get("sequence_parallel", False)))
+        par = dict(
+            tensor_parallel=int(b.get("tensor_parallel", 1)),
+            pipeline_parallel=int(b.get("pipeline_parallel", 1)),
+            context_parallel=int(b.get("context_parallel", 1)),
+            sequence_parallel=bool(b.get("sequence_parallel", False)),
+        )
         kw = provider_kwargs(mcfg, seq_length=tcfg.seq_len, **par)
         plan["provider_kwargs"] = kw
-        plan["parallel"] = {**par, "gpus_per_replica": par["tensor_parallel"] * par["pipeline_parallel"]
-                            * par["context_parallel"]}
+        plan["parallel"] = {
+            **par,
+            "gpus_per_replica": par["tensor_parallel"] * par["pipeline_parallel"] * par["context_parallel"],
+        }
         plan["settings"] = trainer_settings(tcfg, run_dir)
         data = b.get("data_path")
-        data = [str(d) for d in (data if isinstance(data, (list, tuple)) or OmegaConf.is_list(data) else [data])] \
-            if data else []
+        data = (
+            [str(d) for d in (data if isinstance(data, (list, tuple)) or OmegaConf.is_list(data) else [data])]
+            if data
+            else []
+        )
         for prefix in data:
             if not (Path(prefix + ".bin").is_file() and Path(prefix + ".idx").is_file()):
                 raise BridgeLaunchError(
-                    f"backend.data_path {prefix!r}: no Megatron indexed dataset there (want {prefix}.bin and {prefix}.idx, "
-                    "as Megatron-LM's tools/preprocess_data.py writes them); leave backend.data_path unset for mock data")
+                    f"backend.data_path {prefix!r}: no Megatron indexed dataset there (want {prefix}.bin and "
+                    f"{prefix}.idx, as Megatron-LM's tools/preprocess_data.py writes them); leave "
+                    "backend.data_path unset for mock data"
+                )
         plan["dataset"] = {"blend": data or None, "kind": "Megatron indexed dataset" if data else "mock data"}
         tok = b.get("tokenizer")
         if tok:
             if not Path(str(tok)).is_dir():
-                raise BridgeLaunchError(f"backend.tokenizer={tok}: not a directory; give a local Hugging Face tokenizer "
-                                        "directory (tokenizer.json / tokenizer_config.json), or leave it unset for "
-                                        "Bridge's NullTokenizer")
+                raise BridgeLaunchError(
+                    f"backend.tokenizer={tok}: not a directory; give a local Hugging Face tokenizer "
+                    "directory (tokenizer.json / tokenizer_config.json), or leave it unset for "
+                    "Bridge's NullTokenizer"
+                )
             plan["tokenizer"] = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": str(tok)}
         else:
             plan["tokenizer"] = {"tokenizer_type": "NullTokenizer", "vocab_size": mcfg.vocab_size}
@@ -225,7 +301,8 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
     if need and (world < need or world % need):
         plan.setdefault("notes", []).append(
             f"one model replica needs {need} GPUs; this process group has {world}: the launch itself would be refused "
-            f"(run it under torchrun with a multiple of {need} processes)")
+            f"(run it under torchrun with a multiple of {need} processes)"
+        )
     return plan
 
 
@@ -239,8 +316,9 @@ def _setattr_path(obj: Any, dotted: str, value: Any) -> None:
 def _check_recipe_owned(container, r: Recipe, p: Optional[PrecisionPolicy], fpg: bool) -> None:
     want = bridge_mixed_precision_kwargs(r, p, fp8_param_gather=fpg)
     mp = container.mixed_precision
-    changed = {k: (getattr(mp, k, None), v) for k, v in want.items()
-               if k in MODEL_FP8_FIELDS and getattr(mp, k, None) != v}
+    changed = {
+        k: (getattr(mp, k, None), v) for k, v in want.items() if k in MODEL_FP8_FIELDS and getattr(mp, k, None) != v
+    }
     if changed:
         raise ValueError(
             "the pass-through overrides changed recipe-owned mixed_precision fields: "
@@ -249,8 +327,9 @@ def _check_recipe_owned(container, r: Recipe, p: Optional[PrecisionPolicy], fpg:
         )
 
 
-def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequence[str] = ()
-                        ) -> Tuple[Any, Dict[str, Any]]:
+def build_bridge_config(
+    cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequence[str] = ()
+) -> Tuple[Any, Dict[str, Any]]:
     """Build Megatron-Bridge's ``ConfigContainer`` for a composed config (``backend=megatron_bridge``)
     and pass-through overrides; returns ``(config_container, expected_model_fields)``.
 
@@ -272,6 +351,7 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
         from megatron.bridge.training.utils.omegaconf_utils import (
             process_config_with_overrides,  # type: ignore
         )
+
         if plan["provider"] == "recipe":  # every model family's recipes (diffusion ones need diffusers)
             import megatron.bridge.recipes as bridge_recipes  # type: ignore
     except ImportError as e:
@@ -283,8 +363,9 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
     if plan["provider"] == "recipe":
         fn = getattr(bridge_recipes, plan["recipe_fn"], None)
         if fn is None:
-            raise ValueError(f"megatron.bridge.recipes has no {plan['recipe_fn']}; check backend.recipe_fn and the "
-                             "Bridge version")
+            raise ValueError(
+                f"megatron.bridge.recipes has no {plan['recipe_fn']}; check backend.recipe_fn and the Bridge version"
+            )
         container = fn()
     else:
         from megatron.bridge.models.gpt_provider import GPTModelProvider  # type: ignore
@@ -305,15 +386,19 @@ def build_bridge_config(cfg, bridge_overrides: Sequence[str] = (), our_overrides
     for k, v in bridge_model_fields(r, p).items():
         setattr(container.model, k, v)
     if getattr(container.model, "gradient_accumulation_fusion", False) and not _apex_wgrad_fusion():
-        log.warning("gradient_accumulation_fusion turned off: it needs APEX's fused wgrad kernel "
-                    "(fused_weight_gradient_mlp_cuda), which is not installed")
+        log.warning(
+            "gradient_accumulation_fusion turned off: it needs APEX's fused wgrad kernel "
+            "(fused_weight_gradient_mlp_cuda), which is not installed"
+        )
         container.model.gradient_accumulation_fusion = False
     _check_recipe_owned(container, r, p, fpg)
     m = container.model
-    check_world_size(int(getattr(m, "tensor_model_parallel_size", 1) or 1),
-                     int(getattr(m, "pipeline_model_parallel_size", 1) or 1),
-                     int(getattr(m, "context_parallel_size", 1) or 1),
-                     plan.get("recipe_fn") or f"model={plan['model']} (backend.provider=ours)")
+    check_world_size(
+        int(getattr(m, "tensor_model_parallel_size", 1) or 1),
+        int(getattr(m, "pipeline_model_parallel_size", 1) or 1),
+        int(getattr(m, "context_parallel_size", 1) or 1),
+        plan.get("recipe_fn") or f"model={plan['model']} (backend.provider=ours)",
+    )
     return container, expected_model_fields(r, p)
 
 
@@ -343,19 +428,50 @@ def _offline_container():
         model=None,
         train=TrainingConfig(train_iters=1000, global_batch_size=32, micro_batch_size=2),
         validation=ValidationConfig(eval_interval=500, eval_iters=32),
-        optimizer=OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, weight_decay=0.1, bf16=True, fp16=False,
-                                  adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, use_distributed_optimizer=True,
-                                  clip_grad=1.0),
-        scheduler=SchedulerConfig(start_weight_decay=0.1, end_weight_decay=0.1, weight_decay_incr_style="constant",
-                                  lr_decay_style="cosine", lr_warmup_iters=100, lr_warmup_init=0.0,
-                                  override_opt_param_scheduler=True),
-        ddp=DistributedDataParallelConfig(check_for_nan_in_grad=True, grad_reduce_in_fp32=True,
-                                          overlap_grad_reduce=True, overlap_param_gather=True,
-                                          average_in_collective=True, use_distributed_optimizer=True),
-        dataset=GPTDatasetConfig(random_seed=1234, reset_attention_mask=False, reset_position_ids=False,
-                                 eod_mask_loss=False, seq_length=4096, num_dataset_builder_threads=1, blend=None,
-                                 blend_per_split=None, split="9999,8,2", data_sharding=True,
-                                 dataloader_type="single", skip_getting_attention_mask_from_dataset=True),
+        optimizer=OptimizerConfig(
+            optimizer="adam",
+            lr=3e-4,
+            min_lr=3e-5,
+            weight_decay=0.1,
+            bf16=True,
+            fp16=False,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            adam_eps=1e-8,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        scheduler=SchedulerConfig(
+            start_weight_decay=0.1,
+            end_weight_decay=0.1,
+            weight_decay_incr_style="constant",
+            lr_decay_style="cosine",
+            lr_warmup_iters=100,
+            lr_warmup_init=0.0,
+            override_opt_param_scheduler=True,
+        ),
+        ddp=DistributedDataParallelConfig(
+            check_for_nan_in_grad=True,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            average_in_collective=True,
+            use_distributed_optimizer=True,
+        ),
+        dataset=GPTDatasetConfig(
+            random_seed=1234,
+            reset_attention_mask=False,
+            reset_position_ids=False,
+            eod_mask_loss=False,
+            seq_length=4096,
+            num_dataset_builder_threads=1,
+            blend=None,
+            blend_per_split=None,
+            split="9999,8,2",
+            data_sharding=True,
+            dataloader_type="single",
+            skip_getting_attention_mask_from_dataset=True,
+        ),
         logger=LoggerConfig(log_interval=10, tensorboard_dir=None),
         tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=32000),
         checkpoint=CheckpointConfig(save_interval=None, save=None, load=None, ckpt_format="torch_dist"),
@@ -379,7 +495,8 @@ def use_prebuilt_dataset_helpers() -> None:
     except ImportError as e:
         raise BridgeLaunchError(
             f"megatron-core's dataset helpers are neither compiled nor buildable here ({here} has no Makefile and "
-            f"helpers_cpp does not import: {e}); reinstall megatron-core from a wheel built for this Python") from e
+            f"helpers_cpp does not import: {e}); reinstall megatron-core from a wheel built for this Python"
+        ) from e
     import megatron.bridge.training.initialize as binit  # type: ignore
 
     def prebuilt() -> None:

@@ -26,9 +26,17 @@ __all__ = [
 
 #: The FP8 fields ``setup()`` copies onto the model config, which must survive to train start.
 MODEL_FP8_FIELDS = (
-    "fp8", "fp8_recipe", "fp8_margin", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp8_wgrad",
-    "fp8_dot_product_attention", "fp8_multi_head_attention", "first_last_layers_bf16",
-    "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
+    "fp8",
+    "fp8_recipe",
+    "fp8_margin",
+    "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
+    "fp8_wgrad",
+    "fp8_dot_product_attention",
+    "fp8_multi_head_attention",
+    "first_last_layers_bf16",
+    "num_layers_at_start_in_bf16",
+    "num_layers_at_end_in_bf16",
 )
 
 
@@ -36,8 +44,9 @@ def _mc(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy], fp8_param
     return megatron_config(recipe, policy, backend="te", fp8_param=fp8_param_gather)
 
 
-def bridge_mixed_precision_kwargs(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *,
-                                  fp8_param_gather: bool = False) -> Dict[str, Any]:
+def bridge_mixed_precision_kwargs(
+    recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *, fp8_param_gather: bool = False
+) -> Dict[str, Any]:
     """``MixedPrecisionConfig(**kwargs)`` for ``recipe``: Bridge's ``bf16_mixed`` base (BF16 params
     and pipeline, no autocast, FP32 gradient reduction) plus every FP8 field pinned from
     :func:`~.megatron.megatron_config` (no Bridge default survives). ``fp8_param_gather`` keeps
@@ -54,8 +63,14 @@ def bridge_mixed_precision_kwargs(recipe: Union[str, Recipe], policy: Optional[P
         "grad_reduce_in_fp32": True,
     }
     if not r.is_fp8:
-        kw.update(fp8=None, fp8_param=False, fp8_param_gather=False, first_last_layers_bf16=False,
-                  num_layers_at_start_in_bf16=0, num_layers_at_end_in_bf16=0)
+        kw.update(
+            fp8=None,
+            fp8_param=False,
+            fp8_param_gather=False,
+            first_last_layers_bf16=False,
+            num_layers_at_start_in_bf16=0,
+            num_layers_at_end_in_bf16=0,
+        )
         return kw
     mc = _mc(r, policy, fp8_param_gather)
     for k in MODEL_FP8_FIELDS:
@@ -66,8 +81,9 @@ def bridge_mixed_precision_kwargs(recipe: Union[str, Recipe], policy: Optional[P
     return kw
 
 
-def bridge_mixed_precision_config(recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *,
-                                  fp8_param_gather: bool = False):
+def bridge_mixed_precision_config(
+    recipe: Union[str, Recipe], policy: Optional[PrecisionPolicy] = None, *, fp8_param_gather: bool = False
+):
     """The real ``megatron.bridge.training.mixed_precision.MixedPrecisionConfig`` for ``recipe``
     (imports Megatron-Bridge; set the NVTE_* environment first, see :func:`~.te.prepare_te_env`)."""
     from megatron.bridge.training.mixed_precision import MixedPrecisionConfig  # type: ignore

@@ -7,8 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-__all__ = ["BRIDGE_RECIPES", "BridgeLaunchError", "PROVIDER_MODES", "PUBLISHED_RECIPES", "PublishedRecipe",
-           "bridge_recipe_name", "provider_mode"]
+__all__ = [
+    "BRIDGE_RECIPES",
+    "BridgeLaunchError",
+    "PROVIDER_MODES",
+    "PUBLISHED_RECIPES",
+    "PublishedRecipe",
+    "bridge_recipe_name",
+    "provider_mode",
+]
 
 
 class BridgeLaunchError(ValueError):
@@ -70,11 +77,15 @@ def provider_mode(model: str, provider: str = "auto", recipe_fn: Optional[str] =
     publishes a recipe for (:data:`PUBLISHED_RECIPES`) and ``ours`` for the rest."""
     provider = str(provider or "auto")
     if provider not in PROVIDER_MODES:
-        raise BridgeLaunchError(f"backend.provider={provider!r} is not valid; choose one of: {', '.join(PROVIDER_MODES)}")
+        raise BridgeLaunchError(
+            f"backend.provider={provider!r} is not valid; choose one of: {', '.join(PROVIDER_MODES)}"
+        )
     if recipe_fn:
         if provider == "ours":
-            raise BridgeLaunchError("backend.recipe_fn names a Bridge recipe function, which builds its own model; "
-                                    "with backend.provider=ours leave it unset")
+            raise BridgeLaunchError(
+                "backend.recipe_fn names a Bridge recipe function, which builds its own model; "
+                "with backend.provider=ours leave it unset"
+            )
         return "recipe"
     if provider == "auto":
         return "recipe" if model in PUBLISHED_RECIPES else "ours"

@@ -31,9 +31,25 @@ if HAVE_TRITON:
     )
 
     @triton.jit
-    def quant_block_kernel(x_ptr, q_ptr, qt_ptr, si_ptr, R, C, GC, stride_x, n_r, n_c, group_r,
-                            BLOCK: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr,
-                            IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, TRANS: tl.constexpr):
+    def quant_block_kernel(
+        x_ptr,
+        q_ptr,
+        qt_ptr,
+        si_ptr,
+        R,
+        C,
+        GC,
+        stride_x,
+        n_r,
+        n_c,
+        group_r,
+        BLOCK: tl.constexpr,
+        MODE: tl.constexpr,
+        FMAX: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        HW_CVT: tl.constexpr,
+        TRANS: tl.constexpr,
+    ):
         # one 128x128 block per program; TRANS: also write the codes transposed ([C, R], the
         # dgrad copy of a weight: 128x128 blocks are symmetric, so the same codes and scale)
         pr, pc = tile_ids(n_r, n_c, group_r)
@@ -70,10 +86,28 @@ def quantize_blocks128(x: torch.Tensor, fmt, rounding, transposed: bool = False)
     q = torch.empty((R, C), dtype=fmt.dtype, device=x.device)
     qt = torch.empty((C, R), dtype=fmt.dtype, device=x.device) if transposed else q
     si = torch.empty((GR, GC), dtype=torch.float32, device=x.device)
-    _launch(quant_block_kernel, (GR * GC,), x, q, qt, si, R, C, GC, x.stride(0), GR, GC,
-            tile_group_rows(LAUNCH["blocks128"], GR), BLOCK=128, MODE=SCALE_MODE_ID[rounding],
-            num_warps=LAUNCH["blocks128"]["num_warps"],
-            FMAX=fmt.max, IS_E4M3=fmt is Format.E4M3, HW_CVT=hw_cvt(x), TRANS=transposed)
+    _launch(
+        quant_block_kernel,
+        (GR * GC,),
+        x,
+        q,
+        qt,
+        si,
+        R,
+        C,
+        GC,
+        x.stride(0),
+        GR,
+        GC,
+        tile_group_rows(LAUNCH["blocks128"], GR),
+        BLOCK=128,
+        MODE=SCALE_MODE_ID[rounding],
+        num_warps=LAUNCH["blocks128"]["num_warps"],
+        FMAX=fmt.max,
+        IS_E4M3=fmt is Format.E4M3,
+        HW_CVT=hw_cvt(x),
+        TRANS=transposed,
+    )
     a = QuantizedTensor(data=q, scale_inv=si, block=(128, 128), fmt=fmt, amax=si)
     if not transposed:
         return a

@@ -55,8 +55,14 @@ LAUNCH = {
     "tensor": {"block": 8192, "num_warps": 8, "amax_check": True},
     "tensor_delayed": {"block": 4096, "num_warps": 8, "amax_check": True},
     "tensor_dual": {"block_r": 64, "block_c": 256, "num_warps": 8},
-    "tensor_dual_delayed": {"block_r": 32, "block_c": 256, "num_warps": 4, "fold_amax": True, "bf16_tile": True,
-                            "amax_check": True},
+    "tensor_dual_delayed": {
+        "block_r": 32,
+        "block_c": 256,
+        "num_warps": 4,
+        "fold_amax": True,
+        "bf16_tile": True,
+        "amax_check": True,
+    },
     "rmsnorm": {"elems_per_thread": 8},
     "rmsnorm_bwd": {"elems_per_thread": 8, "rows_per_program": 16},
 }
@@ -66,8 +72,8 @@ LAUNCH = {
 def launch_config(kernel: str, **cfg):
     """Temporarily override a kernel's launch configuration (for tuning sweeps)::
 
-        with launch_config("rows128", block_r=16, num_warps=8):
-            quantize_rows(x, "e4m3", 128, "pow2")
+    with launch_config("rows128", block_r=16, num_warps=8):
+        quantize_rows(x, "e4m3", 128, "pow2")
     """
     if kernel not in LAUNCH:
         raise KeyError(f"unknown kernel {kernel!r}; valid: {', '.join(LAUNCH)}")
@@ -143,7 +149,8 @@ def require_triton(*tensors: torch.Tensor):
                 f"quantisers, which index with 32-bit offsets (at most {INT32_MAX:,} elements): use fewer tokens "
                 "per micro-batch or shard the layer (tensor parallelism), or run the model with "
                 "KernelOptions(triton=False) (trainer: kernels.triton=false) to use the reference quantisers "
-                "(same codes, slower)")
+                "(same codes, slower)"
+            )
 
 
 def top_mant(fmt: Format) -> int:

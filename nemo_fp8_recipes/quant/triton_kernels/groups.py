@@ -41,9 +41,16 @@ if HAVE_TRITON:
     )
 
     @triton.jit
-    def quant_last_groups(x3, ELEM: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
-                           TOP_MANT: tl.constexpr, MODE: tl.constexpr, IS_E4M3: tl.constexpr,
-                           HW_CVT: tl.constexpr):
+    def quant_last_groups(
+        x3,
+        ELEM: tl.constexpr,
+        FMAX: tl.constexpr,
+        EMAX: tl.constexpr,
+        TOP_MANT: tl.constexpr,
+        MODE: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        HW_CVT: tl.constexpr,
+    ):
         """Quantise FP32 ``x3`` ``[A, NG, GROUP]`` in groups along its last axis: ``(codes
         [A, NG, GROUP], scale_inv [A, NG], e8m0 [A, NG])`` by the reference's rules (a NaN makes
         its group's amax NaN). The row quantiser and the fused RMSNorm both call it."""
@@ -52,10 +59,28 @@ if HAVE_TRITON:
         return fp8_cast(q, ELEM, IS_E4M3, NO_INF=True), si, e8
 
     @triton.jit
-    def quant_rows_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x, n_r, n_c, group_r,
-                           GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_R: tl.constexpr,
-                           MODE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
-                           TOP_MANT: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+    def quant_rows_kernel(
+        x_ptr,
+        q_ptr,
+        si_ptr,
+        e8_ptr,
+        R,
+        C,
+        G,
+        stride_x,
+        n_r,
+        n_c,
+        group_r,
+        GROUP: tl.constexpr,
+        NG: tl.constexpr,
+        BLOCK_R: tl.constexpr,
+        MODE: tl.constexpr,
+        FMAX: tl.constexpr,
+        EMAX: tl.constexpr,
+        TOP_MANT: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        HW_CVT: tl.constexpr,
+    ):
         # a tile of BLOCK_R rows x NG groups of GROUP columns: NG > 1 makes each row's load one
         # contiguous NG*GROUP-element segment (a 1x32 group alone is only 64 bytes of BF16)
         pr, pg = tile_ids(n_r, n_c, group_r)
@@ -63,8 +88,9 @@ if HAVE_TRITON:
         cols = pg * (NG * GROUP) + tl.arange(0, NG * GROUP)
         m = (rows[:, None] < R) & (cols[None, :] < C)
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        codes, si, e8 = quant_last_groups(tl.reshape(x, (BLOCK_R, NG, GROUP)), q_ptr.dtype.element_ty,
-                                           FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
+        codes, si, e8 = quant_last_groups(
+            tl.reshape(x, (BLOCK_R, NG, GROUP)), q_ptr.dtype.element_ty, FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT
+        )
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], tl.reshape(codes, (BLOCK_R, NG * GROUP)), mask=m)
         gi = pg * NG + tl.arange(0, NG)
         sm = (rows[:, None] < R) & (gi[None, :] < G)
@@ -73,11 +99,29 @@ if HAVE_TRITON:
             tl.store(e8_ptr + gi[None, :] * R + rows[:, None], e8.to(tl.uint8), mask=sm)
 
     @triton.jit
-    def quant_cols_t_kernel(x_ptr, q_ptr, si_ptr, e8_ptr, R, C, G, stride_x, n_r, n_c, group_r,
-                             GROUP: tl.constexpr, NG: tl.constexpr, BLOCK_C: tl.constexpr,
-                             MODE: tl.constexpr, FMAX: tl.constexpr, EMAX: tl.constexpr,
-                             TOP_MANT: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
-                             BF16_TILE: tl.constexpr = False):
+    def quant_cols_t_kernel(
+        x_ptr,
+        q_ptr,
+        si_ptr,
+        e8_ptr,
+        R,
+        C,
+        G,
+        stride_x,
+        n_r,
+        n_c,
+        group_r,
+        GROUP: tl.constexpr,
+        NG: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        MODE: tl.constexpr,
+        FMAX: tl.constexpr,
+        EMAX: tl.constexpr,
+        TOP_MANT: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        HW_CVT: tl.constexpr,
+        BF16_TILE: tl.constexpr = False,
+    ):
         # groups of GROUP rows down each column; output is x.T quantised along its rows: [C, R].
         # A tile is NG groups (NG*GROUP rows) x BLOCK_C columns. The groups are reduced and
         # quantised in the loaded layout; only the 1-byte codes are transposed (the layout
@@ -91,8 +135,9 @@ if HAVE_TRITON:
             # the tile stays BF16 through the amax (abs_bits16): an FP32 tile of 128 values per
             # thread takes so many registers that these kernels become latency-bound
             # (docs/internals/kernels.md)
-            xb = tl.reshape(tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0),
-                            (NG, GROUP, BLOCK_C))
+            xb = tl.reshape(
+                tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=m, other=0.0), (NG, GROUP, BLOCK_C)
+            )
             mb = f32_bits_of_bits16(tl.max(abs_bits16(xb), axis=1))
             s, si, e8 = scale_from_amax(amax_from_bits(mb), FMAX, EMAX, TOP_MANT, MODE)
             x3 = bf16_to_f32(xb, not HW_CVT)
@@ -127,12 +172,39 @@ def quantize_rows(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor
     cfg = LAUNCH["rows128" if group == 128 else "rows32"]
     block_r, ng = cfg["block_r"], cfg["groups"]
     n_r, n_c = cdiv(R, block_r), cdiv(G, ng)
-    _launch(quant_rows_kernel, (n_r * n_c,), x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, tile_group_rows(cfg, n_r),
-            GROUP=group, NG=ng, BLOCK_R=block_r, num_warps=cfg["num_warps"],
-            MODE=SCALE_MODE_ID[rounding], FMAX=fmt.max, EMAX=fmt.emax,
-            TOP_MANT=top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=hw_cvt(x))
-    return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
-                           scale_e8m0=e8m0_view(e8) if SCALE_MODE_ID[rounding] >= 2 else None)
+    _launch(
+        quant_rows_kernel,
+        (n_r * n_c,),
+        x,
+        q,
+        si,
+        e8,
+        R,
+        C,
+        G,
+        x.stride(0),
+        n_r,
+        n_c,
+        tile_group_rows(cfg, n_r),
+        GROUP=group,
+        NG=ng,
+        BLOCK_R=block_r,
+        num_warps=cfg["num_warps"],
+        MODE=SCALE_MODE_ID[rounding],
+        FMAX=fmt.max,
+        EMAX=fmt.emax,
+        TOP_MANT=top_mant(fmt),
+        IS_E4M3=fmt is Format.E4M3,
+        HW_CVT=hw_cvt(x),
+    )
+    return QuantizedTensor(
+        data=q,
+        scale_inv=si,
+        block=(1, group),
+        fmt=fmt,
+        amax=si,
+        scale_e8m0=e8m0_view(e8) if SCALE_MODE_ID[rounding] >= 2 else None,
+    )
 
 
 def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTensor:
@@ -151,11 +223,37 @@ def quantize_cols_t(x: torch.Tensor, fmt, group: int, rounding) -> QuantizedTens
     cfg = LAUNCH["cols_t128" if group == 128 else "cols_t32"]
     block_c, ng = cfg["block_c"], cfg["groups"]
     n_r, n_c = cdiv(G, ng), cdiv(C, block_c)
-    _launch(quant_cols_t_kernel, (n_r * n_c,), x, q, si, e8, R, C, G, x.stride(0), n_r, n_c, tile_group_rows(cfg, n_r),
-            GROUP=group, NG=ng, BLOCK_C=block_c,
-            BF16_TILE=bool(cfg.get("bf16_tile")) and x.dtype == torch.bfloat16,
-            num_warps=cfg["num_warps"],
-            MODE=SCALE_MODE_ID[rounding], FMAX=fmt.max, EMAX=fmt.emax,
-            TOP_MANT=top_mant(fmt), IS_E4M3=fmt is Format.E4M3, HW_CVT=hw_cvt(x))
-    return QuantizedTensor(data=q, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
-                           scale_e8m0=e8m0_view(e8) if SCALE_MODE_ID[rounding] >= 2 else None)
+    _launch(
+        quant_cols_t_kernel,
+        (n_r * n_c,),
+        x,
+        q,
+        si,
+        e8,
+        R,
+        C,
+        G,
+        x.stride(0),
+        n_r,
+        n_c,
+        tile_group_rows(cfg, n_r),
+        GROUP=group,
+        NG=ng,
+        BLOCK_C=block_c,
+        BF16_TILE=bool(cfg.get("bf16_tile")) and x.dtype == torch.bfloat16,
+        num_warps=cfg["num_warps"],
+        MODE=SCALE_MODE_ID[rounding],
+        FMAX=fmt.max,
+        EMAX=fmt.emax,
+        TOP_MANT=top_mant(fmt),
+        IS_E4M3=fmt is Format.E4M3,
+        HW_CVT=hw_cvt(x),
+    )
+    return QuantizedTensor(
+        data=q,
+        scale_inv=si,
+        block=(1, group),
+        fmt=fmt,
+        amax=si,
+        scale_e8m0=e8m0_view(e8) if SCALE_MODE_ID[rounding] >= 2 else None,
+    )

@@ -29,11 +29,33 @@ if HAVE_TRITON:
     from .primitives import rne_bf16
 
     @triton.jit
-    def rmsnorm_fwd_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, amax_ptr, q_ptr, si_ptr, e8_ptr, R, D, G,
-                            stride_x, stride_y, inv_d, eps, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr,
-                            AMAX: tl.constexpr, GROUP: tl.constexpr, MODE: tl.constexpr,
-                            FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr,
-                            IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr):
+    def rmsnorm_fwd_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        rstd_ptr,
+        amax_ptr,
+        q_ptr,
+        si_ptr,
+        e8_ptr,
+        R,
+        D,
+        G,
+        stride_x,
+        stride_y,
+        inv_d,
+        eps,
+        BLOCK_D: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+        AMAX: tl.constexpr,
+        GROUP: tl.constexpr,
+        MODE: tl.constexpr,
+        FMAX: tl.constexpr,
+        EMAX: tl.constexpr,
+        TOP_MANT: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        HW_CVT: tl.constexpr,
+    ):
         # One row per program: y = (x * rstd) * w in FP32, rstd = 1 / sqrt(mean(x^2) + eps),
         # rounded to the output dtype; rstd kept for backward. AMAX: fold max|y| into amax_ptr
         # (per-tensor current scaling of y). GROUP > 0: also quantise y in 1xGROUP groups along the
@@ -60,8 +82,9 @@ if HAVE_TRITON:
             tl.debug_barrier()  # this program's stores of y are visible to all its threads
             offs = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
             y2 = tl.load(y_ptr + row * stride_y + offs, mask=offs < D, other=0.0).to(tl.float32)
-            codes, si, e8 = groups.quant_last_groups(tl.reshape(y2, (1, NG, GROUP)), q_ptr.dtype.element_ty,
-                                                      FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT)
+            codes, si, e8 = groups.quant_last_groups(
+                tl.reshape(y2, (1, NG, GROUP)), q_ptr.dtype.element_ty, FMAX, EMAX, TOP_MANT, MODE, IS_E4M3, HW_CVT
+            )
             tl.store(q_ptr + row * D + offs, tl.reshape(codes, (NG, GROUP)), mask=offs < D)
             gi = tl.arange(0, NG)
             tl.store(si_ptr + gi * R + row, tl.reshape(si, (NG,)), mask=gi < G)  # outer-dim major [R, G]
@@ -69,9 +92,23 @@ if HAVE_TRITON:
                 tl.store(e8_ptr + gi * R + row, tl.reshape(e8, (NG,)).to(tl.uint8), mask=gi < G)
 
     @triton.jit
-    def rmsnorm_bwd_kernel(dy_ptr, x_ptr, w_ptr, rstd_ptr, dx_ptr, dw_ptr, R, D, stride_dy, stride_x, inv_d,
-                            ROWS: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DW: tl.constexpr,
-                            OUT_BF16: tl.constexpr):
+    def rmsnorm_bwd_kernel(
+        dy_ptr,
+        x_ptr,
+        w_ptr,
+        rstd_ptr,
+        dx_ptr,
+        dw_ptr,
+        R,
+        D,
+        stride_dy,
+        stride_x,
+        inv_d,
+        ROWS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        HAS_DW: tl.constexpr,
+        OUT_BF16: tl.constexpr,
+    ):
         # ROWS consecutive rows per program: dx = rstd * (dy*w - xh * mean(dy*w*xh)),
         # xh = x * rstd; the program's partial sum of dy * xh (the weight gradient) goes to row
         # pid of dw_ptr ([programs, D], FP32), summed afterwards.
@@ -110,8 +147,14 @@ def row_warps(block_d: int, elems_per_thread: int) -> int:
     return int(min(16, max(1, block_d // (32 * elems_per_thread))))
 
 
-def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bool = False,
-                    rows: Optional[tuple] = None, out: Optional[torch.Tensor] = None):
+def rmsnorm_forward(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    amax: bool = False,
+    rows: Optional[tuple] = None,
+    out: Optional[torch.Tensor] = None,
+):
     """Fused RMSNorm of the rows of 2-D ``x2`` (BF16 or FP32, last dim contiguous, at most
     :data:`RMSNORM_MAX_D` long): ``y = (x * rstd) * weight`` in FP32 with
     ``rstd = 1 / sqrt(mean(x**2) + eps)`` (the sum of squares in FP32 in the kernel's order, times
@@ -157,20 +200,46 @@ def rmsnorm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, amax: bo
     mx = SCALE_MODE_ID[rounding] >= 2
     e8 = scale_grid(R, G, torch.uint8, dev) if group and mx else si
     if R:
-        _launch(rmsnorm_fwd_kernel, (R,), x2, w, y, rstd, acc.view(torch.int32) if amax else rstd, qd, si, e8, R, D, G,
-                x2.stride(0), y.stride(0), 1.0 / D, float(eps), BLOCK_D=block_d,
-                OUT_BF16=x2.dtype == torch.bfloat16, AMAX=amax, GROUP=group,
-                MODE=SCALE_MODE_ID[rounding], FMAX=fmt.max, EMAX=fmt.emax, TOP_MANT=top_mant(fmt),
-                IS_E4M3=fmt is Format.E4M3, HW_CVT=hw_cvt(x2),
-                num_warps=row_warps(block_d, LAUNCH["rmsnorm"]["elems_per_thread"]))
+        _launch(
+            rmsnorm_fwd_kernel,
+            (R,),
+            x2,
+            w,
+            y,
+            rstd,
+            acc.view(torch.int32) if amax else rstd,
+            qd,
+            si,
+            e8,
+            R,
+            D,
+            G,
+            x2.stride(0),
+            y.stride(0),
+            1.0 / D,
+            float(eps),
+            BLOCK_D=block_d,
+            OUT_BF16=x2.dtype == torch.bfloat16,
+            AMAX=amax,
+            GROUP=group,
+            MODE=SCALE_MODE_ID[rounding],
+            FMAX=fmt.max,
+            EMAX=fmt.emax,
+            TOP_MANT=top_mant(fmt),
+            IS_E4M3=fmt is Format.E4M3,
+            HW_CVT=hw_cvt(x2),
+            num_warps=row_warps(block_d, LAUNCH["rmsnorm"]["elems_per_thread"]),
+        )
     if group:
-        q = QuantizedTensor(data=qd, scale_inv=si, block=(1, group), fmt=fmt, amax=si,
-                            scale_e8m0=e8m0_view(e8) if mx else None)
+        q = QuantizedTensor(
+            data=qd, scale_inv=si, block=(1, group), fmt=fmt, amax=si, scale_e8m0=e8m0_view(e8) if mx else None
+        )
     return y, rstd, acc, q
 
 
-def rmsnorm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
-                     need_dw: bool = True):
+def rmsnorm_backward(
+    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, need_dw: bool = True
+):
     """Gradients of :func:`rmsnorm_forward`'s ``y`` for ``dy2`` (``[R, D]``): ``(dx`` in ``x2``'s
     dtype, ``dw`` in ``weight``'s dtype or None) in one pass over ``dy`` and ``x``; ``dw`` is
     summed in FP32 from per-program partial sums."""
@@ -188,10 +257,26 @@ def rmsnorm_backward(dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, 
     part = torch.empty((max(progs, 1), D), dtype=torch.float32, device=x2.device) if need_dw else dx
     block_d = max(triton.next_power_of_2(D), 16)
     if R:
-        _launch(rmsnorm_bwd_kernel, (progs,), dy2, x2, w, rstd, dx, part, R, D, dy2.stride(0), x2.stride(0), 1.0 / D,
-                ROWS=per, BLOCK_D=block_d, HAS_DW=need_dw,
-                OUT_BF16=dx.dtype == torch.bfloat16,
-                num_warps=row_warps(block_d, cfg["elems_per_thread"]))
+        _launch(
+            rmsnorm_bwd_kernel,
+            (progs,),
+            dy2,
+            x2,
+            w,
+            rstd,
+            dx,
+            part,
+            R,
+            D,
+            dy2.stride(0),
+            x2.stride(0),
+            1.0 / D,
+            ROWS=per,
+            BLOCK_D=block_d,
+            HAS_DW=need_dw,
+            OUT_BF16=dx.dtype == torch.bfloat16,
+            num_warps=row_warps(block_d, cfg["elems_per_thread"]),
+        )
     dw = None
     if need_dw:
         dw = (part[:progs].sum(0) if R else torch.zeros(D, dtype=torch.float32, device=x2.device)).to(weight.dtype)

@@ -20,8 +20,7 @@ from .common import HAVE_TRITON, tl, triton
 if HAVE_TRITON:
 
     @triton.jit
-    def round_to_fp8(y, FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr,
-                   NO_INF: tl.constexpr = False):
+    def round_to_fp8(y, FMAX: tl.constexpr, IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, NO_INF: tl.constexpr = False):
         """Saturating RNE of FP32 ``y`` for the FP8 store that follows.
 
         ``HW_CVT`` (compiled for a GPU): only the saturation and the NaN/Inf rules are applied
@@ -114,8 +113,14 @@ if HAVE_TRITON:
         return tl.where(x != x, x, r)
 
     @triton.jit
-    def scale_from_amax(amax, FMAX: tl.constexpr, EMAX: tl.constexpr, TOP_MANT: tl.constexpr, MODE: tl.constexpr,
-                         MARGIN_DIV: tl.constexpr = 1.0):
+    def scale_from_amax(
+        amax,
+        FMAX: tl.constexpr,
+        EMAX: tl.constexpr,
+        TOP_MANT: tl.constexpr,
+        MODE: tl.constexpr,
+        MARGIN_DIV: tl.constexpr = 1.0,
+    ):
         """(scale s, scale_inv, e8m0 biased exponent) per group, same rules as reference.py.
         ``MARGIN_DIV`` (FP32 and pow2 modes): ``2**margin`` of delayed scaling, divided out of
         ``fmax / amax`` before the Inf and zero rules (nn/scaling.advance_delayed_scaling)."""
@@ -143,10 +148,16 @@ if HAVE_TRITON:
             e = tl.where(amax == 0, 0, e)
             bad = (amax != amax) | (amax == float("inf"))
             # 2^-e and 2^e from exponent bits (2^-127 is subnormal: bit 22)
-            s = tl.where(e == 127, (tl.zeros_like(e) + 4194304).to(tl.float32, bitcast=True),
-                         ((127 - e) << 23).to(tl.float32, bitcast=True))
-            si = tl.where(e == -127, (tl.zeros_like(e) + 4194304).to(tl.float32, bitcast=True),
-                          ((127 + e) << 23).to(tl.float32, bitcast=True))
+            s = tl.where(
+                e == 127,
+                (tl.zeros_like(e) + 4194304).to(tl.float32, bitcast=True),
+                ((127 - e) << 23).to(tl.float32, bitcast=True),
+            )
+            si = tl.where(
+                e == -127,
+                (tl.zeros_like(e) + 4194304).to(tl.float32, bitcast=True),
+                ((127 + e) << 23).to(tl.float32, bitcast=True),
+            )
             s = tl.where(bad, float("nan"), s)
             si = tl.where(bad, float("nan"), si)
             return s, si, tl.where(bad, 255, e + 127)

@@ -45,8 +45,7 @@ if HAVE_TRITON:
         return a
 
     @triton.jit
-    def load_act(x_ptr, g_ptr, offs, m, GATED: tl.constexpr, LIBDEVICE: tl.constexpr,
-                  IN_BF16: tl.constexpr):
+    def load_act(x_ptr, g_ptr, offs, m, GATED: tl.constexpr, LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
         """The operand at ``offs`` as FP32: ``x`` itself, or (GATED) ``silu(g) * x``."""
         x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
         if GATED:
@@ -55,8 +54,9 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
-    def swiglu_bwd_kernel(dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, BLOCK: tl.constexpr,
-                           LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr):
+    def swiglu_bwd_kernel(
+        dy_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, N, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr
+    ):
         # autograd of F.silu(g) * u in one pass: du = dy * silu(g), dg = silu'(g) * (dy * u),
         # each product rounded to the inputs' dtype where PyTorch's separate kernels round it
         pid = tl.program_id(0)
@@ -106,8 +106,10 @@ def check_gate(x: torch.Tensor, gate: Optional[torch.Tensor]) -> None:
     if gate is None:
         return
     if gate.shape != x.shape or gate.dtype != x.dtype or gate.device != x.device:
-        raise ValueError(f"gate must match the input: got {tuple(gate.shape)} {gate.dtype} on {gate.device} "
-                         f"for {tuple(x.shape)} {x.dtype} on {x.device}")
+        raise ValueError(
+            f"gate must match the input: got {tuple(gate.shape)} {gate.dtype} on {gate.device} "
+            f"for {tuple(x.shape)} {x.dtype} on {x.device}"
+        )
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the fused SwiGLU takes BF16 or FP32 inputs, not {x.dtype}")
     if not (x.is_contiguous() and gate.is_contiguous()):
@@ -127,6 +129,5 @@ def swiglu_backward(dy: torch.Tensor, g: torch.Tensor, u: torch.Tensor):
     n = u.numel()
     if n:
         block = 4096
-        _launch(swiglu_bwd_kernel, (cdiv(n, block),), dy, g, u, dg, du, n, BLOCK=block, num_warps=8,
-                **act_args(u))
+        _launch(swiglu_bwd_kernel, (cdiv(n, block),), dy, g, u, dg, du, n, BLOCK=block, num_warps=8, **act_args(u))
     return dg, du

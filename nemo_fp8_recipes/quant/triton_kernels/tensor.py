@@ -63,9 +63,19 @@ if HAVE_TRITON:
         fold_amax_bits(amax_bits_ptr, tl.max(tl.max(abs_bits(x), axis=1), axis=0), CHECK)
 
     @triton.jit
-    def amax_atomic_kernel(x_ptr, g_ptr, amax_bits_ptr, act_ptr, N, BLOCK: tl.constexpr, GATED: tl.constexpr,
-                            LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr, WRITE_ACT: tl.constexpr,
-                            AMAX_CHECK: tl.constexpr = False):
+    def amax_atomic_kernel(
+        x_ptr,
+        g_ptr,
+        amax_bits_ptr,
+        act_ptr,
+        N,
+        BLOCK: tl.constexpr,
+        GATED: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+        IN_BF16: tl.constexpr,
+        WRITE_ACT: tl.constexpr,
+        AMAX_CHECK: tl.constexpr = False,
+    ):
         # WRITE_ACT (with GATED): also store the activation silu(g) * x (its values are already
         # rounded to the store's dtype, so the store is exact) for the cast pass to read
         pid = tl.program_id(0)
@@ -77,8 +87,7 @@ if HAVE_TRITON:
         fold_amax_block(amax_bits_ptr, x, AMAX_CHECK)
 
     @triton.jit
-    def tensor_scale(amax_ptr, s_ptr, si_ptr, first, HAS_SCALE: tl.constexpr, MODE: tl.constexpr,
-                      FMAX: tl.constexpr):
+    def tensor_scale(amax_ptr, s_ptr, si_ptr, first, HAS_SCALE: tl.constexpr, MODE: tl.constexpr, FMAX: tl.constexpr):
         """The per-tensor scale every program uses: the given (delayed) one, or the reference's
         rule applied to the amax the first pass left in memory; ``first`` program writes
         ``scale_inv``."""
@@ -91,9 +100,22 @@ if HAVE_TRITON:
         return s
 
     @triton.jit
-    def cast_kernel(x_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, N, BLOCK: tl.constexpr, FMAX: tl.constexpr,
-                     IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, HAS_SCALE: tl.constexpr, MODE: tl.constexpr,
-                     AMAX_OUT: tl.constexpr, AMAX_CHECK: tl.constexpr = False):
+    def cast_kernel(
+        x_ptr,
+        amax_ptr,
+        s_ptr,
+        si_ptr,
+        q_ptr,
+        N,
+        BLOCK: tl.constexpr,
+        FMAX: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        HW_CVT: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        MODE: tl.constexpr,
+        AMAX_OUT: tl.constexpr,
+        AMAX_CHECK: tl.constexpr = False,
+    ):
         # AMAX_OUT (with a given scale only: delayed scaling): also fold this block's amax into
         # amax_ptr (int32 bits), so the history gets the tensor's amax without a second read
         pid = tl.program_id(0)
@@ -107,12 +129,31 @@ if HAVE_TRITON:
         tl.store(q_ptr + offs, fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3, NO_INF=not HAS_SCALE), mask=m)
 
     @triton.jit
-    def cast_dual_kernel(x_ptr, g_ptr, amax_ptr, s_ptr, si_ptr, q_ptr, qt_ptr, R, C, stride_x,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FMAX: tl.constexpr,
-                          IS_E4M3: tl.constexpr, HW_CVT: tl.constexpr, HAS_SCALE: tl.constexpr,
-                          MODE: tl.constexpr, AMAX_OUT: tl.constexpr, GATED: tl.constexpr,
-                          LIBDEVICE: tl.constexpr, IN_BF16: tl.constexpr, BF16_TILE: tl.constexpr = False,
-                          AMAX_CHECK: tl.constexpr = False):
+    def cast_dual_kernel(
+        x_ptr,
+        g_ptr,
+        amax_ptr,
+        s_ptr,
+        si_ptr,
+        q_ptr,
+        qt_ptr,
+        R,
+        C,
+        stride_x,
+        BLOCK_R: tl.constexpr,
+        BLOCK_C: tl.constexpr,
+        FMAX: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        HW_CVT: tl.constexpr,
+        HAS_SCALE: tl.constexpr,
+        MODE: tl.constexpr,
+        AMAX_OUT: tl.constexpr,
+        GATED: tl.constexpr,
+        LIBDEVICE: tl.constexpr,
+        IN_BF16: tl.constexpr,
+        BF16_TILE: tl.constexpr = False,
+        AMAX_CHECK: tl.constexpr = False,
+    ):
         # per-tensor scale: the codes and their transpose (the codes moved as bytes) from one read
         # (GATED: of the SwiGLU halves g (g_ptr, same strides) and x, the activation never stored)
         pr = tl.program_id(0)
@@ -136,9 +177,18 @@ if HAVE_TRITON:
         tl.store(qt_ptr + cols[:, None] * R + rows[None, :], trans_codes(codes), mask=mt)
 
     @triton.jit
-    def delayed_commit_kernel(hist_ptr, scale_ptr, pending_ptr, flag_ptr, L, flag_after,
-                               BLOCK_L: tl.constexpr, FMAX: tl.constexpr, MARGIN_DIV: tl.constexpr,
-                               MOST_RECENT: tl.constexpr):
+    def delayed_commit_kernel(
+        hist_ptr,
+        scale_ptr,
+        pending_ptr,
+        flag_ptr,
+        L,
+        flag_after,
+        BLOCK_L: tl.constexpr,
+        FMAX: tl.constexpr,
+        MARGIN_DIV: tl.constexpr,
+        MOST_RECENT: tl.constexpr,
+    ):
         # One program: append the pending amax to the history (if flagged), amax over the
         # history, s = fmax / amax / 2^margin, keep the old scale unless amax is finite and > 0;
         # then pending = 0 and flag = flag_after (nn/scaling.advance_delayed_scaling's rule).
@@ -164,9 +214,13 @@ if HAVE_TRITON:
         tl.store(flag_ptr, flag_after)
 
 
-def tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
-                 gate: Optional[torch.Tensor] = None, act_out: Optional[torch.Tensor] = None,
-                 amax_check: Optional[bool] = None) -> torch.Tensor:
+def tensor_amax(
+    x2: torch.Tensor,
+    acc: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
+    act_out: Optional[torch.Tensor] = None,
+    amax_check: Optional[bool] = None,
+) -> torch.Tensor:
     """Per-tensor amax max-accumulated into ``acc`` (a ``[1, 1]`` FP32 tensor; default a fresh
     zero), which is returned: one atomic-max pass over a contiguous ``x2`` (NaN if any element
     is NaN), or a PyTorch reduction of a strided one. ``gate``: the amax of ``silu(gate) * x2``
@@ -179,11 +233,20 @@ def tensor_amax(x2: torch.Tensor, acc: Optional[torch.Tensor] = None,
     if n and x2.is_contiguous():
         block, warps = LAUNCH["tensor"]["block"], LAUNCH["tensor"]["num_warps"]
         # (operands a launch does not use are passed as None rather than as aliases of x2)
-        _launch(amax_atomic_kernel, (cdiv(n, block),), x2, gate, acc.view(torch.int32), act_out, n,
-                BLOCK=block, num_warps=warps, WRITE_ACT=act_out is not None,
-                AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"]
-                                if amax_check is None else amax_check),
-                **swiglu.gate_args(x2, gate))
+        _launch(
+            amax_atomic_kernel,
+            (cdiv(n, block),),
+            x2,
+            gate,
+            acc.view(torch.int32),
+            act_out,
+            n,
+            BLOCK=block,
+            num_warps=warps,
+            WRITE_ACT=act_out is not None,
+            AMAX_CHECK=bool(LAUNCH["tensor"]["amax_check"] if amax_check is None else amax_check),
+            **swiglu.gate_args(x2, gate),
+        )
     elif n:
         if gate is not None:
             raise ValueError("a gated amax needs contiguous inputs")
@@ -217,8 +280,10 @@ def amax_accumulator(amax_out, device) -> torch.Tensor:
     if amax_out is None:
         return torch.zeros((1, 1), dtype=torch.float32, device=device)
     if amax_out.dtype != torch.float32 or amax_out.numel() != 1 or not amax_out.is_contiguous():
-        raise ValueError(f"amax_out must be a contiguous one-element float32 tensor, got "
-                         f"{amax_out.dtype} of shape {tuple(amax_out.shape)}")
+        raise ValueError(
+            f"amax_out must be a contiguous one-element float32 tensor, got "
+            f"{amax_out.dtype} of shape {tuple(amax_out.shape)}"
+        )
     if amax_out.device != device:
         raise ValueError(f"amax_out is on {amax_out.device}, the input on {device}")
     return amax_out.view(1, 1)
@@ -230,14 +295,17 @@ def per_tensor_amax(x2: torch.Tensor, scale, amax_out, gate=None, act_out=None):
     into :func:`amax_accumulator`'s buffer."""
     if scale is None:
         if amax_out is not None:
-            raise ValueError("amax_out collects the amax of a cast with a given (delayed) scale; "
-                             "current scaling (scale=None) returns its amax in q.amax")
+            raise ValueError(
+                "amax_out collects the amax of a cast with a given (delayed) scale; "
+                "current scaling (scale=None) returns its amax in q.amax"
+            )
         return tensor_amax(x2, gate=gate, act_out=act_out), False
     return amax_accumulator(amax_out, x2.device), True
 
 
-def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None,
-                    amax_out: Optional[torch.Tensor] = None) -> QuantizedTensor:
+def quantize_tensor(
+    x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None, amax_out: Optional[torch.Tensor] = None
+) -> QuantizedTensor:
     """Per-tensor. Current scaling (``scale=None``): an atomic-max amax pass, then one cast pass
     whose programs derive the scale from that amax on the device — two kernels and a 4-byte
     memset, no host synchronisation, no small PyTorch ops in between. With a given ``scale``
@@ -252,22 +320,43 @@ def quantize_tensor(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=Non
     amax, amax_in_cast = per_tensor_amax(x2, scale, amax_out)
     q = torch.empty(x2.shape, dtype=fmt.dtype, device=x.device)
     if not n:
-        return QuantizedTensor(data=q, scale_inv=scale_inv_of_empty(amax, fmt, rounding, scale), block=None,
-                               fmt=fmt, amax=amax)
+        return QuantizedTensor(
+            data=q, scale_inv=scale_inv_of_empty(amax, fmt, rounding, scale), block=None, fmt=fmt, amax=amax
+        )
     s_arg, si, has_scale, mode = tensor_scale_args(amax, fmt, rounding, scale)
     cfg = LAUNCH["tensor" if scale is None else "tensor_delayed"]
     block, warps = cfg["block"], cfg["num_warps"]
-    _launch(cast_kernel, (cdiv(n, block),), x2, amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q,
-            n, BLOCK=block, FMAX=fmt.max,
-            IS_E4M3=fmt is Format.E4M3, HW_CVT=hw_cvt(x),
-            HAS_SCALE=has_scale, MODE=mode, AMAX_OUT=amax_in_cast,
-            AMAX_CHECK=bool(cfg["amax_check"]) and amax_in_cast, num_warps=warps)
+    _launch(
+        cast_kernel,
+        (cdiv(n, block),),
+        x2,
+        amax.view(torch.int32) if amax_in_cast else amax,
+        s_arg,
+        si,
+        q,
+        n,
+        BLOCK=block,
+        FMAX=fmt.max,
+        IS_E4M3=fmt is Format.E4M3,
+        HW_CVT=hw_cvt(x),
+        HAS_SCALE=has_scale,
+        MODE=mode,
+        AMAX_OUT=amax_in_cast,
+        AMAX_CHECK=bool(cfg["amax_check"]) and amax_in_cast,
+        num_warps=warps,
+    )
     return QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
 
 
-def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scale=None,
-                         amax_out: Optional[torch.Tensor] = None, gate: Optional[torch.Tensor] = None,
-                         amax: Optional[torch.Tensor] = None):
+def quantize_tensor_dual(
+    x: torch.Tensor,
+    fmt,
+    rounding=ScaleRounding.FP32,
+    scale=None,
+    amax_out: Optional[torch.Tensor] = None,
+    gate: Optional[torch.Tensor] = None,
+    amax: Optional[torch.Tensor] = None,
+):
     """Per-tensor codes and their transpose (contiguous) from one read of ``x``: ``(q, q_t)``
     with the same scale — after the amax pass (current scaling, the scale computed on the device
     by the cast kernel), or in a single pass with a given ``scale`` that also folds the amax
@@ -286,8 +375,10 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     if amax is not None and (scale is not None or gate is not None or amax_out is not None):
         raise ValueError("a precomputed amax is for current scaling of x itself (no scale, gate or amax_out)")
     if amax is not None and (amax.dtype != torch.float32 or amax.numel() != 1 or amax.device != x.device):
-        raise ValueError(f"amax must be a one-element float32 tensor on {x.device}, got {amax.dtype} "
-                         f"of shape {tuple(amax.shape)} on {amax.device}")
+        raise ValueError(
+            f"amax must be a one-element float32 tensor on {x.device}, got {amax.dtype} "
+            f"of shape {tuple(amax.shape)} on {amax.device}"
+        )
     swiglu.check_gate(x, gate)
     x2 = x if x.stride(-1) == 1 else x.contiguous()
     R, C = x2.shape
@@ -312,17 +403,33 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
             tensor_amax(x2, amax, gate=gate, amax_check=bool(cfg["amax_check"]))
             amax_in_cast = False
         grid = (cdiv(R, cfg["block_r"]), cdiv(C, cfg["block_c"]))
-        _launch(cast_dual_kernel, grid, x2, gate,
-                amax.view(torch.int32) if amax_in_cast else amax, s_arg, si, q, qt,
-                R, C, x2.stride(0),
-                BLOCK_R=cfg["block_r"], BLOCK_C=cfg["block_c"],
-                FMAX=fmt.max, num_warps=cfg["num_warps"],
-                IS_E4M3=fmt is Format.E4M3, HW_CVT=hw_cvt(x), HAS_SCALE=has_scale,
-                MODE=mode, AMAX_OUT=amax_in_cast, **swiglu.gate_args(x2, gate),
-                BF16_TILE=(bool(cfg.get("bf16_tile")) and amax_in_cast and gate is None
-                           and x2.dtype == torch.bfloat16),
-                # (cfg is tensor_dual, without the option, for current scaling)
-                AMAX_CHECK=bool(cfg.get("amax_check")) and amax_in_cast)
+        _launch(
+            cast_dual_kernel,
+            grid,
+            x2,
+            gate,
+            amax.view(torch.int32) if amax_in_cast else amax,
+            s_arg,
+            si,
+            q,
+            qt,
+            R,
+            C,
+            x2.stride(0),
+            BLOCK_R=cfg["block_r"],
+            BLOCK_C=cfg["block_c"],
+            FMAX=fmt.max,
+            num_warps=cfg["num_warps"],
+            IS_E4M3=fmt is Format.E4M3,
+            HW_CVT=hw_cvt(x),
+            HAS_SCALE=has_scale,
+            MODE=mode,
+            AMAX_OUT=amax_in_cast,
+            **swiglu.gate_args(x2, gate),
+            BF16_TILE=(bool(cfg.get("bf16_tile")) and amax_in_cast and gate is None and x2.dtype == torch.bfloat16),
+            # (cfg is tensor_dual, without the option, for current scaling)
+            AMAX_CHECK=bool(cfg.get("amax_check")) and amax_in_cast,
+        )
     else:
         si = scale_inv_of_empty(amax, fmt, rounding, scale)
     a = QuantizedTensor(data=q, scale_inv=si, block=None, fmt=fmt, amax=amax)
@@ -330,8 +437,16 @@ def quantize_tensor_dual(x: torch.Tensor, fmt, rounding=ScaleRounding.FP32, scal
     return a, b
 
 
-def delayed_commit(history: torch.Tensor, scale: torch.Tensor, pending: torch.Tensor, flag: torch.Tensor,
-                   fmt, amax_compute_algo: str = "max", margin: int = 0, flag_after: float = 0.0) -> None:
+def delayed_commit(
+    history: torch.Tensor,
+    scale: torch.Tensor,
+    pending: torch.Tensor,
+    flag: torch.Tensor,
+    fmt,
+    amax_compute_algo: str = "max",
+    margin: int = 0,
+    flag_after: float = 0.0,
+) -> None:
     """One operand's delayed-scaling update in one kernel, in place: where ``flag`` is set, append
     ``pending`` to ``history`` (``[L]``, newest first), take its max (or the most recent entry),
     ``scale = fmax / amax / 2**margin`` (FP32, correctly rounded; kept unless that amax is finite
@@ -348,7 +463,18 @@ def delayed_commit(history: torch.Tensor, scale: torch.Tensor, pending: torch.Te
     if history.dim() != 1 or history.stride(0) != 1 or history.dtype != torch.float32:
         raise ValueError("history must be a contiguous 1-D float32 tensor")
     L = history.numel()
-    _launch(delayed_commit_kernel, (1,), history, scale, pending, flag, L, float(flag_after),
-            BLOCK_L=triton.next_power_of_2(L), FMAX=fmt.max,
-            MARGIN_DIV=float(2**margin), MOST_RECENT=amax_compute_algo == "most_recent",
-            num_warps=4)
+    _launch(
+        delayed_commit_kernel,
+        (1,),
+        history,
+        scale,
+        pending,
+        flag,
+        L,
+        float(flag_after),
+        BLOCK_L=triton.next_power_of_2(L),
+        FMAX=fmt.max,
+        MARGIN_DIV=float(2**margin),
+        MOST_RECENT=amax_compute_algo == "most_recent",
+        num_warps=4,
+    )
