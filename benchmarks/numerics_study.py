@@ -327,11 +327,7 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
     for r in a.recipes:
         tr, va = group_of("train", r), group_of("val", r)
         runs = {s: results.get(f"{r}-seed{s}") for s in a.seeds}
-        complete = []
-        for s in a.seeds:
-            summary = Path(a.root) / a.model / f"{r}-seed{s}" / "summary.json"
-            if summary.is_file() and json.loads(summary.read_text()).get("steps") == a.steps:
-                complete.append(s)
+        complete = [s for s in a.seeds if run_state(Path(a.root) / a.model / f"{r}-seed{s}", a.steps) == "complete"]
         goal = GOALS.get(r)
         recipes[r] = {
             "seeds": (tr or {}).get("seeds", []),
@@ -568,8 +564,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
         failed = train_all(a)
     out = Path(a.root) / a.model
-    done = [j for j in jobs(a) if run_state(j["dir"], a.steps) == "complete"]
-    unfinished = [j["name"] for j in jobs(a) if j not in done and j["dir"].exists()]
+    states = [(j, run_state(j["dir"], a.steps)) for j in jobs(a)]
+    done = [j for j, state in states if state == "complete"]
+    unfinished = [j["name"] for j, state in states if state != "complete" and j["dir"].exists()]
     if unfinished:
         print(
             f"numerics_study: not compared, unfinished: {', '.join(unfinished)} (the same command again finishes them)",

@@ -374,6 +374,7 @@ def group_statistics(
     base_seed_runs = first_per_seed(groups[base_label])
     base_finals = [finals[r.name] for r in base_seed_runs.values()]
     base_mean = sum(base_finals) / len(base_finals)
+    base_tps = median([run_stats[r.name].tokens_per_s for r in base_seed_runs.values()])
     rows: List[GroupStats] = []
     dev_curves: Dict[str, Tuple[List[int], List[float], List[float], List[float]]] = {}
     for label, members in groups.items():
@@ -381,7 +382,6 @@ def group_statistics(
         fl_values = [finals[r.name] for r in seed_runs.values()]
         fl, sd = _mean_sd(fl_values)
         tps = median([run_stats[r.name].tokens_per_s for r in seed_runs.values()])
-        base_tps = median([run_stats[r.name].tokens_per_s for r in base_seed_runs.values()])
         row = GroupStats(
             label=label,
             baseline=label == base_label,
