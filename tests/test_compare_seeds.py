@@ -220,19 +220,34 @@ def test_the_gate_decides_on_the_interval(seeds, tmp_path, capsys):
     assert rows[worst]["passed"] == "False" and rows[best]["passed"] == "True"
     assert main(args + ["--max-rel-dev", repr(reach[worst] * 1.0001)]) == 0
     assert "every group's 95% interval over seeds within" in capsys.readouterr().out
-    # an interval entirely beyond the threshold: shown beyond it
-    lo = (
-        min(
-            min(abs(g.interval[0]), abs(g.interval[1]))
-            for g in cmp.groups
-            if not g.baseline and g.interval[0] * g.interval[1] > 0
+
+
+def test_an_interval_entirely_beyond_the_threshold_is_shown_beyond():
+    """A group 0.8–1.2% above the baseline at every seed: its interval lies beyond ±0.5% (fails, as
+    a deviation shown beyond it) and within ±2% (passes)."""
+    from nemo_fp8_recipes.compare import RunSeries
+
+    steps = list(range(10, 60, 10))
+
+    def run(name, seed, factor):
+        values = [(2.0 + 0.1 * seed - 0.01 * t) * factor for t in steps]
+        return RunSeries(
+            name=f"{name}-seed{seed}",
+            path=f"/r/{name}-seed{seed}",
+            tag="train/loss",
+            steps=steps,
+            values=values,
+            seed=seed,
+            deterministic=True,
+            variant=name,
         )
-        if any(not g.baseline and g.interval[0] * g.interval[1] > 0 for g in cmp.groups)
-        else None
-    )
-    if lo is not None:
-        assert main(args + ["--max-rel-dev", repr(lo * 0.5)]) == 1
-        assert "deviation shown beyond" in capsys.readouterr().err
+
+    runs = [run("bf16", s, 1.0) for s in SEEDS] + [run("worse", s, 1.01 + 0.002 * (s - 2)) for s in SEEDS]
+    beyond = compare_runs(runs, last=20, max_rel_dev=0.005)
+    g = next(g for g in beyond.groups if g.label == "worse")
+    assert 0.005 < g.interval[0] < g.interval[1] < 0.02 and g.passed is False
+    assert any("deviation shown beyond ±0.500%" in why for why in g.reasons) and not beyond.passed
+    assert compare_runs(runs, last=20, max_rel_dev=0.02).passed
 
 
 def test_one_seed_says_it_cannot_separate_fp8_from_noise(seeds, tmp_path, capsys):
