@@ -29,7 +29,10 @@ One command trains, compares and reports::
    "does fine-grained scaling track BF16 more closely than per-tensor scaling": the difference of
    the two recipes' tracking, paired by seed, with its interval.
 
-``--report-only`` runs steps 2 and 3 on existing runs. Hydra overrides after the flags go to every
+``--variant "delayed-margin8 recipe.margin=8"`` adds a recipe with overrides of its own as one more
+group (runs ``delayed-margin8-seed<N>``, the trainer's ``run.tag``), trained at every seed and compared
+with BF16 like the recipes, e.g. a deliberately degraded run for the gate. ``--report-only`` runs steps
+2 and 3 on existing runs. Hydra overrides after the flags go to every
 run (``model.outlier_channels=2 model.outlier_scale=10000`` for the outlier stress,
 docs/numerics.md). Exit status: 0 done, 1 a run failed or a recipe failed the gate, 2 bad
 arguments, a study that does not fit the GPU, or no BF16 run to compare against.
@@ -106,6 +109,26 @@ def _split(s: str) -> List[str]:
     return [x.strip() for x in s.split(",") if x.strip()]
 
 
+def parse_variant(text: str) -> Dict[str, object]:
+    """``"RECIPE-TAG override ..."`` -> ``{name, recipe, tag, overrides}``; ValueError when malformed."""
+    words = shlex.split(text)
+    recipe, sep, tag = (words[0] if words else "").partition("-")
+    example = '--variant "delayed-margin8 recipe.margin=8"'
+    if not sep or not tag or not tag.replace("_", "").isalnum():
+        raise ValueError(
+            f"--variant {text!r}: the first word is RECIPE-TAG (a recipe, a dash, then letters, digits or "
+            f"underscores), then the overrides, e.g. {example}"
+        )
+    if recipe not in RECIPES:
+        raise ValueError(f"--variant {text!r}: unknown recipe {recipe!r}; valid: {', '.join(RECIPES)}")
+    bad = [w for w in words[1:] if "=" not in w or w.startswith("=")]
+    if bad or len(words) == 1:
+        raise ValueError(
+            f"--variant {text!r}: after RECIPE-TAG come Hydra overrides key=value (got {bad or 'none'}), e.g. {example}"
+        )
+    return {"name": words[0], "recipe": recipe, "tag": tag, "overrides": words[1:]}
+
+
 def settings(a: argparse.Namespace) -> argparse.Namespace:
     """The flags with the preset filled in where not given; ValueError for bad values."""
     preset = PRESETS[a.preset]
@@ -116,6 +139,12 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
     bad = [r for r in a.recipes + a.emulate if r not in RECIPES]
     if bad:
         raise ValueError(f"unknown recipe(s) {', '.join(bad)}; valid: {', '.join(RECIPES)}")
+    a.variants = [parse_variant(v) for v in a.variant]
+    names = [v["name"] for v in a.variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variant names must differ, got {', '.join(names)}")
+    #: the study's groups: each recipe as it is, then each variant ({name, recipe, tag, overrides})
+    a.arms = [{"name": r, "recipe": r, "tag": None, "overrides": []} for r in a.recipes] + a.variants
     if "bf16" not in a.recipes:
         raise ValueError("--recipes must include bf16: every recipe is compared with it")
     try:
@@ -156,23 +185,49 @@ def sweep_commands(a: argparse.Namespace) -> List[List[str]]:
     out = [["-m", f"recipe={','.join(plain)}", seeds, *common_overrides(a)]]
     if emulated:
         out.append(["-m", f"recipe={','.join(emulated)}", "recipe.emulate=true", seeds, *common_overrides(a)])
+    for v in a.variants:
+        emulate = ["recipe.emulate=true"] if v["recipe"] in a.emulate else []
+        out.append(
+            [
+                "-m",
+                f"recipe={v['recipe']}",
+                *emulate,
+                f"run.tag={v['tag']}",
+                *v["overrides"],
+                seeds,
+                *common_overrides(a),
+            ]
+        )
     return out
 
 
 def jobs(a: argparse.Namespace) -> List[Dict[str, object]]:
-    """One job per seed and recipe, seed by seed: its name, run directory and trainer arguments."""
+    """One job per seed and group (recipes, then variants), seed by seed: its name, group (``arm``),
+    run directory and trainer arguments."""
     out = []
     for seed in a.seeds:
-        for r in a.recipes:
-            name = f"{r}-seed{seed}"
+        for arm in a.arms:
+            r = arm["recipe"]
+            name = f"{arm['name']}-seed{seed}"
             argv = [
                 f"recipe={r}",
                 *(["recipe.emulate=true"] if r in a.emulate else []),
+                *([f"run.tag={arm['tag']}"] if arm["tag"] else []),
                 f"trainer.seed={seed}",
                 "run.sweep=[trainer.seed]",
                 *common_overrides(a),
+                *arm["overrides"],
             ]
-            out.append({"name": name, "recipe": r, "seed": seed, "dir": Path(a.root) / a.model / name, "argv": argv})
+            out.append(
+                {
+                    "name": name,
+                    "arm": arm["name"],
+                    "recipe": r,
+                    "seed": seed,
+                    "dir": Path(a.root) / a.model / name,
+                    "argv": argv,
+                }
+            )
     return out
 
 
@@ -324,7 +379,8 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
         return None
 
     recipes = {}
-    for r in a.recipes:
+    for arm in a.arms:
+        r = arm["name"]
         tr, va = group_of("train", r), group_of("val", r)
         runs = {s: results.get(f"{r}-seed{s}") for s in a.seeds}
         complete = [s for s in a.seeds if run_state(Path(a.root) / a.model / f"{r}-seed{s}", a.steps) == "complete"]
@@ -352,6 +408,7 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
             "goal_train": _verdict((tr or {}).get("interval"), goal) if goal and tr else None,
             "goal_val": _verdict((va or {}).get("interval"), goal) if goal and va else None,
             "gate_passed": (tr or {}).get("passed"),
+            "variant": None if not arm["tag"] else {"recipe": arm["recipe"], "overrides": arm["overrides"]},
         }
     # fine-grained against per-tensor scaling: the difference of the two recipes' tracking, paired by seed
     contrasts = []
@@ -400,7 +457,7 @@ def _corpus_of(a: argparse.Namespace) -> Optional[str]:
 
     for j in jobs(a):
         cfg_path = j["dir"] / "config.yaml"
-        if j["recipe"] == "bf16" and cfg_path.is_file():
+        if j["arm"] == "bf16" and cfg_path.is_file():
             data = (yaml.safe_load(cfg_path.read_text()) or {}).get("data") or {}
             return f"data={data.get('name')} {data.get('paths') or ''}".strip()
     return None
@@ -447,6 +504,12 @@ def report_markdown(rep: dict) -> str:
             f"{'—' if base else _ci(r['tracking'], r['tracking_interval'], False)} | {goal} | {met} | "
             f"{'—' if r['tokens_per_s'] is None else format(r['tokens_per_s'], ',.0f')} |"
         )
+    variants = [(name, r["variant"]) for name, r in rep["recipes"].items() if r.get("variant")]
+    if variants:
+        lines += [""] + [
+            f"{name}: {v['recipe']} with {' '.join(v['overrides'])} (a variant: no goal of its own)"
+            for name, v in variants
+        ]
     for tag in ("train", "val"):
         n = rep["noise"].get(tag)
         if n:
@@ -521,6 +584,14 @@ def _parser() -> argparse.ArgumentParser:
         default="full",
         help="full: llama3_150m, 40,960,000 tokens a run, one GPU; smoke: a tiny CPU run for tests",
     )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar='"RECIPE-TAG OVERRIDE..."',
+        help="one more group: RECIPE with these Hydra overrides, its runs named RECIPE-TAG-seed<N> "
+        '(repeatable), e.g. --variant "delayed-margin8 recipe.margin=8"',
+    )
     p.add_argument("--model", default=None, help="model config (default: the preset's)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the preset's)")
     p.add_argument("--seq-len", type=int, default=None)
@@ -573,7 +644,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             file=sys.stderr,
         )
     dirs = [j["dir"] for j in done]
-    if not any(j["recipe"] == "bf16" for j in done):
+    if not any(j["arm"] == "bf16" for j in done):
         print(f"numerics_study: error: no complete bf16 run under {out} to compare against", file=sys.stderr)
         return 2
     cmp = {

@@ -70,6 +70,47 @@ def test_full_study_runs(ns, tmp_path):
         _settings(ns, "--corpus", str(tmp_path / "missing.jsonl"))
 
 
+def test_variants_are_groups_of_their_own(ns):
+    """A variant trains at every seed, after the recipes of that seed, with its overrides last (they
+    win), named RECIPE-TAG-seed<N> exactly as the trainer names a run of that run.tag; bad variants
+    say what the form is."""
+    a = _settings(ns, "--recipes", "bf16,delayed", "--seeds", "2,3", "--variant", "delayed-margin8 recipe.margin=8")
+    js = ns.jobs(a)
+    assert [j["name"] for j in js] == [
+        "bf16-seed2",
+        "delayed-seed2",
+        "delayed-margin8-seed2",
+        "bf16-seed3",
+        "delayed-seed3",
+        "delayed-margin8-seed3",
+    ]
+    v = js[2]
+    assert v["arm"] == "delayed-margin8" and v["recipe"] == "delayed" and v["argv"][-1] == "recipe.margin=8"
+    from nemo_fp8_recipes.config import compose_config
+
+    cfg = compose_config(v["argv"])
+    assert Path(cfg.run.dir) == v["dir"] and cfg.recipe.margin == 8 and cfg.run.tag == "margin8"
+    assert compose_config(js[1]["argv"]).recipe.margin == 0
+    assert ns.sweep_commands(a)[-1][:5] == [
+        "-m",
+        "recipe=delayed",
+        "run.tag=margin8",
+        "recipe.margin=8",
+        "trainer.seed=2,3",
+    ]
+    for bad, msg in (
+        ("delayed recipe.margin=8", "RECIPE-TAG"),
+        ("fp4-x recipe.margin=8", "unknown recipe 'fp4'.*valid: bf16"),
+        ("delayed-margin8", "Hydra overrides key=value"),
+        ("delayed-margin8 margin", "Hydra overrides key=value"),
+        ("delayed-a.b recipe.margin=8", "RECIPE-TAG"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            _settings(ns, "--variant", bad)
+    with pytest.raises(ValueError, match="must differ"):
+        _settings(ns, "--variant", "delayed-m x=1", "--variant", "delayed-m y=2")
+
+
 def test_bad_arguments_exit_2(ns, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         ns.main(["--recipes", "bf16,fp4", "--dry-run"])
@@ -112,6 +153,8 @@ def smoke(ns, tmp_path_factory):
                 "1,2",
                 "--parallel",
                 "2",
+                "--variant",
+                "tensorwise-pow2 recipe.scale_rounding=pow2",
             ]
         )
     assert rc == 0, out.getvalue()[-3000:]
@@ -136,8 +179,16 @@ def test_smoke_study_reports_what_the_runs_logged(smoke):
         rep["preset"] == "smoke"
         and rep["steps"] == 6
         and rep["last"] == 2
-        and set(rep["recipes"]) == {"bf16", "tensorwise"}
+        and set(rep["recipes"]) == {"bf16", "tensorwise", "tensorwise-pow2"}
     )
+    import yaml
+
+    var = rep["recipes"]["tensorwise-pow2"]
+    assert var["variant"] == {"recipe": "tensorwise", "overrides": ["recipe.scale_rounding=pow2"]}
+    assert var["complete_seeds"] == [1, 2] and set(var["per_seed_train"]) == {"1", "2"} and var["goal"] is None
+    vcfg = yaml.safe_load((rdir / "tensorwise-pow2-seed2" / "config.yaml").read_text())
+    assert vcfg["recipe"]["scale_rounding"] == "pow2" and vcfg["run"]["tag"] == "pow2"
+    assert yaml.safe_load((rdir / "tensorwise-seed2" / "config.yaml").read_text())["recipe"]["scale_rounding"] is None
     tw = rep["recipes"]["tensorwise"]
     assert tw["complete_seeds"] == [1, 2] and rep["recipes"]["bf16"]["complete_seeds"] == [1, 2]
     for tag, key, last in (("train/loss", "train", 2), ("val/loss", "val", 1)):
@@ -159,6 +210,7 @@ def test_smoke_study_reports_what_the_runs_logged(smoke):
     assert md.startswith("# Numerics study (SMOKE") and md in printed
     row = next(line for line in md.splitlines() if line.startswith("| tensorwise |"))
     assert f"{100 * tw['train_vs_bf16']:+.2f}%" in row and "±0.50%" in row
+    assert "tensorwise-pow2: tensorwise with recipe.scale_rounding=pow2 (a variant" in md
     assert "Noise floor (train loss): BF16 seed to seed" in md and "0 (deterministic)" in md
     for tag in ("train", "val"):
         cmp = json.loads((rdir / "compare" / tag / "compare.json").read_text())
