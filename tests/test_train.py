@@ -427,6 +427,9 @@ def test_console_script_trains_and_prints_the_tensorboard_command(tmp_path, toke
     assert (run_dir / ".hydra" / "config.yaml").is_file()  # Hydra's own copy lands in the run dir
     assert (run_dir / "config.yaml").is_file() and list(run_dir.glob("events.out.tfevents.*"))
     assert not (tmp_path / "outputs").exists()
+    # the job's log is train.log, whichever module Hydra starts from, each line once
+    log = (run_dir / "train.log").read_text()
+    assert len([line for line in log.splitlines() if "step 3/3" in line and "| loss" in line]) == 1, log[-2000:]
 
 
 @pytest.mark.slow
