@@ -168,6 +168,54 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(recipe, tmp_path, token
     assert no_val.losses == full.losses
 
 
+def _train_until_sigterm(args, cwd, after_step=3, timeout=300):
+    """``nemo-fp8-train args`` in a process of its own, sent SIGTERM once it logged ``after_step``:
+    (exit status, everything it printed)."""
+    import signal
+
+    exe = shutil.which("nemo-fp8-train")
+    cmd = [exe] if exe else [sys.executable, "-m", "nemo_fp8_recipes.train"]
+    proc = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=cwd)
+    out, deadline = [], time.time() + timeout
+    for line in proc.stdout:
+        out.append(line)
+        if f"step {after_step}/" in line and "| loss" in line:
+            proc.send_signal(signal.SIGTERM)
+            break
+        assert time.time() < deadline, "".join(out[-40:])
+    out.append(proc.stdout.read())
+    return proc.wait(timeout=timeout), "".join(out)
+
+
+def test_sigterm_saves_the_step_and_resume_continues_exactly(tmp_path, token_cache):
+    """SIGTERM (a SLURM time limit, preemption, scancel) lets the step in progress finish, saves
+    it, says so and exits 143; the run resumed from that checkpoint ends as the uninterrupted run
+    does, bit for bit. With checkpointing off it says that nothing was kept."""
+    common = TINY + [
+        f"data.cache_dir={token_cache}",
+        "recipe=delayed",
+        "trainer.max_steps=60",
+        "trainer.log_interval=1",
+        "trainer.val_interval=0",
+        "trainer.ckpt_interval=0",
+    ]
+    rc, out = _train_until_sigterm(common + [f"run.root={tmp_path / 'a'}"], tmp_path)
+    assert rc == 143, out[-3000:]
+    stopped = int(out.split("received: stopped after step ")[1].split(";")[0])
+    ckpt = tmp_path / "a" / "llama3_tiny" / "delayed" / "checkpoints" / f"step_{stopped:08d}.pt"
+    assert 3 <= stopped < 60 and ckpt.is_file(), out[-3000:]
+    assert "SIGTERM received: stopping after the step in progress" in out
+    assert f"nemo-fp8-train: error: SIGTERM received: stopped after step {stopped}; checkpoint {ckpt}" in out
+    assert "Traceback" not in out
+    resumed = train(compose_config(common + [f"run.root={tmp_path / 'a'}"]))
+    assert resumed.start_step == stopped and resumed.final_step == 60
+    full = train(compose_config(common + [f"run.root={tmp_path / 'b'}"]))
+    assert resumed.losses == {s: v for s, v in full.losses.items() if s > stopped}
+    rc, out = _train_until_sigterm(common + [f"run.root={tmp_path / 'c'}", "trainer.checkpoint=false"], tmp_path)
+    assert rc == 143 and "trainer.checkpoint=false: nothing saved" in out, out[-3000:]
+    assert not (tmp_path / "c" / "llama3_tiny" / "delayed" / "checkpoints").exists()
+
+
 def test_auto_resume_continues_and_a_finished_run_is_a_no_op(tmp_path, token_cache):
     base = ["recipe=tensorwise", "trainer.log_interval=2", "trainer.val_interval=0", "trainer.ckpt_interval=2"]
     first = train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=4"))

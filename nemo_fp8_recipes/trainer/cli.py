@@ -20,14 +20,22 @@ from ..data import DataError
 from .checkpoint import CheckpointError
 from .checks import te_backend_problem_for
 from .logs import logging_as_it_was, quiet_failing_log_files
-from .result import NonFiniteLossError, TrainingError
+from .result import NonFiniteLossError, Terminated, TrainingError
 from .run import train
 
 __all__ = ["EXIT_CODES", "main"]
 
 
 # ---- command line ----------------------------------------------------------------------------
-EXIT_CODES = {ConfigError: 2, DataError: 2, CheckpointError: 4, NonFiniteLossError: 3, TrainingError: 5}
+#: (the first class that matches wins; 143 = 128 + SIGTERM, as a process killed by it reports)
+EXIT_CODES = {
+    ConfigError: 2,
+    DataError: 2,
+    CheckpointError: 4,
+    NonFiniteLossError: 3,
+    Terminated: 143,
+    TrainingError: 5,
+}
 
 
 def _run_cli(cfg) -> None:

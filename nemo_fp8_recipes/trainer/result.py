@@ -9,11 +9,26 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-__all__ = ["TrainingError", "NonFiniteLossError", "TrainResult", "StepStats"]
+__all__ = ["TrainingError", "Terminated", "NonFiniteLossError", "TrainResult", "StepStats"]
 
 
 class TrainingError(RuntimeError):
     """A training run that cannot continue; the message says why and what to do."""
+
+
+class Terminated(TrainingError):
+    """The run was told to stop (SIGTERM: a SLURM time limit, preemption, ``scancel``) and stopped
+    after a completed step, with a checkpoint of it where checkpointing is on."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Optional[Path], checkpointing: bool) -> None:
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        if checkpoint:
+            kept = f"checkpoint {checkpoint}; trainer.resume=auto (the default) continues from it"
+        elif checkpointing:
+            kept = "no step was completed, nothing to save"
+        else:
+            kept = "trainer.checkpoint=false: nothing saved, a new run starts from step 0"
+        super().__init__(f"{signal_name} received: stopped after step {step}; {kept}")
 
 
 class NonFiniteLossError(TrainingError):

@@ -15,7 +15,9 @@ import json
 import logging
 import math
 import random
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -73,7 +75,7 @@ from .logs import (
     record_audit,
 )
 from .optim import apply_hyperparameters, build_optimizer
-from .result import NonFiniteLossError, StepStats, TrainingError, TrainResult
+from .result import NonFiniteLossError, StepStats, Terminated, TrainingError, TrainResult
 
 __all__ = ["Trainer", "train"]
 
@@ -339,9 +341,37 @@ class Trainer:
     def run(self) -> TrainResult:
         """Train from the start (or resumed) step to ``trainer.max_steps`` and return what the run
         did; :meth:`setup` runs first unless it already has. Ctrl-C saves the last completed step
-        where that is safe (one process, not inside a step) and re-raises."""
-        if self.result is None:
-            self.setup()
+        where that is safe (one process, not inside a step) and re-raises. SIGTERM (a SLURM time
+        limit, preemption, ``scancel``) lets the current step finish, saves it on every rank and
+        raises :class:`~nemo_fp8_recipes.trainer.result.Terminated`."""
+        with self._stop_on_sigterm():
+            if self.result is None:
+                self.setup()
+            return self._run()
+
+    @contextlib.contextmanager
+    def _stop_on_sigterm(self):
+        """While training: SIGTERM asks the loop to stop after the step in progress (the handler
+        only sets :attr:`stop_signal`; the loop saves). The previous handler comes back after. Not
+        in a thread other than the main one, where Python cannot catch signals."""
+        self.stop_signal: Optional[str] = None
+        self.stop_agreed = False  # every rank has been told to stop (the flag reduced over ranks)
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def ask_to_stop(signum, frame):
+            if self.stop_signal is None:
+                self.stop_signal = signal.Signals(signum).name
+                log.warning("%s received: stopping after the step in progress, with a checkpoint", self.stop_signal)
+
+        previous = signal.signal(signal.SIGTERM, ask_to_stop)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def _run(self) -> TrainResult:
         tcfg = self.tcfg
         if self.start_step >= tcfg.max_steps:
             log.info(
@@ -365,8 +395,12 @@ class Trainer:
         self.model.train()
         try:
             with logging_redirect_tqdm():
+                if self.stop_signal is not None and not self.ctx.distributed:
+                    self._stop_on_signal()  # told to stop while setting up
                 while self.global_step < tcfg.max_steps:
                     self._after_step(self.step())
+                    if self.stop_agreed:
+                        self._stop_on_signal()
         except KeyboardInterrupt:
             self.bar.close()
             self._save_on_interrupt()
@@ -395,9 +429,13 @@ class Trainer:
             out = self._forward_backward(x, y, micro)
             loss_acc += out.ce_loss.detach()
             aux_acc += out.aux_loss.detach()
+        self.stop_agreed = self.stop_signal is not None
         if ctx.distributed:
-            both = all_reduce_sum(torch.stack([loss_acc, aux_acc]), ctx)
+            # the stop request rides on the loss reduction: every rank stops after the same step
+            stop = torch.full((), float(self.stop_agreed), device=self.device)
+            both = all_reduce_sum(torch.stack([loss_acc, aux_acc, stop]), ctx)
             loss_acc, aux_acc = both[0], both[1]
+            self.stop_agreed = bool(both[2] > 0)
         loss = float(loss_acc) / tcfg.grad_accum
         clip = tcfg.grad_clip if tcfg.grad_clip > 0 else float("inf")
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(self.dp_model.parameters(), clip)))
@@ -637,6 +675,20 @@ class Trainer:
         self.result.checkpoint = self.last_ckpt
         log.info("checkpoint: %s", self.last_ckpt)
         return self.last_ckpt
+
+    def _stop_on_signal(self) -> None:
+        """After a completed step, told to stop: save it (unless saved already or checkpointing
+        is off) and raise :class:`Terminated`."""
+        step = self.global_step
+        saved = self.last_ckpt is not None and self.last_ckpt == self.ckpt_mgr.path_for(step)
+        if self.tcfg.checkpoint and step > self.start_step and not saved:
+            self.checkpoint(step)
+        raise Terminated(
+            self.stop_signal or "SIGTERM",
+            step,
+            self.last_ckpt if self.tcfg.checkpoint else None,
+            bool(self.tcfg.checkpoint),
+        )
 
     def _save_on_interrupt(self) -> None:
         """Ctrl-C: save the last completed step if that is safe, and say what is kept."""
