@@ -158,6 +158,21 @@ def test_cpu_job_runs_plain_python_without_gpu_flags(tmp_path):
     assert "export OMP_NUM_THREADS=2" in config_block(job.script)  # no oversubscribed CPUs
 
 
+def test_the_trainer_is_told_to_stop_before_the_time_limit(tmp_path):
+    """The embedded trainer's jobs ask SLURM for SIGTERM cluster.signal_lead_s before the limit
+    (it saves on SIGTERM); 0/null leaves only SLURM's own at the limit; bad values are refused."""
+    [job] = plan_jobs(["cluster.gpus_per_node=0", f"run.root={tmp_path}"], cwd=tmp_path)
+    assert "#SBATCH --signal=TERM@180" in header(job.script)
+    for off in ("0", "null"):
+        [job] = plan_jobs([f"cluster.signal_lead_s={off}", f"run.root={tmp_path}"], cwd=tmp_path)
+        assert not any("--signal" in line for line in header(job.script))
+    for bad in ("-1", "70000", "true"):
+        with pytest.raises(ConfigError, match="cluster.signal_lead_s"):
+            plan_jobs([f"cluster.signal_lead_s={bad}", f"run.root={tmp_path}"], cwd=tmp_path)
+    with pytest.raises(ConfigError, match="cluster.signal_lead_s"):
+        plan_jobs(["+cluster.sbatch_args.signal=USR1@60", f"run.root={tmp_path}"], cwd=tmp_path)
+
+
 def test_megatron_bridge_launch_line(tmp_path):
     """backend=megatron_bridge: our Bridge launcher with the recipe applied in full, Bridge's own
     keys passed through, the run directory wired to Bridge's logger and checkpoints."""
@@ -398,6 +413,8 @@ def test_abbreviations_of_our_sbatch_options_are_refused_other_options_pass(tmp_
 
     assert reserved_sbatch_option("outp") == "output" and reserved_sbatch_option("o") == "output"
     assert reserved_sbatch_option("exclusive") == "exclusive" and reserved_sbatch_option("exclu") == "exclusive"
+    assert reserved_sbatch_option("tasks-per-node") == "ntasks-per-node"  # SLURM's deprecated alias
+    assert reserved_sbatch_option("signal") == "signal" and reserved_sbatch_option("sig") == "signal"
     for other in ("gpus", "ntasks", "reservation", "constraint", "exclude", "gres", "mem-per-gpu", "time-min"):
         assert reserved_sbatch_option(other) is None, other
     [job] = plan_jobs(
@@ -599,6 +616,53 @@ def test_sweep_runs_on_a_real_slurm_cluster(slurm_env, tmp_path):
     # the sweep's runs sit side by side and compare cleanly
     assert compare_main([str(tmp_path / "runs" / "llama3_tiny"), "--last", "4", "--no-png", "--no-events"]) == 0
     print(f"\nreal SLURM sweep: jobs {', '.join(j for j, _ in job_ids)} completed in {time.monotonic() - t0:.1f} s")
+
+
+def test_scancel_on_a_real_slurm_cluster_keeps_the_finished_steps(slurm_env, tmp_path):
+    """scancel (SIGTERM, then SIGKILL after KillWait) on a running training job: the trainer saves
+    the step it finished, logs it, and the same submit resumes from there and completes."""
+    base = [
+        sys.executable,
+        "-m",
+        "nemo_fp8_recipes.launch.submit",
+        *TINY_JOB,
+        "recipe=tensorwise",
+        "trainer.max_steps=400",
+        "trainer.log_interval=1",
+        "trainer.val_interval=0",
+        "trainer.ckpt_interval=0",
+        f"run.root={tmp_path}/runs",
+        f"data.cache_dir={tmp_path}/cache",
+    ]
+    proc = subprocess.run(base, cwd=tmp_path, env=slurm_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job_id = re.search(r"Submitted job (\d+)", proc.stdout).group(1)
+    run_dir = tmp_path / "runs" / "llama3_tiny" / "tensorwise"
+    log = run_dir / f"slurm-{job_id}.out"
+    deadline = time.monotonic() + 180
+    while not (log.is_file() and "step 3/400 | loss" in log.read_text()):
+        assert time.monotonic() < deadline, log.read_text() if log.is_file() else "no log"
+        assert job_state(job_id, env=slurm_env).state in ("PENDING", "RUNNING", None), job_state(job_id, env=slurm_env)
+        time.sleep(0.5)
+    subprocess.run(["scancel", job_id], env=slurm_env, check=True, timeout=30)
+    assert not wait_for_job(job_id, timeout_s=120, env=slurm_env).ok
+    text = log.read_text()
+    assert "SIGTERM received: stopping after the step in progress" in text, text[-3000:]
+    stopped = int(text.split("received: stopped after step ")[1].split(";")[0])
+    assert 3 <= stopped < 400 and (run_dir / "checkpoints" / f"step_{stopped:08d}.pt").is_file(), text[-3000:]
+    # the same submission again continues from that step (trainer.resume=auto)
+    again = subprocess.run(
+        base + ["submit.wait=true", "submit.wait_timeout_s=240"],
+        cwd=tmp_path,
+        env=slurm_env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stdout + again.stderr
+    second_id = re.search(r"Submitted job (\d+)", again.stdout).group(1)
+    second = run_dir / f"slurm-{second_id}.out"
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped:08d}.pt'}" in second.read_text()
 
 
 def test_the_real_sbatch_expands_the_abbreviations_we_refuse(slurm_env, tmp_path):

@@ -90,6 +90,7 @@ class SlurmClusterConfig:
     account: Optional[str]
     qos: Optional[str]
     time: Optional[str]
+    signal_lead_s: Optional[int]
     exclusive: bool
     job_name: Optional[str]
     chdir: Optional[str]
@@ -335,6 +336,7 @@ def plan_job(
         account=cl.account,
         qos=cl.qos,
         time=cl.time,
+        signal_lead_s=cl.signal_lead_s if backend in ("native", "te") else None,
         mem=cl.mem,
         cpus_per_task=cl.cpus_per_task,
         exclusive=cl.exclusive,

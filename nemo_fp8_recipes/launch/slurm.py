@@ -242,10 +242,13 @@ _OWN_SBATCH_OPTIONS = {
     "output": "(the run directory)",
     "error": "(the run directory)",
     "chdir": "cluster.chdir",
+    "signal": "cluster.signal_lead_s",
 }
 # sbatch long options that are proper prefixes of one of ours but name another option themselves
 # (an exact name wins over an abbreviation): --gpus is not --gpus-per-node.
 _OTHER_SBATCH_OPTIONS_PREFIXING_OURS = frozenset({"gpus", "ntasks"})
+# sbatch's other names for options of ours (SLURM keeps --tasks-per-node as a deprecated alias)
+_SBATCH_ALIASES = {"tasks-per-node": "ntasks-per-node"}
 
 
 def reserved_sbatch_option(opt: str) -> Optional[str]:
@@ -253,6 +256,8 @@ def reserved_sbatch_option(opt: str) -> Optional[str]:
     itself, or any prefix of it that sbatch would expand to it (or reject as ambiguous)."""
     if opt in _OWN_SBATCH_OPTIONS:
         return opt
+    if opt in _SBATCH_ALIASES:
+        return _SBATCH_ALIASES[opt]
     if opt in _OTHER_SBATCH_OPTIONS_PREFIXING_OURS:
         return None
     hits = sorted(o for o in _OWN_SBATCH_OPTIONS if o.startswith(opt))
@@ -307,6 +312,7 @@ class SlurmJob:
     cpus_per_task: Optional[int] = None
     exclusive: bool = False
     chdir: Optional[str] = None
+    signal_lead_s: Optional[int] = None
     sbatch_args: Mapping[str, object] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
     container: ContainerSpec = field(default_factory=ContainerSpec)
@@ -345,6 +351,11 @@ class SlurmJob:
             check_account(self.qos, "cluster.qos")
         if self.time is not None:
             check_time(self.time)
+        lead = self.signal_lead_s
+        if lead is not None and (isinstance(lead, bool) or not isinstance(lead, int) or not 0 <= lead <= 65535):
+            raise SlurmSpecError(
+                f"cluster.signal_lead_s must be null or whole seconds in 0..65535 (SLURM's limit), got {lead!r}"
+            )
         if self.mem is not None:
             _need(_MEM_RE, self.mem, "cluster.mem", "use an integer with an optional K, M, G or T suffix (0 = all)")
         if self.chdir is not None:
@@ -464,6 +475,10 @@ def render_sbatch(job: SlurmJob) -> str:
             sb.append(f"#SBATCH --{opt}={value}")
     if job.exclusive:
         sb.append("#SBATCH --exclusive")
+    if job.signal_lead_s:
+        # SIGTERM to every process of the job this long before its time limit: the trainer finishes
+        # its step and saves (otherwise SLURM's SIGTERM comes at the limit, KillWait before SIGKILL)
+        sb.append(f"#SBATCH --signal=TERM@{job.signal_lead_s}")
     if job.chdir is not None:
         sb.append(f"#SBATCH --chdir={job.chdir}")
     sb.append(f"#SBATCH --output={job.log_pattern}")
