@@ -20,7 +20,7 @@ from nemo_fp8_recipes.hardware import DeviceInfo
 from nemo_fp8_recipes.nn import Float8Linear, audit
 from nemo_fp8_recipes.recipes import check_supported, list_recipes
 from nemo_fp8_recipes.train import main, train
-from nemo_fp8_recipes.trainer import NonFiniteLossError
+from nemo_fp8_recipes.trainer import NonFiniteLossError, TrainingError
 from nemo_fp8_recipes.trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
@@ -214,6 +214,51 @@ def test_sigterm_saves_the_step_and_resume_continues_exactly(tmp_path, token_cac
     rc, out = _train_until_sigterm(common + [f"run.root={tmp_path / 'c'}", "trainer.checkpoint=false"], tmp_path)
     assert rc == 143 and "trainer.checkpoint=false: nothing saved" in out, out[-3000:]
     assert not (tmp_path / "c" / "llama3_tiny" / "delayed" / "checkpoints").exists()
+
+
+def test_one_trainer_per_run_directory(tmp_path, token_cache):
+    """A second trainer in a directory where one is training is refused, naming the first (host,
+    PID); a lock left by a process that no longer exists is taken over; the lock goes with the run."""
+    import os
+    import socket
+
+    from nemo_fp8_recipes.trainer.lock import LOCK_NAME
+
+    args = TINY + [
+        f"data.cache_dir={token_cache}",
+        f"run.root={tmp_path}",
+        "recipe=bf16",
+        "trainer.max_steps=400",
+        "trainer.log_interval=1",
+        "trainer.val_interval=0",
+    ]
+    exe = shutil.which("nemo-fp8-train")
+    cmd = [exe] if exe else [sys.executable, "-m", "nemo_fp8_recipes.train"]
+    first = subprocess.Popen(cmd + args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        for line in first.stdout:
+            if "step 2/400 | loss" in line:
+                break
+        second = subprocess.run(cmd + args, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+        assert second.returncode == 5, second.stdout + second.stderr
+        err = second.stderr
+        assert f"another trainer is running in {tmp_path / 'llama3_tiny' / 'bf16'}: PID {first.pid} on" in err
+        assert "give this run another run.tag" in err and "Traceback" not in err
+    finally:
+        first.kill()
+        first.wait()
+    lock = tmp_path / "llama3_tiny" / "bf16" / LOCK_NAME
+    assert lock.is_file()  # kill -9 leaves it; its process is gone, so the next trainer takes over
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "started": "earlier"}))
+    result = train(compose_config(args[:-3] + ["trainer.max_steps=2", "trainer.force_resume=true"]))
+    assert result.final_step == 2 and not lock.exists()
+    # a lock from another host cannot be checked from here: refused, with the way out
+    lock.write_text(json.dumps({"host": "node-elsewhere", "pid": os.getpid(), "started": "earlier"}))
+    with pytest.raises(TrainingError, match=f"host node-elsewhere, delete {lock}"):
+        train(compose_config(args))
+    assert json.loads(lock.read_text())["host"] == "node-elsewhere"  # not theirs to remove
 
 
 def test_auto_resume_continues_and_a_finished_run_is_a_no_op(tmp_path, token_cache):

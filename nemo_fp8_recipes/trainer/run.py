@@ -66,6 +66,7 @@ from .distributed import (
     state_dicts,
     wrap_model,
 )
+from .lock import run_dir_lock
 from .logs import (
     LogWindow,
     MetricsWriter,
@@ -122,7 +123,8 @@ class Trainer:
         self.backend = backend
         self.ctx: Optional[DistContext] = None
         self.result: Optional[TrainResult] = None
-        self._process_settings = contextlib.ExitStack()  # trainer.deterministic's switches, undone by close()
+        #: trainer.deterministic's switches and the run directory's lock, undone by close()
+        self._process_settings = contextlib.ExitStack()
 
     # ---- set-up ----
     def setup(self) -> None:
@@ -132,6 +134,8 @@ class Trainer:
         self._configure()
         self.run_dir = Path(self.rcfg.dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.ctx.is_main:  # one trainer per run directory, released by close()
+            self._process_settings.enter_context(run_dir_lock(self.run_dir))
         self.ckpt_mgr = CheckpointManager(self.run_dir / "checkpoints", keep=self.tcfg.ckpt_keep)
         self.resume_path = resolve_resume(self.tcfg, self.ckpt_mgr)
         self._build_data()
@@ -759,8 +763,8 @@ class Trainer:
         return result
 
     def close(self) -> None:
-        """End the process group :meth:`setup` started (nothing when it started none) and undo the
-        process-wide switches of ``trainer.deterministic``."""
+        """End the process group :meth:`setup` started (nothing when it started none), undo the
+        process-wide switches of ``trainer.deterministic`` and release the run directory."""
         try:
             if self.ctx is not None:
                 self.ctx.close()
