@@ -216,6 +216,27 @@ def test_sigterm_saves_the_step_and_resume_continues_exactly(tmp_path, token_cac
     assert not (tmp_path / "c" / "llama3_tiny" / "delayed" / "checkpoints").exists()
 
 
+def test_a_fresh_start_does_not_inherit_the_old_runs_curve(tmp_path, token_cache):
+    """A fresh start (no checkpoint to resume) in a directory where an 8-step run finished, stopped
+    at step 3: its curve is steps 1-3 of its own, and the old summary no longer claims 8 steps."""
+    from nemo_fp8_recipes.compare import load_run
+
+    common = TINY + [f"data.cache_dir={token_cache}", f"run.root={tmp_path}", "recipe=tensorwise"]
+    old = train(compose_config(common + ["trainer.max_steps=8", "trainer.log_interval=1", "trainer.checkpoint=false"]))
+    assert load_run(old.run_dir, "train/loss").steps == list(range(1, 9))
+    rc, out = _train_until_sigterm(
+        common + ["trainer.max_steps=400", "trainer.log_interval=1", "trainer.checkpoint=false", "trainer.seed=7"],
+        tmp_path,
+        after_step=3,
+    )
+    assert rc == 143, out[-2000:]
+    stopped = int(out.split("received: stopped after step ")[1].split(";")[0])
+    new = load_run(old.run_dir, "train/loss")
+    assert new.steps == list(range(1, stopped + 1)) and stopped < 8
+    assert abs(new.values[0] - old.losses[1]) > 1e-4  # (another seed: the values are this run's)
+    assert not (old.run_dir / "summary.json").exists()
+
+
 def test_one_trainer_per_run_directory(tmp_path, token_cache):
     """A second trainer in a directory where one is training is refused, naming the first (host,
     PID); a lock left by a process that no longer exists is taken over; the lock goes with the run."""

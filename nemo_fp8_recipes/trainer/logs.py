@@ -208,8 +208,9 @@ def format_duration(seconds: float) -> str:
 class MetricsWriter:
     """Thin wrapper over ``torch.utils.tensorboard.SummaryWriter`` (imported lazily).
 
-    ``purge_step`` (on resume) drops events at or after that step left by the interrupted run,
-    so the curve has no doubled segment. ``enabled=False`` makes every call a no-op.
+    ``purge_step`` drops the events at or after that step that earlier runs left in the
+    directory (TensorBoard's and ``nemo-fp8-compare``'s readers honour it): after a resume the
+    curve has no doubled segment, and a fresh start's curve is its own. ``enabled=False`` makes every call a no-op.
     """
 
     def __init__(self, log_dir: Union[str, Path], *, enabled: bool = True, purge_step: Optional[int] = None) -> None:

@@ -295,13 +295,18 @@ class Trainer:
         # that produced the checkpoints in this directory
         if ctx.is_main:
             (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True), encoding="utf-8")
+            if self.start_step == 0 and (self.run_dir / "summary.json").is_file():
+                # an earlier run's summary would describe this one until it finishes
+                (self.run_dir / "summary.json").unlink()
 
         # (self.graphs: trainer.compile_mode=reduce-overhead / max-autotune replays them as CUDA graphs)
         self.model, self.graphs = compile_model(self.dp_model, self.raw_model, tcfg)
         self.writer = MetricsWriter(
             self.run_dir,
             enabled=self.rcfg.tensorboard and ctx.is_main,
-            purge_step=self.start_step + 1 if self.start_step else None,
+            # from the first step this run logs: a resumed run replaces what the interrupted one
+            # logged after its checkpoint, a fresh start everything an earlier run left here
+            purge_step=self.start_step + 1,
         )
         log.info(
             "run %s | model %s (%s params, %d layers) | recipe %s (%s) | device %s | autocast %s | "
