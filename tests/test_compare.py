@@ -514,6 +514,48 @@ def test_malformed_json_and_an_out_file_are_usage_errors(sweep, tmp_path, capsys
     assert a_file.read_text() == "keep me"
 
 
+def test_out_is_never_a_run_directory(sweep, tmp_path, capsys):
+    """--out on a run (or inside one, or on a directory holding another run) is refused before
+    anything is written there: the outputs would make later comparisons skip that run."""
+    import shutil
+
+    parent, _ = sweep
+    runs = tmp_path / "runs"
+    shutil.copytree(parent, runs, ignore=shutil.ignore_patterns("compare"))
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*")}
+    other = tmp_path / "elsewhere" / "bf16"
+    shutil.copytree(parent / "bf16", other)
+    for out, words in (
+        (runs / "bf16", "is the run directory"),
+        (runs / "tensorwise" / "cmp", "is inside the run directory"),
+        (other, "holds a run (config.yaml, summary.json)"),
+    ):
+        assert main([str(runs), "--last", "10", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "give a directory of its own" in err and "Traceback" not in err, err
+    assert {p: p.stat().st_mtime_ns for p in runs.rglob("*")} == before
+    assert main([str(runs), "--last", "10", "--max-rel-dev", "0.5"]) == 0  # every run still found and judged
+    assert sorted(read_csv(runs / "compare" / "compare.csv")) == sorted(RECIPES)
+
+
+def test_a_gate_without_its_baseline_fails_and_says_why(sweep, tmp_path, capsys):
+    """The BF16 run died before its first log line (no event files): a gate does not pick an FP8
+    run as the baseline in its place; without a gate the comparison still runs, against the first."""
+    import shutil
+
+    parent, _ = sweep
+    runs = tmp_path / "runs"
+    shutil.copytree(parent, runs, ignore=shutil.ignore_patterns("compare"))
+    for f in (runs / "bf16").glob("events.out.tfevents.*"):
+        f.unlink()
+    assert main([str(runs), "--last", "10", "--max-rel-dev", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-rel-dev needs a baseline, and no run is named bf16" in err and "give --baseline NAME" in err
+    assert "tensorwise" in err and "Traceback" not in err
+    assert main([str(runs), "--last", "10", "--max-rel-dev", "0.5", "--baseline", "tensorwise"]) == 0
+    assert main([str(runs), "--last", "10"]) == 0
+
+
 def test_the_baseline_can_be_named_by_its_directory(sweep, tmp_path):
     parent, _ = sweep
     for spelling in (str(parent / "tensorwise") + "/", str((parent / "tensorwise").resolve()), "tensorwise"):

@@ -62,6 +62,8 @@ from typing import Optional, Sequence
 from .outputs import write_outputs
 from .reading import (
     DEFAULT_TAG,
+    EVENTS_GLOB,
+    OUTPUT_MARKER,
     TOKENS_TAG,
     CompareError,
     load_run,
@@ -164,6 +166,27 @@ def _default_out(paths: Sequence[str]) -> Path:
     return common / "compare"
 
 
+def _check_out_is_no_run(out: Path, run_dirs: Sequence[Path]) -> None:
+    """``--out`` must not be (or lie inside) a run: the outputs mark their directory as this tool's
+    (compare.json), and later comparisons would skip the run there without a word."""
+    target = out.resolve()
+    for d in run_dirs:
+        d = d.resolve()
+        if target == d or d in target.parents:
+            raise CompareError(
+                f"--out {out} is {'the' if target == d else 'inside the'} run directory {d}: the outputs there "
+                "would make later comparisons skip that run; give a directory of its own (the default is "
+                "<common parent of the runs>/compare)"
+            )
+    if out.is_dir() and not (out / OUTPUT_MARKER).is_file():
+        held = [n for n in ("config.yaml", "summary.json", "checkpoints") if (out / n).exists()]
+        if held or any(out.glob(EVENTS_GLOB)):
+            raise CompareError(
+                f"--out {out} holds a run ({', '.join(held) or 'TensorBoard event files'}): the outputs there would "
+                "make later comparisons skip it; give a directory of its own"
+            )
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point ``nemo-fp8-compare`` (also ``python -m nemo_fp8_recipes.compare``)."""
     args = _parser().parse_args(argv)
@@ -219,6 +242,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             raise CompareError(
                 f"--out {out} is a file; give a directory (it receives compare.md, .csv, .json, .png and deviation/)"
             )
+        _check_out_is_no_run(out, [Path(r.path) for r in comparison.runs if r.path])
         for r in comparison.runs:
             for problem in r.problems:
                 print(f"nemo-fp8-compare: warning: run {r.name}: {problem}", file=sys.stderr)

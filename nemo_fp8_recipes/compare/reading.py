@@ -26,6 +26,7 @@ __all__ = [
     "load_runs",
     "run_names",
     "EVENTS_GLOB",
+    "OUTPUT_MARKER",
 ]
 
 DEFAULT_TAG = "train/loss"
@@ -33,7 +34,7 @@ DEFAULT_TAG = "train/loss"
 LOSS_TAGS = (DEFAULT_TAG, "lm loss")
 TOKENS_TAG = "tokens_per_s"
 EVENTS_GLOB = "events.out.tfevents.*"
-_MARKER = "compare.json"  # an output directory of this tool: never a run
+OUTPUT_MARKER = "compare.json"  #: an output directory of this tool (never a run) holds it
 
 
 class CompareError(ValueError):
@@ -52,7 +53,7 @@ def find_runs(parent: Path, max_depth: int = 3) -> List[Path]:
     found: List[Path] = []
 
     def walk(d: Path, depth: int) -> None:
-        if (d / _MARKER).is_file():
+        if (d / OUTPUT_MARKER).is_file():
             return
         if _has_events(d):
             found.append(d)

@@ -425,10 +425,11 @@ def _num(x: Optional[float], digits: int, thousands: bool = False) -> str:
     return f"{x:,.{digits}f}" if thousands else f"{x:.{digits}f}"
 
 
-def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str]) -> str:
+def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str], gate: bool = False) -> str:
     """The baseline group's label: the group ``baseline`` names (its label, or one of its runs by
     name or directory); by default the group labelled ``bf16``, else one whose label starts with
-    ``bf16-``, else the first."""
+    ``bf16-``, else the first — but with a gate (``gate``) never a run that merely comes first: a
+    gate judged against an FP8 run would pass on less than it claims."""
     runs = [r for members in groups.values() for r in members]
     label_of = {r.name: label for label, members in groups.items() for r in members}
     if baseline is not None:
@@ -461,6 +462,13 @@ def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str]) 
     for label, members in groups.items():
         if label.rsplit("/", 1)[-1].startswith("bf16-"):
             return label
+    if gate:
+        raise CompareError(
+            "--max-rel-dev needs a baseline, and no run is named bf16 among "
+            + ", ".join(f"{r.name} ({r.path})" for members in groups.values() for r in members)
+            + ": give --baseline NAME, or check that the BF16 run logged (a directory without "
+            "events.out.tfevents.* files, e.g. of a run that died before its first log line, is not a run)"
+        )
     return next(iter(groups))
 
 
@@ -495,7 +503,7 @@ def compare_runs(
     seeded = any(len(members) > 1 for members in groups.values())
     if not seeded:  # one run per configuration: each is known by its own name
         groups = {members[0].name: members for members in groups.values()}
-    base_label = _pick_baseline(groups, baseline)
+    base_label = _pick_baseline(groups, baseline, gate=max_rel_dev is not None)
     label_of = {r.name: label for label, members in groups.items() for r in members}
     base_runs = groups[base_label]
     base_by_seed = first_per_seed(base_runs)
