@@ -136,8 +136,9 @@ class TrainerConfig:
                 f"{k} must be in [0, 1) (AdamW's moving-average coefficient; typical 0.9 / 0.95), got {v}",
             )
         need(
-            math.isfinite(self.eps) and self.eps > 0,
-            f"eps must be a finite number > 0 (AdamW's denominator guard; typical 1e-8), got {self.eps}",
+            math.isfinite(self.eps) and self.eps >= _FP32_TINY,
+            f"eps must be a finite number >= {_FP32_TINY:.3g}, the smallest normal FP32 number (AdamW's "
+            f"denominator guard, added in FP32: a smaller one is 0 or denormal there; typical 1e-8), got {self.eps}",
         )
         need(
             math.isfinite(self.weight_decay) and self.weight_decay >= 0,
@@ -148,10 +149,14 @@ class TrainerConfig:
             math.isfinite(self.grad_clip) and self.grad_clip >= 0,
             f"grad_clip must be a finite number >= 0 (0 = off), got {self.grad_clip}",
         )
+        need(
+            self.log_interval >= 1,
+            f"log_interval must be >= 1 (steps between log lines and TensorBoard points; the last step is "
+            f"always logged: log_interval={self.max_steps} logs it alone), got {self.log_interval}",
+        )
         for k in (
             "val_interval",
             "val_steps",
-            "log_interval",
             "telemetry_interval",
             "ckpt_interval",
             "max_skipped_steps",
@@ -204,6 +209,17 @@ class RunConfig:
     dir: str
     tensorboard: bool
     sweep: List[str] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        tag = "" if self.tag is None else str(self.tag).strip()
+        if tag and (not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", tag) or ".." in tag):
+            raise ConfigError(
+                f"run.tag={self.tag!r} is not a name: it becomes part of the run directory's name, so it takes "
+                "letters, digits and . _ + - (starting with a letter or digit, no '..'), e.g. run.tag=lr3e-4"
+            )
+
+
+_FP32_TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
 
 
 # ---- run names and the resolvers ---------------------------------------------------------------
