@@ -129,6 +129,32 @@ def test_jsonl_with_invalid_utf8_names_the_line(tmp_path, token_cache, capsys):
     assert "a.jsonl:2: not valid UTF-8" in err and "re-encode" in err
 
 
+def test_jsonl_lone_surrogates_are_skipped_and_counted_deep_nesting_is_refused(tmp_path, caplog):
+    """'\\ud800' is valid JSON but not Unicode text (common in crawled data): those lines are skipped
+    and counted, with the file and lines; a line nested too deeply for the parser is refused, naming
+    it, and the token cache keeps nothing half-written."""
+    import logging
+
+    data = tmp_path / "data"
+    data.mkdir()
+    good = [json.dumps({"text": f"document {i} " * 40}) for i in range(3)]
+    lines = [good[0], '{"text": "bad \\ud800 text"}', good[1], '{"text": "\\udfff"}', good[2]]
+    (data / "a.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    with caplog.at_level(logging.WARNING):
+        corpus = load_corpus(DataConfig(source="jsonl", paths=[str(data)], cache_dir=str(tmp_path / "c1")))
+    assert "a.jsonl: 2 line(s) skipped" in caplog.text and "lines 2, 4" in caplog.text
+    import numpy as np
+
+    tokens = np.concatenate([np.asarray(corpus.train), np.asarray(corpus.val)])
+    text = bytes(tokens[tokens < 256].astype(np.uint8))
+    assert b"document 2" in text and b"bad" not in text
+    (data / "a.jsonl").write_text(good[0] + "\n" + "[" * 100_000 + "]" * 100_000 + "\n", encoding="utf-8")
+    cache = tmp_path / "c2"
+    with pytest.raises(DataError, match="a.jsonl:2: JSON nested too deeply"):
+        load_corpus(DataConfig(source="jsonl", paths=[str(data)], cache_dir=str(cache)))
+    assert [p for p in cache.rglob("*") if p.is_file()] == []
+
+
 def test_a_data_error_leaves_no_temporary_files_in_the_token_cache(tmp_path):
     data = tmp_path / "data"
     data.mkdir()

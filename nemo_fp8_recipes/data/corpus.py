@@ -231,6 +231,7 @@ def iter_documents(cfg: DataConfig, files: Sequence[SourceFile]) -> Iterator[Tup
     """Yield ``(doc_id, utf-8 bytes)`` for every non-empty document of ``files``."""
     for f in files:
         if cfg.source == "jsonl":
+            unpaired = []  # lines whose text holds a lone UTF-16 surrogate: not Unicode text, skipped
             with open(f.path, "rb") as fh:
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
@@ -245,6 +246,11 @@ def iter_documents(cfg: DataConfig, files: Sequence[SourceFile]) -> Iterator[Tup
                         ) from None
                     except json.JSONDecodeError as e:
                         raise DataError(f"{f.path}:{lineno}: not valid JSON ({e.msg})") from None
+                    except RecursionError:
+                        raise DataError(
+                            f"{f.path}:{lineno}: JSON nested too deeply for Python's parser (a record is an object "
+                            f"with a {cfg.text_key!r} string); fix or drop the line"
+                        ) from None
                     if not isinstance(rec, dict) or cfg.text_key not in rec:
                         keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
                         raise DataError(
@@ -254,8 +260,22 @@ def iter_documents(cfg: DataConfig, files: Sequence[SourceFile]) -> Iterator[Tup
                     text = rec[cfg.text_key]
                     if not isinstance(text, str):
                         raise DataError(f"{f.path}:{lineno}: field {cfg.text_key!r} is not a string")
-                    if text:
-                        yield f"{f.doc_id}:{lineno}", text.encode("utf-8")
+                    if not text:
+                        continue
+                    try:
+                        data = text.encode("utf-8")
+                    except UnicodeEncodeError:  # "\ud800": valid JSON, common in crawled text
+                        unpaired.append(lineno)
+                        continue
+                    yield f"{f.doc_id}:{lineno}", data
+            if unpaired:
+                log.warning(
+                    "%s: %d line(s) skipped, their %r text holds a lone UTF-16 surrogate (not Unicode text; lines %s)",
+                    f.path,
+                    len(unpaired),
+                    cfg.text_key,
+                    ", ".join(map(str, unpaired[:5])) + (", ..." if len(unpaired) > 5 else ""),
+                )
         else:
             data = f.path.read_bytes()
             if data:
