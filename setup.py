@@ -14,6 +14,7 @@ setup(
     "and plain PyTorch, with a precision policy that is audited at run time.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["nemo_fp8_recipes", "nemo_fp8_recipes.*"]),
     include_package_data=True,
@@ -53,6 +54,7 @@ setup(
         ]
     },
     classifiers=[
+        "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",
     ],

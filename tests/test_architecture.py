@@ -320,3 +320,17 @@ def test_ruff_passes(command):
     assert out.returncode == 0, (out.stdout + out.stderr)[
         -6000:
     ] + f"\n(fix: ruff check --fix . && ruff format .; {sys.executable})"
+
+
+def test_the_licence_is_stated_where_users_look():
+    """LICENSE holds the Apache License 2.0, and the package metadata and the README name it."""
+    import subprocess
+    import sys
+
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License" in text and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
+    meta = subprocess.run(
+        [sys.executable, "setup.py", "--license", "--classifiers"], cwd=REPO, capture_output=True, text=True
+    )
+    assert "Apache-2.0" in meta.stdout and "License :: OSI Approved :: Apache Software License" in meta.stdout
+    assert "Apache License 2.0 ([LICENSE](LICENSE))" in (REPO / "README.md").read_text(encoding="utf-8")
