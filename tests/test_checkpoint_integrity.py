@@ -29,6 +29,7 @@ from nemo_fp8_recipes.trainer.checkpoint import (
     CheckpointError,
     CheckpointManager,
     load_checkpoint,
+    save_checkpoint,
     state_checksums,
 )
 
@@ -150,6 +151,32 @@ def test_truncated_and_empty_checkpoints_name_the_older_one_that_loads(two_check
     # both damaged: no older checkpoint loads either
     good.write_bytes(b"")
     msg = _resume_error(tmp_path, token_cache)
+    assert "No older checkpoint of that directory loads either" in msg
+
+
+@pytest.mark.parametrize("missing", ["scheduler", "rng", "optimizer"])
+def test_a_checkpoint_missing_a_part_names_the_older_one_that_resumes(two_checkpoints, tmp_path, token_cache, missing):
+    """A checkpoint that verifies but lacks a part a resume restores is a checkpoint error naming
+    the part and the older checkpoint that resumes (not a KeyError)."""
+    _, mgr = two_checkpoints
+    bad, good = mgr.path_for(4), mgr.path_for(2)
+    state = load_checkpoint(bad)
+    del state[missing]
+    save_checkpoint(state, bad)  # fresh checksums: only the missing part is wrong
+    msg = _resume_error(tmp_path, token_cache)
+    assert f"the checkpoint has no {missing}" in msg and f"trainer.resume={good}" in msg, msg
+
+
+def test_a_checkpoint_of_a_newer_format_says_to_upgrade(two_checkpoints, tmp_path, token_cache):
+    from nemo_fp8_recipes.trainer.checkpoint import CHECKPOINT_FORMAT
+
+    _, mgr = two_checkpoints
+    for p in mgr.list():
+        state = load_checkpoint(p)
+        state["format"] = CHECKPOINT_FORMAT + 1
+        save_checkpoint(state, p)
+    msg = _resume_error(tmp_path, token_cache)
+    assert f"format {CHECKPOINT_FORMAT + 1} is newer than this version" in msg and "pip install -U" in msg, msg
     assert "No older checkpoint of that directory loads either" in msg
 
 

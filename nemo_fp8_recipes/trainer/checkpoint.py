@@ -219,15 +219,18 @@ class CheckpointManager:
         m = _NAME_RE.match(Path(path).name)
         return int(m.group(1)) if m else None
 
-    def last_good(self, before: Optional[Path] = None) -> Optional[Path]:
-        """The newest checkpoint (older than ``before`` if given) that loads and verifies, or None.
-        Reads each candidate in full: meant for the error path."""
+    def last_good(self, before: Optional[Path] = None, check=None) -> Optional[Path]:
+        """The newest checkpoint (older than ``before`` if given) that loads and verifies (and
+        passes ``check(state, path)``, which raises :class:`CheckpointError`), or None. Reads each
+        candidate in full: meant for the error path."""
         limit = self.step_of(before) if before is not None else None
         for p in reversed(self.list()):
             if limit is not None and (self.step_of(p) or 0) >= limit:
                 continue
             try:
-                load_checkpoint(p)
+                state = load_checkpoint(p)
+                if check is not None:
+                    check(state, p)
             except CheckpointError:
                 continue
             return p
@@ -393,14 +396,42 @@ def resolve_resume(tcfg: TrainerConfig, mgr: CheckpointManager) -> Optional[Path
     return p
 
 
+#: what a checkpoint of this trainer holds at least (besides what check_compatible compares)
+RESUME_KEYS = ("step", "model", "optimizer", "scheduler", "rng", "data")
+
+
+def check_resumable(state: Dict[str, Any], path: Path) -> None:
+    """A checkpoint this version of the trainer can resume: its format, and every part a resume
+    restores; :class:`CheckpointError` naming what is wrong."""
+    fmt = state.get("format")
+    if fmt != CHECKPOINT_FORMAT:
+        if isinstance(fmt, int) and not isinstance(fmt, bool) and fmt > CHECKPOINT_FORMAT:
+            raise CheckpointError(
+                f"{path}: checkpoint format {fmt} is newer than this version of nemo_fp8_recipes reads "
+                f"({CHECKPOINT_FORMAT}): upgrade it (pip install -U nemo_fp8_recipes) to resume this run"
+            )
+        raise CheckpointError(
+            f"{path}: checkpoint format {fmt!r}, and this version of nemo_fp8_recipes reads format "
+            f"{CHECKPOINT_FORMAT} only"
+        )
+    missing = [k for k in RESUME_KEYS if k not in state]
+    if missing:
+        raise CheckpointError(
+            f"{path}: the checkpoint has no {', '.join(missing)} (it verifies, but was not written whole by "
+            "this trainer): it cannot be resumed"
+        )
+
+
 def load_for_resume(path: Path, tcfg: TrainerConfig) -> Dict[str, Any]:
     """Load and verify the checkpoint to resume from; a bad one is refused, naming the newest
     older checkpoint of its directory that loads and verifies (never a silent fall-back)."""
     try:
         # On the CPU: RNG states must stay CPU tensors; load_state_dict moves the rest.
-        return load_checkpoint(path, map_location="cpu")
+        state = load_checkpoint(path, map_location="cpu")
+        check_resumable(state, path)
+        return state
     except CheckpointError as e:
-        good = CheckpointManager(path.parent).last_good(before=path)
+        good = CheckpointManager(path.parent).last_good(before=path, check=check_resumable)
         how = (
             "trainer.resume=auto picked it as the latest" if tcfg.resume == "auto" else f"trainer.resume={tcfg.resume}"
         )
@@ -446,8 +477,7 @@ def check_compatible(
     *automatic* resume whose trainer hyperparameters changed (e.g. two jobs of a
     ``-m trainer.lr=...`` sweep sharing a run directory) unless forced; warn on data changes.
     Returns whether the FP8 state must be loaded non-strictly."""
-    if ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{path}: checkpoint format {ckpt.get('format')!r}, expected {CHECKPOINT_FORMAT}")
+    check_resumable(ckpt, path)
     old_model = ckpt.get("model_config", {})
     diffs = [
         f"{k}: {old_model.get(k)!r} -> {v!r}"
