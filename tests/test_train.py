@@ -294,6 +294,25 @@ def test_auto_resume_continues_and_a_finished_run_is_a_no_op(tmp_path, token_cac
         train(_cfg(tmp_path, token_cache, *base, "trainer.max_steps=6", "trainer.resume=never"))
 
 
+def test_an_automatic_resume_refuses_a_changed_policy_kernel_or_autocast(tmp_path, token_cache):
+    """A finished or interrupted run is not continued under a policy, kernel or autocast setting
+    it did not run with (its config.yaml would then describe curves it did not produce)."""
+    base = ["recipe=tensorwise", "trainer.log_interval=2", "trainer.val_interval=0", "trainer.max_steps=2"]
+    first = train(_cfg(tmp_path, token_cache, *base))
+    config_before = (first.run_dir / "config.yaml").read_text()
+    for change, words in (
+        ("policy.first_layers_bf16=1", "policy.first_layers_bf16: 0 -> 1"),
+        ("kernels.fused_swiglu=false", "kernels.fused_swiglu: True -> False"),
+        ("trainer.autocast=bf16", "trainer.autocast: 'auto' -> 'bf16'"),
+    ):
+        with pytest.raises(CheckpointError, match="not resumed automatically") as e:
+            train(_cfg(tmp_path, token_cache, *base, change))
+        assert words in str(e.value), str(e.value)
+        assert (first.run_dir / "config.yaml").read_text() == config_before  # nothing rewritten
+    forced = train(_cfg(tmp_path, token_cache, *base, "policy.first_layers_bf16=1", "trainer.force_resume=true"))
+    assert forced.start_step == 2
+
+
 def test_resume_applies_the_current_hyperparameters(tmp_path, token_cache):
     """A resumed run uses the *current* lr schedule and AdamW settings, not the checkpoint's
     (e.g. resuming with a lower lr after a divergence must lower it)."""

@@ -460,7 +460,19 @@ RESUME_HYPERPARAMETERS = (
     "beta2",
     "eps",
     "grad_clip",
+    "autocast",
+    "compile",
+    "compile_mode",
 )
+
+
+def _flat(prefix: str, value: Any) -> Dict[str, Any]:
+    if isinstance(value, dict):
+        out: Dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flat(f"{prefix}.{k}", v))
+        return out
+    return {prefix: value}
 
 
 def check_compatible(
@@ -472,9 +484,11 @@ def check_compatible(
     fingerprint: str,
     auto: bool = False,
     backend: str = "native",
+    settings: Optional[Dict[str, Any]] = None,
 ) -> bool:
     """Refuse a checkpoint from another recipe (unless forced) or model shape; refuse an
-    *automatic* resume whose trainer hyperparameters changed (e.g. two jobs of a
+    *automatic* resume whose trainer hyperparameters or ``settings`` (``{"policy": ...,
+    "kernels": ...}``, compared with those the checkpoint recorded) changed (e.g. two jobs of a
     ``-m trainer.lr=...`` sweep sharing a run directory) unless forced; warn on data changes.
     Returns whether the FP8 state must be loaded non-strictly."""
     check_resumable(ckpt, path)
@@ -530,10 +544,17 @@ def check_compatible(
         for k in RESUME_HYPERPARAMETERS
         if k in old_t and old_t[k] != getattr(tcfg, k)
     ]
+    old_s = ckpt.get("settings") or {}
+    for block, value in (settings or {}).items():
+        if block in old_s:  # (checkpoints of earlier versions did not record it)
+            old_f, new_f = _flat(block, old_s[block]), _flat(block, value)
+            for k in sorted(set(old_f) | set(new_f)):
+                if old_f.get(k) != new_f.get(k):
+                    changed.append(f"{k}: {old_f.get(k)!r} -> {new_f.get(k)!r}")
     if changed and auto and not tcfg.force_resume:
         raise CheckpointError(
-            f"{path.parent.parent} holds a run with other trainer settings ({'; '.join(changed)}), "
-            "so it is not resumed automatically (two jobs of a sweep over trainer.* would share it). "
+            f"{path.parent.parent} holds a run with other settings ({'; '.join(changed)}), "
+            "so it is not resumed automatically (two jobs of a sweep over them would share it). "
             "Use run.tag=<name> for a separate run, or trainer.resume=<checkpoint> / "
             "trainer.force_resume=true to continue that run with the new settings"
         )

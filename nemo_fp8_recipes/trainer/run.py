@@ -256,6 +256,7 @@ class Trainer:
             self.corpus.fingerprint,
             auto=tcfg.resume == "auto",
             backend=self.backend.name,
+            settings=self.resume_settings(),
         )
         load_model_state(self.dp_model, optimizer, ckpt["model"], ckpt["optimizer"], forced)
         self.scheduler.load_state_dict(ckpt["scheduler"])
@@ -638,6 +639,17 @@ class Trainer:
         return total / max(1, n)
 
     # ---- checkpoints and the end ----
+    def resume_settings(self) -> Dict[str, Any]:
+        """What else decides what a run computes (beyond the recipe, model and trainer settings a
+        resume compares): the precision policy and the kernel options, as configured."""
+        from omegaconf import OmegaConf
+
+        policy = self.cfg.get("policy")
+        return {
+            "policy": OmegaConf.to_container(policy, resolve=True) if policy is not None else None,
+            "kernels": self.kernel_options.as_dict(),
+        }
+
     def state_dict(self, step: int) -> Dict[str, Any]:
         """The checkpoint of ``step``: model (with FP8 scaling state) and optimizer as full
         FQN-keyed state (a collective under FSDP2), scheduler, RNG, counters, data position,
@@ -670,6 +682,7 @@ class Trainer:
             "backend": self.backend.name,
             "model_config": self.mcfg.to_dict(),
             "trainer": dataclasses.asdict(tcfg),
+            "settings": self.resume_settings(),
             "config_yaml": OmegaConf.to_yaml(self.cfg, resolve=True),
         }
 
