@@ -159,6 +159,28 @@ def test_cpu_job_runs_plain_python_without_gpu_flags(tmp_path):
     assert "export OMP_NUM_THREADS=2" in config_block(job.script)  # no oversubscribed CPUs
 
 
+def test_the_launch_line_quotes_its_expansions(tmp_path):
+    """$SLURM_NNODES, $MASTER_ADDR, $MASTER_PORT and $SLURM_JOB_ID reach torchrun as one word each,
+    whatever the environment's IFS."""
+    [job] = plan_jobs(["cluster.gpus_per_node=8", "cluster.nodes=2", f"run.root={tmp_path}"], cwd=tmp_path)
+    for word in (
+        '"--nnodes=$SLURM_NNODES"',
+        '"--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"',
+        '"--rdzv-id=$SLURM_JOB_ID"',
+    ):
+        assert word in job.script, word
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'IFS=-; MASTER_ADDR=node-1; MASTER_PORT=29500; printf "<%s>" "--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"',
+        ],
+        capture_output=True,
+        text=True,
+    ).stdout
+    assert out == "<--rdzv-endpoint=node-1:29500>"
+
+
 def test_the_trainer_is_told_to_stop_before_the_time_limit(tmp_path):
     """The embedded trainer's jobs ask SLURM for SIGTERM cluster.signal_lead_s before the limit
     (it saves on SIGTERM); 0/null leaves only SLURM's own at the limit; bad values are refused."""
@@ -386,6 +408,11 @@ def test_dry_run_prints_the_script_only(tmp_path, capsys):
         ("+cluster.sbatch_args.output=/tmp/x", "cluster.sbatch_args.output"),
         ("+cluster.sbatch_args.reservation='a b'", "cluster.sbatch_args.reservation"),
         ("+cluster.env.BAD-NAME=1", "cluster.env name"),
+        # names the shell, the script or SLURM itself reads: IFS=- would split the rendezvous endpoint
+        ("+cluster.env.IFS=-", "cluster.env.IFS cannot be exported"),
+        ("+cluster.env.BASH_ENV=/tmp/x", "cluster.env.BASH_ENV cannot be exported"),
+        ("+cluster.env.MASTER_PORT=1", "cluster.env.MASTER_PORT cannot be exported"),
+        ("+cluster.env.SLURM_NNODES=9", "cluster.env.SLURM_NNODES cannot be exported"),
         # sbatch takes unambiguous abbreviations of long options: these would set what we render
         ("+cluster.sbatch_args.outp=/tmp/x", "cluster.sbatch_args.outp"),
         ("+cluster.sbatch_args.chd=/tmp", "cluster.sbatch_args.chd"),

@@ -135,12 +135,31 @@ def check_path(value, key: str) -> str:
     return _need(_PATH_RE, value, key, f"use a path made of {_PATH_CHARS}")
 
 
+#: variables the script may not export: the shell's own (they change how it parses the script and
+#: runs programs), the script's (set in its CONFIG block) and SLURM's (srun reads them)
+_SHELL_VARIABLES = frozenset(
+    {"IFS", "BASH_ENV", "ENV", "SHELLOPTS", "BASHOPTS", "PS4", "CDPATH", "GLOBIGNORE", "PROMPT_COMMAND"}
+    | {"POSIXLY_CORRECT"}
+)
+_SCRIPT_VARIABLES = frozenset({"RUN_DIR", "MASTER_ADDR", "MASTER_PORT", "CONTAINER_IMAGE", "CONTAINER_MOUNTS"})
+
+
 def check_env(env: Mapping[str, object], key: str = "cluster.env") -> Dict[str, str]:
-    """Environment variables: names ``[A-Za-z_][A-Za-z0-9_]*``; values any text without a newline
+    """Environment variables: names ``[A-Za-z_][A-Za-z0-9_]*``, none of the shell's, the script's
+    or SLURM's own (``IFS``, ``MASTER_ADDR``, ``SLURM_*`` ...); values any text without a newline
     or NUL (they are quoted with :func:`shlex.quote` when exported). ``None`` values are dropped."""
     out: Dict[str, str] = {}
     for k, v in env.items():
         _need(_ENV_KEY_RE, k, f"{key} name", "use letters, digits and _, not starting with a digit")
+        if k in _SHELL_VARIABLES or k in _SCRIPT_VARIABLES or k.startswith(("SLURM_", "SBATCH_", "SRUN_")):
+            whose = (
+                "the shell's own (it changes how the script is read and run)"
+                if k in _SHELL_VARIABLES
+                else "set by the script itself (cluster.master_port, the run directory, the container)"
+                if k in _SCRIPT_VARIABLES
+                else "SLURM's (sbatch and srun read it; use cluster.* or cluster.sbatch_args)"
+            )
+            raise SlurmSpecError(f"{key}.{k} cannot be exported by the job script: the variable is {whose}")
         if v is None:
             continue
         if isinstance(v, bool):
@@ -412,11 +431,11 @@ def torchrun_args(torchrun: str, gpus_per_node: int) -> List[str]:
     the same line; ``$MASTER_ADDR``/``$MASTER_PORT`` are set by the script's CONFIG block)."""
     return [
         torchrun,
-        ShellExpr("--nnodes=$SLURM_NNODES"),
+        ShellExpr('"--nnodes=$SLURM_NNODES"'),
         f"--nproc-per-node={gpus_per_node}",
         "--rdzv-backend=c10d",
-        ShellExpr("--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"),
-        ShellExpr("--rdzv-id=$SLURM_JOB_ID"),
+        ShellExpr('"--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"'),
+        ShellExpr('"--rdzv-id=$SLURM_JOB_ID"'),
     ]
 
 
