@@ -538,6 +538,17 @@ def test_out_is_never_a_run_directory(sweep, tmp_path, capsys):
     assert sorted(read_csv(runs / "compare" / "compare.csv")) == sorted(RECIPES)
 
 
+def test_runs_in_two_trees_need_an_out(tmp_path):
+    """The default output directory is the runs' common parent's compare/, never /compare or a
+    home directory's: runs that share nothing below those need --out."""
+    from nemo_fp8_recipes.compare.cli import default_out_dir
+
+    assert default_out_dir([str(tmp_path / "r" / "bf16"), str(tmp_path / "r" / "fp8")]) == (tmp_path / "r" / "compare")
+    for paths in (["/data/a/bf16", "/scratch/b/fp8"], [str(Path.home() / "a" / "bf16"), str(Path.home() / "fp8")]):
+        with pytest.raises(CompareError, match="share no directory of their own.*give --out DIR"):
+            default_out_dir(paths)
+
+
 def test_a_gate_without_its_baseline_fails_and_says_why(sweep, tmp_path, capsys):
     """The BF16 run died before its first log line (no event files): a gate does not pick an FP8
     run as the baseline in its place; without a gate the comparison still runs, against the first."""

@@ -157,12 +157,18 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _default_out(paths: Sequence[str]) -> Path:
+def default_out_dir(paths: Sequence[str]) -> Path:
+    """``<common parent of the runs>/compare``; an error when the runs share no directory but the
+    file system's root or a home directory (outputs must not land in ``/compare``)."""
     parents = {str(Path(p).resolve().parent) for p in paths}
     try:
         common = Path(os.path.commonpath(list(parents)))
     except ValueError:
-        return Path("compare")
+        common = None
+    if common is None or common == Path(common.anchor) or common in (Path.home(), Path.home().parent):
+        raise CompareError(
+            f"the runs share no directory of their own (only {common or 'nothing'}): give --out DIR for the outputs"
+        )
     return common / "compare"
 
 
@@ -237,7 +243,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 max_rel_dev=args.max_rel_dev,
                 tokens_tag=tokens_tag,
             )
-            out = Path(args.out) if args.out else _default_out([str(d) for d in dirs])
+            out = Path(args.out) if args.out else default_out_dir([str(d) for d in dirs])
         if out.exists() and not out.is_dir():
             raise CompareError(
                 f"--out {out} is a file; give a directory (it receives compare.md, .csv, .json, .png and deviation/)"
