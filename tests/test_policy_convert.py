@@ -764,3 +764,50 @@ def test_step_schedule_matches_lazy_schedule_per_step():
     assert torch.equal(lazy[0].fp8_amax_history, step[0].fp8_amax_history)
     assert torch.equal(lazy[0].fp8_scale, step[0].fp8_scale)
     assert torch.equal(lazy[0].weight.grad, step[0].weight.grad)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_a_model_built_on_meta_converts_materialises_and_trains_like_one_built_on_cpu(recipe):
+    """The large-model pattern: build on the meta device, convert_model, to_empty, initialise.
+    The FP8 scaling state and the audit's counters start as at construction (to_empty gives them
+    uninitialised memory), so the outputs, gradients and audit equal those of the same model built
+    on the CPU."""
+    from nemo_fp8_recipes.nn import audit
+
+    def build():
+        return nn.Sequential(nn.Linear(128, 256), nn.GELU(), nn.Linear(256, 128), nn.Linear(128, 64))
+
+    def init(model):
+        torch.manual_seed(0)
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear):
+                mod.reset_parameters()
+
+    policy = PrecisionPolicy(exclude=["3"])  # one GEMM kept in high precision: its counters too
+    with torch.device("meta"):
+        meta = build()
+    convert_model(meta, recipe, policy=policy, emulate=True, device="cpu")
+    # to_empty's memory made visibly wrong: deterministic mode fills uninitialised memory with NaN
+    # (floats) and the largest integer
+    det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        meta.to_empty(device="cpu")
+        probe = torch.empty_like(torch.zeros(3, dtype=torch.int64))
+        assert int(probe[0]) == torch.iinfo(torch.int64).max  # (the filling is on)
+    finally:
+        torch.use_deterministic_algorithms(det)
+    init(meta)
+    ref = build()
+    convert_model(ref, recipe, policy=policy, emulate=True)
+    init(ref)
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(1))
+    for _ in range(3):
+        for m in (meta, ref):
+            m(x).square().mean().backward()
+    a, b = meta(x), ref(x)
+    assert torch.isfinite(a).all() and torch.equal(a, b)
+    for (n, p), q in zip(meta.named_parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    assert str(audit(meta)) == str(audit(ref))
+    assert "4/3/3" in str(audit(meta))  # (three steps and the last forward)

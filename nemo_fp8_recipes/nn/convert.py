@@ -131,7 +131,16 @@ def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module, devic
     module.register_buffer(HP_BWD_COUNT, torch.zeros(2, dtype=torch.int64, device=dev), persistent=False)
     state.hp_modules[fqn] = module
 
+    # built on the meta device: the counters get memory from to_empty, uninitialised; the first
+    # forward after that zeroes them
+    module._hp_counts_unset = getattr(module, HP_FWD_COUNT).is_meta
+
     def fwd_hook(mod, inputs, output):
+        if mod._hp_counts_unset and not getattr(mod, HP_FWD_COUNT).is_meta:
+            with torch.no_grad():
+                getattr(mod, HP_FWD_COUNT).zero_()
+                getattr(mod, HP_BWD_COUNT).zero_()
+            mod._hp_counts_unset = False
         getattr(mod, HP_FWD_COUNT).add_(1)
         out = output[0] if isinstance(output, (tuple, list)) else output
         if torch.is_tensor(out) and out.requires_grad:

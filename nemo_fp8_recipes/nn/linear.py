@@ -212,7 +212,15 @@ class Float8Linear(nn.Linear):
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.half()/.bfloat16() must not cast the FP32 scaling state
+        was_meta = self.fp8_fwd_count.is_meta
         out = super()._apply(fn, *args, **kwargs)
+        if was_meta and not self.fp8_fwd_count.is_meta:
+            # materialised (to_empty after building on the meta device): the buffers hold whatever
+            # memory they got, so start the counters and the scaling state as at construction
+            with torch.no_grad():
+                self.fp8_fwd_count.zero_()
+                self.fp8_bwd_count.zero_()
+            self.reset_fp8_state()
         for name in ("fp8_amax_history", "fp8_scale", "fp8_amax_pending", "fp8_pending", "fp8_grad_pending"):
             b = getattr(self, name, None)
             if b is not None and b.dtype != torch.float32:
