@@ -325,6 +325,11 @@ class PrecisionPolicy:
         return self if self.num_layers is not None or n is None else dataclasses.replace(self, num_layers=n)
 
     @staticmethod
+    def first_match(names: Iterable[str], pattern: str) -> Optional[str]:
+        """The first of ``names`` that ``pattern`` matches (as the policy matches it), or None."""
+        return next((n for n in names if fnmatch.fnmatchcase(n, pattern)), None)
+
+    @staticmethod
     def _match(fqn: str, patterns: Iterable[str]) -> Optional[str]:
         for p in patterns:
             if fnmatch.fnmatchcase(fqn, p):
@@ -377,6 +382,8 @@ class PrecisionPolicy:
             return d("bf16", "recipe bf16: no FP8")
         if shape is None and isinstance(module, nn.Linear):
             shape = linear_shape(module)
+        if recipe is not None and shape is not None and 0 in shape:
+            return d("bf16", f"an empty GEMM (out_features={shape[0]}, in_features={shape[1]}): nothing to quantise")
         if recipe is not None and shape is not None:
             a = recipe.gemm_alignment
             bad = [f"{n}={v}" for n, v in zip(("out_features", "in_features"), shape) if v % a]

@@ -340,3 +340,16 @@ def test_backend_te_refuses_what_te_cannot_run(extra, words, monkeypatch, tmp_pa
     cfg = compose_config(["backend=te", *extra])
     problem = te_model.te_run_problem(build_recipe(cfg.recipe), torch.device("cuda"), trainer_config(cfg))
     assert problem and words in problem
+
+
+def test_a_run_root_that_cannot_be_written_stops_at_once(capsys):
+    """A read-only or missing file system (here /proc, which takes no new directories) is one line
+    naming the run directory and the fix, not Hydra's traceback."""
+    from nemo_fp8_recipes.train import main
+
+    if not Path("/proc").is_dir():
+        pytest.skip("needs Linux's /proc")
+    assert main(["run.root=/proc/nemo_fp8_runs", "trainer.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the run directory /proc/nemo_fp8_runs/" in err and "choose a writable run.root" in err
+    assert "Traceback" not in err

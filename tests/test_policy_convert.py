@@ -811,3 +811,39 @@ def test_a_model_built_on_meta_converts_materialises_and_trains_like_one_built_o
         assert torch.equal(p.grad, q.grad), n
     assert str(audit(meta)) == str(audit(ref))
     assert "4/3/3" in str(audit(meta))  # (three steps and the last forward)
+
+
+def test_convert_model_says_when_it_would_do_nothing_or_cannot():
+    """A bare Linear (the model itself), a policy that is not a PrecisionPolicy and a CUDA device
+    on a build without CUDA are refused with the fix; a policy pattern that names no module, and
+    an FP8 recipe under which no GEMM runs in FP8, are warned about; an empty GEMM stays in high
+    precision (nothing to quantise) and runs as nn.Linear does."""
+    import warnings
+
+    from nemo_fp8_recipes.nn import audit
+
+    with pytest.raises(ValueError, match=r"itself a Linear.*nn\.Sequential\(layer\)"):
+        convert_model(nn.Linear(128, 128), "tensorwise", emulate=True)
+    for bad, hint in (
+        ("bf16", "recipe='bf16'"),
+        ({"exclude": ["0"]}, r"PrecisionPolicy\(\*\*\{'exclude': \['0'\]\}\)"),
+    ):
+        with pytest.raises(ValueError, match=f"policy must be a PrecisionPolicy or None.*{hint}"):
+            convert_model(nn.Sequential(nn.Linear(128, 128)), "tensorwise", policy=bad, emulate=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda', but this PyTorch has no CUDA GPU"):
+            convert_model(nn.Sequential(nn.Linear(128, 128)), "tensorwise", device="cuda")
+    with pytest.warns(UserWarning, match="policy exclude pattern 'lm_head' matches no module"):
+        convert_model(nn.Sequential(nn.Linear(128, 128)), "tensorwise", policy=PrecisionPolicy(exclude=["lm_head"]))
+    with pytest.warns(UserWarning, match="recipe blockwise: no GEMM of the model runs in FP8.*not divisible by 128"):
+        convert_model(nn.Sequential(nn.Linear(100, 100)), "blockwise", emulate=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a model with FP8 GEMMs and matching patterns: no warning
+        convert_model(
+            nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 64)), "tensorwise", policy=PrecisionPolicy(exclude=["1"])
+        )
+    empty = nn.Sequential(nn.Linear(0, 128))
+    with pytest.warns(UserWarning, match="an empty GEMM"):
+        convert_model(empty, "tensorwise", emulate=True)
+    x = torch.zeros(4, 0)
+    assert torch.equal(empty(x), empty[0].bias.expand(4, 128)) and "hp" in str(audit(empty)).split("\n")[0]

@@ -202,6 +202,24 @@ def convert_model(
     r = get_recipe(recipe) if not isinstance(recipe, Recipe) else recipe
     if emulate is not None:
         r = r.replace(emulate=emulate)
+    if policy is not None and not isinstance(policy, PrecisionPolicy):
+        hint = "PrecisionPolicy(exclude=['output'])"
+        if isinstance(policy, Mapping):
+            hint = f"PrecisionPolicy(**{policy!r})"
+        raise ValueError(
+            f"policy must be a PrecisionPolicy or None, got {type(policy).__name__} {policy!r}: e.g. {hint} "
+            "(BF16 everywhere is recipe='bf16')"
+        )
+    if isinstance(model, nn.Linear) or _find_swap({**(swaps or {})}, model) is not None:
+        raise ValueError(
+            f"convert_model replaces a model's GEMM submodules in place, and the model given is itself a "
+            f"{type(model).__name__}, which it cannot replace: wrap it (nn.Sequential(layer)) and convert that"
+        )
+    if device is not None and torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"device={str(device)!r}, but this PyTorch has no CUDA GPU to use (torch {torch.__version__}, CUDA "
+            f"{torch.version.cuda}): convert on the CPU (FP8 is emulated there) or on a machine with a GPU"
+        )
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("convert_model was already applied to this model")
     for fqn, sub in model.named_modules():
@@ -282,6 +300,7 @@ def convert_model(
             replaced += (fqn + ".",)
         plan.append((fqn, module, decision, new))
 
+    _warn_about_nothing_done(model, r, policy, [decision for _, _, decision, _ in plan])
     for fqn, module, decision, new in plan:
         state.decisions[fqn] = decision
         if new is not None:
@@ -304,6 +323,32 @@ def convert_model(
     _ddp_ignore(model, fp8_buffers)
     apply_kernel_options(model, opts)
     return model
+
+
+def _warn_about_nothing_done(model: nn.Module, recipe: Recipe, policy: PrecisionPolicy, decisions) -> None:
+    """A policy pattern that names no module, and an FP8 recipe under which no GEMM runs in FP8,
+    are almost always mistakes (a typo, a model without the expected names or shapes): say so."""
+    import warnings
+
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    for key in ("include", "exclude"):
+        for pattern in getattr(policy, key):
+            if policy.first_match(names, pattern) is None:
+                warnings.warn(
+                    f"policy {key} pattern {pattern!r} matches no module of the model (its modules are named like "
+                    f"{', '.join(names[:4])}{', ...' if len(names) > 4 else ''})",
+                    UserWarning,
+                    stacklevel=3,
+                )
+    gemms = [d for d in decisions if d.role in GEMM_ROLES]
+    if recipe.is_fp8 and not any(d.fp8 for d in gemms):
+        why = sorted({d.reason for d in gemms})
+        warnings.warn(
+            f"recipe {recipe.name}: no GEMM of the model runs in FP8 ({len(gemms)} GEMM module(s) kept in high "
+            f"precision: {'; '.join(why[:3]) or 'the model has no nn.Linear'}); audit(model) lists each one",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def apply_kernel_options(model: nn.Module, options: KernelOptions) -> int:

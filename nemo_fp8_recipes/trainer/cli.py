@@ -6,6 +6,8 @@ code (:data:`EXIT_CODES`). The run itself is :func:`nemo_fp8_recipes.trainer.tra
 from __future__ import annotations
 
 import sys
+import tempfile
+from pathlib import Path
 from typing import Optional, Sequence
 
 from ..config import (
@@ -63,6 +65,18 @@ def _run_cli(cfg) -> None:
     )
 
 
+def _run_dir_problem(run_dir: Path) -> Optional[str]:
+    """Why the run directory cannot be created and written (a read-only or missing file system),
+    or None. (Hydra creates it first, and would end in a traceback.)"""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
+    except OSError as e:
+        return f"cannot write the run directory {run_dir} ({e.strerror or e}): choose a writable run.root (or run.dir)"
+    return None
+
+
 def _hydra_entry() -> None:
     import hydra
 
@@ -80,7 +94,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "-m" in args or "--multirun" in args:
         args = with_sweep_names(args)  # each job its own run directory: bf16-seed1, bf16-seed2, ...
     if not any(a.startswith("-") for a in args):
-        problem = validate_overrides(args) or te_backend_problem_for(compose_config(args))
+        problem = validate_overrides(args)
+        if not problem:
+            cfg = compose_config(args)
+            problem = te_backend_problem_for(cfg) or _run_dir_problem(Path(cfg.run.dir))
         if problem:
             print(f"nemo-fp8-train: {problem}", file=sys.stderr)
             return 2
