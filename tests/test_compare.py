@@ -601,3 +601,24 @@ def test_megatron_bridge_runs_are_read_by_their_lm_loss_tag(sweep, tmp_path, cap
     assert "tag `train/loss / lm loss`" in out and "| tensorwise-bridge |" in out
     rows = read_csv(tmp_path / "out" / "compare.csv")
     assert int(rows["tensorwise-bridge"]["aligned_steps"]) == STEPS // LOG_EVERY
+
+
+def test_a_non_finite_loss_is_blamed_on_the_run_that_logged_it():
+    """A NaN in the baseline's curve fails the comparison naming the baseline, not the candidate;
+    a NaN in the candidate's names the candidate."""
+    from nemo_fp8_recipes.compare import RunSeries, compare_runs
+
+    steps = list(range(1, 11))
+    good = [3.0 - 0.1 * s for s in steps]
+    nan_at_5 = [math.nan if s == 5 else v for s, v in zip(steps, good)]
+
+    def run(name, values):
+        return RunSeries(name=name, path=f"/runs/{name}", tag="train/loss", steps=steps, values=values)
+
+    c = compare_runs([run("bf16", nan_at_5), run("tensorwise", good)], last=10, max_rel_dev=0.5)
+    [fp8] = [st for st in c.stats if not st.baseline]
+    assert not c.passed and any("the baseline bf16 logged a non-finite loss (nan) at step 5" in r for r in fp8.reasons)
+    assert not any(r.startswith("this run") for r in fp8.reasons), fp8.reasons
+    c = compare_runs([run("bf16", good), run("tensorwise", nan_at_5)], last=10, max_rel_dev=0.5)
+    [fp8] = [st for st in c.stats if not st.baseline]
+    assert not c.passed and any(r.startswith("this run logged a non-finite loss (nan) at step 5") for r in fp8.reasons)

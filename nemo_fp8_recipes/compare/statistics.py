@@ -615,6 +615,14 @@ def _run_stats(
     reasons = [f"damaged event file: {p}" for p in r.problems]
     if base.problems:
         reasons.append(f"the baseline {base.name} has a damaged event file")
+    for who, curve in ((f"the baseline {base.name}", base_curve), ("this run", c)):
+        bad = [s for s in aligned if not math.isfinite(curve[s])]
+        if bad:
+            reasons.append(
+                f"{who} logged a non-finite loss ({curve[bad[0]]}) at step {bad[0]}"
+                + (f" and {len(bad) - 1} more step(s)" if len(bad) > 1 else "")
+                + (": the deviation there says nothing about this run" if who != "this run" else "")
+            )
     if r.steps[-1] < base_end:
         reasons.append(
             f"ended at step {r.steps[-1]}, before the baseline's last step {base_end} "
