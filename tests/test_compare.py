@@ -622,3 +622,18 @@ def test_a_non_finite_loss_is_blamed_on_the_run_that_logged_it():
     c = compare_runs([run("bf16", good), run("tensorwise", nan_at_5)], last=10, max_rel_dev=0.5)
     [fp8] = [st for st in c.stats if not st.baseline]
     assert not c.passed and any(r.startswith("this run logged a non-finite loss (nan) at step 5") for r in fp8.reasons)
+
+
+def test_runs_deeper_than_the_search_are_named_not_ignored(sweep, tmp_path, capsys):
+    """A parent whose runs lie deeper than compare looks: the warning names one and the fix."""
+    import shutil
+
+    parent, _ = sweep
+    deep = tmp_path / "a" / "b" / "c" / "d"
+    shutil.copytree(parent / "tensorwise", deep / "tensorwise")
+    shutil.copytree(parent / "bf16", tmp_path / "a" / "bf16")
+    assert main([str(tmp_path / "a"), "--last", "10", "--no-png", "--no-events"]) == 0
+    err = capsys.readouterr().err
+    assert "runs more than 3 levels below" in err and str(deep / "tensorwise") in err and "give their directory" in err
+    capsys.readouterr()
+    assert main([str(tmp_path / "a"), str(deep / "tensorwise"), "--last", "10", "--no-png", "--no-events"]) == 0

@@ -46,7 +46,28 @@ def _has_events(d: Path) -> bool:
     return d.is_dir() and any(d.glob(EVENTS_GLOB))
 
 
-def find_runs(parent: Path, max_depth: int = 3) -> List[Path]:
+#: how many directory levels below a given parent runs are looked for
+FIND_DEPTH = 3
+
+
+def _first_deeper_run(parent: Path, found: Sequence[Path]) -> Optional[Path]:
+    """A directory with event files more than :data:`FIND_DEPTH` levels below ``parent`` (not an
+    output directory of this tool, nor below a run already found), or None."""
+    parent = Path(parent)
+    found_set = {Path(f) for f in found}
+    for f in parent.rglob(EVENTS_GLOB):
+        d = f.parent
+        rel = d.relative_to(parent).parts
+        if len(rel) <= FIND_DEPTH or any(part.startswith(".") for part in rel):
+            continue
+        chain = [parent.joinpath(*rel[:i]) for i in range(len(rel) + 1)]
+        if any((c / OUTPUT_MARKER).is_file() for c in chain) or any(c in found_set for c in chain):
+            continue
+        return d
+    return None
+
+
+def find_runs(parent: Path, max_depth: int = FIND_DEPTH) -> List[Path]:
     """Directories under ``parent`` (itself included, ``max_depth`` levels down) that hold
     TensorBoard event files, sorted; output directories of this tool are skipped."""
     parent = Path(parent)
@@ -94,6 +115,13 @@ def resolve_run_dirs(paths: Sequence[str]) -> List[Path]:
             out.append(p)
             continue
         below = find_runs(p)
+        deeper = _first_deeper_run(p, below)
+        if deeper is not None:
+            print(
+                f"nemo-fp8-compare: warning: runs more than {FIND_DEPTH} levels below {p} are not searched (e.g. "
+                f"{deeper}): give their directory, or a parent closer to them",
+                file=sys.stderr,
+            )
         if not below:
             raise CompareError(f"no TensorBoard event files in {p} or below it. {_listing(p.parent)}")
         out.extend(below)
