@@ -250,6 +250,34 @@ def test_an_interval_entirely_beyond_the_threshold_is_shown_beyond():
     assert compare_runs(runs, last=20, max_rel_dev=0.02).passed
 
 
+def test_a_seed_run_cut_short_stays_out_of_its_groups_interval():
+    """One seed of a group stopped halfway (cut short, still running): its loss at that point is no
+    final loss, so the group's numbers come from the seeds that finished, and the notes name it."""
+    from nemo_fp8_recipes.compare import RunSeries
+
+    steps = list(range(10, 110, 10))
+
+    def run(name, seed, factor, upto=None):
+        st = [t for t in steps if upto is None or t <= upto]
+        return RunSeries(
+            name=f"{name}-seed{seed}",
+            path=f"/r/{name}-seed{seed}",
+            tag="train/loss",
+            steps=st,
+            values=[(2.0 + 0.1 * seed - 0.01 * t) * factor for t in st],
+            seed=seed,
+            deterministic=True,
+            variant=name,
+        )
+
+    runs = [run("bf16", s, 1.0) for s in SEEDS] + [run("fp8", 1, 1.001), run("fp8", 2, 1.002), run("fp8", 3, 1.0, 50)]
+    c = compare_runs(runs, last=20, max_rel_dev=0.01)
+    g = next(g for g in c.groups if g.label == "fp8")
+    assert g.seeds == [1, 2] and set(g.per_seed) == {"1", "2"}
+    assert abs(g.final_vs_baseline - 0.0015) < 1e-9 and g.interval is not None
+    assert any("fp8-seed3 ended at step 50, before its baseline's last step" in n for n in g.notes)
+
+
 def test_one_seed_says_it_cannot_separate_fp8_from_noise(seeds, tmp_path, capsys):
     parent, _ = seeds
     assert (

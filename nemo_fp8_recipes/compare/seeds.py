@@ -377,8 +377,19 @@ def group_statistics(
     base_tps = median([run_stats[r.name].tokens_per_s for r in base_seed_runs.values()])
     rows: List[GroupStats] = []
     dev_curves: Dict[str, Tuple[List[int], List[float], List[float], List[float]]] = {}
+    base_end = max(r.steps[-1] for r in base_seed_runs.values())
     for label, members in groups.items():
         seed_runs = first_per_seed(members)
+        # a run that ended before the baseline (cut short, still running) has no final loss to
+        # compare: it stays out of the group's numbers, and the notes say so
+        short = {
+            s: r
+            for s, r in seed_runs.items()
+            if label != base_label and r.steps[-1] < (base_seed_runs[s].steps[-1] if s in base_seed_runs else base_end)
+        }
+        seed_runs = {s: r for s, r in seed_runs.items() if s not in short}
+        if not seed_runs:
+            seed_runs, short = short, {}  # nothing complete: the table still shows the runs, the gate fails them
         fl_values = [finals[r.name] for r in seed_runs.values()]
         fl, sd = _mean_sd(fl_values)
         tps = median([run_stats[r.name].tokens_per_s for r in seed_runs.values()])
@@ -395,6 +406,11 @@ def group_statistics(
             deterministic=_all_known([r.deterministic for r in members]),
         )
         rows.append(row)
+        for s, r in short.items():
+            row.notes.append(
+                f"{r.name} ended at step {r.steps[-1]}, before its baseline's last step: left out of the group's "
+                "final loss and interval"
+            )
         if row.baseline:
             continue
         paired = [s for s in seed_runs if s is not None and s in base_seed_runs]
