@@ -5,6 +5,7 @@ code (:data:`EXIT_CODES`). The run itself is :func:`nemo_fp8_recipes.trainer.tra
 
 from __future__ import annotations
 
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -52,6 +53,8 @@ def _run_cli(cfg) -> None:
         sys.exit(2)
     except tuple(EXIT_CODES) as e:
         code = next(c for t, c in EXIT_CODES.items() if isinstance(e, t))
+        if isinstance(e, Terminated):  # already stopping: a late SIGTERM must not turn 143 into a kill
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         print(f"nemo-fp8-train: error: {e}", file=sys.stderr)
         sys.exit(code)
     except KeyboardInterrupt:
