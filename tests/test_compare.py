@@ -640,3 +640,20 @@ def test_runs_deeper_than_the_search_are_named_not_ignored(sweep, tmp_path, caps
     assert "runs more than 3 levels below" in err and str(deep / "tensorwise") in err and "give their directory" in err
     capsys.readouterr()
     assert main([str(tmp_path / "a"), str(deep / "tensorwise"), "--last", "10", "--no-png", "--no-events"]) == 0
+
+
+def test_until_compares_the_steps_every_run_reached(sweep, tmp_path, capsys):
+    """--until S cuts every curve after step S first: the numbers are those of the curves ending
+    there (the final loss is the mean of the window before S), the runs are judged as complete."""
+    parent, _ = sweep
+    until = STEPS // 2
+    out = tmp_path / "cmp"
+    assert main([str(parent), "--until", str(until), "--last", "4", "--out", str(out), "--max-rel-dev", "10"]) == 0
+    data = json.loads((out / "compare.json").read_text())
+    for r in data["runs"]:
+        assert max(r["steps"]) <= until and max(r["steps"]) > until - 4
+    raw = raw_scalars(parent / "bf16", "train/loss")
+    window = [v for s, v in raw.items() if until - 4 < s <= until]
+    base = next(st for st in data["results"] if st["baseline"])
+    assert math.isclose(base["final_loss"], sum(window) / len(window), rel_tol=1e-6)
+    assert main([str(parent), "--until", "0"]) == 2 and "--until must be >= 1" in capsys.readouterr().err

@@ -34,6 +34,9 @@ What it computes (all from the same, optionally smoothed, curves; :func:`compare
   The early, fast-falling part of the curve is left out on purpose: there the relative deviation
   measures the warm-up, not the recipe. The exit status is 1 when any run fails, 0 otherwise, 2
   for usage/data errors.
+- **Up to a step** (``--until S``): every curve is cut after step ``S`` first, so runs still
+  training (or stopped early) are compared over the steps all of them reached, as if they had
+  ended there.
 - **Throughput**: the median of each run's ``tokens_per_s`` scalar; ``speedup`` = run tokens/s /
   baseline tokens/s (``n/a`` when a run did not log it).
 
@@ -69,6 +72,7 @@ from .reading import (
     load_run,
     resolve_run_dirs,
     run_names,
+    up_to_step,
 )
 from .seeds import pct
 from .statistics import Comparison, compare_runs
@@ -134,6 +138,13 @@ def _parser() -> argparse.ArgumentParser:
         "--last", type=int, default=None, metavar="N", help="final-loss and gate window in training steps (default 100)"
     )
     p.add_argument(
+        "--until",
+        type=int,
+        default=None,
+        metavar="STEP",
+        help="compare the curves up to this training step only (runs still training, or cut short)",
+    )
+    p.add_argument(
         "--max-rel-dev",
         type=float,
         default=None,
@@ -197,7 +208,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry point ``nemo-fp8-compare`` (also ``python -m nemo_fp8_recipes.compare``)."""
     args = _parser().parse_args(argv)
     try:
-        for flag, value, minimum in (("--smooth", args.smooth, 1), ("--last", args.last, 1)):
+        checks = (("--smooth", args.smooth, 1), ("--last", args.last, 1), ("--until", args.until, 1))
+        for flag, value, minimum in checks:
             if value is not None and value < minimum:
                 raise CompareError(
                     f"{flag} must be >= {minimum}, got {value}"
@@ -214,9 +226,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             src = Path(args.from_json)
             if not src.is_file():
                 raise CompareError(f"--from-json {src}: no such file")
-            if args.tag is not None or args.tokens_tag is not None:
+            if args.tag is not None or args.tokens_tag is not None or args.until is not None:
                 raise CompareError(
-                    "--tag/--tokens-tag cannot change a JSON export (it holds one tag); "
+                    "--tag/--tokens-tag/--until cannot change a JSON export (it holds one tag, as compared); "
                     "compare the run directories again instead"
                 )
             try:
@@ -235,6 +247,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             tag = args.tag  # None: each run's training loss (train/loss, or Megatron-Bridge's "lm loss")
             tokens_tag = args.tokens_tag or TOKENS_TAG
             runs = [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, run_names(dirs))]
+            if args.until is not None:
+                runs = [up_to_step(r, args.until) for r in runs]
             comparison = compare_runs(
                 runs,
                 baseline=args.baseline,

@@ -24,6 +24,7 @@ __all__ = [
     "check_event_file",
     "load_run",
     "load_runs",
+    "up_to_step",
     "run_names",
     "EVENTS_GLOB",
     "OUTPUT_MARKER",
@@ -255,6 +256,15 @@ def run_names(paths: Sequence[Path]) -> List[str]:
     if len(set(names)) == len(names):
         return names
     return [str(p) for p in paths]
+
+
+def up_to_step(run: RunSeries, step: int) -> RunSeries:
+    """``run`` with its curve cut after ``step`` (``--until``); a run with no point up to it keeps
+    none, and the comparison says so."""
+    import dataclasses
+
+    keep = [i for i, s in enumerate(run.steps) if s <= step]
+    return dataclasses.replace(run, steps=[run.steps[i] for i in keep], values=[run.values[i] for i in keep])
 
 
 def load_runs(paths: Sequence[str], tag: Optional[str] = None, tokens_tag: str = TOKENS_TAG) -> List[RunSeries]:
