@@ -657,3 +657,29 @@ def test_until_compares_the_steps_every_run_reached(sweep, tmp_path, capsys):
     base = next(st for st in data["results"] if st["baseline"])
     assert math.isclose(base["final_loss"], sum(window) / len(window), rel_tol=1e-6)
     assert main([str(parent), "--until", "0"]) == 2 and "--until must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda runs: runs[1].update(name=runs[0]["name"]), "appear more than once"),
+        (lambda runs: runs[0].update(name=5), "name is int, not text"),
+        (lambda runs: runs[0].update(steps=[s + 0.5 for s in runs[0]["steps"]]), "steps must be a list of whole"),
+        (lambda runs: runs[0].update(steps=runs[0]["steps"][::-1]), "steps must increase"),
+        (lambda runs: runs[0].update(values=[str(v) for v in runs[0]["values"]]), "values must be a list of numbers"),
+        (lambda runs: runs[0].update(seed="one"), "seed has the wrong type"),
+        (lambda runs: runs[0].update(tokens_per_s="fast"), "tokens_per_s has the wrong type"),
+    ],
+)
+def test_a_json_export_with_wrong_types_or_duplicate_names_is_refused(sweep, tmp_path, capsys, damage, words):
+    parent, _ = sweep
+    out = tmp_path / "first"
+    assert main([str(parent), "--last", "10", "--out", str(out), "--no-png", "--no-events"]) == 0
+    data = json.loads((out / "compare.json").read_text())
+    damage(data["runs"])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["--from-json", str(bad), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "damaged nemo-fp8-compare JSON export" in err and words in err and "Traceback" not in err, err

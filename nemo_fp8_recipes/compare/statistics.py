@@ -380,17 +380,11 @@ class Comparison:
             for k, v in changes.items():
                 if v is not None:
                     st[k] = v
-            fields = {f.name for f in dataclasses.fields(RunSeries)}
-            runs = []
-            for r in data["runs"]:
-                if not isinstance(r, dict) or not {"name", "path", "tag", "steps", "values"} <= set(r):
-                    raise CompareError("a run entry lacks name/path/tag/steps/values")
-                r = {k: v for k, v in r.items() if k in fields}
-                r["values"] = [math.nan if v is None else float(v) for v in r["values"]]
-                r["steps"] = [int(v) for v in r["steps"]]
-                if len(r["steps"]) != len(r["values"]):
-                    raise CompareError(f"run {r['name']}: {len(r['steps'])} steps but {len(r['values'])} values")
-                runs.append(RunSeries(**r))
+            runs = [_run_from_json(r) for r in data["runs"]]
+            names = [r.name for r in runs]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise CompareError(f"run name(s) {', '.join(dup)} appear more than once")
             baseline, smooth, last, mrd = st["baseline"], st["smooth"], st["last"], st["max_rel_dev"]
             tokens_tag = st.get("tokens_tag", TOKENS_TAG)
         except CompareError as e:
@@ -401,6 +395,46 @@ class Comparison:
                 "write it again from the run directories"
             ) from None
         return compare_runs(runs, baseline=baseline, smooth=smooth, last=last, max_rel_dev=mrd, tokens_tag=tokens_tag)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _run_from_json(r) -> RunSeries:
+    """One run entry of a JSON export, every field of the type the export writes, or CompareError."""
+    if not isinstance(r, dict) or not {"name", "path", "tag", "steps", "values"} <= set(r):
+        raise CompareError("a run entry lacks name/path/tag/steps/values")
+    name = r["name"]
+    for key in ("name", "path", "tag"):
+        if not isinstance(r[key], str):
+            raise CompareError(f"run {name!r}: {key} is {type(r[key]).__name__}, not text")
+    steps, values = r["steps"], r["values"]
+    if not isinstance(steps, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in steps):
+        raise CompareError(f"run {name}: steps must be a list of whole numbers")
+    if any(b <= a for a, b in zip(steps, steps[1:])):
+        raise CompareError(f"run {name}: steps must increase")
+    if not isinstance(values, list) or not all(v is None or _is_num(v) for v in values):
+        raise CompareError(f"run {name}: values must be a list of numbers (null for non-finite)")
+    if len(steps) != len(values):
+        raise CompareError(f"run {name}: {len(steps)} steps but {len(values)} values")
+    checks = {
+        "tokens_per_s": lambda v: isinstance(v, list) and all(x is None or _is_num(x) for x in v),
+        "tags": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "problems": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "seed": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+        "deterministic": lambda v: v is None or isinstance(v, bool),
+        "variant": lambda v: v is None or isinstance(v, str),
+    }
+    for key, ok in checks.items():
+        if key in r and not ok(r[key]):
+            raise CompareError(f"run {name}: {key} has the wrong type ({type(r[key]).__name__})")
+    fields = {f.name for f in dataclasses.fields(RunSeries)}
+    out = {k: v for k, v in r.items() if k in fields}
+    out["values"] = [math.nan if v is None else float(v) for v in values]
+    if "tokens_per_s" in out:
+        out["tokens_per_s"] = [math.nan if v is None else float(v) for v in out["tokens_per_s"]]
+    return RunSeries(**out)
 
 
 def _cell(v):
