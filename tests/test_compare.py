@@ -683,3 +683,18 @@ def test_a_json_export_with_wrong_types_or_duplicate_names_is_refused(sweep, tmp
     assert main(["--from-json", str(bad), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "damaged nemo-fp8-compare JSON export" in err and words in err and "Traceback" not in err, err
+
+
+def test_a_fifo_named_like_an_event_file_is_refused_not_read(sweep, tmp_path, capsys):
+    """A FIFO (or device) named events.out.tfevents.* would block the reader for ever: it is
+    named and refused at once."""
+    import os
+    import shutil
+
+    parent, _ = sweep
+    run = shutil.copytree(parent / "tensorwise", tmp_path / "runs" / "tensorwise")
+    shutil.copytree(parent / "bf16", tmp_path / "runs" / "bf16")
+    os.mkfifo(run / "events.out.tfevents.999.host.1.0")
+    assert main([str(tmp_path / "runs"), "--last", "10", "--no-png", "--no-events"]) == 2
+    err = capsys.readouterr().err
+    assert "events.out.tfevents.999.host.1.0 is not a regular file" in err and "Traceback" not in err

@@ -211,6 +211,12 @@ def load_run(
     every event file is checked record by record first (:func:`check_event_file`). ``tag=None``:
     the run's training loss under the name its trainer logs it (:data:`LOSS_TAGS`)."""
     path = Path(path)
+    special = [f for f in sorted(path.glob(EVENTS_GLOB)) if not f.is_file()]
+    if special:  # a FIFO or device would block the reader for ever
+        raise CompareError(
+            f"{special[0]} is not a regular file (a FIFO, device or directory named like an event file): "
+            f"move it out of the run directory {path}"
+        )
     problems = [p for f in sorted(path.glob(EVENTS_GLOB)) for p in [check_event_file(f)] if p]
     acc = _accumulator(path)
     tags = sorted(acc.Tags().get("scalars", []))
