@@ -698,3 +698,31 @@ def test_a_fifo_named_like_an_event_file_is_refused_not_read(sweep, tmp_path, ca
     assert main([str(tmp_path / "runs"), "--last", "10", "--no-png", "--no-events"]) == 2
     err = capsys.readouterr().err
     assert "events.out.tfevents.999.host.1.0 is not a regular file" in err and "Traceback" not in err
+
+
+def test_the_torn_tail_of_a_resumed_runs_first_segment_is_a_note_not_a_failure(sweep, tmp_path, capsys):
+    """A run killed while writing leaves its event file with a torn last record; resumed from its
+    checkpoint, it re-logs the later steps in a new file. Every step is there: the gate judges it;
+    the torn record is a note. A torn tail in the newest file (nothing continues it) still fails."""
+    import shutil
+
+    parent, _ = sweep
+    root = tmp_path / "runs"
+    shutil.copytree(parent / "bf16", root / "llama3_tiny" / "bf16")
+    base = [o for o in TINY if o != "trainer.checkpoint=false"]
+    common = base + ["recipe=tensorwise", f"run.root={root}", "trainer.ckpt_interval=10", "trainer.ckpt_keep=5"]
+    first = train(compose_config(common))
+    run_dir = first.run_dir
+    (run_dir / "checkpoints" / f"step_{STEPS:08d}.pt").unlink()
+    [events] = list(run_dir.glob("events.out.tfevents.*"))
+    data = events.read_bytes()
+    events.write_bytes(data[:-7])  # the last record torn
+    resumed = train(compose_config(common))
+    assert resumed.start_step == 20 and resumed.final_step == STEPS
+    capsys.readouterr()
+    assert main([str(root / "llama3_tiny"), "--last", "10", "--max-rel-dev", "0.5", "--no-png", "--no-events"]) == 0
+    err = capsys.readouterr().err
+    assert "is truncated after" in err and "an earlier segment" in err and "nothing of the curve is lost" in err
+    newest = sorted(run_dir.glob("events.out.tfevents.*"))[-1]
+    newest.write_bytes(newest.read_bytes()[:-7])
+    assert main([str(root / "llama3_tiny"), "--last", "10", "--max-rel-dev", "0.5", "--no-png", "--no-events"]) == 1

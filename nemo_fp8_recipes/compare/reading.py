@@ -217,7 +217,21 @@ def load_run(
             f"{special[0]} is not a regular file (a FIFO, device or directory named like an event file): "
             f"move it out of the run directory {path}"
         )
-    problems = [p for f in sorted(path.glob(EVENTS_GLOB)) for p in [check_event_file(f)] if p]
+    files = sorted(path.glob(EVENTS_GLOB))
+    problems = []
+    for i, f in enumerate(files):
+        problem = check_event_file(f)
+        if problem and " is truncated after " in problem and i < len(files) - 1:
+            # the torn last record of a run killed while writing, which a later segment (a resumed
+            # run, which re-logs from its checkpoint and purges what came after it) continues
+            print(
+                f"nemo-fp8-compare: note: run {name or path.name}: {problem} (an earlier segment, continued by "
+                f"{files[-1].name}: nothing of the curve is lost)",
+                file=sys.stderr,
+            )
+            continue
+        if problem:
+            problems.append(problem)
     acc = _accumulator(path)
     tags = sorted(acc.Tags().get("scalars", []))
     name = name or path.name
