@@ -726,3 +726,13 @@ def test_the_torn_tail_of_a_resumed_runs_first_segment_is_a_note_not_a_failure(s
     newest = sorted(run_dir.glob("events.out.tfevents.*"))[-1]
     newest.write_bytes(newest.read_bytes()[:-7])
     assert main([str(root / "llama3_tiny"), "--last", "10", "--max-rel-dev", "0.5", "--no-png", "--no-events"]) == 1
+
+
+def test_an_unwritable_out_is_one_line_not_a_traceback(sweep, capsys):
+    parent, _ = sweep
+    if not Path("/proc").is_dir():
+        pytest.skip("needs Linux's /proc")
+    assert main([str(parent), "--last", "10", "--out", "/proc/nemo_fp8_compare_out"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot write the outputs to /proc/nemo_fp8_compare_out" in err and "give a writable --out" in err
+    assert "Traceback" not in err

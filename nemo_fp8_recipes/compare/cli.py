@@ -266,7 +266,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for r in comparison.runs:
             for problem in r.problems:
                 print(f"nemo-fp8-compare: warning: run {r.name}: {problem}", file=sys.stderr)
-        paths = write_outputs(comparison, out, png=not args.no_png, events=not args.no_events)
+        try:
+            paths = write_outputs(comparison, out, png=not args.no_png, events=not args.no_events)
+        except OSError as e:  # a read-only or full file system, a missing mount
+            raise CompareError(
+                f"cannot write the outputs to {out} ({e.strerror or e}"
+                + (f": {e.filename}" if getattr(e, "filename", None) else "")
+                + "): give a writable --out"
+            ) from None
     except CompareError as e:
         print(f"nemo-fp8-compare: error: {e}", file=sys.stderr)
         return 2
