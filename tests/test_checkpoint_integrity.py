@@ -414,3 +414,30 @@ def test_kill_9_at_random_points_of_checkpoint_writes_loses_nothing(tmp_path, to
     for k, t in b["model"].items():
         assert torch.equal(a["model"][k], t), k  # bit-exact resume through every kill
     print(f"kill points: {kills}, inside a write: {mid_write}")
+
+
+def test_a_full_disk_while_tensorboard_writes_stops_the_run_with_the_reason(tmp_path, token_cache, capsys):
+    """The run directory's file system fills while the events are written (checkpointing off, so
+    only TensorBoard writes): the run stops with one line naming the directory and the fix, no
+    traceback from the writer's thread."""
+    root = tmp_path / "small"
+    _mount_tmpfs(root, "48k")
+    try:
+        rc = main(
+            TINY
+            + [
+                f"run.root={root}",
+                f"data.cache_dir={token_cache}",
+                "recipe=tensorwise",
+                "trainer.max_steps=5000",
+                "trainer.log_interval=1",
+                "trainer.val_interval=0",
+                "trainer.checkpoint=false",
+            ]
+        )
+        err = capsys.readouterr().err
+        assert rc == 5, err[-3000:]
+        assert "cannot write the TensorBoard events in" in err and "No space left on device" in err, err[-3000:]
+        assert "Traceback" not in err and "Exception in thread" not in err, err[-3000:]
+    finally:
+        subprocess.run(["umount", str(root)], capture_output=True)

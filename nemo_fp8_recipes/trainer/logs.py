@@ -205,6 +205,26 @@ def format_duration(seconds: float) -> str:
     return f"{s}s"
 
 
+def _quiet_writer_threads() -> None:
+    """TensorBoard's writer thread re-raises its write error after handing it to the next call
+    (which :class:`MetricsWriter` reports); keep Python from also printing that thread's traceback."""
+    import threading
+
+    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
+
+    previous = threading.excepthook
+    if getattr(previous, "_nemo_fp8_quiet", False):
+        return
+
+    def hook(args):
+        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError):
+            return
+        previous(args)
+
+    hook._nemo_fp8_quiet = True
+    threading.excepthook = hook
+
+
 class MetricsWriter:
     """Thin wrapper over ``torch.utils.tensorboard.SummaryWriter`` (imported lazily).
 
@@ -225,6 +245,7 @@ class MetricsWriter:
                 "TensorBoard logging needs the tensorboard package: `pip install tensorboard` "
                 "(or run with run.tensorboard=false)"
             ) from e
+        _quiet_writer_threads()
         self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
         # TensorBoard's Custom Scalars tab: every run's train/val loss overlaid, and the deviation
         # chart that nemo-fp8-compare fills (nemo_fp8_recipes.compare.tensorboard_layout).
@@ -237,29 +258,51 @@ class MetricsWriter:
         """Whether events are written."""
         return self._writer is not None
 
+    @contextlib.contextmanager
+    def _writing(self):
+        """A write that fails (a full disk, a file system gone read-only; TensorBoard's writer
+        thread hands its error to the next call) stops the run with the reason."""
+        try:
+            yield
+        except OSError as e:
+            from .result import TrainingError
+
+            self._writer = None  # (its thread has failed: nothing more can be written through it)
+            raise TrainingError(
+                f"cannot write the TensorBoard events in {self.log_dir} ({e.strerror or e}): free space or fix the "
+                "file system, then run the same command again (trainer.resume=auto continues from the last "
+                "checkpoint)"
+            ) from None
+
     def scalars(self, values: Mapping[str, float], step: int) -> None:
         """Write every ``tag -> value`` at ``step`` (non-numeric values are skipped)."""
         if self._writer is None:
             return
-        for tag, v in values.items():
-            if v is None:
-                continue
-            self._writer.add_scalar(tag, float(v), global_step=step)
+        with self._writing():
+            for tag, v in values.items():
+                if v is None:
+                    continue
+                self._writer.add_scalar(tag, float(v), global_step=step)
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         """Write preformatted text (shown monospaced in TensorBoard's Text tab)."""
         if self._writer is None:
             return
         body = "\n".join("    " + line for line in text.splitlines())  # markdown code block
-        self._writer.add_text(tag, body, global_step=step)
+        with self._writing():
+            self._writer.add_text(tag, body, global_step=step)
 
     def flush(self) -> None:
         """Flush pending events to disk."""
         if self._writer is not None:
-            self._writer.flush()
+            with self._writing():
+                self._writer.flush()
 
     def close(self) -> None:
-        """Flush and close the event file."""
+        """Flush and close the event file (an error there is logged: the run has ended either way)."""
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            writer, self._writer = self._writer, None
+            try:
+                writer.close()
+            except OSError as e:
+                log.warning("closing the TensorBoard events in %s: %s", self.log_dir, e.strerror or e)
