@@ -264,6 +264,9 @@ def test_bridge_trainer_mapping_and_local_inputs(tmp_path, capsys):
     assert got["train.train_iters"] == 50 and got["optimizer.lr"] == 1e-3 and got["scheduler.lr_decay_iters"] == 50
     assert got["checkpoint.save_interval"] == 50 and got["validation.eval_interval"] == 50
     assert got["logger.tensorboard_dir"] == "/runs/x" and got["checkpoint.save"] == "/runs/x/checkpoints"
+    # trainer.checkpoint=false: Bridge saves nothing either (it saved at the end: ~39 GB at 8B width)
+    off = dict(bridge.trainer_settings(trainer_config(compose_config(["trainer.checkpoint=false"])), Path("/r")))
+    assert off["checkpoint.save"] is None and off["checkpoint.save_interval"] is None
     # a pass-through override wins over our mapping
     plan = bridge.launch_plan(cfg, ["train.train_iters=7"])
     assert "train.train_iters" not in dict(plan["settings"]) and plan["pass_through"] == ["train.train_iters=7"]

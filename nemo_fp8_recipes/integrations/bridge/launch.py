@@ -162,9 +162,10 @@ def trainer_settings(tcfg, run_dir: Path) -> List[Tuple[str, Any]]:
         ("logger.tensorboard_dir", str(run_dir)),
         ("validation.eval_interval", min(tcfg.val_interval or tcfg.max_steps, tcfg.max_steps)),
         ("validation.eval_iters", max(1, tcfg.val_steps)),
-        ("checkpoint.save", str(run_dir / "checkpoints")),
+        # trainer.checkpoint=false: Bridge saves nothing (a null checkpoint.save), as the trainer does
+        ("checkpoint.save", str(run_dir / "checkpoints") if tcfg.checkpoint else None),
         ("checkpoint.load", str(run_dir / "checkpoints")),
-        ("checkpoint.save_interval", ckpt_every),
+        ("checkpoint.save_interval", ckpt_every if tcfg.checkpoint else None),
     ]
 
 
