@@ -5,6 +5,7 @@ that the recipe hardware check (:func:`nemo_fp8_recipes.recipes.check_supported`
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Tuple, Union
 
@@ -12,7 +13,16 @@ import torch
 
 from .versions import version_tuple
 
-__all__ = ["GPU", "GPUS", "gpu_by_key", "gpu_by_device_name", "normalise_gpu_name", "DeviceInfo", "describe_device"]
+__all__ = [
+    "GPU",
+    "GPUS",
+    "gpu_by_key",
+    "gpu_by_device_name",
+    "normalise_gpu_name",
+    "DeviceInfo",
+    "describe_device",
+    "device_from_name",
+]
 
 
 @dataclass(frozen=True)
@@ -88,14 +98,40 @@ class DeviceInfo:
         return f"SM{self.sm} ({self.name})"
 
 
+def device_from_name(spec: str, cuda_version: Optional[Tuple[int, int]] = None) -> Optional[DeviceInfo]:
+    """A GPU the user names (``h100``, ``NVIDIA H200``, ``sm90``; :func:`gpu_by_key`) as a
+    :class:`DeviceInfo` of a machine that is not this one; None if the name is no GPU's."""
+    s = normalise_gpu_name(spec)
+    m = re.fullmatch(r"sm(\d{2,3})", s)
+    if m:
+        sm = int(m.group(1))
+        return DeviceInfo(type="cuda", name=f"SM{sm} GPU", capability=(sm // 10, sm % 10), cuda_version=cuda_version)
+    gpu = gpu_by_key(s)
+    if gpu is not None:
+        return DeviceInfo(type="cuda", name=gpu.name, capability=gpu.capability, cuda_version=cuda_version)
+    return None
+
+
 def describe_device(device: Union[None, str, torch.device, DeviceInfo] = None) -> DeviceInfo:
-    """Resolve ``device`` (None = current CUDA device if available, else CPU) into a
+    """Resolve ``device`` (None = current CUDA device if available, else CPU; a torch device; or a
+    GPU's name, ``h100`` / ``sm90``, for a machine that is not this one) into a
     :class:`DeviceInfo`. Does not initialise CUDA unless a CUDA device is asked for or CUDA
     is the default."""
     if isinstance(device, DeviceInfo):
         return device
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, str):
+        try:
+            torch.device(device)
+        except RuntimeError:
+            named = device_from_name(device)
+            if named is None:
+                raise ValueError(
+                    f"unknown device {device!r}: give a torch device (cpu, cuda, cuda:1) or a GPU's name "
+                    f"({', '.join(g.key for g in GPUS)}, or smNN such as sm90)"
+                ) from None
+            return named
     dev = torch.device(device)
     if dev.type != "cuda":
         return DeviceInfo(type=dev.type, name=dev.type.upper())

@@ -207,3 +207,17 @@ def test_one_gpu_table_for_names_capabilities_and_peaks():
         assert gpu_by_device_name(reported).key == key, reported
     assert gpu_by_device_name("NVIDIA H200").peak_tflops == {"bf16": 989.4, "fp8": 1978.9}
     assert "fp8" not in gpu_by_device_name("NVIDIA A100-SXM4-80GB").peak_tflops  # no FP8 on Ampere
+
+
+def test_check_supported_takes_a_gpus_name_like_nemo_fp8_check():
+    """check_supported(recipe, device="h100") answers for that GPU (as nemo-fp8-check --gpu does),
+    and a name that is neither a torch device nor a GPU is a ValueError listing both kinds."""
+    from nemo_fp8_recipes.recipes import check_supported
+
+    ok, why = check_supported("blockwise", device="h100")
+    assert ok and "SM90" in why
+    ok, why = check_supported("mxfp8", device="H200")
+    assert not ok and "mxfp8 needs SM100" in why
+    assert check_supported("mxfp8", device="sm100")[0]
+    with pytest.raises(ValueError, match=r"unknown device 'tpu7'.*torch device.*h100.*smNN"):
+        check_supported("blockwise", device="tpu7")

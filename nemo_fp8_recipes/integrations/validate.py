@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
-from ..hardware import GPUS, DeviceInfo, describe_device, gpu_by_key, normalise_gpu_name
+from ..hardware import GPUS, DeviceInfo, describe_device, device_from_name, normalise_gpu_name
 from ..policy import PrecisionPolicy
 from ..recipes import Recipe, get_recipe
 from ..versions import version_tuple
@@ -194,13 +194,9 @@ def parse_gpu(spec: Union[None, str, DeviceInfo], cuda: Optional[str] = None) ->
     s = normalise_gpu_name(spec)
     if s == "cpu":
         return DeviceInfo(type="cpu")
-    m = re.fullmatch(r"sm(\d{2,3})", s)
-    if m:
-        sm = int(m.group(1))
-        return DeviceInfo(type="cuda", name=f"SM{sm} GPU", capability=(sm // 10, sm % 10), cuda_version=cv)
-    gpu = gpu_by_key(s)
-    if gpu is not None:
-        return DeviceInfo(type="cuda", name=gpu.name, capability=gpu.capability, cuda_version=cv)
+    named = device_from_name(s, cv)
+    if named is not None:
+        return named
     raise ValueError(f"unknown GPU {spec!r}; use one of: {', '.join(g.key for g in GPUS)}, smNN (e.g. sm90) or cpu")
 
 
