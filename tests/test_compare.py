@@ -493,6 +493,7 @@ def test_truncated_and_corrupt_event_files_are_reported_not_read_as_shorter(swee
         (["--smooth", "0"], "--smooth must be >= 1"),
         (["--max-rel-dev", "inf"], "--max-rel-dev must be a finite fraction"),
         (["--max-rel-dev", "nan"], "--max-rel-dev must be a finite fraction"),
+        (["--max-rel-dev", "2"], "for 2% give --max-rel-dev 0.02"),  # a percentage typed as such
     ],
 )
 def test_meaningless_numbers_are_refused_not_reinterpreted(sweep, tmp_path, capsys, args, words):
@@ -648,7 +649,7 @@ def test_until_compares_the_steps_every_run_reached(sweep, tmp_path, capsys):
     parent, _ = sweep
     until = STEPS // 2
     out = tmp_path / "cmp"
-    assert main([str(parent), "--until", str(until), "--last", "4", "--out", str(out), "--max-rel-dev", "10"]) == 0
+    assert main([str(parent), "--until", str(until), "--last", "4", "--out", str(out), "--max-rel-dev", "1"]) == 0
     data = json.loads((out / "compare.json").read_text())
     for r in data["runs"]:
         assert max(r["steps"]) <= until and max(r["steps"]) > until - 4

@@ -56,7 +56,6 @@ written (:mod:`.outputs`).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -75,7 +74,7 @@ from .reading import (
     up_to_step,
 )
 from .seeds import pct
-from .statistics import Comparison, compare_runs
+from .statistics import Comparison, check_max_rel_dev, compare_runs
 
 __all__ = ["main"]
 
@@ -215,11 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     f"{flag} must be >= {minimum}, got {value}"
                     + (" (1 = no smoothing)" if flag == "--smooth" else " (training steps)")
                 )
-        if args.max_rel_dev is not None and not (math.isfinite(args.max_rel_dev) and args.max_rel_dev >= 0):
-            raise CompareError(
-                f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {args.max_rel_dev}; "
-                "leave it out to compare without a gate"
-            )
+        check_max_rel_dev(args.max_rel_dev)
         if args.from_json:
             if args.runs:
                 raise CompareError("give either RUN_DIRs or --from-json, not both")

@@ -506,6 +506,22 @@ def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str], 
     return next(iter(groups))
 
 
+def check_max_rel_dev(x: Optional[float]) -> None:
+    """The gate's threshold is a fraction in [0, 1]: 0.02 = 2%. A larger one is almost surely a
+    percentage typed as such (2 for 2%), which would pass anything: refused, with the fraction."""
+    if x is None:
+        return
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x >= 0):
+        raise CompareError(
+            f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {x}; leave it out to compare without a gate"
+        )
+    if x > 1:
+        raise CompareError(
+            f"--max-rel-dev is a fraction (0.02 = 2%), and {x:g} would allow {100 * x:g}%: for {x:g}% give "
+            f"--max-rel-dev {x / 100:g}"
+        )
+
+
 def compare_runs(
     runs: Sequence[RunSeries],
     *,
@@ -523,11 +539,7 @@ def compare_runs(
         raise CompareError(f"--smooth must be an integer >= 1 (1 = off), got {smooth!r}")
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise CompareError(f"--last must be an integer >= 1 (training steps), got {last!r}")
-    if max_rel_dev is not None and not (math.isfinite(max_rel_dev) and max_rel_dev >= 0):
-        raise CompareError(
-            f"--max-rel-dev must be a finite fraction >= 0 (0.01 = 1%), got {max_rel_dev}; "
-            "leave it out to compare without a gate"
-        )
+    check_max_rel_dev(max_rel_dev)
     for r in runs:
         if not r.steps:
             raise CompareError(
