@@ -353,3 +353,13 @@ def test_a_run_root_that_cannot_be_written_stops_at_once(capsys):
     err = capsys.readouterr().err
     assert "cannot write the run directory /proc/nemo_fp8_runs/" in err and "choose a writable run.root" in err
     assert "Traceback" not in err
+
+
+def test_an_override_written_as_a_flag_gets_the_override_form(capsys):
+    from nemo_fp8_recipes.train import main
+
+    assert main(["--recipe", "blockwise"]) == 2
+    err = capsys.readouterr().err
+    assert "--recipe is a Hydra override, written without dashes: recipe=blockwise" in err
+    assert main(["--trainer.max_steps=5"]) == 2
+    assert "trainer.max_steps=5" in capsys.readouterr().err

@@ -68,6 +68,27 @@ def _run_cli(cfg) -> None:
     )
 
 
+def _dashed_override(args: Sequence[str]) -> Optional[str]:
+    """``--recipe blockwise`` / ``--trainer.max_steps=5``: an override written as a flag (Hydra
+    would only say "unrecognized arguments"); the message gives the override form."""
+    keys = None
+    for i, a in enumerate(args):
+        if not a.startswith("--") or len(a) < 3:
+            continue
+        name, eq, value = a[2:].partition("=")
+        if keys is None:
+            keys = set(compose_config([]).keys())
+        if name.split(".", 1)[0] in keys:
+            if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
+                value = args[i + 1]
+            example = f"{name}={value}" if value else f"{name}=<value>"
+            return (
+                f"{a} is a Hydra override, written without dashes: {example} "
+                f"(e.g. nemo-fp8-train {example}; nemo-fp8-train --help lists the groups and keys)"
+            )
+    return None
+
+
 def _run_dir_problem(run_dir: Path) -> Optional[str]:
     """Why the run directory cannot be created and written (a read-only or missing file system),
     or None. (Hydra creates it first, and would end in a traceback.)"""
@@ -94,6 +115,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     so a bad key or option fails at once with the valid choices listed.
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    dashed = _dashed_override(args)
+    if dashed:
+        print(f"nemo-fp8-train: {dashed}", file=sys.stderr)
+        return 2
     if "-m" in args or "--multirun" in args:
         args = with_sweep_names(args)  # each job its own run directory: bf16-seed1, bf16-seed2, ...
     if not any(a.startswith("-") for a in args):
