@@ -177,6 +177,8 @@ def classify(fqn: str, module: Optional[nn.Module] = None) -> Tuple[str, str]:
     parents = set(parts[:-1])
     cls = type(module).__name__ if module is not None else ""
 
+    if "Rotary" in cls or "rotary" in leaf:  # (Hugging Face's LlamaRotaryEmbedding: no weights, no GEMM)
+        return Role.OTHER, f"rotary position embedding ({cls or leaf}): no weights"
     if isinstance(module, nn.Embedding) or "Embedding" in cls or leaf in _EMBED_NAMES:
         return Role.EMBEDDING, f"embedding ({cls or leaf})"
     # TE's fused TELayerNormColumnParallelLinear is a GEMM (QKV / FC1 under the TE spec), not a norm

@@ -847,3 +847,16 @@ def test_convert_model_says_when_it_would_do_nothing_or_cannot():
         convert_model(empty, "tensorwise", emulate=True)
     x = torch.zeros(4, 0)
     assert torch.equal(empty(x), empty[0].bias.expand(4, 128)) and "hp" in str(audit(empty)).split("\n")[0]
+
+
+def test_a_rotary_embedding_is_no_embedding():
+    """Hugging Face's LlamaRotaryEmbedding (no weights) is not the token embedding: it is no role
+    of the policy's, and the audit does not list it as one."""
+    from nemo_fp8_recipes.policy import Role, classify
+
+    class LlamaRotaryEmbedding(nn.Module):
+        pass
+
+    assert classify("model.rotary_emb", LlamaRotaryEmbedding())[0] == Role.OTHER
+    assert classify("model.layers.0.self_attn.rotary_emb", None)[0] == Role.OTHER
+    assert classify("model.embed_tokens", nn.Embedding(8, 4))[0] == Role.EMBEDDING
