@@ -237,11 +237,16 @@ def _sweep_component(key: str, value: Any, leaf: str) -> str:
 
 
 def run_name(recipe: str, tag: Optional[str] = None, sweep: Sequence[str] = (), *, _root_=None) -> str:
-    """Run directory leaf: ``<recipe>[-<tag>]``, then one ``-<key><value>`` per key of ``sweep``
-    (``run.sweep``; the values are read from the config, ``_root_``), e.g. ``bf16-seed1``."""
+    """Run directory leaf: ``<recipe>[-bridge][-<tag>]`` (``-bridge`` for ``backend=megatron_bridge``),
+    then one ``-<key><value>`` per key of ``sweep`` (``run.sweep``; the values are read from the
+    config, ``_root_``), e.g. ``bf16-seed1``."""
     from omegaconf import OmegaConf
 
     tag = "" if tag is None else str(tag).strip()
+    # Megatron-Bridge's runs get a directory of their own: its checkpoints and events are not the
+    # embedded trainer's, which a run of the same model and recipe would otherwise share
+    if _root_ is not None and OmegaConf.select(_root_, "backend.name", default=None) == "megatron_bridge":
+        recipe = f"{recipe}-bridge"
     parts = [f"{recipe}-{tag}" if tag else str(recipe)]
     keys = [str(k) for k in (sweep or ())]
     leaves = [k.rsplit(".", 1)[-1] for k in keys]

@@ -210,3 +210,18 @@ def test_sweeps_name_each_job_by_the_keys_they_vary():
     assert cfg.run.dir == "runs/llama3_tiny/blockwise-trainer.lr0.001-model.optim.lr0.002"  # same leaf: full keys
     cfg = compose_config(["data=text", "data.paths=[/a/b]", "run.sweep=[data,data.paths]"])
     assert cfg.run.dir == "runs/llama3_tiny/blockwise-data_text-paths____a_b__"
+
+
+def test_megatron_bridge_runs_get_a_directory_of_their_own():
+    """The Bridge launcher's run of a model and recipe is not the embedded trainer's: its own
+    directory (its checkpoints are Megatron's), named <recipe>-bridge[-<tag>][-<sweep keys>]."""
+    from pathlib import Path
+
+    native = Path(compose_config(["recipe=blockwise"]).run.dir)
+    bridge = Path(compose_config(["recipe=blockwise", "backend=megatron_bridge"]).run.dir)
+    assert native.name == "blockwise" and bridge.name == "blockwise-bridge" and bridge.parent == native.parent
+    tagged = compose_config(
+        ["backend=megatron_bridge", "recipe=bf16", "run.tag=a", "trainer.seed=2", "run.sweep=[trainer.seed]"]
+    )
+    assert Path(tagged.run.dir).name == "bf16-bridge-a-seed2"
+    assert Path(compose_config(["backend=te", "recipe=blockwise"]).run.dir) == native

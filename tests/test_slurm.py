@@ -206,8 +206,8 @@ def test_megatron_bridge_launch_line(tmp_path):
     )
     argv = launch_argv(job.script)
     t = argv.index("torchrun")
-    run_dir = f"{tmp_path}/llama3_8b/blockwise"
-    assert "#SBATCH --job-name=llama3_8b-32xH200-blockwise" in header(job.script)
+    run_dir = f"{tmp_path}/llama3_8b/blockwise-bridge"
+    assert "#SBATCH --job-name=llama3_8b-32xH200-blockwise-bridge" in header(job.script)
     assert argv[t + 1 :] == [
         "--nnodes=$SLURM_NNODES",
         "--nproc-per-node=8",
@@ -258,7 +258,7 @@ def test_megatron_bridge_launch_line(tmp_path):
         cwd=tmp_path,
     )
     argv = launch_argv(job.script)
-    run_dir = f"{tmp_path}/llama3_70b/mxfp8"
+    run_dir = f"{tmp_path}/llama3_70b/mxfp8-bridge"
     t = next(i for i, a in enumerate(argv) if a.endswith("torchrun"))  # the interpreter's own torchrun
     assert argv[t + 6 :] == [
         "$BRIDGE_DIR/scripts/training/run_recipe.py",
@@ -293,7 +293,7 @@ def test_megatron_bridge_job_for_our_model_built_offline(tmp_path):
     )
     argv = launch_argv(job.script)
     m = argv.index("nemo_fp8_recipes.integrations.bridge")
-    run_dir = f"{tmp_path}/llama3_tiny/tensorwise"
+    run_dir = f"{tmp_path}/llama3_tiny/tensorwise-bridge"
     assert argv[m + 1 :] == [
         "backend=megatron_bridge",
         "model=llama3_tiny",
