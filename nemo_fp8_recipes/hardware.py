@@ -29,13 +29,15 @@ __all__ = [
 class GPU:
     """``key``: the name users type (``--gpu h100``); ``name``: the full product name;
     ``match``: the part of ``torch.cuda.get_device_name()`` that identifies it; ``peak_tflops``:
-    dense datasheet peaks per precision (``bf16``, ``fp8``), empty where not listed."""
+    dense datasheet peaks per precision (``bf16``, ``fp8``), empty where not listed;
+    ``memory_gb``: the datasheet memory per GPU (10^9 bytes), None where a model comes in sizes."""
 
     key: str
     name: str
     capability: Tuple[int, int]
     match: str
     peak_tflops: Mapping[str, float] = field(default_factory=dict)
+    memory_gb: Optional[float] = None
 
 
 _HOPPER = {"bf16": 989.4, "fp8": 1978.9}
@@ -48,11 +50,11 @@ GPUS: Tuple[GPU, ...] = (
     GPU("gb300", "NVIDIA GB300", (10, 3), "GB300"),
     GPU("b300", "NVIDIA B300", (10, 3), "B300"),
     GPU("gh200", "NVIDIA GH200", (9, 0), "GH200", _HOPPER),
-    GPU("h200", "NVIDIA H200", (9, 0), "H200", _HOPPER),
-    GPU("h100nvl", "NVIDIA H100 NVL", (9, 0), "H100 NVL", {"bf16": 835.0, "fp8": 1670.0}),
-    GPU("h100pcie", "NVIDIA H100 PCIe", (9, 0), "H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}),
-    GPU("h100", "NVIDIA H100", (9, 0), "H100", _HOPPER),  # SXM5
-    GPU("h800", "NVIDIA H800", (9, 0), "H800", _HOPPER),
+    GPU("h200", "NVIDIA H200", (9, 0), "H200", _HOPPER, 141.0),
+    GPU("h100nvl", "NVIDIA H100 NVL", (9, 0), "H100 NVL", {"bf16": 835.0, "fp8": 1670.0}, 94.0),
+    GPU("h100pcie", "NVIDIA H100 PCIe", (9, 0), "H100 PCIe", {"bf16": 756.0, "fp8": 1513.0}, 80.0),
+    GPU("h100", "NVIDIA H100", (9, 0), "H100", _HOPPER, 80.0),  # SXM5
+    GPU("h800", "NVIDIA H800", (9, 0), "H800", _HOPPER, 80.0),
     GPU("a100", "NVIDIA A100", (8, 0), "A100", {"bf16": 312.0}),
     GPU("l40s", "NVIDIA L40S", (8, 9), "L40S"),
     GPU("l4", "NVIDIA L4", (8, 9), "L4"),

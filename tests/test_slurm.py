@@ -60,10 +60,12 @@ def bash_syntax_ok(script: str, tmp_path: Path) -> None:
 # ---- rendering ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("nodes", [1, 4, 64])
 def test_native_script_for_1_4_64_nodes(nodes, tmp_path):
+    """An 8B job the trainer would start: FSDP2 (its memory estimate per GPU fits an H100), a
+    global batch that splits over every rank."""
     [job] = plan_jobs(
         [
             "recipe=blockwise",
-            "model=llama3_70b",
+            "model=llama3_8b",
             f"cluster.nodes={nodes}",
             "cluster.gpus_per_node=8",
             "cluster.gpu_type=H100",
@@ -75,13 +77,16 @@ def test_native_script_for_1_4_64_nodes(nodes, tmp_path):
             "cluster.container.mounts=[/lustre/data:/data:ro]",
             f"run.root={tmp_path}/runs",
             "trainer.max_steps=1000",
+            "trainer.data_parallel=fsdp2",
+            "trainer.micro_batch_size=1",
+            f"trainer.global_batch_size={8 * nodes}",
         ],
         cwd=tmp_path,
     )
-    run_dir = f"{tmp_path}/runs/llama3_70b/blockwise"
+    run_dir = f"{tmp_path}/runs/llama3_8b/blockwise"
     assert str(job.run_dir) == run_dir
     assert header(job.script) == [
-        f"#SBATCH --job-name=llama3_70b-{8 * nodes}xH100-blockwise",
+        f"#SBATCH --job-name=llama3_8b-{8 * nodes}xH100-blockwise",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
         "#SBATCH --gpus-per-node=8",
@@ -117,8 +122,11 @@ def test_native_script_for_1_4_64_nodes(nodes, tmp_path):
     ]
     assert argv[t + 8 :] == [
         "recipe=blockwise",
-        "model=llama3_70b",
+        "model=llama3_8b",
         "trainer.max_steps=1000",
+        "trainer.data_parallel=fsdp2",
+        "trainer.micro_batch_size=1",
+        f"trainer.global_batch_size={8 * nodes}",
         "cluster=local",
         f"run.root={tmp_path}/runs",
     ]
@@ -162,7 +170,10 @@ def test_cpu_job_runs_plain_python_without_gpu_flags(tmp_path):
 def test_the_launch_line_quotes_its_expansions(tmp_path):
     """$SLURM_NNODES, $MASTER_ADDR, $MASTER_PORT and $SLURM_JOB_ID reach torchrun as one word each,
     whatever the environment's IFS."""
-    [job] = plan_jobs(["cluster.gpus_per_node=8", "cluster.nodes=2", f"run.root={tmp_path}"], cwd=tmp_path)
+    [job] = plan_jobs(
+        ["cluster.gpus_per_node=8", "cluster.nodes=2", "trainer.global_batch_size=64", f"run.root={tmp_path}"],
+        cwd=tmp_path,
+    )
     for word in (
         '"--nnodes=$SLURM_NNODES"',
         '"--rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT"',
@@ -177,7 +188,9 @@ def test_the_trainer_is_told_to_stop_before_the_time_limit(tmp_path):
     [job] = plan_jobs(["cluster.gpus_per_node=0", f"run.root={tmp_path}"], cwd=tmp_path)
     assert "#SBATCH --signal=TERM@180" in header(job.script)
     for off in ("0", "null"):
-        [job] = plan_jobs([f"cluster.signal_lead_s={off}", f"run.root={tmp_path}"], cwd=tmp_path)
+        [job] = plan_jobs(
+            [f"cluster.signal_lead_s={off}", "trainer.global_batch_size=32", f"run.root={tmp_path}"], cwd=tmp_path
+        )
         assert not any("--signal" in line for line in header(job.script))
     for bad in ("-1", "70000", "true"):
         with pytest.raises(ConfigError, match="cluster.signal_lead_s"):
@@ -347,25 +360,43 @@ def test_megatron_bridge_jobs_are_checked_before_they_queue(tmp_path):
 
 
 def test_sweep_gives_one_job_per_recipe_side_by_side(tmp_path, capsys):
-    jobs = plan_jobs(
-        ["recipe=bf16,tensorwise,blockwise", "model=llama3_8b", "cluster.nodes=2", f"run.root={tmp_path}"],
-        multirun=True,
-        cwd=tmp_path,
-    )
+    example = [
+        "recipe=bf16,tensorwise,blockwise",
+        "model=llama3_8b",
+        "cluster.nodes=2",
+        "cluster.gpu_type=H100",
+        "trainer.data_parallel=fsdp2",
+        "trainer.micro_batch_size=1",
+        "trainer.global_batch_size=64",
+    ]
+    jobs = plan_jobs([*example, f"run.root={tmp_path}"], multirun=True, cwd=tmp_path)
     assert [j.run_dir for j in jobs] == [tmp_path / "llama3_8b" / r for r in ("bf16", "tensorwise", "blockwise")]
-    assert [j.job.job_name for j in jobs] == [f"llama3_8b-16xgpu-{r}" for r in ("bf16", "tensorwise", "blockwise")]
+    assert [j.job.job_name for j in jobs] == [f"llama3_8b-16xH100-{r}" for r in ("bf16", "tensorwise", "blockwise")]
+    assert not any(j.warnings for j in jobs)
+    # the same without FSDP2 or with the trainer's default batch: refused before anything is submitted
+    with pytest.raises(ConfigError, match=r"needs about .* to train .* an NVIDIA H100 \(80 GB\)"):
+        plan_jobs(
+            [*example[:4], "trainer.micro_batch_size=1", "trainer.global_batch_size=64", f"run.root={tmp_path}"],
+            multirun=True,
+            cwd=tmp_path,
+        )
+    with pytest.raises(ConfigError, match=r"x 16 data-parallel ranks; e.g. trainer.global_batch_size=64"):
+        plan_jobs([*example[:5], f"run.root={tmp_path}"], multirun=True, cwd=tmp_path)
     for j, r in zip(jobs, ("bf16", "tensorwise", "blockwise")):
         argv = launch_argv(j.script)
         assert f"recipe={r}" in argv and "recipe=bf16,tensorwise,blockwise" not in argv
     # the CLI's dry run prints the three scripts and writes nothing
-    assert main(["-m", "recipe=bf16,tensorwise,blockwise", "submit.dry_run=true", f"run.root={tmp_path}/dry"]) == 0
+    assert main(["-m", *example, "submit.dry_run=true", f"run.root={tmp_path}/dry"]) == 0
     out = capsys.readouterr().out
     assert out.count("#!/bin/bash") == 3 and out.count("# ===== ") == 3
     assert not (tmp_path / "dry").exists()
     with pytest.raises(ConfigError, match="add -m"):
         plan_jobs(["recipe=bf16,tensorwise"], cwd=tmp_path)
     # a sweep over any other key names each job's run by it (run.sweep), so no two share one
-    lr = plan_jobs(["trainer.lr=1e-3,2e-3", "trainer.seed=1,2", f"run.root={tmp_path}"], multirun=True, cwd=tmp_path)
+    one = "cluster.gpus_per_node=1"
+    lr = plan_jobs(
+        ["trainer.lr=1e-3,2e-3", "trainer.seed=1,2", one, f"run.root={tmp_path}"], multirun=True, cwd=tmp_path
+    )
     assert [j.run_dir.name for j in lr] == [
         "blockwise-lr0.001-seed1",
         "blockwise-lr0.001-seed2",
@@ -374,11 +405,16 @@ def test_sweep_gives_one_job_per_recipe_side_by_side(tmp_path, capsys):
     ]
     assert "run.sweep=[trainer.lr,trainer.seed]" in launch_argv(lr[0].script)
     with pytest.raises(ConfigError, match="share a run directory"):  # unless the naming is turned off
-        plan_jobs(["trainer.lr=1e-3,2e-3", "run.sweep=[]"], multirun=True, cwd=tmp_path)
+        plan_jobs(["trainer.lr=1e-3,2e-3", "run.sweep=[]", one], multirun=True, cwd=tmp_path)
 
 
 def test_dry_run_prints_the_script_only(tmp_path, capsys):
-    assert main(["submit.dry_run=true", f"run.root={tmp_path}/runs", "cluster.job_name=my.job-1"]) == 0
+    assert (
+        main(
+            ["submit.dry_run=true", f"run.root={tmp_path}/runs", "cluster.job_name=my.job-1", "cluster.gpus_per_node=1"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert out.startswith("#!/bin/bash\n#SBATCH --job-name=my.job-1\n")
     assert not (tmp_path / "runs").exists()
@@ -440,6 +476,7 @@ def test_abbreviations_of_our_sbatch_options_are_refused_other_options_pass(tmp_
             "+cluster.sbatch_args.reservation=r1",
             "+cluster.sbatch_args.exclude=node7",
             "+cluster.sbatch_args.requeue=true",
+            "trainer.global_batch_size=32",
             f"run.root={tmp_path}",
         ],
         cwd=tmp_path,
@@ -455,13 +492,23 @@ def test_program_fields_are_programs(tmp_path):
     assert launch_argv(job.script)[3] == f"{home}/venv/bin/python"  # expanded, not quoted into a dead path
     [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.python=python3", f"run.root={tmp_path}"], cwd=tmp_path)
     assert launch_argv(job.script)[3] == "python3"
-    [job] = plan_jobs(["cluster.torchrun=/opt/venv/bin/torchrun", f"run.root={tmp_path}"], cwd=tmp_path)
+    [job] = plan_jobs(
+        ["cluster.torchrun=/opt/venv/bin/torchrun", "trainer.global_batch_size=32", f"run.root={tmp_path}"],
+        cwd=tmp_path,
+    )
     assert "/opt/venv/bin/torchrun" in launch_argv(job.script)
 
 
 def test_cpu_jobs_on_several_nodes_run_data_parallel(tmp_path):
     [job] = plan_jobs(
-        ["cluster.gpus_per_node=0", "cluster.nodes=2", "trainer.device=cpu", f"run.root={tmp_path}"], cwd=tmp_path
+        [
+            "cluster.gpus_per_node=0",
+            "cluster.nodes=2",
+            "trainer.device=cpu",
+            "trainer.micro_batch_size=2",
+            f"run.root={tmp_path}",
+        ],
+        cwd=tmp_path,
     )
     argv = launch_argv(job.script)
     t = next(i for i, a in enumerate(argv) if a.endswith("torchrun"))
@@ -490,7 +537,10 @@ def test_values_with_quotes_and_dollars_reach_the_program_verbatim(tmp_path):
         ["bash", "-c", "printf '%s\\n' " + render_command(args)], capture_output=True, text=True, cwd=tmp_path
     )
     assert proc.stdout.splitlines() == args
-    [job] = plan_jobs(["data=text", "data.paths=['/data/my corpus']", f"run.root={tmp_path}"], cwd=tmp_path)
+    [job] = plan_jobs(
+        ["data=text", "data.paths=['/data/my corpus']", "trainer.global_batch_size=32", f"run.root={tmp_path}"],
+        cwd=tmp_path,
+    )
     assert "data.paths=['/data/my corpus']" in launch_argv(job.script)
 
 
@@ -752,3 +802,30 @@ def test_hydra_submitit_launcher_on_a_real_slurm_cluster(slurm_env, tmp_path):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
     scripts = list((tmp_path / "runs" / ".submitit").rglob("*_submission.sh"))
     assert scripts and "#SBATCH" in scripts[0].read_text()
+
+
+def _examples(path: Path):
+    """Every `nemo-fp8-submit ...` command of a Markdown file's code blocks, continuation lines
+    joined, as argument lists (without the program)."""
+    text = path.read_text(encoding="utf-8").replace("\\\n", " ")
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            line = line.split("  #", 1)[0].strip()
+            if line.startswith("nemo-fp8-submit ") and "..." not in line:
+                out.append(shlex.split(line)[1:])
+    return out
+
+
+def test_every_submit_example_of_the_docs_passes_the_trainers_checks_for_its_world(tmp_path):
+    """README's and docs/slurm.md's nemo-fp8-submit commands, as written (dry run, into a temporary
+    run root): each plans, and its trainer jobs pass the batch split and memory checks for their
+    world size (what the trainer itself would refuse at start)."""
+    repo = Path(__file__).resolve().parents[1]
+    examples = [e for f in ("README.md", "docs/slurm.md") for e in _examples(repo / f)]
+    assert len(examples) >= 3, examples
+    for argv in examples:
+        multirun = "-m" in argv
+        overrides = [a for a in argv if a != "-m" and not a.startswith("submit.")]
+        jobs = plan_jobs([*overrides, f"run.root={tmp_path}"], multirun=multirun, cwd=tmp_path)
+        assert jobs, argv

@@ -7,6 +7,7 @@ here writes a file or runs a SLURM command; :mod:`nemo_fp8_recipes.launch.submit
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import itertools
 import os
@@ -349,9 +350,59 @@ def plan_job(
         comment=tuple(comment),
     )
     script = render_sbatch(job)
+    if backend in ("native", "te"):  # (after the script's own fields are checked)
+        trainer_warnings = check_trainer_job(cfg, cl, recipe)
+        if trainer_warnings:
+            warnings += trainer_warnings
+            noted = job.comment + tuple(f"WARNING: {w}" for w in trainer_warnings)
+            script = render_sbatch(dataclasses.replace(job, comment=noted))
     return PlannedJob(
         job=job, script=script, run_dir=run_dir, overrides=list(args), backend=backend, submit=sub, warnings=warnings
     )
+
+
+def check_trainer_job(cfg, cl: SlurmClusterConfig, recipe) -> List[str]:
+    """The trainer's own start-up checks for the job's world size, before anything is submitted:
+    the global batch splits over every rank, and the memory estimate per GPU fits the GPU that
+    ``cluster.gpu_type`` names (where its memory is known; otherwise a warning). Raises
+    :class:`ConfigError`; returns the warnings."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from ..config import trainer_config
+    from ..hardware import GPUS, gpu_by_key
+    from ..models import ModelConfig
+    from ..trainer.checks import check_batch_split
+    from ..trainer.memory import check_fits
+
+    tcfg = trainer_config(cfg)
+    world = cl.nodes * max(1, cl.gpus_per_node)
+    check_batch_split(tcfg, world)
+    if cl.gpus_per_node == 0 or not tcfg.memory_check:
+        return []
+    gpu = gpu_by_key(str(cl.gpu_type))
+    if gpu is None or gpu.memory_gb is None:
+        known = ", ".join(g.key for g in GPUS if g.memory_gb)
+        return [
+            f"memory per GPU not checked: cluster.gpu_type={cl.gpu_type} is not a GPU whose memory is known ({known})"
+        ]
+    mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    shard = world if world > 1 and tcfg.data_parallel == "fsdp2" else 1
+    too_big = check_fits(
+        mcfg,
+        torch.device("cuda"),
+        tokens_per_micro_batch=tcfg.micro_batch_size * tcfg.seq_len,
+        fp8=recipe.is_fp8,
+        activation_bytes=2,
+        shard=shard,
+        where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} tokens per rank"
+        + (f", sharded over {shard} ranks (fsdp2)" if shard > 1 else f", trainer.data_parallel={tcfg.data_parallel}"),
+        available=int(0.95 * gpu.memory_gb * 1e9),
+        device_name=f"an {gpu.name} ({gpu.memory_gb:g} GB)",
+    )
+    if too_big:
+        raise ConfigError(too_big)
+    return []
 
 
 def _bridge_command(

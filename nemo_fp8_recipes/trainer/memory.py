@@ -197,10 +197,13 @@ def check_fits(
     activation_bytes: int,
     shard: int = 1,
     where: str = "",
+    available: Optional[int] = None,
+    device_name: Optional[str] = None,
 ) -> Optional[str]:
     """None if the run fits (or the free memory cannot be read); else the message to refuse it
-    with: the estimate by part, the memory available, and what would fit."""
-    avail = available_memory(device)
+    with: the estimate by part, the memory available, and what would fit. ``available`` (bytes)
+    and ``device_name`` describe a device that is not this machine's (a cluster's GPU)."""
+    avail = available_memory(device) if available is None else available
     if avail is None:
         return None
     kw = dict(
@@ -213,7 +216,7 @@ def check_fits(
     est = estimate_training_memory(mcfg, **kw)
     if est.total <= avail:
         return None
-    dev = "this GPU" if device.type == "cuda" else "this machine"
+    dev = device_name or ("this GPU" if device.type == "cuda" else "this machine")
     fixes = _suggestions(mcfg, avail, **kw)
     if device.type == "cpu":
         fixes.append("a GPU (trainer.device=cuda)")
