@@ -26,6 +26,7 @@ from .reading import (
     load_run,
     load_runs,
     resolve_run_dirs,
+    up_to_step,
 )
 from .seeds import (
     GroupStats,
@@ -35,7 +36,7 @@ from .seeds import (
     t_quantile,
     welch_interval,
 )
-from .statistics import JSON_VERSION, Comparison, RunStats, compare_runs, moving_average
+from .statistics import JSON_VERSION, Comparison, RunStats, check_max_rel_dev, compare_runs, moving_average
 
 __all__ = [
     "DEFAULT_TAG",
@@ -52,6 +53,7 @@ __all__ = [
     "RunSeries",
     "RunStats",
     "check_event_file",
+    "check_max_rel_dev",
     "compare_runs",
     "find_runs",
     "group_label",
@@ -64,6 +66,7 @@ __all__ = [
     "resolve_run_dirs",
     "t_quantile",
     "tensorboard_layout",
+    "up_to_step",
     "welch_interval",
     "write_deviation_events",
     "write_outputs",
