@@ -561,6 +561,12 @@ def test_console_script_trains_and_prints_the_tensorboard_command(tmp_path, toke
     assert (run_dir / ".hydra" / "config.yaml").is_file()  # Hydra's own copy lands in the run dir
     assert (run_dir / "config.yaml").is_file() and list(run_dir.glob("events.out.tfevents.*"))
     assert not (tmp_path / "outputs").exists()
+    # the audit says what ran: on the CPU (no autocast) the high-precision modules ran in FP32,
+    # and the kernel options are the GPU's (the emulation runs here)
+    audit_txt = (run_dir / "audit.txt").read_text()
+    output_row = next(line for line in audit_txt.splitlines() if line.startswith("output "))
+    assert output_row.split()[2] == "fp32", output_row
+    assert "on the CPU the FP8 linears run the emulation" in audit_txt
     # the job's log is train.log, whichever module Hydra starts from, each line once
     log = (run_dir / "train.log").read_text()
     assert len([line for line in log.splitlines() if "step 3/3" in line and "| loss" in line]) == 1, log[-2000:]

@@ -51,6 +51,15 @@ class AuditReport:
     stale_weight_caches: List[str] = field(default_factory=list)
     kernel_options: Dict[str, bool] = field(default_factory=dict)
 
+    def computed_in(self, dtype: str) -> "AuditReport":
+        """This report with the high-precision modules' ``bf16`` read as ``dtype`` (``"fp32"`` for a
+        run without BF16 autocast, where they compute in FP32): the policy decides FP8 or not, the
+        run's autocast decides the rest."""
+        import dataclasses
+
+        rows = [dataclasses.replace(r, precision=dtype) if r.precision == "bf16" else r for r in self.rows]
+        return dataclasses.replace(self, rows=rows)
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -553,13 +553,22 @@ class Trainer:
     def write_audit(self) -> None:
         """The precision audit of the first step (what ran in FP8, per module and GEMM), in the
         run directory, TensorBoard and the log."""
+        report = self.backend.audit(self.raw_model)
+        if not self.bf16 and hasattr(report, "computed_in"):  # no BF16 autocast: they ran in FP32
+            report = report.computed_in("fp32")
+        notes = [n for n in (self.backend.audit_note(),) if n]
+        if self.device.type == "cpu":
+            notes.append(
+                "(on the CPU the FP8 linears run the emulation: the kernel options above apply to CUDA GPUs, "
+                "where the Triton kernels run)"
+            )
         self.result.audit_table = record_audit(
-            self.backend.audit(self.raw_model),
+            report,
             self.ctx,
             run_dir=self.run_dir,
             writer=self.writer,
             step=self.global_step,
-            extra=self.backend.audit_note(),
+            extra="\n".join(notes) or None,
             data_parallel=self.tcfg.data_parallel,
         )
 
