@@ -211,13 +211,13 @@ def load_run(
     every event file is checked record by record first (:func:`check_event_file`). ``tag=None``:
     the run's training loss under the name its trainer logs it (:data:`LOSS_TAGS`)."""
     path = Path(path)
-    special = [f for f in sorted(path.glob(EVENTS_GLOB)) if not f.is_file()]
+    files = sorted(path.glob(EVENTS_GLOB))
+    special = [f for f in files if not f.is_file()]
     if special:  # a FIFO or device would block the reader for ever
         raise CompareError(
             f"{special[0]} is not a regular file (a FIFO, device or directory named like an event file): "
             f"move it out of the run directory {path}"
         )
-    files = sorted(path.glob(EVENTS_GLOB))
     problems = []
     for i, f in enumerate(files):
         problem = check_event_file(f)

@@ -372,8 +372,7 @@ def check_trainer_job(cfg, cl: SlurmClusterConfig, recipe) -> List[str]:
     from ..config import trainer_config
     from ..hardware import GPUS, gpu_by_key
     from ..models import ModelConfig
-    from ..trainer.checks import check_batch_split
-    from ..trainer.memory import check_fits
+    from ..trainer.checks import check_batch_split, check_memory
 
     tcfg = trainer_config(cfg)
     world = cl.nodes * max(1, cl.gpus_per_node)
@@ -386,22 +385,16 @@ def check_trainer_job(cfg, cl: SlurmClusterConfig, recipe) -> List[str]:
         return [
             f"memory per GPU not checked: cluster.gpu_type={cl.gpu_type} is not a GPU whose memory is known ({known})"
         ]
-    mcfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    shard = world if world > 1 and tcfg.data_parallel == "fsdp2" else 1
-    too_big = check_fits(
-        mcfg,
+    check_memory(
+        tcfg,
+        ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True)),
+        recipe,
         torch.device("cuda"),
-        tokens_per_micro_batch=tcfg.micro_batch_size * tcfg.seq_len,
-        fp8=recipe.is_fp8,
-        activation_bytes=2,
-        shard=shard,
-        where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} tokens per rank"
-        + (f", sharded over {shard} ranks (fsdp2)" if shard > 1 else f", trainer.data_parallel={tcfg.data_parallel}"),
+        world_size=world,
+        bf16_activations=True,
         available=int(0.95 * gpu.memory_gb * 1e9),
         device_name=f"an {gpu.name} ({gpu.memory_gb:g} GB)",
     )
-    if too_big:
-        raise ConfigError(too_big)
     return []
 
 

@@ -210,7 +210,7 @@ def convert_model(
             f"policy must be a PrecisionPolicy or None, got {type(policy).__name__} {policy!r}: e.g. {hint} "
             "(BF16 everywhere is recipe='bf16')"
         )
-    if isinstance(model, nn.Linear) or _find_swap({**(swaps or {})}, model) is not None:
+    if isinstance(model, nn.Linear) or _find_swap(swaps or {}, model) is not None:
         raise ValueError(
             f"convert_model replaces a model's GEMM submodules in place, and the model given is itself a "
             f"{type(model).__name__}, which it cannot replace: wrap it (nn.Sequential(layer)) and convert that"

@@ -490,8 +490,8 @@ def check_compatible(
     *automatic* resume whose trainer hyperparameters or ``settings`` (``{"policy": ...,
     "kernels": ...}``, compared with those the checkpoint recorded) changed (e.g. two jobs of a
     ``-m trainer.lr=...`` sweep sharing a run directory) unless forced; warn on data changes.
-    Returns whether the FP8 state must be loaded non-strictly."""
-    check_resumable(ckpt, path)
+    ``ckpt`` comes from :func:`load_for_resume` (its format and parts already checked). Returns
+    whether the FP8 state must be loaded non-strictly."""
     old_model = ckpt.get("model_config", {})
     diffs = [
         f"{k}: {old_model.get(k)!r} -> {v!r}"

@@ -140,16 +140,29 @@ def check_cpu_compile(tcfg: TrainerConfig, recipe, device: "torch.device") -> No
 
 
 def check_memory(
-    tcfg: TrainerConfig, mcfg: "ModelConfig", recipe, device: "torch.device", *, world_size: int, bf16_activations: bool
+    tcfg: TrainerConfig,
+    mcfg: "ModelConfig",
+    recipe,
+    device: "torch.device",
+    *,
+    world_size: int,
+    bf16_activations: bool,
+    available: Optional[int] = None,
+    device_name: Optional[str] = None,
 ) -> None:
     """Refuse a run whose estimated training memory does not fit ``device``, naming what would
-    fit (:func:`nemo_fp8_recipes.memory.check_fits`); ``trainer.memory_check=false`` skips it."""
+    fit (:func:`nemo_fp8_recipes.memory.check_fits`); ``trainer.memory_check=false`` skips it.
+    ``available`` / ``device_name``: a GPU that is not this machine's (a SLURM job's)."""
     if not tcfg.memory_check:
         return
     from .memory import check_fits
 
     distributed = world_size > 1
     shard = world_size if distributed and tcfg.data_parallel == "fsdp2" else 1
+    where = f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} tokens"
+    if distributed:  # per rank, and how the ranks hold the model
+        layout = f"sharded over {shard} ranks (fsdp2)" if shard > 1 else f"trainer.data_parallel={tcfg.data_parallel}"
+        where += f" per rank, {layout}"
     too_big = check_fits(
         mcfg,
         device,
@@ -157,8 +170,9 @@ def check_memory(
         fp8=recipe.is_fp8,
         activation_bytes=2 if bf16_activations else 4,
         shard=shard,
-        where=f" with micro-batches of {tcfg.micro_batch_size} x {tcfg.seq_len} tokens"
-        + (" per rank" if distributed else ""),
+        where=where,
+        available=available,
+        device_name=device_name,
     )
     if too_big:
         raise ConfigError(too_big)

@@ -82,15 +82,13 @@ def run_dir_lock(run_dir: Path) -> Iterator[Path]:
                     "delete it and start again"
                 )
         who = f"PID {other.get('pid')} on {other.get('host')} (since {other.get('started')})"
-        if other.get("host") == host and other.get("pid") == os.getpid():
-            log.warning(
-                "run directory lock %s was left by an earlier Trainer of this process that was not closed", path
+        if other.get("host") == host and (other.get("pid") == os.getpid() or not _alive(other.get("pid"))):
+            left_by = (
+                "an earlier Trainer of this process that was not closed"
+                if other.get("pid") == os.getpid()
+                else f"{who}, which no longer runs"
             )
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            continue
-        if other.get("host") == host and not _alive(other.get("pid")):
-            log.warning("run directory lock %s was left by %s, which no longer runs; taking it over", path, who)
+            log.warning("run directory lock %s was left by %s; taking it over", path, left_by)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             continue
