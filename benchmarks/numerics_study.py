@@ -23,11 +23,13 @@ One command trains, compares and reports::
    a recipe passes when the 95% interval of its final-loss deviation lies within ±X.
 3. **Report**: ``<root>/<model>/report.md`` and ``report.json``: per recipe the paired final-loss
    deviation from BF16 (training and validation) with its 95% interval, how closely the curve
-   tracks BF16 step by step (mean |relative deviation| over the final window), tokens/s, the goal
-   (within 0.25% for blockwise and mxfp8, 0.5% for tensorwise and delayed: met when the interval
-   lies inside it, missed when outside, unresolved otherwise), the noise floor, and the answer to
-   "does fine-grained scaling track BF16 more closely than per-tensor scaling": the difference of
-   the two recipes' tracking, paired by seed, with its interval.
+   tracks BF16 step by step (mean |relative deviation| over the final window), the goal (within
+   0.25% for blockwise and mxfp8, 0.5% for tensorwise and delayed: met when the interval lies
+   inside it, missed when outside, unresolved otherwise), the noise floor, and the answer to "does
+   fine-grained scaling track BF16 more closely than per-tensor scaling": the difference of the
+   two recipes' tracking, paired by seed, with its interval. No tokens/s: runs that share a GPU
+   (``--parallel``) are not speed measurements (the compare outputs keep each run's, for what it
+   is worth).
 
 ``--variant "delayed-margin8 recipe.margin=8"`` adds a recipe with overrides of its own as one more
 group (runs ``delayed-margin8-seed<N>``, the trainer's ``run.tag``), trained at every seed and compared
@@ -403,7 +405,6 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
                 for s in a.seeds
                 if runs[s] and not runs[s].get("baseline")
             },
-            "tokens_per_s": (tr or {}).get("tokens_per_s"),
             "goal": goal,
             "goal_train": _verdict((tr or {}).get("interval"), goal) if goal and tr else None,
             "goal_val": _verdict((va or {}).get("interval"), goal) if goal and va else None,
@@ -488,8 +489,8 @@ def report_markdown(rep: dict) -> str:
         f"last {rep['last']} steps. Corpus: {rep['corpus'] or 'the trainer default (data=stdlib)'}.",
         "",
         "| recipe | seeds | train loss | vs bf16 (train) | val loss | vs bf16 (val) | tracking | goal | "
-        "met (train / val) | tokens/s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "met (train / val) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in rep["recipes"].items():
         base = name == "bf16"
@@ -501,8 +502,7 @@ def report_markdown(rep: dict) -> str:
             f"{'—' if base else _ci(r['train_vs_bf16'], r['train_interval'])} | "
             f"{'—' if r['val_loss'] is None else format(r['val_loss'], '.4f')} | "
             f"{'—' if base else _ci(r['val_vs_bf16'], r['val_interval'])} | "
-            f"{'—' if base else _ci(r['tracking'], r['tracking_interval'], False)} | {goal} | {met} | "
-            f"{'—' if r['tokens_per_s'] is None else format(r['tokens_per_s'], ',.0f')} |"
+            f"{'—' if base else _ci(r['tracking'], r['tracking_interval'], False)} | {goal} | {met} |"
         )
     variants = [(name, r["variant"]) for name, r in rep["recipes"].items() if r.get("variant")]
     if variants:
