@@ -13,6 +13,7 @@ import csv
 import io
 import json
 import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -331,3 +332,34 @@ def test_seeded_outputs_reimport_and_draw_bands(seeds, tmp_path):
     ]
     bands = [c.get_label() for c in ax_dev.collections]
     assert "bf16 seed-to-seed spread (±1 sd)" in bands
+
+
+def _readme_quick_start_compare() -> list:
+    """The arguments of the README quick start's ``nemo-fp8-compare`` line, as written."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = text[text.index("## Quick start: trainer") :]
+    block = block[block.index("```bash") : block.index("```", block.index("```bash") + 7)]
+    lines = [ln.split("  #", 1)[0].split() for ln in block.splitlines() if ln.startswith("nemo-fp8-compare ")]
+    assert len(lines) == 1, lines
+    return lines[0][1:]
+
+
+def test_the_readme_compare_quick_start_gives_the_same_verdict_at_every_seed(seeds, tmp_path, capsys):
+    """The quick start trains one run per recipe at one seed and compares them as the README
+    writes it: at every seed it exits 0 and says, per FP8 run, that one seed cannot separate the
+    recipe from noise (a fixed threshold would pass one seed and fail another)."""
+    parent, _ = seeds
+    args = _readme_quick_start_compare()
+    assert args[0] == "runs/llama3_tiny", args
+    verdicts = []
+    for s in SEEDS:
+        runs = tmp_path / f"seed{s}" / "llama3_tiny"
+        for r in RECIPES:  # the quick start's layout: runs/llama3_tiny/<recipe>
+            shutil.copytree(parent / f"{r}-seed{s}", runs / r)
+        code = main([str(runs), *args[1:], "--out", str(tmp_path / f"out{s}"), "--no-png", "--no-events"])
+        out = capsys.readouterr().out
+        notes = sorted(
+            r for r in RECIPES[1:] if f"**{r}**: one seed: this comparison cannot separate the recipe" in out
+        )
+        verdicts.append((code, notes))
+    assert verdicts == [(0, sorted(RECIPES[1:]))] * len(SEEDS), verdicts
