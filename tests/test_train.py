@@ -917,10 +917,12 @@ def test_gpu_cuda_graphs_train_like_the_default_compile(recipe, accum, tmp_path,
     trains the model the default mode trains, with one and two micro-batches per step (the
     gradients copied out of the graph pool before they are accumulated), delayed scaling's in-graph
     amaxes and the compiled weight cache included, and validation in between; every graph of the
-    step is captured. Not bit for bit: on an H100 the replays left the default mode's losses by up
-    to 2e-5 relative over these 6 steps. So the losses and validation must agree to 1e-4 relative
-    and the gradient norms (what a gradient overwritten by a later replay changes first, by far
-    more) to 1e-3, or to 10x the default mode's own run-to-run spread where that is larger."""
+    step is captured. Both runs are deterministic (``trainer.deterministic=true``), so neither
+    carries run-to-run noise — which, with several tests sharing the GPU (``pytest -n 4``), grew
+    beyond these bounds. Not bit for bit: on an H100 the replays left the default mode's losses by
+    up to 2e-5 relative over these 6 steps. So the losses and validation must agree to 1e-4
+    relative and the gradient norms (what a gradient overwritten by a later replay changes first,
+    by far more) to 1e-3."""
     reason = _gpu_reason(recipe)
     if reason:
         pytest.skip(reason)
@@ -934,9 +936,10 @@ def test_gpu_cuda_graphs_train_like_the_default_compile(recipe, accum, tmp_path,
         f"trainer.global_batch_size={4 * accum}",
         "trainer.checkpoint=false",
         "trainer.telemetry_interval=0",
+        "trainer.deterministic=true",
         f"data.cache_dir={token_cache}",
     ]
-    plain, again = (train(compose_config(base + [f"run.root={tmp_path / name}"])) for name in ("default", "again"))
+    plain = train(compose_config(base + [f"run.root={tmp_path / 'default'}"]))
     graphs = train(compose_config(base + [f"run.root={tmp_path / 'graphs'}", "trainer.compile_mode=reduce-overhead"]))
     assert graphs.cuda_graph_skips == 0 and plain.cuda_graph_skips is None
 
@@ -948,8 +951,7 @@ def test_gpu_cuda_graphs_train_like_the_default_compile(recipe, accum, tmp_path,
         ("val", lambda r: dict(r.val), 1e-4),
         ("grad norm", norms, 1e-3),
     ):
-        spread = _rel_dev(get(again), get(plain))
-        assert _rel_dev(get(graphs), get(plain)) <= max(floor, 10 * spread), (what, get(graphs), get(plain), spread)
+        assert _rel_dev(get(graphs), get(plain)) <= floor, (what, get(graphs), get(plain))
     for (name, a), b in zip(plain.model.state_dict().items(), graphs.model.state_dict().values()):
         if torch.is_floating_point(a):  # (AdamW magnifies rounding in near-zero gradients: per tensor, not per element)
             assert float((a.float() - b.float()).norm()) <= 1e-2 * float(a.float().norm()) + 1e-6, name
