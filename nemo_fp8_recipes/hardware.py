@@ -70,10 +70,15 @@ def normalise_gpu_name(spec: str) -> str:
 
 
 def gpu_by_key(spec: str) -> Optional[GPU]:
-    """The GPU a user's name denotes (:func:`normalise_gpu_name`), a suffix allowed
-    (``H100-SXM5-80GB`` -> h100)."""
-    s = normalise_gpu_name(spec)
-    return next((g for g in GPUS if s.startswith(g.key)), None)
+    """The GPU a user's name denotes (case, spaces, dashes, underscores and ``nvidia`` ignored, as
+    :func:`normalise_gpu_name`), a suffix allowed (``H100-SXM5-80GB``, ``H100 80GB`` -> h100) that
+    does not continue the model number (``h1000`` and ``l40`` are none of ours)."""
+    raw = str(spec).lower().replace("nvidia", "")
+    for g in GPUS:
+        sep = r"[\s_-]*"
+        if re.match(sep + sep.join(map(re.escape, g.key)) + r"(?:$|[\s_-]|(?![0-9]))", raw):
+            return g
+    return None
 
 
 def gpu_by_device_name(name: str) -> Optional[GPU]:
@@ -108,7 +113,7 @@ def device_from_name(spec: str, cuda_version: Optional[Tuple[int, int]] = None) 
     if m:
         sm = int(m.group(1))
         return DeviceInfo(type="cuda", name=f"SM{sm} GPU", capability=(sm // 10, sm % 10), cuda_version=cuda_version)
-    gpu = gpu_by_key(s)
+    gpu = gpu_by_key(spec)
     if gpu is not None:
         return DeviceInfo(type="cuda", name=gpu.name, capability=gpu.capability, cuda_version=cuda_version)
     return None

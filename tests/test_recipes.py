@@ -195,6 +195,13 @@ def test_one_gpu_table_for_names_capabilities_and_peaks():
     assert all(gpu_by_key(g.key) is g and gpu_by_device_name(g.name) is g for g in GPUS)  # order: specific first
     assert gpu_by_key("NVIDIA H100-SXM5-80GB").key == "h100" and gpu_by_key("L40S").key == "l40s"
     assert gpu_by_key("v100") is None and gpu_by_device_name("Tesla V100-SXM2-16GB") is None
+    # a suffix may not continue the model number; a separated one (80GB) may start with a digit
+    assert gpu_by_key("h1000x") is None and gpu_by_key("l40") is None and gpu_by_key("b2000") is None
+    assert gpu_by_key("H100 80GB").key == "h100" and gpu_by_key("h100_nvl").key == "h100nvl"
+    assert gpu_by_key("H100SXM").key == "h100" and gpu_by_key("nvidia-gb200").key == "gb200"
+    from nemo_fp8_recipes.hardware import device_from_name
+
+    assert device_from_name("NVIDIA H100 80GB").name == "NVIDIA H100" and device_from_name("h1000") is None
     for reported, key in (
         ("NVIDIA H100 80GB HBM3", "h100"),
         ("NVIDIA H100 PCIe", "h100pcie"),

@@ -194,7 +194,7 @@ def parse_gpu(spec: Union[None, str, DeviceInfo], cuda: Optional[str] = None) ->
     s = normalise_gpu_name(spec)
     if s == "cpu":
         return DeviceInfo(type="cpu")
-    named = device_from_name(s, cv)
+    named = device_from_name(spec, cv)
     if named is not None:
         return named
     raise ValueError(f"unknown GPU {spec!r}; use one of: {', '.join(g.key for g in GPUS)}, smNN (e.g. sm90) or cpu")
