@@ -459,13 +459,15 @@ def _num(x: Optional[float], digits: int, thousands: bool = False) -> str:
     return f"{x:,.{digits}f}" if thousands else f"{x:.{digits}f}"
 
 
-def _pick_baseline(groups: Dict[str, List[RunSeries]], baseline: Optional[str], gate: bool = False) -> str:
+def _pick_baseline(
+    groups: Dict[str, List[RunSeries]], label_of: Dict[str, str], baseline: Optional[str], gate: bool = False
+) -> str:
     """The baseline group's label: the group ``baseline`` names (its label, or one of its runs by
     name or directory); by default the group labelled ``bf16``, else one whose label starts with
     ``bf16-``, else the first — but with a gate (``gate``) never a run that merely comes first: a
-    gate judged against an FP8 run would pass on less than it claims."""
+    gate judged against an FP8 run would pass on less than it claims. ``label_of``: each run's
+    group label by run name."""
     runs = [r for members in groups.values() for r in members]
-    label_of = {r.name: label for label, members in groups.items() for r in members}
     if baseline is not None:
         if baseline in groups:
             return baseline
@@ -549,8 +551,8 @@ def compare_runs(
     seeded = any(len(members) > 1 for members in groups.values())
     if not seeded:  # one run per configuration: each is known by its own name
         groups = {members[0].name: members for members in groups.values()}
-    base_label = _pick_baseline(groups, baseline, gate=max_rel_dev is not None)
     label_of = {r.name: label for label, members in groups.items() for r in members}
+    base_label = _pick_baseline(groups, label_of, baseline, gate=max_rel_dev is not None)
     base_runs = groups[base_label]
     base_by_seed = first_per_seed(base_runs)
     curves = {r.name: dict(zip(r.steps, moving_average(r.values, smooth))) for r in runs}
