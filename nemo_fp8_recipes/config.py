@@ -44,6 +44,7 @@ __all__ = [
     "with_sweep_names",
     "list_group_options",
     "compose_config",
+    "checked_config",
     "validate_overrides",
     "trainer_config",
     "run_config",
@@ -392,7 +393,14 @@ def _dict_override_keys(key: str, overrides: Sequence[str]) -> List[str]:
 
 
 def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
-    """Compose with ``overrides``; return None if fine, else a clean, actionable message.
+    """None if ``overrides`` compose into a valid config, else the message of
+    :func:`checked_config`."""
+    return checked_config(overrides)[1]
+
+
+def checked_config(overrides: Sequence[str]):
+    """Compose with ``overrides`` and check the result: ``(config, None)`` if fine, else ``(None,
+    message)`` with a clean, actionable message. Command lines check and then use the one config.
 
     Bad group options list the group's options (Hydra's message); unknown keys list the valid
     keys of their parent node with a close-match hint; the typed ``trainer``/``run`` blocks and the
@@ -417,20 +425,22 @@ def validate_overrides(overrides: Sequence[str]) -> Optional[str]:
             or "No match in the defaults" in text
             or "Key '" in str(cause)
         ):
-            return _explain_unknown_key(m.group(1), overrides)
-        return text.split("Config search path:")[0].strip()
+            return None, _explain_unknown_key(m.group(1), overrides)
+        return None, text.split("Config search path:")[0].strip()
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        return f"missing mandatory value(s): {', '.join(missing)}; set them on the command line, e.g. {missing[0]}=" + (
-            "[/path/to/corpus]" if missing[0].endswith("paths") else "..."
+        example = "[/path/to/corpus]" if missing[0].endswith("paths") else "..."
+        return None, (
+            f"missing mandatory value(s): {', '.join(missing)}; set them on the command line, "
+            f"e.g. {missing[0]}={example}"
         )
     try:
         trainer_config(cfg)
         run_config(cfg)
         _check_blocks(cfg)
     except ConfigError as e:
-        return str(e)
-    return None
+        return None, str(e)
+    return cfg, None
 
 
 def _check_blocks(cfg) -> None:

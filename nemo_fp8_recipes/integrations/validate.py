@@ -538,7 +538,7 @@ def validate_config(
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``nemo-fp8-check [--gpu h100] [--cuda 12.9] [--te 2.9] [--json out.json] [--strict]
     <hydra overrides> <framework overrides>``."""
-    from ..config import validate_overrides
+    from ..config import checked_config
 
     parser = argparse.ArgumentParser(
         prog="nemo-fp8-check",
@@ -593,13 +593,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 2
     backend = "te" if args.megatron else None
     ours, theirs = split_overrides(rest, backend=backend)
-    problem = validate_overrides(ours)
+    cfg, problem = checked_config(ours)
     if problem:
         print(f"nemo-fp8-check: {problem}", file=sys.stderr)
         return 2
-    from ..config import compose_config
-
-    cfg = compose_config(ours)
     try:
         target = parse_gpu(args.gpu, args.cuda)
         rep = validate_config(cfg, theirs, device=target, te_version=args.te, backend=backend)

@@ -18,10 +18,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..config import (
     ConfigError,
-    compose_config,
+    checked_config,
     run_name,
     typed_config,
-    validate_overrides,
     with_sweep_names,
 )
 from .slurm import (
@@ -557,10 +556,10 @@ def plan_jobs(overrides: Sequence[str], *, multirun: bool = False, cwd: Optional
             from ..integrations.validate import split_overrides
 
             ours, theirs = split_overrides(combo, backend="megatron_bridge")
-        problem = validate_overrides(ours)  # (what depends on the machine is checked on the nodes)
+        cfg, problem = checked_config(ours)  # (what depends on the machine is checked on the nodes)
         if problem:
             raise ConfigError(problem)
-        jobs.append(plan_job(compose_config(ours), ours, framework_overrides=theirs, cwd=cwd))
+        jobs.append(plan_job(cfg, ours, framework_overrides=theirs, cwd=cwd))
     dirs = [j.run_dir for j in jobs]
     dup = sorted({str(d) for d in dirs if dirs.count(d) > 1})
     if dup:

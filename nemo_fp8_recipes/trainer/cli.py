@@ -15,8 +15,8 @@ from ..config import (
     CONFIG_DIR,
     CONFIG_NAME,
     ConfigError,
+    checked_config,
     compose_config,
-    validate_overrides,
     with_sweep_names,
 )
 from ..data import DataError
@@ -122,9 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "-m" in args or "--multirun" in args:
         args = with_sweep_names(args)  # each job its own run directory: bf16-seed1, bf16-seed2, ...
     if not any(a.startswith("-") for a in args):
-        problem = validate_overrides(args)
+        cfg, problem = checked_config(args)
         if not problem:
-            cfg = compose_config(args)
             problem = te_backend_problem_for(cfg) or _run_dir_problem(Path(cfg.run.dir))
         if problem:
             print(f"nemo-fp8-train: {problem}", file=sys.stderr)

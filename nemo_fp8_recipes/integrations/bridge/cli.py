@@ -125,8 +125,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ConfigError,
         build_policy,
         build_recipe,
-        compose_config,
-        validate_overrides,
+        checked_config,
     )
     from ..callbacks import bridge_callback
     from ..validate import parse_gpu, split_overrides, validate_config
@@ -156,11 +155,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not any(a.split("=", 1)[0].lstrip("+") == "backend" for a in args):
         args.append("backend=megatron_bridge")
     ours, theirs = split_overrides(args, backend="megatron_bridge")
-    problem = validate_overrides(ours)
+    cfg, problem = checked_config(ours)
     if problem:
         print(f"nemo-fp8 bridge: {problem}", file=sys.stderr)
         return 2
-    cfg = compose_config(ours)
     if cfg.backend.name != "megatron_bridge":
         print(
             f"nemo-fp8 bridge: backend={cfg.backend.name}; this entry point runs backend=megatron_bridge",
