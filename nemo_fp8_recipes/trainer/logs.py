@@ -207,17 +207,18 @@ def format_duration(seconds: float) -> str:
 
 def _quiet_writer_threads() -> None:
     """TensorBoard's writer thread re-raises its write error after handing it to the next call
-    (which :class:`MetricsWriter` reports); keep Python from also printing that thread's traceback."""
+    (which :class:`MetricsWriter` reports); keep Python from also printing that thread's traceback.
+    The thread is known by the module of its class (TensorBoard's event-file writer), so no private
+    TensorBoard name is imported: a TensorBoard that moves it only brings the traceback back."""
     import threading
-
-    from tensorboard.summary.writer.event_file_writer import _AsyncWriterThread
 
     previous = threading.excepthook
     if getattr(previous, "_nemo_fp8_quiet", False):
         return
 
     def hook(args):
-        if isinstance(args.thread, _AsyncWriterThread) and isinstance(args.exc_value, OSError):
+        module = type(args.thread).__module__ if args.thread is not None else ""
+        if module.startswith("tensorboard.summary.writer") and isinstance(args.exc_value, OSError):
             return
         previous(args)
 
