@@ -348,13 +348,13 @@ def plan_job(
         variables=variables,
         comment=tuple(comment),
     )
-    script = render_sbatch(job)
-    if backend in ("native", "te"):  # (after the script's own fields are checked)
+    job.validate()  # the script's own fields first, then the trainer's checks
+    if backend in ("native", "te"):
         trainer_warnings = check_trainer_job(cfg, cl, recipe)
         if trainer_warnings:
             warnings += trainer_warnings
-            noted = job.comment + tuple(f"WARNING: {w}" for w in trainer_warnings)
-            script = render_sbatch(dataclasses.replace(job, comment=noted))
+            job = dataclasses.replace(job, comment=job.comment + tuple(f"WARNING: {w}" for w in trainer_warnings))
+    script = render_sbatch(job)
     return PlannedJob(
         job=job, script=script, run_dir=run_dir, overrides=list(args), backend=backend, submit=sub, warnings=warnings
     )
