@@ -29,6 +29,7 @@ from .policy import Decision, PrecisionPolicy
 from .recipes import (
     Recipe,
     RecipeName,
+    ScalingKind,
     UnsupportedRecipeError,
     check_supported,
     get_recipe,
@@ -46,6 +47,7 @@ __all__ = [
     "PrecisionPolicy",
     "Recipe",
     "RecipeName",
+    "ScalingKind",
     "UnsupportedRecipeError",
     "audit",
     "check_supported",

@@ -37,7 +37,7 @@ import torch.nn as nn
 from ..formats import Granularity
 from ..nn import Float8Linear
 from ..policy import Decision, PrecisionPolicy
-from ..recipes import Recipe, get_recipe
+from ..recipes import Recipe, ScalingKind, get_recipe
 from .te import TEUnsupportedError, te_env, te_recipe_spec
 
 __all__ = [
@@ -221,7 +221,7 @@ def te_precision_config(recipe: Recipe, policy: PrecisionPolicy) -> Optional[dic
 def _megatron_expressible(r: Recipe) -> None:
     """Refuse recipe knobs Megatron's own TE recipe construction cannot pass through."""
     te_recipe_spec(r)  # raises for bf16, emulate, delayed accumulation, mxfp8 floor rule
-    if r.name == "tensorwise":
+    if r.scaling_kind is ScalingKind.CURRENT:
         if (r.fprop.fast_accum, r.dgrad.fast_accum, r.wgrad.fast_accum) != (True, False, False):
             raise TEUnsupportedError(
                 "tensorwise: Megatron-Core builds Float8CurrentScaling(fp8_format, fp8_dpa) with TE's "
@@ -229,7 +229,7 @@ def _megatron_expressible(r: Recipe) -> None:
                 "recipe.fprop/dgrad/wgrad.fast_accum cannot reach it. Leave them at the defaults, or "
                 "build the recipe with to_te_recipe() and your own te.autocast"
             )
-    if r.name == "blockwise" and r.weight_granularity is not Granularity.BLOCK_128x128:
+    if r.scaling_kind is ScalingKind.BLOCKWISE and r.weight_granularity is not Granularity.BLOCK_128x128:
         raise TEUnsupportedError(
             "blockwise: Megatron-Core builds Float8BlockScaling(fp8_format) with 128x128 weight blocks; "
             "recipe.weight_granularity=1x128 cannot reach it. Drop the override, or use to_te_recipe() "
