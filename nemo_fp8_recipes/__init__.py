@@ -15,6 +15,7 @@ from .integrations.validate import validate
 from .nn import (
     AuditReport,
     Float8Linear,
+    Float8LinearConfig,
     PolicyViolation,
     audit,
     collect_telemetry,
@@ -43,6 +44,7 @@ __all__ = [
     "AuditReport",
     "Decision",
     "Float8Linear",
+    "Float8LinearConfig",
     "PolicyViolation",
     "PrecisionPolicy",
     "Recipe",

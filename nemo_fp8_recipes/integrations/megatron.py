@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..formats import Granularity
-from ..nn import Float8Linear
+from ..nn import Float8Linear, Float8LinearConfig
 from ..policy import Decision, PrecisionPolicy
 from ..recipes import Recipe, ScalingKind, get_recipe
 from .te import TEUnsupportedError, te_env, te_recipe_spec
@@ -368,15 +368,10 @@ class Float8MegatronLinear(Float8Linear):
     """
 
     @classmethod
-    def from_megatron(cls, layer: nn.Module, recipe: Recipe, emulate: bool) -> "Float8MegatronLinear":
-        """Wrap ``layer`` (same Parameter objects)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        weight = layer.weight
-        new.out_features, new.in_features = int(weight.shape[0]), int(weight.shape[1])
-        new.weight = weight
-        new.bias = layer.bias if isinstance(getattr(layer, "bias", None), nn.Parameter) else None
-        new._setup_fp8(recipe, emulate)
+    def from_megatron(cls, layer: nn.Module, config: Float8LinearConfig) -> "Float8MegatronLinear":
+        """Wrap ``layer`` (same Parameter objects), configured by ``config``."""
+        bias = layer.bias if isinstance(getattr(layer, "bias", None), nn.Parameter) else None
+        new = cls.from_parameters(layer.weight, bias, config)
         new.skip_bias_add = bool(getattr(layer, "skip_bias_add", False))
         new.megatron_class = type(layer).__name__
         new.is_expert = bool(getattr(layer, "is_expert", False))
@@ -429,10 +424,10 @@ def _check_swappable(fqn: str, layer: nn.Module) -> None:
 
 
 def _swap_megatron_linear(
-    fqn: str, layer: nn.Module, decision: Decision, recipe: Recipe, emulate: bool
+    fqn: str, layer: nn.Module, decision: Decision, config: Float8LinearConfig
 ) -> Float8MegatronLinear:
     """The :data:`~nemo_fp8_recipes.nn.SwapFactory` of Megatron's parallel linears."""
-    return Float8MegatronLinear.from_megatron(layer, recipe, emulate=emulate)
+    return Float8MegatronLinear.from_megatron(layer, config)
 
 
 def convert_megatron_model(
