@@ -27,15 +27,19 @@ update schedule (per use, or once per optimizer step with one collective for the
 lives in :mod:`nemo_fp8_recipes.nn.scaling`.
 
 This module holds the module itself (set-up, weight caches, delayed-scaling state, counters,
-telemetry, which path runs); the GEMMs and operand quantisation are in
+telemetry, which path runs) and :class:`Float8LinearOperands`, the narrow view of its state that
+the eager autograd functions get instead of the module; its settings are one frozen
+:class:`~nemo_fp8_recipes.nn.config.Float8LinearConfig`, changed only through
+:meth:`Float8Linear.reconfigure`. The GEMMs and operand quantisation are in
 :mod:`~nemo_fp8_recipes.nn.gemms`, the autograd functions in :mod:`~nemo_fp8_recipes.nn.autograd`,
 the input sharing in :mod:`~nemo_fp8_recipes.nn.shared_input`, the fused wgrad accumulation's checks
 in :mod:`~nemo_fp8_recipes.nn.wgrad_fusion` and the optimizer-step hook in
 :mod:`~nemo_fp8_recipes.nn.weight_cache`.
 
-The autograd functions share the GEMM code (:func:`~.gemms.fprop`, :func:`~.gemms.grads`): the eager one
-(:class:`~.autograd.Float8LinearFn`: fused Triton quantisers on CUDA, weight cache, delayed scaling,
-telemetry) and, under ``torch.compile``, traceable ones for the current-scaling recipes
+The autograd functions take tensors and the config and share the GEMM code (:func:`~.gemms.fprop`,
+:func:`~.gemms.grads`): the eager one (:class:`~.autograd.Float8LinearFn`: fused Triton quantisers on CUDA,
+weight cache, delayed scaling, telemetry, through :class:`Float8LinearOperands`) and, under
+``torch.compile``, traceable ones for the current-scaling recipes
 (:class:`~.autograd.Float8LinearTracedFn`: on CUDA the same Triton quantisers as custom operators, else the
 reference quantisers, which the compiler fuses into its own kernels; no Python-side state) and for
 delayed scaling under the ``step`` schedule (:class:`~.autograd.Float8LinearDelayedTracedFn`: the step's
@@ -825,7 +829,7 @@ class Float8Linear(nn.Linear):
         are state that each quantisation reads and writes), telemetry (its statistics are
         collected Python-side, also in backward), real MXFP8 GEMMs and CUDA emulation with TF32
         on (:meth:`traceable`). Turning telemetry on or off between steps makes the compiler
-        re-trace once for each state (a guard on ``telemetry_enabled``).
+        re-trace once for each state (a guard on ``config.telemetry``).
         """
         if not x.is_floating_point():
             raise RuntimeError(
