@@ -580,7 +580,7 @@ def graph_step(step, model: nn.Module, mode: str, inputs: Inputs, a, row: dict):
     CUDA graphs runs it (Megatron's ``--cuda-graph-impl``, ``torch.compile(mode="reduce-overhead")``)."""
     fp8 = [m for m in model.modules() if type(m) is Float8Linear]
     k = a.micro_batches if fp8 else 1  # (no FP8 weights of ours: nothing re-quantised between replays)
-    if k > 1 and not all(m._graph_wcache_on and m.traceable() for m in fp8):
+    if k > 1 and not all(m.config.graph_weight_cache and m.traceable() for m in fp8):
         row["graph_status"] = (
             "not captured: with --micro-batches > 1 the FP8 weights are re-quantised between "
             "replays, in place, which only the compiled weight cache of a traced FP8 linear does "

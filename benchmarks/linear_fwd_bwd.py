@@ -130,7 +130,7 @@ def run_size(a, dev: str, size: str, d: int, f: int) -> list:
         mods = (Float8Linear.from_linear(up, r, emulate=emulate), Float8Linear.from_linear(down, r, emulate=emulate))
         if recipe.endswith("-step"):
             for m in mods:
-                m.scaling_update = "step"
+                m.reconfigure(scaling_update="step")
         if fused:
             set_wgrad_accumulation_fusion(torch.nn.ModuleList(mods))
         return mods

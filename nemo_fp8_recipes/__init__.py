@@ -15,6 +15,7 @@ from .integrations.validate import validate
 from .nn import (
     AuditReport,
     Float8Linear,
+    Float8LinearConfig,
     PolicyViolation,
     audit,
     collect_telemetry,
@@ -29,6 +30,7 @@ from .policy import Decision, PrecisionPolicy
 from .recipes import (
     Recipe,
     RecipeName,
+    ScalingKind,
     UnsupportedRecipeError,
     check_supported,
     get_recipe,
@@ -42,10 +44,12 @@ __all__ = [
     "AuditReport",
     "Decision",
     "Float8Linear",
+    "Float8LinearConfig",
     "PolicyViolation",
     "PrecisionPolicy",
     "Recipe",
     "RecipeName",
+    "ScalingKind",
     "UnsupportedRecipeError",
     "audit",
     "check_supported",

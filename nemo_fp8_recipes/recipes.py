@@ -22,13 +22,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional, Tuple, Union
+from typing import Any, ClassVar, Optional, Tuple, Union
 
 from .formats import Format, GemmConfig, Granularity, ScaleRounding
 from .hardware import DeviceInfo, describe_device
 
 __all__ = [
     "RecipeName",
+    "ScalingKind",
     "Recipe",
     "BF16Recipe",
     "DelayedScalingRecipe",
@@ -52,6 +53,17 @@ class RecipeName(str, enum.Enum):
     TENSORWISE = "tensorwise"
     BLOCKWISE = "blockwise"
     MXFP8 = "mxfp8"
+
+
+class ScalingKind(str, enum.Enum):
+    """How a recipe chooses its scales: one kind per recipe class (Transformer Engine has one recipe
+    class per kind). Ask ``recipe.scaling_kind`` instead of comparing ``recipe.name`` with a key."""
+
+    NONE = "none"  # no FP8 (bf16)
+    DELAYED = "delayed"  # one scale per tensor, from an amax history
+    CURRENT = "current"  # one scale per tensor, from the tensor itself
+    BLOCKWISE = "blockwise"  # FP32 / power-of-2 scales per 1x128 tile and 128x128 block
+    MICROSCALING = "microscaling"  # E8M0 scales per 1x32 block (OCP MX)
 
 
 _ALGOS = ("max", "most_recent")
@@ -95,6 +107,9 @@ class Recipe:
     dgrad: GemmConfig = field(default_factory=GemmConfig)
     wgrad: GemmConfig = field(default_factory=GemmConfig)
     emulate: Optional[bool] = None
+
+    #: how this recipe class chooses its scales (a class constant, not a field)
+    scaling_kind: ClassVar[ScalingKind] = ScalingKind.NONE
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -191,6 +206,7 @@ class BF16Recipe(Recipe):
     """The baseline: no FP8 at all (BF16 autocast, FP32 master weights)."""
 
     name: str = "bf16"
+    scaling_kind: ClassVar[ScalingKind] = ScalingKind.NONE
 
     @property
     def is_fp8(self) -> bool:
@@ -212,6 +228,7 @@ class DelayedScalingRecipe(Recipe):
     """
 
     name: str = "delayed"
+    scaling_kind: ClassVar[ScalingKind] = ScalingKind.DELAYED
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     margin: int = 0
@@ -249,6 +266,7 @@ class TensorwiseRecipe(Recipe):
     two (TE's ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``; off by default). HYBRID formats."""
 
     name: str = "tensorwise"
+    scaling_kind: ClassVar[ScalingKind] = ScalingKind.CURRENT
     fprop: GemmConfig = field(default_factory=lambda: GemmConfig(fast_accum=True))
 
     def _validate(self) -> None:
@@ -283,6 +301,7 @@ class BlockwiseRecipe(Recipe):
     ``NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1``). All three GEMMs promote to FP32."""
 
     name: str = "blockwise"
+    scaling_kind: ClassVar[ScalingKind] = ScalingKind.BLOCKWISE
     grad_format: Format = Format.E4M3
     input_granularity: Granularity = Granularity.TILE_1x128
     weight_granularity: Granularity = Granularity.BLOCK_128x128
@@ -322,6 +341,7 @@ class MXFP8Recipe(Recipe):
     the OCP v1.0 rule. Real GEMMs need Blackwell (sm_100/103); Hopper only emulates."""
 
     name: str = "mxfp8"
+    scaling_kind: ClassVar[ScalingKind] = ScalingKind.MICROSCALING
     grad_format: Format = Format.E4M3
     input_granularity: Granularity = Granularity.BLOCK_1x32
     weight_granularity: Granularity = Granularity.BLOCK_1x32

@@ -4,8 +4,8 @@ re-exports are not edges (they gather the public API, importing a package's subm
 The modules form layers, and nothing imports upward (core vocabulary -> quantisation and policy ->
 nn -> models and data -> configuration -> trainer / integrations / launch -> command lines;
 ``compare`` stands apart); a module's ``__all__`` names what it defines; no private name is
-imported across modules; ``NEMO_FP8_*`` variables are read in ``nemo_fp8_recipes/options.py``
-only."""
+imported across modules; nothing outside ``nn/linear.py`` touches ``Float8Linear``'s private
+members; ``NEMO_FP8_*`` variables are read in ``nemo_fp8_recipes/options.py`` only."""
 
 from __future__ import annotations
 
@@ -249,6 +249,75 @@ def test_no_private_name_is_imported_across_modules():
                         f"{p.relative_to(ROOT)}: from {'.' * node.level}{node.module or ''} import {', '.join(private)}"
                     )
     assert not bad, "private names imported from another module (make them public where they live):\n" + "\n".join(bad)
+
+
+# ---- Float8Linear's private members ---------------------------------------------------------------
+def _private_members(path: Path, class_name: str) -> set:
+    """The ``_``-prefixed names a class of ``path`` defines: methods, class attributes and
+    ``self._x = ...`` assignments; not dunders, not the ``nn.Module`` internals it overrides or
+    uses (``_apply``, ``_buffers``, ...), which every module has and siblings may reach."""
+    import torch.nn as nn
+
+    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == class_name)
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            if isinstance(node.value, ast.Name) and node.value.id == "self":
+                names.add(node.attr)
+    for node in cls.body:
+        for t in (
+            node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        ):
+            if isinstance(t, ast.Name):
+                names.add(t.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__") and not hasattr(nn.Module, n)}
+
+
+def _private_accesses(source: str, names: set) -> list:
+    """``line: <expr>.<name>`` for every attribute access to one of ``names`` on anything but
+    ``self`` / ``cls`` (a class's own members are its business)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            found.append((node.lineno, node.col_offset, f"{node.lineno}: {ast.unparse(node)}"))
+    return [hit for *_, hit in sorted(found)]
+
+
+FLOAT8_LINEAR = ROOT / "nn" / "linear.py"
+
+
+def test_nothing_outside_the_fp8_linear_touches_its_private_members():
+    """``Float8Linear``'s state is its own: sibling modules (scaling, telemetry, convert, autograd,
+    integrations, the trainer) and the benchmarks and scripts use its public methods and its
+    ``config``. (Tests may look inside.)"""
+    names = _private_members(FLOAT8_LINEAR, "Float8Linear")
+    assert {"_config", "_commit", "_quantize_operand", "_pending"} <= names  # (the finder sees them)
+    bad = []
+    files = [*ROOT.rglob("*.py"), *(ROOT.parent / "benchmarks").rglob("*.py"), *(ROOT.parent / "scripts").rglob("*.py")]
+    for p in files:
+        if p == FLOAT8_LINEAR:
+            continue
+        bad += [f"{p.relative_to(ROOT.parent)}:{hit}" for hit in _private_accesses(p.read_text(), names)]
+    assert not bad, "Float8Linear's private members used outside nn/linear.py (give it a public method):\n" + (
+        "\n".join(bad)
+    )
+
+
+def test_the_private_member_check_finds_a_violation():
+    names = _private_members(FLOAT8_LINEAR, "Float8Linear")
+    source = (
+        "def sync(model):\n"
+        "    for m in fp8_modules(model).values():\n"
+        "        m._commit(0)\n"
+        "        m._scale_generation += 1\n"
+        "        self._pending = []  # a class's own attribute: fine\n"
+        "        m._buffers.clear()  # nn.Module's: fine\n"
+    )
+    assert _private_accesses(source, names) == ["3: m._commit", "4: m._scale_generation"]
 
 
 # ---- environment ----------------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def test_real_mxfp8_gemms_keep_the_eager_island():
     model, _ = _pair("mxfp8")
     assert all(m.traceable() for m in _fp8(model))  # emulated
     for m in _fp8(model):
-        m.emulate = False
+        m.reconfigure(emulate=False)
     assert not any(m.traceable() for m in _fp8(model))
 
 
@@ -336,8 +336,9 @@ def test_real_fp8_path_traces_to_scaled_mm_in_one_graph(recipe, op, overrides, q
     from nemo_fp8_recipes.options import KernelOptions
 
     for m in _fp8(model):
-        m.emulate = False
-        m.kernel_options = KernelOptions(triton=quant_ops)  # (False: the reference quantisers, traced)
+        m.reconfigure(
+            emulate=False, kernel_options=KernelOptions(triton=quant_ops)
+        )  # (False: the reference quantisers)
     monkeypatch.setattr(A, "check_device", lambda *a: None)
     monkeypatch.setattr(G, "triton_enabled", lambda t, triton=None: triton is not False)  # (as on CUDA)
     x, _ = _data(0)

@@ -117,15 +117,17 @@ def test_no_shared_input_quantisation_while_a_cuda_graph_is_captured():
     """Inside a CUDA-graph capture each linear quantises its input itself (the graph must
     contain the quantisation, not reuse codes made before the capture)."""
     import nemo_fp8_recipes.nn.shared_input as lin
+    from nemo_fp8_recipes.nn.linear import Float8LinearOperands
 
     mod = Float8Linear.from_linear(
         torch.nn.Linear(256, 256, bias=False, device="cuda"), get_recipe("tensorwise"), emulate=False
     )
     x = torch.randn(256, 256, device="cuda", requires_grad=True) * 1.0
-    assert lin.input_quantizer(mod, x) is not mod._quantize_operand  # shared outside a capture
+    quantize = Float8LinearOperands(mod).quantize
+    assert lin.input_quantizer(mod, x, quantize) is not quantize  # shared outside a capture
     g = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         with torch.cuda.graph(g):
-            inside = lin.input_quantizer(mod, x)
-    assert inside == mod._quantize_operand
+            inside = lin.input_quantizer(mod, x, quantize)
+    assert inside is quantize

@@ -163,7 +163,7 @@ def test_turning_it_off_drops_the_buffers_and_delayed_is_left_alone():
     set_graph_weight_cache(model)
     assert any(n.startswith("_fp8_wcache") for n, _ in model.w1.named_buffers())
     # each rank quantises its own copy: DDP must not broadcast the buffers from rank 0 every forward
-    assert {f"{m}.{b}" for m in ("w1", "w2") for b in Float8Linear._GRAPH_WCACHE} <= set(
+    assert {f"{m}.{b}" for m in ("w1", "w2") for b in Float8Linear.GRAPH_WEIGHT_CACHE_BUFFERS} <= set(
         model._ddp_params_and_buffers_to_ignore
     )
     assert set_graph_weight_cache(model, False) == 2

@@ -292,11 +292,11 @@ def test_shared_input_quantisation_is_invalidated_and_released(monkeypatch):
     assert new_calls(_qkv("tensorwise")) == 1
     assert new_calls(_qkv("tensorwise"), inp=torch.randn(64, 128, requires_grad=True)) == 3  # a leaf
     assert new_calls(_qkv("delayed")) == 3
-    assert new_calls(_qkv("tensorwise"), setup=lambda m: setattr(m, "telemetry_enabled", True)) == 3
+    assert new_calls(_qkv("tensorwise"), setup=lambda m: m.reconfigure(telemetry=True)) == 3
     with torch.no_grad():
         assert new_calls(_qkv("tensorwise"), inp=x.detach()) == 3
     unshared = KernelOptions(shared_input=False)
-    assert new_calls(_qkv("tensorwise"), setup=lambda m: setattr(m, "kernel_options", unshared)) == 3
+    assert new_calls(_qkv("tensorwise"), setup=lambda m: m.reconfigure(kernel_options=unshared)) == 3
     mods = _qkv("tensorwise")
     with torch.inference_mode():  # inference tensors: no version counter, never shared, no error
         xi = structured(64, 128, seed=6)

@@ -342,9 +342,9 @@ def test_swaps_build_fp8_replacements_for_a_custom_module_class():
 
     built = []
 
-    def factory(fqn, module, decision, recipe, emulate):
-        built.append((fqn, decision.precision, recipe.name, emulate))
-        return Float8Linear.from_linear(module, recipe, emulate)
+    def factory(fqn, module, decision, config):
+        built.append((fqn, decision.precision, config.recipe.name, config.emulate))
+        return Float8Linear.from_linear(module, config=config)
 
     calls = collections.Counter()
 
@@ -413,7 +413,7 @@ def test_swaps_take_the_most_specific_class():
     model = nn.Sequential()
     model.add_module("a", nn.Linear(D, D))
     model.add_module("b", MyLinear(D, D))
-    tagged = lambda fqn, m, d, r, emulate: TaggedFloat8Linear.from_linear(m, r, emulate)  # noqa: E731
+    tagged = lambda fqn, m, d, config: TaggedFloat8Linear.from_linear(m, config=config)  # noqa: E731
     convert_model(model, "blockwise", swaps={MyLinear: tagged})
     assert type(model.a) is Float8Linear and type(model.b) is TaggedFloat8Linear
 
@@ -489,7 +489,7 @@ def test_amax_reduce_hook_is_applied():
     lin = nn.Linear(16, 16, bias=False)
     m = Float8Linear.from_linear(lin, get_recipe("delayed"), emulate=True)
     seen = []
-    m.amax_reduce_fn = lambda t: (seen.append(t.clone()), t * 2)[1]
+    m.reconfigure(amax_reduce_fn=lambda t: (seen.append(t.clone()), t * 2)[1])
     m(torch.ones(16, 16))
     m(torch.ones(16, 16))
     # the second forward commits the input's and the weight's amax (the FP8 weight follows its
@@ -860,3 +860,166 @@ def test_a_rotary_embedding_is_no_embedding():
     assert classify("model.rotary_emb", LlamaRotaryEmbedding())[0] == Role.OTHER
     assert classify("model.layers.0.self_attn.rotary_emb", None)[0] == Role.OTHER
     assert classify("model.embed_tokens", nn.Embedding(8, 4))[0] == Role.EMBEDDING
+
+
+# ---- the FP8 linear's one config ------------------------------------------------------------
+
+
+def test_float8_linear_config_is_frozen_and_names_the_valid_values():
+    import dataclasses
+
+    from nemo_fp8_recipes.nn import Float8LinearConfig
+    from nemo_fp8_recipes.options import KernelOptions
+
+    r = get_recipe("tensorwise")
+    cfg = Float8LinearConfig(recipe=r, emulate=True)
+    assert (cfg.telemetry, cfg.graph_weight_cache, cfg.fuse_wgrad_accumulation) == (False, False, False)
+    assert (cfg.scaling_update, cfg.amax_reduce_fn, cfg.triton_arg) == ("lazy", None, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.telemetry = True
+    for name in ("tensorwise", "blockwise", "mxfp8"):
+        assert Float8LinearConfig(recipe=get_recipe(name), emulate=True).row_multiple == get_recipe(name).gemm_alignment
+    assert Float8LinearConfig(recipe=r, emulate=True, kernel_options=KernelOptions(triton=False)).triton_arg is False
+    bad = [
+        (dict(recipe=get_recipe("bf16"), emulate=True), ValueError, "needs an FP8 recipe, got bf16"),
+        (dict(recipe="tensorwise", emulate=True), TypeError, r"resolve it with get_recipe\(name\)"),
+        (dict(recipe=r, emulate=True, scaling_update="eager"), ValueError, "valid modes: lazy, step"),
+        (dict(recipe=r, emulate=1), TypeError, "emulate must be True or False"),
+        (dict(recipe=r, emulate=True, telemetry="yes"), TypeError, "telemetry must be True or False"),
+        (dict(recipe=r, emulate=True, kernel_options={"triton": False}), TypeError, "must be a KernelOptions"),
+        (dict(recipe=r, emulate=True, amax_reduce_fn=2), TypeError, "callable"),
+        (
+            dict(recipe=get_recipe("delayed"), emulate=True, graph_weight_cache=True),
+            ValueError,
+            r"for current scaling \(tensorwise, blockwise, mxfp8\)",
+        ),
+    ]
+    for kwargs, exc, msg in bad:
+        with pytest.raises(exc, match=msg):
+            Float8LinearConfig(**kwargs)
+    with pytest.raises(ValueError, match="no setting telemetry_enabled; its settings: recipe, emulate, kernel_options"):
+        cfg.replace(telemetry_enabled=True)
+    assert cfg.replace(telemetry=True).telemetry and not cfg.telemetry
+
+
+def test_settings_are_read_only_and_reconfigure_replaces_the_config():
+    import copy
+
+    from nemo_fp8_recipes.nn import Float8LinearConfig
+
+    cfg = Float8LinearConfig(recipe=get_recipe("tensorwise"), emulate=True)
+    m = Float8Linear(32, 32, config=cfg)
+    assert m.config is cfg and m.recipe is cfg.recipe and m.row_multiple == 16
+    old = Float8Linear.from_linear(nn.Linear(32, 32), get_recipe("tensorwise"), emulate=True)  # the older keywords
+    assert old.config == cfg
+    with pytest.raises(TypeError, match="either config=Float8LinearConfig"):
+        Float8Linear(32, 32, recipe=get_recipe("tensorwise"), emulate=True, config=cfg)
+    for name, value, way in [
+        ("telemetry_enabled", True, r"set_telemetry\(model, enabled\).*reconfigure\(telemetry=...\)"),
+        ("scaling_update", "step", r"set_delayed_scaling_update\(model, mode\)"),
+        ("kernel_options", cfg.kernel_options, r"convert_model\(..., options=...\)"),
+        ("fuse_wgrad_accumulation", True, r"set_wgrad_accumulation_fusion"),
+        ("amax_reduce_fn", None, r"set_amax_reduce_fn"),
+        ("emulate", False, r"reconfigure\(emulate=...\)"),
+        ("recipe", get_recipe("blockwise"), "fixed when the module is built"),
+        ("config", cfg, r"reconfigure\(name=value"),
+    ]:
+        with pytest.raises(AttributeError, match=way):
+            setattr(m, name, value)
+    assert m.config is cfg
+    new = m.reconfigure(telemetry=True)
+    assert m.config is new and new.telemetry and m.telemetry_enabled and not cfg.telemetry
+    with pytest.raises(ValueError, match="the recipe is fixed when the module is built"):
+        m.reconfigure(recipe=get_recipe("blockwise"))
+    with pytest.raises(ValueError, match="its settings: recipe, emulate"):
+        m.reconfigure(telemetry_enabled=False)
+    # a refused change leaves the module as it was: fused wgrad accumulation needs an FP32 weight
+    half = Float8Linear.from_linear(nn.Linear(32, 32).bfloat16(), config=cfg)
+    with pytest.raises(RuntimeError, match="accumulates FP32 gradients"):
+        half.reconfigure(fuse_wgrad_accumulation=True, telemetry=True)
+    assert half.config is cfg
+    assert copy.deepcopy(m).config == m.config
+
+
+def test_reconfigure_does_what_each_change_needs():
+    from nemo_fp8_recipes.options import KernelOptions
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 32)
+    # telemetry off drops what was recorded and not collected
+    m = Float8Linear.from_linear(nn.Linear(32, 32), get_recipe("tensorwise"), emulate=True)
+    m.reconfigure(telemetry=True)
+    m(x)
+    m.reconfigure(telemetry=False)
+    assert m.pop_telemetry() == {}
+    # the compiled weight cache: buffers on, re-quantised when the kernels change, freed off
+    m.reconfigure(graph_weight_cache=True)
+    cached = {n for n, _ in m.named_buffers() if n in Float8Linear.GRAPH_WEIGHT_CACHE_BUFFERS}
+    assert cached and not m.graph_weight_cache_stale()
+    with torch.no_grad():
+        m.weight.mul_(2)
+    assert m.graph_weight_cache_stale()
+    m.reconfigure(kernel_options=KernelOptions(triton=False))
+    assert not m.graph_weight_cache_stale()
+    m.reconfigure(graph_weight_cache=False)
+    assert not any(n in Float8Linear.GRAPH_WEIGHT_CACHE_BUFFERS for n, _ in m.named_buffers())
+    # delayed scaling: leaving lazy commits the pending amaxes; entering it from step appends what
+    # the step accumulated (nothing is lost either way)
+    d = Float8Linear.from_linear(nn.Linear(32, 32, bias=False), get_recipe("delayed", amax_history_len=4), emulate=True)
+    d(x)
+    assert d.fp8_pending[0].item() == 1.0
+    d.reconfigure(scaling_update="step")
+    assert d.fp8_amax_history[0, 0].item() == x.abs().max().item() and d.fp8_pending.sum().item() == 0.0
+    d(3 * x)
+    d(2 * x)
+    d.reconfigure(scaling_update="lazy")
+    assert d.fp8_amax_history[0, :2].tolist() == [(3 * x).abs().max().item(), x.abs().max().item()]
+    assert d.fp8_pending.sum().item() == 0.0 and d.fp8_amax_pending.sum().item() == 0.0
+
+
+def test_convert_model_takes_the_settings_once_as_the_wrappers_set_them():
+    from nemo_fp8_recipes.nn import (
+        apply_kernel_options,
+        set_amax_reduce_fn,
+        set_delayed_scaling_update,
+        set_graph_weight_cache,
+        set_wgrad_accumulation_fusion,
+    )
+    from nemo_fp8_recipes.options import KernelOptions
+
+    def fn(t):
+        return t
+
+    opts = KernelOptions(shared_input=False)
+    settings = dict(telemetry=True, fuse_wgrad_accumulation=True, scaling_update="step", amax_reduce_fn=fn)
+    torch.manual_seed(0)
+    once = TinyLlama()
+    after = TinyLlama()
+    after.load_state_dict(once.state_dict())
+    convert_model(once, "tensorwise", options=opts, graph_weight_cache=True, **settings)
+    configs = {id(m.config): m.config for m in fp8_modules(once).values()}
+    assert len(configs) == 1  # one config, built once, shared by every FP8 linear
+    (cfg,) = configs.values()
+    assert cfg.kernel_options is opts and cfg.graph_weight_cache and cfg.recipe.name == "tensorwise"
+    assert all(getattr(cfg, k) == v for k, v in settings.items())
+    assert "layers.0.feed_forward.w1._fp8_wcache_fprop_data" in once._ddp_params_and_buffers_to_ignore
+    # the thin wrappers reach the same config
+    convert_model(after, "tensorwise")
+    apply_kernel_options(after, opts)
+    set_telemetry(after, True)
+    set_wgrad_accumulation_fusion(after)
+    set_amax_reduce_fn(after, fn)
+    assert set_graph_weight_cache(after) == len(fp8_modules(after))
+    assert set_delayed_scaling_update(after, "step") == 0  # (delayed-scaling modules only)
+    after_cfgs = {m.config.replace(scaling_update="step") for m in fp8_modules(after).values()}
+    assert after_cfgs == {cfg}
+    loss_once, loss_after = step(once), step(after)
+    assert torch.equal(loss_once, loss_after)
+    assert collect_telemetry(once) == collect_telemetry(after)
+    # a bad setting is refused before the model changes
+    model = TinyLlama()
+    with pytest.raises(ValueError, match="for current scaling"):
+        convert_model(model, "delayed", graph_weight_cache=True)
+    with pytest.raises(ValueError, match="valid modes: lazy, step"):
+        convert_model(model, "delayed", scaling_update="per-step")
+    assert not fp8_modules(model)

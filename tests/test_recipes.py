@@ -9,6 +9,7 @@ import pytest
 from nemo_fp8_recipes.formats import Format, Granularity, ScaleRounding
 from nemo_fp8_recipes.hardware import DeviceInfo
 from nemo_fp8_recipes.recipes import (
+    ScalingKind,
     UnsupportedRecipeError,
     check_supported,
     get_recipe,
@@ -58,6 +59,22 @@ def test_contract_fields():
     assert m.input_granularity is Granularity.BLOCK_1x32 and m.scale_rounding is ScaleRounding.E8M0_CEIL
     assert m.gemm_alignment == 32 and b.gemm_alignment == 128 and t.gemm_alignment == 16
     assert not get_recipe("bf16").is_fp8
+
+
+def test_each_recipe_class_has_its_own_scaling_kind():
+    """Callers ask ``recipe.scaling_kind`` (a class constant, not a field: overrides cannot change it)
+    instead of comparing the recipe's name; every class has its own, delayed is the only delayed one."""
+    kinds = {name: get_recipe(name).scaling_kind for name in list_recipes()}
+    assert kinds == {
+        "bf16": ScalingKind.NONE,
+        "delayed": ScalingKind.DELAYED,
+        "tensorwise": ScalingKind.CURRENT,
+        "blockwise": ScalingKind.BLOCKWISE,
+        "mxfp8": ScalingKind.MICROSCALING,
+    }
+    assert all(get_recipe(n).is_delayed == (k is ScalingKind.DELAYED) for n, k in kinds.items())
+    assert "scaling_kind" not in get_recipe("blockwise").describe()
+    assert get_recipe("blockwise", weight_granularity="1x128").scaling_kind is ScalingKind.BLOCKWISE
 
 
 def test_overrides_and_string_enums():

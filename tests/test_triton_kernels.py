@@ -621,7 +621,7 @@ def test_delayed_linear_with_the_fused_kernels_matches_the_reference_path(tk, sc
         torch.manual_seed(0)
         lin = torch.nn.Linear(256, 128, bias=False, device=DEV)
         m = Float8Linear.from_linear(lin, r, emulate=not ON_GPU, options=KernelOptions(triton=use_triton))
-        m.scaling_update = schedule
+        m.reconfigure(scaling_update=schedule)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         outs = []
         for step in range(3):
@@ -661,8 +661,7 @@ def test_delayed_telemetry_reports_each_calls_amax_in_step_mode(tk, use_triton, 
         emulate=not ON_GPU,
         options=KernelOptions(triton=use_triton),
     )
-    m.scaling_update = "step"
-    m.telemetry_enabled = True
+    m.reconfigure(scaling_update="step", telemetry=True)
     xs = [structured(16, 64, seed=1) * 100, structured(16, 64, seed=2), structured(16, 64, seed=3)]
     xs[1][3, 3] = float("nan")
     with torch.no_grad():

@@ -46,7 +46,7 @@ def _accumulate_grad_inputs(mod) -> list:
     """What autograd hands the weight's AccumulateGrad each backward: a gradient, or none
     (the wgrad GEMM already added it)."""
     got = []
-    node = mod._grad_accumulator()
+    node = mod.grad_accumulator()
     node.register_prehook(lambda g: got.append("none" if g[0] is None else "gradient"))
     mod.kept_grad_accumulator = node  # the weight holds its node only weakly
     return got

@@ -35,9 +35,9 @@ import torch
 import torch.nn as nn
 
 from ..formats import Granularity
-from ..nn import Float8Linear
+from ..nn import Float8Linear, Float8LinearConfig
 from ..policy import Decision, PrecisionPolicy
-from ..recipes import Recipe, get_recipe
+from ..recipes import Recipe, ScalingKind, get_recipe
 from .te import TEUnsupportedError, te_env, te_recipe_spec
 
 __all__ = [
@@ -221,7 +221,7 @@ def te_precision_config(recipe: Recipe, policy: PrecisionPolicy) -> Optional[dic
 def _megatron_expressible(r: Recipe) -> None:
     """Refuse recipe knobs Megatron's own TE recipe construction cannot pass through."""
     te_recipe_spec(r)  # raises for bf16, emulate, delayed accumulation, mxfp8 floor rule
-    if r.name == "tensorwise":
+    if r.scaling_kind is ScalingKind.CURRENT:
         if (r.fprop.fast_accum, r.dgrad.fast_accum, r.wgrad.fast_accum) != (True, False, False):
             raise TEUnsupportedError(
                 "tensorwise: Megatron-Core builds Float8CurrentScaling(fp8_format, fp8_dpa) with TE's "
@@ -229,7 +229,7 @@ def _megatron_expressible(r: Recipe) -> None:
                 "recipe.fprop/dgrad/wgrad.fast_accum cannot reach it. Leave them at the defaults, or "
                 "build the recipe with to_te_recipe() and your own te.autocast"
             )
-    if r.name == "blockwise" and r.weight_granularity is not Granularity.BLOCK_128x128:
+    if r.scaling_kind is ScalingKind.BLOCKWISE and r.weight_granularity is not Granularity.BLOCK_128x128:
         raise TEUnsupportedError(
             "blockwise: Megatron-Core builds Float8BlockScaling(fp8_format) with 128x128 weight blocks; "
             "recipe.weight_granularity=1x128 cannot reach it. Drop the override, or use to_te_recipe() "
@@ -368,15 +368,10 @@ class Float8MegatronLinear(Float8Linear):
     """
 
     @classmethod
-    def from_megatron(cls, layer: nn.Module, recipe: Recipe, emulate: bool) -> "Float8MegatronLinear":
-        """Wrap ``layer`` (same Parameter objects)."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        weight = layer.weight
-        new.out_features, new.in_features = int(weight.shape[0]), int(weight.shape[1])
-        new.weight = weight
-        new.bias = layer.bias if isinstance(getattr(layer, "bias", None), nn.Parameter) else None
-        new._setup_fp8(recipe, emulate)
+    def from_megatron(cls, layer: nn.Module, config: Float8LinearConfig) -> "Float8MegatronLinear":
+        """Wrap ``layer`` (same Parameter objects), configured by ``config``."""
+        bias = layer.bias if isinstance(getattr(layer, "bias", None), nn.Parameter) else None
+        new = cls.from_parameters(layer.weight, bias, config)
         new.skip_bias_add = bool(getattr(layer, "skip_bias_add", False))
         new.megatron_class = type(layer).__name__
         new.is_expert = bool(getattr(layer, "is_expert", False))
@@ -429,10 +424,10 @@ def _check_swappable(fqn: str, layer: nn.Module) -> None:
 
 
 def _swap_megatron_linear(
-    fqn: str, layer: nn.Module, decision: Decision, recipe: Recipe, emulate: bool
+    fqn: str, layer: nn.Module, decision: Decision, config: Float8LinearConfig
 ) -> Float8MegatronLinear:
     """The :data:`~nemo_fp8_recipes.nn.SwapFactory` of Megatron's parallel linears."""
-    return Float8MegatronLinear.from_megatron(layer, recipe, emulate=emulate)
+    return Float8MegatronLinear.from_megatron(layer, config)
 
 
 def convert_megatron_model(

@@ -35,7 +35,7 @@ import inspect
 from typing import Any, Collection, Dict, List, Optional, Union
 
 from ..policy import PrecisionPolicy
-from ..recipes import Recipe, get_recipe
+from ..recipes import Recipe, ScalingKind, get_recipe
 from .megatron import megatron_config
 
 __all__ = [
@@ -152,7 +152,7 @@ def nemo2_mixed_precision_kwargs(
         kw["fp8"] = None
     gather_key = "fp8_param_gather" if "fp8_param_gather" in sig else "fp8_params"
     kw[gather_key] = bool(fp8_param_gather)
-    if r.name == "mxfp8":
+    if r.scaling_kind is ScalingKind.MICROSCALING:
         kw["reuse_grad_buf_for_mxfp8_param_ag"] = bool(fp8_param_gather)
     out = {}
     for k, v in kw.items():

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, Optional, Tuple, Union
 
 from ..formats import Format, Granularity, ScaleRounding
-from ..recipes import Recipe, get_recipe
+from ..recipes import Recipe, ScalingKind, get_recipe
 from ..versions import version_tuple
 
 __all__ = [
@@ -77,12 +77,12 @@ ENV_CURRENT_POW2_SCALES = "NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES"
 TE_MIN_AUTOCAST_VERSION = (2, 9)
 _TE_RECIPE_MODULE = "transformer_engine.common.recipe"
 
-#: TE class per registry key.
+#: TE recipe class per scaling kind (:attr:`~nemo_fp8_recipes.recipes.Recipe.scaling_kind`).
 TE_CLASSES = {
-    "delayed": "DelayedScaling",
-    "tensorwise": "Float8CurrentScaling",
-    "blockwise": "Float8BlockScaling",
-    "mxfp8": "MXFP8BlockScaling",
+    ScalingKind.DELAYED: "DelayedScaling",
+    ScalingKind.CURRENT: "Float8CurrentScaling",
+    ScalingKind.BLOCKWISE: "Float8BlockScaling",
+    ScalingKind.MICROSCALING: "MXFP8BlockScaling",
 }
 #: Constructor arguments whose value is an ``MMParams``.
 _MM_FIELDS = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
@@ -170,7 +170,7 @@ def te_recipe_spec(recipe: Union[str, Recipe]) -> TERecipeSpec:
         )
     common = {"fp8_dpa": False, "fp8_mha": False}  # attention core stays out of FP8 (policy)
     optional = frozenset({"backward_override", "enable_2d_quantization", "use_power_2_scales", "use_f32_scales"})
-    if r.name == "delayed":
+    if r.scaling_kind is ScalingKind.DELAYED:
         if not r.fprop.fast_accum or r.dgrad.fast_accum or r.wgrad.fast_accum:
             raise TEUnsupportedError(
                 "delayed: TE's DelayedScaling fixes GEMM accumulation (fprop fast, dgrad/wgrad split, "
@@ -188,8 +188,8 @@ def te_recipe_spec(recipe: Union[str, Recipe]) -> TERecipeSpec:
             "backward_override": None,
         }
         expected = {k: v for k, v in kwargs.items() if k not in ("fp8_format", "backward_override")}
-        return TERecipeSpec(r.name, TE_CLASSES[r.name], kwargs, {}, expected, optional)
-    if r.name == "tensorwise":
+        return TERecipeSpec(r.name, TE_CLASSES[r.scaling_kind], kwargs, {}, expected, optional)
+    if r.scaling_kind is ScalingKind.CURRENT:
         pow2 = r.scale_rounding is ScaleRounding.POW2
         kwargs = {
             "use_power_2_scales": pow2,
@@ -204,9 +204,14 @@ def te_recipe_spec(recipe: Union[str, Recipe]) -> TERecipeSpec:
         expected.update({f"{q}.amax_epsilon": 0.0 for q in _Q_FIELDS})
         expected.update({f"{m}.use_split_accumulator": kwargs[m]["use_split_accumulator"] for m in _MM_FIELDS})
         return TERecipeSpec(
-            r.name, TE_CLASSES[r.name], kwargs, {ENV_CURRENT_POW2_SCALES: "1" if pow2 else "0"}, expected, optional
+            r.name,
+            TE_CLASSES[r.scaling_kind],
+            kwargs,
+            {ENV_CURRENT_POW2_SCALES: "1" if pow2 else "0"},
+            expected,
+            optional,
         )
-    if r.name == "blockwise":
+    if r.scaling_kind is ScalingKind.BLOCKWISE:
         fp32 = r.scale_rounding is ScaleRounding.FP32
         kwargs = {
             "use_f32_scales": fp32,
@@ -226,9 +231,14 @@ def te_recipe_spec(recipe: Union[str, Recipe]) -> TERecipeSpec:
             {k: kwargs[k] for k in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim")}
         )
         return TERecipeSpec(
-            r.name, TE_CLASSES[r.name], kwargs, {ENV_BLOCK_FP32_SCALES: "1" if fp32 else "0"}, expected, optional
+            r.name,
+            TE_CLASSES[r.scaling_kind],
+            kwargs,
+            {ENV_BLOCK_FP32_SCALES: "1" if fp32 else "0"},
+            expected,
+            optional,
         )
-    if r.name == "mxfp8":
+    if r.scaling_kind is ScalingKind.MICROSCALING:
         if r.scale_rounding is not ScaleRounding.E8M0_CEIL:
             raise TEUnsupportedError(
                 "mxfp8: TE's MXFP8BlockScaling implements NVIDIA's round-up E8M0 rule "
@@ -243,7 +253,7 @@ def te_recipe_spec(recipe: Union[str, Recipe]) -> TERecipeSpec:
             "enable_2d_quantization": False,
         }
         expected = {"margin": 0, "fp8_dpa": False, "fp8_mha": False}
-        return TERecipeSpec(r.name, TE_CLASSES[r.name], kwargs, {}, expected, optional)
+        return TERecipeSpec(r.name, TE_CLASSES[r.scaling_kind], kwargs, {}, expected, optional)
     raise TEUnsupportedError(f"{r.name}: no Transformer Engine recipe")
 
 
@@ -461,9 +471,9 @@ def te_check_supported(recipe: Union[str, Recipe]) -> Tuple[bool, str]:
         return True, "bf16: no FP8"
     te = importlib.import_module("transformer_engine.pytorch")
     fn = {
-        "blockwise": "is_fp8_block_scaling_available",
-        "mxfp8": "is_mxfp8_available",
-    }.get(r.name, "is_fp8_available")
+        ScalingKind.BLOCKWISE: "is_fp8_block_scaling_available",
+        ScalingKind.MICROSCALING: "is_mxfp8_available",
+    }.get(r.scaling_kind, "is_fp8_available")
     ok, reason = getattr(te, fn)(return_reason=True)
     return bool(ok), reason or f"{r.name}: supported by Transformer Engine on this GPU"
 

@@ -18,7 +18,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from ..hardware import DeviceInfo
 from ..policy import PrecisionPolicy
-from ..recipes import Recipe, check_supported
+from ..recipes import Recipe, ScalingKind, check_supported
 from .megatron import DELAYED_FIRST_LAST_MSG, megatron_config
 from .te import (
     TE_MIN_AUTOCAST_VERSION,
@@ -116,8 +116,13 @@ RECIPE_OWNED_FIELDS = (
     "fp4",
 )
 
-#: Minimum TE version per recipe, as Megatron-Core's get_fp8_recipe() requires it.
-_TE_MIN_FOR_RECIPE = {"delayed": (1, 0), "tensorwise": (2, 2), "blockwise": (2, 3), "mxfp8": (2, 1)}
+#: Minimum TE version per scaling kind, as Megatron-Core's get_fp8_recipe() requires it.
+_TE_MIN_FOR_RECIPE = {
+    ScalingKind.DELAYED: (1, 0),
+    ScalingKind.CURRENT: (2, 2),
+    ScalingKind.BLOCKWISE: (2, 3),
+    ScalingKind.MICROSCALING: (2, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,7 @@ def check_hardware(recipe: Recipe, backend: str, target: DeviceInfo) -> List[Fin
         why += " (recipe.emulate=true exists only on backend=native: Transformer Engine does not emulate)"
     if not ok:
         found.append(Finding("error", "hardware", why))
-    if target.sm == 90 and recipe.name == "blockwise" and target.cuda_version is None:
+    if target.sm == 90 and recipe.scaling_kind is ScalingKind.BLOCKWISE and target.cuda_version is None:
         found.append(
             Finding(
                 "warning",
@@ -555,7 +560,7 @@ def check_fp8_param_gather(
         )
     if (
         fpg
-        and recipe.name == "mxfp8"
+        and recipe.scaling_kind is ScalingKind.MICROSCALING
         and not ov.get(
             "mixed_precision.reuse_grad_buf_for_mxfp8_param_ag", fp8_param_gather and backend == "megatron_bridge"
         )
@@ -612,7 +617,7 @@ def check_te_version(recipe: Recipe, backend: str, target_te: Optional[Tuple[int
     enough for the recipe in Megatron-Core, and has ``te.autocast`` (2.9)."""
     if not (backend in TE_BACKENDS and recipe.is_fp8) or target_te is None:
         return []
-    need = _TE_MIN_FOR_RECIPE.get(recipe.name, (2, 0))
+    need = _TE_MIN_FOR_RECIPE.get(recipe.scaling_kind, (2, 0))
     if target_te < need:
         return [
             Finding(
@@ -723,7 +728,7 @@ def check_token_dims(recipe: Recipe, backend: str, micro_batch_size: Any, seq_le
     (``micro_batch_size x seq_len``) to be a multiple of 16 (32 for mxfp8)."""
     if not (recipe.is_fp8 and backend in TE_BACKENDS and micro_batch_size and seq_len):
         return []
-    need_m = 32 if recipe.name == "mxfp8" else 16
+    need_m = 32 if recipe.scaling_kind is ScalingKind.MICROSCALING else 16
     tokens = int(micro_batch_size) * int(seq_len)
     if tokens % need_m:
         return [

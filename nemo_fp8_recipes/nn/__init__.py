@@ -1,6 +1,7 @@
 """Native backend: the FP8 linear, model conversion, run-time audit and telemetry."""
 
 from .audit import AuditReport, PolicyViolation, audit
+from .config import Float8LinearConfig
 from .convert import (
     SwapFactory,
     apply_kernel_options,
@@ -25,6 +26,7 @@ from .telemetry import collect_telemetry, set_telemetry
 __all__ = [
     "AuditReport",
     "Float8Linear",
+    "Float8LinearConfig",
     "PolicyViolation",
     "SwapFactory",
     "apply_kernel_options",

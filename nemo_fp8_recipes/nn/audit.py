@@ -40,7 +40,8 @@ class AuditReport:
     ``stale_weight_caches``: FP8 linears whose compiled-path weight cache
     (:func:`set_graph_weight_cache`) is older than their weight — written in place outside an
     optimizer step or ``load_state_dict`` without :func:`invalidate_weight_cache`, so a compiled
-    forward would read the old codes.
+    forward would read the old codes. ``fp8``: whether the recipe runs any GEMM in FP8 (False for
+    bf16).
     """
 
     recipe: str
@@ -50,6 +51,7 @@ class AuditReport:
     violations: List[str]
     stale_weight_caches: List[str] = field(default_factory=list)
     kernel_options: Dict[str, bool] = field(default_factory=dict)
+    fp8: bool = True
 
     def computed_in(self, dtype: str) -> "AuditReport":
         """This report with the high-precision modules' ``bf16`` read as ``dtype`` (``"fp32"`` for a
@@ -97,7 +99,7 @@ class AuditReport:
                 "refresh; call invalidate_weight_cache): " + ", ".join(self.stale_weight_caches)
             )
         c8, ch = self.counts["fp8"], self.counts["high_precision"]
-        mode = "no FP8" if self.recipe == "bf16" else ("emulated" if self.emulated else "real FP8 GEMMs")
+        mode = "no FP8" if not self.fp8 else ("emulated" if self.emulated else "real FP8 GEMMs")
         lines.append(
             f"recipe {self.recipe} ({mode}): GEMMs run in FP8 fprop/dgrad/wgrad = "
             f"{c8['fprop']}/{c8['dgrad']}/{c8['wgrad']}; in high precision = "
@@ -146,6 +148,7 @@ def audit(model: nn.Module, strict: bool = False) -> AuditReport:
         violations=violations,
         stale_weight_caches=stale,
         kernel_options=state.options.as_dict(),
+        fp8=state.recipe.is_fp8,
     )
     if strict and violations:
         raise PolicyViolation(

@@ -1,17 +1,21 @@
-"""The FP8 linear's autograd functions: the eager one (the module's quantisers, FP8 weight cache,
-delayed-scaling state, telemetry, Python GEMM counters), its fused-SwiGLU form, and the
-compile-traceable ones (current scaling; delayed scaling with its scales fixed for the step) with
-no Python-side state."""
+"""The FP8 linear's autograd functions: they take tensors and the module's
+:class:`~nemo_fp8_recipes.nn.Float8LinearConfig`, never the module.
+
+The eager one (and its fused-SwiGLU form) also takes an :class:`Operands` object — the module's
+stateful services: its operand quantiser (delayed-scaling state, telemetry), FP8 weight cache,
+GEMM counters and fused-wgrad target (:class:`~nemo_fp8_recipes.nn.linear.Float8LinearOperands`).
+The compile-traceable ones (current scaling; delayed scaling with its scales fixed for the step)
+have no Python-side state: tensors, the config and the module's name for messages."""
 
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional, Protocol, Tuple
 
 import torch
-import torch.nn as nn
 
 from ..recipes import Recipe
+from .config import Float8LinearConfig
 from .gemms import (
     GO,
     IN,
@@ -24,27 +28,50 @@ from .gemms import (
     quantize_weight,
     unpack,
 )
-from .shared_input import input_quantizer
-from .wgrad_fusion import wgrad_target
 
 __all__ = [
     "Float8LinearDelayedTracedFn",
     "Float8LinearFn",
     "Float8LinearTracedFn",
     "Float8SwiGLULinearFn",
+    "Operands",
     "module_fprop",
     "module_grads",
 ]
 
 
+class Operands(Protocol):
+    """What the eager autograd functions need of an FP8 linear (its implementation:
+    :class:`~nemo_fp8_recipes.nn.linear.Float8LinearOperands`)."""
+
+    config: Float8LinearConfig
+    fqn: str
+
+    def quantize(self, i: int, t: torch.Tensor, pair: bool = False, gate: Optional[torch.Tensor] = None):
+        """Quantise operand ``i`` of ``t`` with the module's state (a ``QuantizedTensor``; with
+        ``pair``, also the wgrad copy)."""
+
+    def input_quantizer(self, x: torch.Tensor) -> Callable:
+        """:meth:`quantize`, sharing the quantisation of the input ``x`` where that is exact."""
+
+    def quantized_weight(self) -> Tuple:
+        """The cached FP8 weight: (along K, along N)."""
+
+    def count(self, gemm: str) -> None:
+        """Count one GEMM run in FP8."""
+
+    def wgrad_target(self, ctx) -> Optional[torch.Tensor]:
+        """The gradient the wgrad GEMM accumulates into, or None."""
+
+
 class Float8LinearFn(torch.autograd.Function):
     """Eager path: the module's quantisers (fused Triton kernels on CUDA), FP8 weight cache,
-    delayed-scaling state, telemetry and Python GEMM counters."""
+    delayed-scaling state, telemetry and Python GEMM counters, through ``ops``."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, mod: nn.Module, out_dtype: torch.dtype, grad_enabled: bool):
-        check_device(x, mod.emulate, mod.fqn)
-        return module_fprop(ctx, x, weight, bias, mod, out_dtype, input_quantizer(mod, x), grad_enabled)
+    def forward(ctx, x, weight, bias, ops: Operands, out_dtype: torch.dtype, grad_enabled: bool):
+        check_device(x, ops.config.emulate, ops.fqn)
+        return module_fprop(ctx, x, weight, bias, ops, out_dtype, ops.input_quantizer(x), grad_enabled)
 
     @staticmethod
     def backward(ctx, dy):
@@ -52,24 +79,25 @@ class Float8LinearFn(torch.autograd.Function):
         return dx, dw, db, None, None, None
 
 
-def module_fprop(ctx, x, weight, bias, mod: nn.Module, out_dtype, quantize_operand, grad_enabled: bool, keep=()):
+def module_fprop(ctx, x, weight, bias, ops: Operands, out_dtype, quantize_operand, grad_enabled: bool, keep=()):
     """The eager autograd functions' forward: :func:`fprop` with the module's cached FP8 weight
     and ``quantize_operand``, the fprop count, and the saved tensors (plus ``keep``, appended)."""
+    cfg = ops.config
     y, to_save = fprop(
         ctx,
         x,
         bias,
-        mod._quantized_weight(),
-        recipe=mod.recipe,
-        emulate=mod.emulate,
-        row_multiple=mod._row_multiple,
+        ops.quantized_weight(),
+        recipe=cfg.recipe,
+        emulate=cfg.emulate,
+        row_multiple=cfg.row_multiple,
         out_dtype=out_dtype,
         quantize_operand=quantize_operand,
         grad_enabled=grad_enabled,
     )
-    mod._count("fprop")
+    ops.count("fprop")
     ctx.save_for_backward(*to_save, *keep)
-    ctx.mod = mod
+    ctx.ops = ops
     ctx.w_dtype = weight.dtype
     return y
 
@@ -77,23 +105,23 @@ def module_fprop(ctx, x, weight, bias, mod: nn.Module, out_dtype, quantize_opera
 def module_grads(ctx, dy, saved, need_dx: Optional[bool] = None):
     """The eager autograd functions' dgrad/wgrad (:func:`grads` with the module's quantisers),
     counted."""
-    mod = ctx.mod
-    into = wgrad_target(mod, ctx) if mod.fuse_wgrad_accumulation else None
+    ops = ctx.ops
+    into = ops.wgrad_target(ctx)
     dx, dw, db = grads(
         ctx,
         dy,
         saved,
-        recipe=mod.recipe,
-        emulate=mod.emulate,
+        recipe=ops.config.recipe,
+        emulate=ops.config.emulate,
         w_dtype=ctx.w_dtype,
-        quantize_operand=mod._quantize_operand,
+        quantize_operand=ops.quantize,
         need_dx=need_dx,
         accumulate_into=into,
     )
     if dx is not None:
-        mod._count("dgrad")
+        ops.count("dgrad")
     if dw is not None:
-        mod._count("wgrad")
+        ops.count("wgrad")
         if dw is into:  # already in weight.grad: autograd gets no gradient to add
             dw = None
     return dx, dw, db
@@ -111,13 +139,13 @@ class Float8SwiGLULinearFn(torch.autograd.Function):
     output)."""
 
     @staticmethod
-    def forward(ctx, u, weight, bias, g, mod: nn.Module, out_dtype: torch.dtype, grad_enabled: bool):
+    def forward(ctx, u, weight, bias, g, ops: Operands, out_dtype: torch.dtype, grad_enabled: bool):
         g2 = g.reshape(-1, g.shape[-1])
 
         def quantize_operand(i, t, pair=False):
-            return mod._quantize_operand(i, t, pair=pair, gate=g2 if i == IN else None)
+            return ops.quantize(i, t, pair=pair, gate=g2 if i == IN else None)
 
-        return module_fprop(ctx, u, weight, bias, mod, out_dtype, quantize_operand, grad_enabled, keep=(g, u))
+        return module_fprop(ctx, u, weight, bias, ops, out_dtype, quantize_operand, grad_enabled, keep=(g, u))
 
     @staticmethod
     def backward(ctx, dy):
@@ -132,7 +160,8 @@ class Float8SwiGLULinearFn(torch.autograd.Function):
 
 
 class Float8LinearTracedFn(torch.autograd.Function):
-    """Compile-traceable path (current scaling only): no Python-side state. The quantisers of
+    """Compile-traceable path (current scaling only): no Python-side state, the module's
+    ``config`` (recipe, emulation, ``KernelOptions.triton``). The quantisers of
     :func:`quantize_current` (Triton custom operators on CUDA, else the reference quantisers in
     plain torch ops) and the GEMM dispatch of :mod:`nemo_fp8_recipes.quant.gemm`,
     the weight quantised in every forward — or, given ``wmeta`` and the six ``wcache`` tensors
@@ -147,18 +176,16 @@ class Float8LinearTracedFn(torch.autograd.Function):
         weight,
         bias,
         bwd_counts,
-        recipe: Recipe,
-        emulate: bool,
-        row_multiple: int,
+        config: Float8LinearConfig,
         out_dtype: torch.dtype,
         fqn: str,
         grad_enabled: bool,
-        triton: bool,
         wmeta,
         *wcache,
     ):
+        recipe, emulate = config.recipe, config.emulate
         check_device(x, emulate, fqn)
-        quantize_operand = functools.partial(quantize_current, recipe, triton=triton)
+        quantize_operand = functools.partial(quantize_current, recipe, triton=config.kernel_options.triton)
         if wmeta is None:  # quantised here, in the graph
             weights = quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
         else:  # the module's cached FP8 weight (buffers re-quantised after each optimizer step)
@@ -170,13 +197,13 @@ class Float8LinearTracedFn(torch.autograd.Function):
             weights,
             recipe=recipe,
             emulate=emulate,
-            row_multiple=row_multiple,
+            row_multiple=config.row_multiple,
             out_dtype=out_dtype,
             quantize_operand=quantize_operand,
             grad_enabled=grad_enabled,
         )
         ctx.save_for_backward(*to_save, bwd_counts)
-        ctx.recipe, ctx.emulate, ctx.triton = recipe, emulate, triton
+        ctx.config = config
         ctx.w_dtype = weight.dtype
         ctx.n_wcache = len(wcache)
         return y
@@ -184,20 +211,22 @@ class Float8LinearTracedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         *saved, bwd_counts = ctx.saved_tensors
+        cfg = ctx.config
         dx, dw, db = grads(
             ctx,
             dy,
             saved,
-            recipe=ctx.recipe,
-            emulate=ctx.emulate,
+            recipe=cfg.recipe,
+            emulate=cfg.emulate,
             w_dtype=ctx.w_dtype,
-            quantize_operand=functools.partial(quantize_current, ctx.recipe, triton=ctx.triton),
+            quantize_operand=functools.partial(quantize_current, cfg.recipe, triton=cfg.kernel_options.triton),
         )
         if dx is not None:
             bwd_counts[0].add_(1)
         if dw is not None:
             bwd_counts[1].add_(1)
-        return (dx, dw, db, None, None, None, None, None, None, None, None, None) + (None,) * ctx.n_wcache
+        # (bwd_counts, config, out_dtype, fqn, grad_enabled, wmeta, *wcache) take no gradient
+        return (dx, dw, db) + (None,) * (6 + ctx.n_wcache)
 
 
 def _recording(recipe: Recipe, scales: torch.Tensor, triton: bool, amaxes: dict):
@@ -232,17 +261,15 @@ class Float8LinearDelayedTracedFn(torch.autograd.Function):
         scales,
         grad_pending,
         bwd_counts,
-        recipe: Recipe,
-        emulate: bool,
-        row_multiple: int,
+        config: Float8LinearConfig,
         out_dtype: torch.dtype,
         fqn: str,
         grad_enabled: bool,
-        triton: bool,
     ):
+        recipe, emulate = config.recipe, config.emulate
         check_device(x, emulate, fqn)
         amaxes: dict = {}
-        quantize_operand = _recording(recipe, scales, triton, amaxes)
+        quantize_operand = _recording(recipe, scales, config.kernel_options.triton, amaxes)
         weights = quantize_weight(weight.detach(), recipe, emulate, quantize_operand)
         y, to_save = fprop(
             ctx,
@@ -251,13 +278,13 @@ class Float8LinearDelayedTracedFn(torch.autograd.Function):
             weights,
             recipe=recipe,
             emulate=emulate,
-            row_multiple=row_multiple,
+            row_multiple=config.row_multiple,
             out_dtype=out_dtype,
             quantize_operand=quantize_operand,
             grad_enabled=grad_enabled,
         )
         ctx.save_for_backward(*to_save, scales, grad_pending, bwd_counts)
-        ctx.recipe, ctx.emulate, ctx.triton = recipe, emulate, triton
+        ctx.config = config
         ctx.w_dtype = weight.dtype
         fwd_amax = torch.cat([amaxes[IN], amaxes[W]])
         ctx.mark_non_differentiable(fwd_amax)
@@ -267,14 +294,15 @@ class Float8LinearDelayedTracedFn(torch.autograd.Function):
     def backward(ctx, dy, _unused):
         *saved, scales, grad_pending, bwd_counts = ctx.saved_tensors
         amaxes: dict = {}
+        cfg = ctx.config
         dx, dw, db = grads(
             ctx,
             dy,
             saved,
-            recipe=ctx.recipe,
-            emulate=ctx.emulate,
+            recipe=cfg.recipe,
+            emulate=cfg.emulate,
             w_dtype=ctx.w_dtype,
-            quantize_operand=_recording(ctx.recipe, scales, ctx.triton, amaxes),
+            quantize_operand=_recording(cfg.recipe, scales, cfg.kernel_options.triton, amaxes),
         )
         grad_pending[0:1].copy_(torch.maximum(grad_pending[0:1], amaxes[GO]))
         grad_pending[1:2].fill_(1.0)
@@ -282,4 +310,5 @@ class Float8LinearDelayedTracedFn(torch.autograd.Function):
             bwd_counts[0].add_(1)
         if dw is not None:
             bwd_counts[1].add_(1)
-        return (dx, dw, db) + (None,) * 10
+        # (scales, grad_pending, bwd_counts, config, out_dtype, fqn, grad_enabled) take no gradient
+        return (dx, dw, db) + (None,) * 7

@@ -6,6 +6,13 @@ GEMMs it keeps in high precision, so that :func:`~nemo_fp8_recipes.nn.audit` can
 forward/backward, how many fprop/dgrad/wgrad GEMMs actually ran in FP8 and how many in high
 precision (:mod:`nemo_fp8_recipes.nn.audit`; telemetry: :mod:`nemo_fp8_recipes.nn.telemetry`).
 
+Every FP8 linear of a converted model runs with one :class:`~nemo_fp8_recipes.nn.Float8LinearConfig`,
+built here from ``convert_model``'s arguments (the recipe resolved for the device, the kernel
+options, and the run-time settings: telemetry, the compiled weight cache, fused wgrad
+accumulation, the delayed-scaling schedule and its amax reduction). The whole-model ``set_*``
+functions below change a setting afterwards; each is a thin wrapper over
+:meth:`Float8Linear.reconfigure <nemo_fp8_recipes.nn.Float8Linear.reconfigure>`.
+
 GEMM modules of other classes (Megatron's parallel linears, a project's own linear) are put in
 FP8 through ``swaps``: a mapping from the class to a :data:`SwapFactory` that builds its FP8
 replacement. The policy decision, the audit record and the counters stay here, made once per
@@ -25,6 +32,7 @@ from ..options import KernelOptions, default_kernel_options
 from ..policy import GEMM_ROLES, Decision, PrecisionPolicy, Role, layer_index
 from ..quant.launch import set_fast_launch
 from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
+from .config import Float8LinearConfig
 from .linear import Float8Linear, fp8_modules
 from .wgrad_fusion import check_wgrad_fusion
 
@@ -46,12 +54,13 @@ __all__ = [
 _STATE_ATTR = "_nemo_fp8_state"
 
 #: Builds the FP8 replacement of one module the policy put in FP8:
-#: ``factory(fqn, module, decision, recipe, emulate) -> Float8Linear``. ``recipe`` is the
-#: resolved recipe, ``emulate`` whether the GEMMs are emulated on this device (pass both to the
-#: replacement); the replacement shares ``module``'s Parameter objects, so an optimizer built
-#: before conversion keeps working. :func:`convert_model` sets its ``fqn`` and ``role``,
-#: registers the module's forward hooks on it and applies the kernel options.
-SwapFactory = Callable[[str, nn.Module, Decision, Recipe, bool], Float8Linear]
+#: ``factory(fqn, module, decision, config) -> Float8Linear``. ``config`` is the model's
+#: :class:`~nemo_fp8_recipes.nn.Float8LinearConfig` (the resolved recipe, whether the GEMMs are
+#: emulated on this device, the kernel options and run-time settings): build the replacement with
+#: it (``Float8Linear.from_parameters(weight, bias, config)``). The replacement shares
+#: ``module``'s Parameter objects, so an optimizer built before conversion keeps working.
+#: :func:`convert_model` sets its ``fqn`` and ``role`` and registers the module's forward hooks on it.
+SwapFactory = Callable[[str, nn.Module, Decision, Float8LinearConfig], Float8Linear]
 
 
 @dataclass
@@ -80,9 +89,9 @@ def set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
     setattr(parent, leaf, new)
 
 
-def _swap_linear(fqn: str, module: nn.Module, decision: Decision, recipe: Recipe, emulate: bool) -> Float8Linear:
+def _swap_linear(fqn: str, module: nn.Module, decision: Decision, config: Float8LinearConfig) -> Float8Linear:
     """The built-in swap: an ``nn.Linear`` becomes a :class:`Float8Linear`."""
-    return Float8Linear.from_linear(module, recipe, emulate=emulate)
+    return Float8Linear.from_linear(module, config=config)
 
 
 def _find_swap(swaps: Mapping[type, SwapFactory], module: nn.Module) -> Optional[SwapFactory]:
@@ -176,6 +185,12 @@ def convert_model(
     device=None,
     options: Optional[KernelOptions] = None,
     swaps: Optional[Mapping[type, SwapFactory]] = None,
+    *,
+    telemetry: bool = False,
+    graph_weight_cache: bool = False,
+    fuse_wgrad_accumulation: bool = False,
+    scaling_update: str = "lazy",
+    amax_reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> nn.Module:
     """Apply ``recipe`` to ``model`` in place, as the precision ``policy`` decides; returns it.
 
@@ -198,6 +213,13 @@ def convert_model(
     ``options``: the kernels the FP8 linears and the model's norms run
     (:class:`~nemo_fp8_recipes.options.KernelOptions`, applied with :func:`apply_kernel_options`;
     default :func:`~nemo_fp8_recipes.options.default_kernel_options`); :func:`audit` reports them.
+
+    The keyword-only settings are those of :class:`~nemo_fp8_recipes.nn.Float8LinearConfig`, set
+    here once for every FP8 linear (each has a whole-model ``set_*`` function to change it later):
+    ``telemetry`` (:func:`set_telemetry`), ``graph_weight_cache`` (:func:`set_graph_weight_cache`;
+    current scaling only), ``fuse_wgrad_accumulation`` (:func:`set_wgrad_accumulation_fusion`),
+    ``scaling_update`` (``"lazy"`` or ``"step"``, :func:`set_delayed_scaling_update`) and
+    ``amax_reduce_fn`` (:func:`set_amax_reduce_fn`). A bad value raises before the model changes.
     """
     r = get_recipe(recipe) if not isinstance(recipe, Recipe) else recipe
     if emulate is not None:
@@ -243,6 +265,18 @@ def convert_model(
     for cls, factory in (swaps or {}).items():
         if not isinstance(cls, type) or not callable(factory):
             raise TypeError(f"swaps maps module classes to factories, got {cls!r}: {factory!r}")
+    config = None
+    if r.is_fp8:  # (validated here, before the model changes)
+        config = Float8LinearConfig(
+            recipe=r,
+            emulate=use_emulation,
+            kernel_options=opts,
+            telemetry=telemetry,
+            graph_weight_cache=graph_weight_cache,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+            scaling_update=scaling_update,
+            amax_reduce_fn=amax_reduce_fn,
+        )
     factories: Dict[type, SwapFactory] = {nn.Linear: _swap_linear, **(swaps or {})}
     state = _ConvertState(recipe=r, policy=policy, emulate=use_emulation, options=opts)
 
@@ -291,7 +325,7 @@ def convert_model(
                     "module in convert_model's swaps keeps its GEMM weight in .weight as a 2-D "
                     "[out_features, in_features] tensor (keep it in BF16 with PrecisionPolicy(exclude=[...]))"
                 )
-            new = factory(fqn, module, decision, r, use_emulation)
+            new = factory(fqn, module, decision, config)
             if not isinstance(new, Float8Linear):
                 raise TypeError(
                     f"{fqn}: the swap for {type(module).__name__} returned {type(new).__name__}, not a "
@@ -353,15 +387,20 @@ def _warn_about_nothing_done(model: nn.Module, recipe: Recipe, policy: Precision
 
 def apply_kernel_options(model: nn.Module, options: KernelOptions) -> int:
     """Run ``model``'s FP8 linears and norms with ``options``
-    (:class:`~nemo_fp8_recipes.options.KernelOptions`): sets ``kernel_options`` on every module
-    that has it, records them for :func:`audit` (converted models), and sets the process-wide
-    direct launch of the Triton kernels (``options.fast_launch``). Returns how many modules took
-    them. For a model that is not converted (BF16) it sets the norms' options."""
+    (:class:`~nemo_fp8_recipes.options.KernelOptions`): ``reconfigure(kernel_options=options)`` on
+    every FP8 linear, ``kernel_options`` on every other module that has it (the norms), records
+    them for :func:`audit` (converted models), and sets the process-wide direct launch of the
+    Triton kernels (``options.fast_launch``). Returns how many modules took them. For a model that
+    is not converted (BF16) it sets the norms' options; ``convert_model(..., options=...)`` applies
+    them at conversion."""
     if not isinstance(options, KernelOptions):
         raise TypeError(f"options must be a KernelOptions, got {type(options).__name__}")
     n = 0
     for m in model.modules():
-        if isinstance(getattr(m, "kernel_options", None), KernelOptions):
+        if isinstance(m, Float8Linear):
+            m.reconfigure(kernel_options=options)
+            n += 1
+        elif isinstance(getattr(m, "kernel_options", None), KernelOptions):
             m.kernel_options = options
             n += 1
     state = getattr(model, _STATE_ATTR, None)
@@ -403,13 +442,15 @@ def set_graph_weight_cache(model: nn.Module, enabled: bool = True) -> int:
     :func:`invalidate_weight_cache`; :func:`audit` reports a stale cache. The buffers are kept
     out of DDP's buffer broadcast (each rank quantises its own identical weights). Returns the
     number of modules set. Call it after moving the model to its device and before wrapping it in
-    DDP and compiling it (turning it on or off later makes the compiler re-trace once)."""
+    DDP and compiling it (turning it on or off later makes the compiler re-trace once). A thin
+    wrapper, ``reconfigure(graph_weight_cache=enabled)`` on each; ``convert_model(...,
+    graph_weight_cache=True)`` turns it on at conversion."""
     n, names = 0, []
     for fqn, m in fp8_modules(model).items():
         if m.recipe.is_delayed:
             continue
-        m.set_graph_weight_cache(enabled)
-        names += [f"{fqn}.{b}" for b in m._GRAPH_WCACHE]
+        m.reconfigure(graph_weight_cache=bool(enabled))
+        names += [f"{fqn}.{b}" for b in m.GRAPH_WEIGHT_CACHE_BUFFERS]
         n += 1
     if enabled:  # every rank quantises its own (identical) copy: out of DDP's buffer broadcast
         _ddp_ignore(model, names)
@@ -452,18 +493,22 @@ def set_wgrad_accumulation_fusion(model: nn.Module, enabled: bool = True) -> int
     ``torch.autograd.grad`` and ``backward(inputs=...)`` without the weight are detected and get
     the usual returned gradient. Weights that are not FP32 and weights with gradient hooks
     (``register_hook``, ``register_post_accumulate_grad_hook``) are refused here and, for hooks
-    added later, in backward. Returns the number of modules set."""
+    added later, in backward. Returns the number of modules set. A thin wrapper,
+    ``reconfigure(fuse_wgrad_accumulation=enabled)`` on each (every module is checked before any
+    changes); ``convert_model(..., fuse_wgrad_accumulation=True)`` turns it on at conversion."""
     mods = fp8_modules(model).values()
     if enabled:
         for m in mods:  # (checked again in backward: hooks can be added later)
             check_wgrad_fusion(m)
     for m in mods:
-        m.fuse_wgrad_accumulation = bool(enabled)
+        m.reconfigure(fuse_wgrad_accumulation=bool(enabled))
     return len(mods)
 
 
 def set_amax_reduce_fn(model: nn.Module, fn: Optional[Callable[[torch.Tensor], torch.Tensor]]) -> None:
     """Install a hook that max-reduces delayed-scaling amaxes across ranks before each scale
-    update, e.g. ``lambda t: (dist.all_reduce(t, op=dist.ReduceOp.MAX), t)[1]``."""
+    update of the ``lazy`` schedule, e.g. ``lambda t: (dist.all_reduce(t, op=dist.ReduceOp.MAX),
+    t)[1]``. A thin wrapper, ``reconfigure(amax_reduce_fn=fn)`` on each FP8 linear;
+    ``convert_model(..., amax_reduce_fn=fn)`` installs it at conversion."""
     for m in fp8_modules(model).values():
-        m.amax_reduce_fn = fn
+        m.reconfigure(amax_reduce_fn=fn)

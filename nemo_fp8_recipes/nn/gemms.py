@@ -80,7 +80,7 @@ def quantize_current(recipe: Recipe, i: int, t: torch.Tensor, pair: bool = False
     ``triton`` is False (the module's ``KernelOptions.triton``); everything else (and E8M0
     scales) uses the reference quantisers (plain torch ops, which the compiler fuses into its own
     kernels). Same codes either way, and on CPU the same calls as
-    :meth:`Float8Linear._quantize_operand` of a current-scaling recipe in eager mode."""
+    :meth:`~nemo_fp8_recipes.nn.linear.Float8LinearOperands.quantize` of a current-scaling recipe in eager mode."""
     fmt, gran = operand_spec(recipe, i)
     rounding = recipe.scale_rounding
     if triton and triton_enabled(t):
@@ -119,7 +119,7 @@ def quantize_delayed(
     pending amax. On CUDA the one-pass Triton cast as a custom operator
     (:func:`~nemo_fp8_recipes.quant.ops.tensor_pair_scaled` / ``tensor_scaled``) unless
     ``triton`` is False, else the reference cast; the same codes as the eager path's
-    :meth:`Float8Linear._quantize_operand` with the same scale."""
+    :meth:`~nemo_fp8_recipes.nn.linear.Float8LinearOperands.quantize` with the same scale."""
     fmt, gran = operand_spec(recipe, i)
     if gran is not Granularity.TENSOR:
         raise ValueError(

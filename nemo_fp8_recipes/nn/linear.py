@@ -27,15 +27,19 @@ update schedule (per use, or once per optimizer step with one collective for the
 lives in :mod:`nemo_fp8_recipes.nn.scaling`.
 
 This module holds the module itself (set-up, weight caches, delayed-scaling state, counters,
-telemetry, which path runs); the GEMMs and operand quantisation are in
+telemetry, which path runs) and :class:`Float8LinearOperands`, the narrow view of its state that
+the eager autograd functions get instead of the module; its settings are one frozen
+:class:`~nemo_fp8_recipes.nn.config.Float8LinearConfig`, changed only through
+:meth:`Float8Linear.reconfigure`. The GEMMs and operand quantisation are in
 :mod:`~nemo_fp8_recipes.nn.gemms`, the autograd functions in :mod:`~nemo_fp8_recipes.nn.autograd`,
 the input sharing in :mod:`~nemo_fp8_recipes.nn.shared_input`, the fused wgrad accumulation's checks
 in :mod:`~nemo_fp8_recipes.nn.wgrad_fusion` and the optimizer-step hook in
 :mod:`~nemo_fp8_recipes.nn.weight_cache`.
 
-The autograd functions share the GEMM code (:func:`~.gemms.fprop`, :func:`~.gemms.grads`): the eager one
-(:class:`~.autograd.Float8LinearFn`: fused Triton quantisers on CUDA, weight cache, delayed scaling,
-telemetry) and, under ``torch.compile``, traceable ones for the current-scaling recipes
+The autograd functions take tensors and the config and share the GEMM code (:func:`~.gemms.fprop`,
+:func:`~.gemms.grads`): the eager one (:class:`~.autograd.Float8LinearFn`: fused Triton quantisers on CUDA,
+weight cache, delayed scaling, telemetry, through :class:`Float8LinearOperands`) and, under
+``torch.compile``, traceable ones for the current-scaling recipes
 (:class:`~.autograd.Float8LinearTracedFn`: on CUDA the same Triton quantisers as custom operators, else the
 reference quantisers, which the compiler fuses into its own kernels; no Python-side state) and for
 delayed scaling under the ``step`` schedule (:class:`~.autograd.Float8LinearDelayedTracedFn`: the step's
@@ -46,7 +50,7 @@ scales as inputs, the amaxes as outputs), so a compiled model has no graph break
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -64,6 +68,7 @@ from .autograd import (
     Float8LinearTracedFn,
     Float8SwiGLULinearFn,
 )
+from .config import Float8LinearConfig
 from .gemms import (
     OPERANDS,
     W,
@@ -74,10 +79,13 @@ from .gemms import (
     quantize_plain,
     quantize_weight,
 )
+from .shared_input import input_quantizer
 from .weight_cache import GRAPH_CACHED, OPTIMIZER_GENERATION, install_optimizer_hook
+from .wgrad_fusion import check_wgrad_fusion, wgrad_target
 
 __all__ = [
     "Float8Linear",
+    "Float8LinearOperands",
     "fp8_modules",
 ]
 
@@ -88,16 +96,79 @@ def _out_dtype_for(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
+def _config_from(
+    recipe: Optional[Recipe],
+    emulate: Optional[bool],
+    options: Optional[KernelOptions],
+    config: Optional[Float8LinearConfig],
+) -> Float8LinearConfig:
+    """The config of a new Float8Linear: ``config``, or one built from ``recipe``, ``emulate`` and
+    ``options`` (the constructor's older keywords; not both)."""
+    if config is not None:
+        if recipe is not None or emulate is not None or options is not None:
+            raise TypeError(
+                "Float8Linear takes either config=Float8LinearConfig(...) or recipe=/emulate=/options=, not both"
+            )
+        if not isinstance(config, Float8LinearConfig):
+            raise TypeError(f"config must be a Float8LinearConfig, got {type(config).__name__}")
+        return config
+    if recipe is None or emulate is None:
+        raise TypeError(
+            "Float8Linear needs config=Float8LinearConfig(recipe=..., emulate=...) (or recipe= and emulate=)"
+        )
+    if options is None:
+        return Float8LinearConfig(recipe=recipe, emulate=bool(emulate))
+    return Float8LinearConfig(recipe=recipe, emulate=bool(emulate), kernel_options=options)
+
+
+def _read_only(name: str, field: str, how: str) -> property:
+    """A property reading ``config.<field>``; assigning it raises, naming the supported way."""
+
+    def get(self):
+        return getattr(self._config, field)
+
+    def set_(self, value):
+        raise AttributeError(
+            f"Float8Linear.{name} is read-only: it is config.{field} (a frozen Float8LinearConfig); {how}"
+        )
+
+    return property(get, set_, doc=f"``config.{field}`` (read-only).")
+
+
+def _ways(field: str, convert_kw: str, wrapper: str) -> str:
+    return (
+        f"set it when converting (convert_model(..., {convert_kw}=...)), for a whole model with {wrapper}, "
+        f"or for one module with module.reconfigure({field}=...)"
+    )
+
+
 class Float8Linear(nn.Linear):
-    """An ``nn.Linear`` whose three GEMMs run in FP8 per ``recipe``.
+    """An ``nn.Linear`` whose three GEMMs run in FP8 as its :class:`~nemo_fp8_recipes.nn.Float8LinearConfig`
+    says (``config``: recipe, emulation, kernel options, telemetry, weight cache, wgrad fusion,
+    delayed-scaling schedule).
 
     Build it with :meth:`from_linear` (keeps the same ``Parameter`` objects) or through
-    :func:`nemo_fp8_recipes.nn.convert_model`. ``emulate=True`` runs exact emulation
-    (quantise -> dequantise -> FP32 matmul); ``False`` runs ``torch._scaled_mm`` /
-    ``torch.nn.functional.scaled_mm`` on the tensor cores. ``options``: the kernels it runs
-    (:class:`~nemo_fp8_recipes.options.KernelOptions`; default
-    :func:`~nemo_fp8_recipes.options.default_kernel_options`), attribute ``kernel_options``.
+    :func:`nemo_fp8_recipes.nn.convert_model`, which builds the config once for the whole model.
+    ``Float8Linear(in, out, config=Float8LinearConfig(recipe=..., emulate=...))``; the older keywords
+    ``recipe=``, ``emulate=`` (True: exact emulation, quantise -> dequantise -> FP32 matmul; False:
+    ``torch._scaled_mm`` / ``torch.nn.functional.scaled_mm`` on the tensor cores) and ``options=``
+    (:class:`~nemo_fp8_recipes.options.KernelOptions`) build the config with the other settings at
+    their defaults. The settings are read-only attributes (``recipe``, ``emulate``,
+    ``kernel_options``, ``telemetry_enabled``, ``scaling_update``, ``amax_reduce_fn``,
+    ``fuse_wgrad_accumulation``); :meth:`reconfigure` changes them.
     """
+
+    #: the compiled path's FP8 weight cache (:meth:`set_graph_weight_cache`): buffers, not in
+    #: ``state_dict``, of the weight quantised along K (data, scale, E8M0 scale) and along N
+    GRAPH_WEIGHT_CACHE_BUFFERS = (
+        "_fp8_wcache_fprop_data",
+        "_fp8_wcache_fprop_scale",
+        "_fp8_wcache_fprop_e8m0",
+        "_fp8_wcache_dgrad_data",
+        "_fp8_wcache_dgrad_scale",
+        "_fp8_wcache_dgrad_e8m0",
+    )
+    _config: Optional[Float8LinearConfig] = None  # (None until set up: nn.Linear's __init__ resets first)
 
     def __init__(
         self,
@@ -105,56 +176,66 @@ class Float8Linear(nn.Linear):
         out_features: int,
         bias: bool = True,
         *,
-        recipe: Recipe,
-        emulate: bool,
+        recipe: Optional[Recipe] = None,
+        emulate: Optional[bool] = None,
         options: Optional[KernelOptions] = None,
+        config: Optional[Float8LinearConfig] = None,
         device=None,
         dtype=None,
     ) -> None:
-        self.recipe = None
+        cfg = _config_from(recipe, emulate, options, config)
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup_fp8(recipe, emulate, options)
+        self._setup_fp8(cfg)
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, recipe: Recipe, emulate: bool, options: Optional[KernelOptions] = None
+        cls,
+        linear: nn.Linear,
+        recipe: Optional[Recipe] = None,
+        emulate: Optional[bool] = None,
+        options: Optional[KernelOptions] = None,
+        *,
+        config: Optional[Float8LinearConfig] = None,
     ) -> "Float8Linear":
-        """A Float8Linear sharing ``linear``'s weight and bias Parameter objects."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new._setup_fp8(recipe, emulate, options)
+        """A Float8Linear sharing ``linear``'s weight and bias Parameter objects, configured by
+        ``config`` (or by ``recipe``, ``emulate`` and ``options``)."""
+        new = cls.from_parameters(linear.weight, linear.bias, _config_from(recipe, emulate, options, config))
         new.to(linear.weight.device)
         return new
 
+    @classmethod
+    def from_parameters(
+        cls, weight: nn.Parameter, bias: Optional[nn.Parameter], config: Float8LinearConfig
+    ) -> "Float8Linear":
+        """A Float8Linear (or subclass) around an existing ``[out, in]`` ``weight`` and ``bias``
+        (the same Parameter objects, so an optimizer built before keeps working): what
+        :meth:`from_linear` and integrations that wrap another library's linear build on. The
+        subclass sets its own attributes afterwards."""
+        if not isinstance(config, Float8LinearConfig):
+            raise TypeError(f"config must be a Float8LinearConfig, got {type(config).__name__}")
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.out_features, new.in_features = int(weight.shape[0]), int(weight.shape[1])
+        new.weight = weight
+        new.bias = bias
+        new._setup_fp8(config)
+        return new
+
     # ---- set-up ------------------------------------------------------------------------------
-    def _setup_fp8(self, recipe: Recipe, emulate: bool, options: Optional[KernelOptions] = None) -> None:
-        if not recipe.is_fp8:
-            raise ValueError("Float8Linear needs an FP8 recipe, got bf16")
-        if options is not None and not isinstance(options, KernelOptions):
-            raise TypeError(f"options must be a KernelOptions, got {type(options).__name__}")
-        self.recipe = recipe
-        self.emulate = bool(emulate)
-        self.kernel_options = options if options is not None else default_kernel_options()
+    def _setup_fp8(self, config: Float8LinearConfig) -> None:
         install_optimizer_hook()
-        self._row_multiple = recipe.gemm_alignment
         self.fqn = ""
         self.role = "linear"
-        self.amax_reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
-        self.scaling_update = "lazy"  # or "step": see nemo_fp8_recipes.nn.scaling
         self._gemm_counts_eager: Dict[str, int] = {"fprop": 0, "dgrad": 0, "wgrad": 0}
-        self.telemetry_enabled = False
         self._telemetry: Dict[int, list] = {}
         self._wcache_key = None
         self._wcache = None
         # delayed scaling: bumped whenever the scales advance (step schedule), so the cached FP8
         # weight is re-quantised with its new scale even when the weight itself did not change
         self._scale_generation = 0
-        self._graph_wcache_on = False  # set_graph_weight_cache
         self._graph_wcache_meta = None
         self._graph_wcache_version = None
+        recipe = config.recipe
         dev = self.weight.device
         # GEMM counters of the compile-traced path, added to in-graph (in-place adds that the
         # compiler keeps in its graphs); fprop is counted in forward, dgrad/wgrad in backward, in
@@ -174,14 +255,116 @@ class Float8Linear(nn.Linear):
             # two above by fold_traced_amax; not in state_dict (folded before a save)
             self.register_buffer("fp8_grad_pending", torch.zeros(2, device=dev), persistent=False)
         self._pending = [False, False, False]
-        self.fuse_wgrad_accumulation = False
+        if config.fuse_wgrad_accumulation:
+            check_wgrad_fusion(self)
+        if config.graph_weight_cache:
+            self._check_graph_weight_cache()
+        self._config = config
+        if config.graph_weight_cache:
+            GRAPH_CACHED.add(self)
+            self.refresh_graph_weight_cache()
+
+    # ---- the configuration -------------------------------------------------------------------
+    @property
+    def config(self) -> Float8LinearConfig:
+        """How this module runs (frozen); :meth:`reconfigure` replaces it."""
+        return self._config
+
+    @config.setter
+    def config(self, value) -> None:
+        raise AttributeError(
+            "Float8Linear.config is read-only: change settings with module.reconfigure(name=value, ...), which "
+            "also does what each change needs (buffers, pending amaxes, checks)"
+        )
+
+    recipe = _read_only(
+        "recipe", "recipe", "the recipe is fixed when the module is built: convert a fresh model with another recipe"
+    )
+    emulate = _read_only(
+        "emulate",
+        "emulate",
+        "set it when converting (convert_model(..., emulate=...)) or with module.reconfigure(emulate=...)",
+    )
+    kernel_options = _read_only(
+        "kernel_options", "kernel_options", _ways("kernel_options", "options", "apply_kernel_options(model, options)")
+    )
+    telemetry_enabled = _read_only(
+        "telemetry_enabled", "telemetry", _ways("telemetry", "telemetry", "set_telemetry(model, enabled)")
+    )
+    scaling_update = _read_only(
+        "scaling_update",
+        "scaling_update",
+        _ways("scaling_update", "scaling_update", "set_delayed_scaling_update(model, mode)"),
+    )
+    amax_reduce_fn = _read_only(
+        "amax_reduce_fn", "amax_reduce_fn", _ways("amax_reduce_fn", "amax_reduce_fn", "set_amax_reduce_fn(model, fn)")
+    )
+    fuse_wgrad_accumulation = _read_only(
+        "fuse_wgrad_accumulation",
+        "fuse_wgrad_accumulation",
+        _ways("fuse_wgrad_accumulation", "fuse_wgrad_accumulation", "set_wgrad_accumulation_fusion(model, enabled)"),
+    )
+
+    @property
+    def row_multiple(self) -> int:
+        """Rows of this module's GEMM operands are padded to a multiple of this for real FP8
+        GEMMs (``config.row_multiple``, the recipe's GEMM alignment)."""
+        return self._config.row_multiple
+
+    def reconfigure(self, **changes) -> Float8LinearConfig:
+        """Change settings of this module's :attr:`config` (``dataclasses.replace``, validated) and
+        do what each change needs; returns the new config. The model-wide ``set_*`` functions of
+        :mod:`nemo_fp8_recipes.nn` call this for every FP8 linear.
+
+        * ``scaling_update`` (delayed scaling): leaving or re-entering ``lazy`` commits the pending
+          amaxes first (with the old settings); entering ``lazy`` from ``step`` appends what the
+          step accumulated, locally — no amax is lost either way.
+        * ``telemetry=False`` drops the statistics not yet collected.
+        * ``graph_weight_cache``: True allocates and quantises the compiled path's FP8 weight
+          buffers (a plain, materialised weight; current scaling), False frees them. With the cache
+          on, a change of ``emulate`` or ``kernel_options`` re-quantises it.
+        * ``fuse_wgrad_accumulation=True`` checks the weight first (FP32, no gradient hooks).
+
+        The recipe is fixed at construction (its scaling state is in buffers): convert a fresh model
+        for another recipe. A refused change leaves the module as it was."""
+        old = self._config
+        new = old.replace(**changes)
+        if new == old:
+            new = old  # (the same object: a converted model's FP8 linears keep sharing one config)
+        if new.recipe != old.recipe:
+            raise ValueError(
+                f"{self.fqn or 'Float8Linear'}: the recipe is fixed when the module is built (recipe "
+                f"{old.recipe.name}: its scaling state lives in this module's buffers); build a new one "
+                "(Float8Linear.from_linear, or convert_model on a fresh model) for another recipe"
+            )
+        if new.fuse_wgrad_accumulation and "fuse_wgrad_accumulation" in changes:
+            check_wgrad_fusion(self)  # (checked again in backward: hooks can be added later)
+        if new.graph_weight_cache and "graph_weight_cache" in changes:
+            self._check_graph_weight_cache()
+        if "scaling_update" in changes and old.recipe.is_delayed and old.scaling_update == "lazy":
+            for i in range(3):
+                self._commit(i)
+        self._config = new
+        if "scaling_update" in changes and new.recipe.is_delayed and new.scaling_update == "lazy":
+            self._advance_pending()
+        if not new.telemetry:
+            self._telemetry = {}
+        if "graph_weight_cache" in changes:
+            if new.graph_weight_cache:
+                GRAPH_CACHED.add(self)
+                self.refresh_graph_weight_cache()
+            else:
+                self._drop_graph_weight_cache()
+        elif new.graph_weight_cache and (new.emulate != old.emulate or new.kernel_options != old.kernel_options):
+            self.refresh_graph_weight_cache()
+        return new
 
     def __setstate__(self, state) -> None:  # copy.deepcopy, pickle: the copy's cache is refreshed too
         super().__setstate__(state)
         install_optimizer_hook()  # (an unpickled module may be this process's first)
-        if "kernel_options" not in self.__dict__:  # (a module pickled before it had options)
-            self.kernel_options = default_kernel_options()
-        if getattr(self, "_graph_wcache_on", False):
+        if "_config" not in self.__dict__:  # (a module pickled when its settings were attributes)
+            self._config = _config_of_old_pickle(self.__dict__)
+        if self._config.graph_weight_cache:
             GRAPH_CACHED.add(self)
 
     def extra_repr(self) -> str:
@@ -191,9 +374,10 @@ class Float8Linear(nn.Linear):
             fused += f", {self.kernel_options.describe()}"
         return f"{super().extra_repr()}, recipe={self.recipe.name}, {mode}{fused}"
 
-    def _grad_accumulator(self):
-        """The weight's AccumulateGrad node, looked up each time: it changes when the weight's
-        data is replaced with another dtype or device (``module.to(...)``)."""
+    def grad_accumulator(self):
+        """The weight's AccumulateGrad node (what fused wgrad accumulation checks autograd will
+        run), looked up each time: it changes when the weight's data is replaced with another dtype
+        or device (``module.to(...)``)."""
         with torch.enable_grad():  # (called from backward, where grad mode is off)
             return self.weight.view_as(self.weight).grad_fn.next_functions[0][0]
 
@@ -207,8 +391,7 @@ class Float8Linear(nn.Linear):
             with torch.no_grad():  # amaxes are >= 0; the kernels max-accumulate their IEEE bits
                 self.fp8_amax_pending.abs_()
                 self.fp8_grad_pending.zero_()  # (replaced by the loaded pending amaxes)
-        if self._graph_wcache_on:
-            self.refresh_graph_weight_cache()
+        self.refresh_graph_weight_cache()
 
     def _apply(self, fn, *args, **kwargs):
         # .to()/.half()/.bfloat16() must not cast the FP32 scaling state
@@ -226,7 +409,7 @@ class Float8Linear(nn.Linear):
             if b is not None and b.dtype != torch.float32:
                 setattr(self, name, b.float())
         self._wcache_key = self._wcache = None
-        if getattr(self, "_graph_wcache_on", False):  # the weight moved or changed dtype
+        if self._config is not None:  # the weight moved or changed dtype
             self.refresh_graph_weight_cache()
         return out
 
@@ -237,7 +420,7 @@ class Float8Linear(nn.Linear):
     @torch.no_grad()
     def reset_fp8_state(self) -> None:
         """Forget amax histories and scales (scale 1, as at construction) and the FP8 weight."""
-        if getattr(self, "recipe", None) is not None and self.recipe.is_delayed:
+        if self._config is not None and self._config.recipe.is_delayed:
             self.fp8_amax_history.zero_()
             self.fp8_scale.fill_(1.0)
             self.fp8_amax_pending.zero_()
@@ -245,7 +428,7 @@ class Float8Linear(nn.Linear):
             self.fp8_grad_pending.zero_()
         self._pending = [False, False, False]
         self._wcache_key = self._wcache = None
-        if getattr(self, "_graph_wcache_on", False):
+        if self._config is not None:
             self.refresh_graph_weight_cache()
 
     @torch.no_grad()
@@ -254,12 +437,42 @@ class Float8Linear(nn.Linear):
         backward (``fp8_grad_pending``) into the pending amax and flag, and clear it. The update
         functions of :mod:`~nemo_fp8_recipes.nn.scaling` do this for the whole model at once;
         ``state_dict`` does it before saving. A no-op for current scaling."""
-        if getattr(self, "recipe", None) is None or not self.recipe.is_delayed:
+        if self._config is None or not self._config.recipe.is_delayed:
             return
         gp = self.fp8_grad_pending
         self.fp8_amax_pending[2:].copy_(torch.maximum(self.fp8_amax_pending[2:], gp[:1]))
         self.fp8_pending[2:].copy_(torch.maximum(self.fp8_pending[2:], gp[1:]))
         gp.zero_()
+
+    def pending_amaxes_cleared(self, scales_advanced: bool) -> None:
+        """Record that the pending amax buffers were consumed for the whole model by
+        :mod:`~nemo_fp8_recipes.nn.scaling` (and zeroed there): appended to the histories
+        (``scales_advanced``: the cached FP8 weight is re-quantised with its new scale at the next
+        forward) or discarded."""
+        self._pending = [False, False, False]
+        if scales_advanced:
+            self._scale_generation += 1
+
+    @torch.no_grad()
+    def _advance_pending(self) -> None:
+        """Append every pending amax (the traced backward's included) to its history and recompute
+        the scales, locally (no reduction): the per-module form of
+        :func:`~nemo_fp8_recipes.nn.sync_delayed_scaling`, for leaving the ``step`` schedule."""
+        self.fold_traced_amax()
+        r = self._config.recipe
+        hist, scale = advance_delayed_scaling(
+            self.fp8_amax_history,
+            self.fp8_scale,
+            self.fp8_amax_pending,
+            self.fp8_pending,
+            (r.input_format, r.weight_format, r.grad_format),
+            r,
+        )
+        self.fp8_amax_history.copy_(hist)
+        self.fp8_scale.copy_(scale)
+        self.fp8_amax_pending.zero_()
+        self.fp8_pending.zero_()
+        self.pending_amaxes_cleared(scales_advanced=True)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         self.fold_traced_amax()  # the saved pending amaxes include the traced backward's
@@ -272,28 +485,18 @@ class Float8Linear(nn.Linear):
         not bump its version counter) in eager mode, by any in-place write when the compiled
         forward reads the cache."""
         self._wcache_key = self._wcache = None
-        if self._graph_wcache_on:
-            self.refresh_graph_weight_cache()
+        self.refresh_graph_weight_cache()
 
     # ---- the compiled path's FP8 weight cache ----------------------------------------------------
-    _GRAPH_WCACHE = (
-        "_fp8_wcache_fprop_data",
-        "_fp8_wcache_fprop_scale",
-        "_fp8_wcache_fprop_e8m0",
-        "_fp8_wcache_dgrad_data",
-        "_fp8_wcache_dgrad_scale",
-        "_fp8_wcache_dgrad_e8m0",
-    )
-
     def set_graph_weight_cache(self, enabled: bool = True) -> None:
-        """Let the compiled (traced) forward read the FP8 weight from buffers of this module
-        instead of quantising it in the graph — Transformer Engine's FP8 weight caching across
-        micro-batches, for ``torch.compile``. The buffers are (re-)quantised eagerly: now, after
-        every optimizer step that updates this weight (a global optimizer hook, any optimizer),
-        after ``load_state_dict``, ``.to()`` and :meth:`reset_fp8_state`, and by
-        :meth:`invalidate_weight_cache`. So with K micro-batches per step the weight is
-        quantised once per step, not K times. The cost: the two FP8 copies (1 byte per parameter
-        each) stay allocated between steps, as the eager path's cache does.
+        """``reconfigure(graph_weight_cache=enabled)``: let the compiled (traced) forward read the
+        FP8 weight from buffers of this module instead of quantising it in the graph — Transformer
+        Engine's FP8 weight caching across micro-batches, for ``torch.compile``. The buffers are
+        (re-)quantised eagerly: now, after every optimizer step that updates this weight (a global
+        optimizer hook, any optimizer), after ``load_state_dict``, ``.to()`` and
+        :meth:`reset_fp8_state`, and by :meth:`invalidate_weight_cache`. So with K micro-batches
+        per step the weight is quantised once per step, not K times. The cost: the two FP8 copies
+        (1 byte per parameter each) stay allocated between steps, as the eager path's cache does.
 
         The contract: the weight changes only through those. An in-place write outside them
         (``with torch.no_grad(): w.mul_(…)``, ``.data`` copies) leaves the compiled forward
@@ -302,36 +505,30 @@ class Float8Linear(nn.Linear):
         counter. Only for current scaling (delayed scaling quantises its weight with the step's
         scale, in the graph or, eagerly, into its own cache) and plain tensors: a DTensor (FSDP2)
         weight is refused."""
-        if not enabled:
-            self._graph_wcache_on = False
-            GRAPH_CACHED.discard(self)
-            for name in self._GRAPH_WCACHE:
-                self._buffers.pop(name, None)
-                self._non_persistent_buffers_set.discard(name)
-            self._graph_wcache_meta = self._graph_wcache_version = None
-            return
-        if self.recipe.is_delayed:
-            raise ValueError(
-                f"{self.fqn or 'Float8Linear'}: recipe {self.recipe.name} quantises its weight with the "
-                "step's delayed scale (the eager path caches it); the compiled weight cache is for "
-                "current scaling (tensorwise, blockwise, mxfp8)"
-            )
+        self.reconfigure(graph_weight_cache=bool(enabled))
+
+    def _check_graph_weight_cache(self) -> None:
+        """Refuse the compiled weight cache for a weight it cannot follow."""
         if type(self.weight.data) is not torch.Tensor or self.weight.is_meta:
             raise ValueError(
                 f"{self.fqn or 'Float8Linear'}: the compiled weight cache needs a plain, materialised "
                 f"weight tensor, got {type(self.weight.data).__name__} on {self.weight.device} "
                 "(a DTensor / FSDP2 weight is re-quantised in the graph)"
             )
-        self._graph_wcache_on = True
-        GRAPH_CACHED.add(self)
-        self.refresh_graph_weight_cache()
+
+    def _drop_graph_weight_cache(self) -> None:
+        GRAPH_CACHED.discard(self)
+        for name in self.GRAPH_WEIGHT_CACHE_BUFFERS:
+            self._buffers.pop(name, None)
+            self._non_persistent_buffers_set.discard(name)
+        self._graph_wcache_meta = self._graph_wcache_version = None
 
     @torch.no_grad()
     def refresh_graph_weight_cache(self) -> None:
         """Re-quantise the compiled path's cached FP8 weight from the current weight, in place
         (same buffers, so compiled graphs and CUDA graphs that read them stay valid). Called for
         you (:meth:`set_graph_weight_cache`); a no-op while the cache is off."""
-        if not self._graph_wcache_on:
+        if not self._config.graph_weight_cache:
             return
         w = self.weight.detach()
         if w.is_meta:  # (.to("meta"), deferred init): quantised when the weight is materialised
@@ -344,10 +541,10 @@ class Float8Linear(nn.Linear):
             )
         # current scaling, the eager quantisers (the fused kernels on CUDA), no module state
         q_f, q_d = quantize_weight(
-            w, self.recipe, self.emulate, functools.partial(quantize_plain, self.recipe, triton=self._triton_arg())
+            w, self.recipe, self.emulate, functools.partial(quantize_plain, self.recipe, triton=self._config.triton_arg)
         )
         new = (*pack_tensors(q_f), *pack_tensors(q_d))
-        for name, t in zip(self._GRAPH_WCACHE, new):
+        for name, t in zip(self.GRAPH_WEIGHT_CACHE_BUFFERS, new):
             old = self._buffers.get(name)
             if (
                 old is not None
@@ -366,7 +563,7 @@ class Float8Linear(nn.Linear):
         """Whether the compiled path's cached FP8 weight is older than the weight (its version
         counter moved since the last refresh: an in-place write outside an optimizer step or
         ``load_state_dict``). False while the cache is off."""
-        return self._graph_wcache_on and self.weight._version != self._graph_wcache_version
+        return self._config.graph_weight_cache and self.weight._version != self._graph_wcache_version
 
     @torch.no_grad()
     def _commit(self, i: int, quantising: bool = False) -> bool:
@@ -383,7 +580,7 @@ class Float8Linear(nn.Linear):
         hist_i = self.fp8_amax_history[i]
         if (
             self.amax_reduce_fn is None
-            and triton_enabled(hist_i, self._triton_arg())
+            and triton_enabled(hist_i, self._config.triton_arg)
             and r.scale_rounding is ScaleRounding.FP32
         ):
             from ..quant.triton_kernels import delayed_commit
@@ -445,7 +642,14 @@ class Float8Linear(nn.Linear):
         try:
             if pair:
                 q, qt = quantize_pair_auto(
-                    t, fmt, gran, r.scale_rounding, scale=scale, amax_out=amax_out, gate=gate, triton=self._triton_arg()
+                    t,
+                    fmt,
+                    gran,
+                    r.scale_rounding,
+                    scale=scale,
+                    amax_out=amax_out,
+                    gate=gate,
+                    triton=self._config.triton_arg,
                 )
             else:
                 q, qt = (
@@ -457,7 +661,7 @@ class Float8Linear(nn.Linear):
                         dim=-1,
                         scale=scale,
                         amax_out=amax_out,
-                        triton=self._triton_arg(),
+                        triton=self._config.triton_arg,
                     ),
                     None,
                 )
@@ -502,15 +706,7 @@ class Float8Linear(nn.Linear):
         self._wcache = quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
         return self._wcache
 
-    def _triton_arg(self) -> Optional[bool]:
-        """The dispatch's ``triton`` argument for this module's quantisers: None (the Triton
-        kernels where they run) or False (``KernelOptions(triton=False)``: the reference)."""
-        return None if self.kernel_options.triton else False
-
     # ---- bookkeeping -------------------------------------------------------------------------
-    def _count(self, gemm: str) -> None:
-        self._gemm_counts_eager[gemm] += 1
-
     @property
     def gemm_counts(self) -> Dict[str, int]:
         """fprop/dgrad/wgrad GEMMs run in FP8 since construction or :meth:`reset_gemm_counts`:
@@ -581,18 +777,20 @@ class Float8Linear(nn.Linear):
             or not self.kernel_options.fused_swiglu
             or self.recipe.input_granularity is not Granularity.TENSOR
             or self.telemetry_enabled
-            or not triton_enabled(x, self._triton_arg())
+            or not triton_enabled(x, self._config.triton_arg)
         ):
             return False
         from ..quant.triton_kernels import gate_fusable
 
-        return gate_fusable(x, gate) and (x.numel() // max(x.shape[-1], 1)) % self._row_multiple == 0
+        return gate_fusable(x, gate) and (x.numel() // max(x.shape[-1], 1)) % self._config.row_multiple == 0
 
     def forward_eager(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """``x · Wᵀ (+ bias)`` through the eager FP8 path (the autograd function of
         :meth:`forward` in eager mode), with ``bias`` given by the caller: wrappers that own the
         bias handling (Megatron's ``skip_bias_add``) call this."""
-        return Float8LinearFn.apply(x, self.weight, bias, self, _out_dtype_for(x), torch.is_grad_enabled())
+        return Float8LinearFn.apply(
+            x, self.weight, bias, Float8LinearOperands(self), _out_dtype_for(x), torch.is_grad_enabled()
+        )
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x · Wᵀ + b`` with the three GEMMs in FP8; with ``gate``, ``(F.silu(gate) * x) · Wᵀ + b``
@@ -631,7 +829,7 @@ class Float8Linear(nn.Linear):
         are state that each quantisation reads and writes), telemetry (its statistics are
         collected Python-side, also in backward), real MXFP8 GEMMs and CUDA emulation with TF32
         on (:meth:`traceable`). Turning telemetry on or off between steps makes the compiler
-        re-trace once for each state (a guard on ``telemetry_enabled``).
+        re-trace once for each state (a guard on ``config.telemetry``).
         """
         if not x.is_floating_point():
             raise RuntimeError(
@@ -653,33 +851,28 @@ class Float8Linear(nn.Linear):
                     self.fp8_scale,
                     self.fp8_grad_pending,
                     self.fp8_bwd_count,
-                    self.recipe,
-                    self.emulate,
-                    self._row_multiple,
+                    self._config,
                     out_dtype,
                     self.fqn,
                     torch.is_grad_enabled(),
-                    self.kernel_options.triton,
                 )
                 with torch.no_grad():  # the step schedule's max over every use in the step (NaN sticks)
                     self.fp8_amax_pending[:2].copy_(torch.maximum(self.fp8_amax_pending[:2], amax))
                     self.fp8_pending[:2].fill_(1.0)
                 return y
             wmeta, wcache = None, ()
-            if self._graph_wcache_on:
-                wmeta, wcache = self._graph_wcache_meta, tuple(getattr(self, n) for n in self._GRAPH_WCACHE)
+            if self._config.graph_weight_cache:
+                wmeta = self._graph_wcache_meta
+                wcache = tuple(getattr(self, n) for n in self.GRAPH_WEIGHT_CACHE_BUFFERS)
             return Float8LinearTracedFn.apply(
                 x,
                 self.weight,
                 self.bias,
                 self.fp8_bwd_count,
-                self.recipe,
-                self.emulate,
-                self._row_multiple,
+                self._config,
                 out_dtype,
                 self.fqn,
                 torch.is_grad_enabled(),
-                self.kernel_options.triton,
                 wmeta,
                 *wcache,
             )
@@ -690,11 +883,85 @@ class Float8Linear(nn.Linear):
     # exact Python-side.
     @torch.compiler.disable
     def _forward_eager(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        return Float8LinearFn.apply(x, self.weight, self.bias, self, out_dtype, torch.is_grad_enabled())
+        return Float8LinearFn.apply(
+            x, self.weight, self.bias, Float8LinearOperands(self), out_dtype, torch.is_grad_enabled()
+        )
 
     def _forward_swiglu(self, gate: torch.Tensor, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         check_device(x, self.emulate, self.fqn)
-        return Float8SwiGLULinearFn.apply(x, self.weight, self.bias, gate, self, out_dtype, torch.is_grad_enabled())
+        return Float8SwiGLULinearFn.apply(
+            x, self.weight, self.bias, gate, Float8LinearOperands(self), out_dtype, torch.is_grad_enabled()
+        )
+
+
+class Float8LinearOperands:
+    """What the eager autograd functions (:mod:`nemo_fp8_recipes.nn.autograd`) use of one
+    :class:`Float8Linear`: its config, the stateful operand quantiser (delayed-scaling commit and
+    amax recording, telemetry), the cached FP8 weight, the GEMM counters and the fused-wgrad
+    target. A view on the module, made per forward; the state stays in the module (buffers that
+    ``state_dict`` and ``.to()`` handle)."""
+
+    __slots__ = ("_module",)
+
+    def __init__(self, module: Float8Linear) -> None:
+        self._module = module
+
+    @property
+    def config(self) -> Float8LinearConfig:
+        """The module's settings."""
+        return self._module.config
+
+    @property
+    def fqn(self) -> str:
+        """The module's name in its model, for messages."""
+        return self._module.fqn
+
+    def quantize(self, i: int, t: torch.Tensor, pair: bool = False, gate: Optional[torch.Tensor] = None):
+        """Quantise operand ``i`` (input, weight, grad_output) of 2-D ``t`` along its last dim (and,
+        with ``pair=True``, along its first: the wgrad copy) with the module's state: delayed
+        scaling commits (``lazy``) and records amaxes, telemetry records statistics. ``gate``: the
+        operand is ``F.silu(gate) * t`` (:meth:`Float8Linear.fuses_swiglu`)."""
+        return self._module._quantize_operand(i, t, pair=pair, gate=gate)
+
+    def input_quantizer(self, x: torch.Tensor) -> Callable:
+        """:meth:`quantize`, sharing the quantisation of input ``x`` with the other eager FP8
+        linears that read it where that gives the same codes
+        (:func:`~nemo_fp8_recipes.nn.shared_input.input_quantizer`)."""
+        return input_quantizer(self._module, x, self.quantize)
+
+    def quantized_weight(self) -> Tuple:
+        """(W quantised along K as [N, K], W quantised along N as [K, N]), cached until the weight
+        (or, delayed scaling, its scale) changes."""
+        return self._module._quantized_weight()
+
+    def count(self, gemm: str) -> None:
+        """Count one ``fprop`` / ``dgrad`` / ``wgrad`` GEMM run in FP8 (the audit's counts)."""
+        self._module._gemm_counts_eager[gemm] += 1
+
+    def wgrad_target(self, ctx) -> Optional[torch.Tensor]:
+        """The ``weight.grad`` this backward's wgrad GEMM accumulates into with fused wgrad
+        accumulation on (:func:`~nemo_fp8_recipes.nn.wgrad_fusion.wgrad_target`), else None."""
+        if not self._module.config.fuse_wgrad_accumulation:
+            return None
+        return wgrad_target(self._module, ctx)
+
+
+def _config_of_old_pickle(state: dict) -> Float8LinearConfig:
+    """The config of a Float8Linear pickled when its settings were attributes (taken out of
+    ``state``, where the read-only properties would hide them)."""
+    options = state.pop("kernel_options", None)
+    cfg = Float8LinearConfig(
+        recipe=state.pop("recipe"),
+        emulate=bool(state.pop("emulate")),
+        kernel_options=options if options is not None else default_kernel_options(),
+        telemetry=bool(state.pop("telemetry_enabled", False)),
+        graph_weight_cache=bool(state.pop("_graph_wcache_on", False)),
+        fuse_wgrad_accumulation=bool(state.pop("fuse_wgrad_accumulation", False)),
+        scaling_update=state.pop("scaling_update", "lazy"),
+        amax_reduce_fn=state.pop("amax_reduce_fn", None),
+    )
+    state.pop("_row_multiple", None)
+    return cfg
 
 
 def fp8_modules(model: nn.Module) -> Dict[str, Float8Linear]:

@@ -33,10 +33,10 @@ import torch
 import torch.nn as nn
 
 from ..quant.delayed import advance_delayed_scaling
+from .config import UPDATE_MODES
 from .linear import fp8_modules
 
 __all__ = [
-    "UPDATE_MODES",
     "discard_delayed_scaling",
     "pinned_scales",
     "set_delayed_scaling_update",
@@ -44,8 +44,6 @@ __all__ = [
     "fp8_state_snapshot",
     "restore_fp8_state",
 ]
-
-UPDATE_MODES = ("lazy", "step")
 
 
 def _delayed_modules(model: nn.Module) -> List[nn.Module]:
@@ -55,18 +53,15 @@ def _delayed_modules(model: nn.Module) -> List[nn.Module]:
 def set_delayed_scaling_update(model: nn.Module, mode: str) -> int:
     """Choose when delayed-scaling modules of ``model`` advance their amax histories:
     ``"lazy"`` (before each quantisation) or ``"step"`` (once per optimizer step, in
-    :func:`sync_delayed_scaling`). Pending amaxes are committed first, so switching never loses
-    one. Returns the number of delayed-scaling modules."""
+    :func:`sync_delayed_scaling`). A thin wrapper: ``reconfigure(scaling_update=mode)`` on each
+    (which commits pending amaxes first, so switching never loses one); choose the schedule once
+    with ``convert_model(..., scaling_update=mode)``. Returns the number of delayed-scaling
+    modules."""
     if mode not in UPDATE_MODES:
         raise ValueError(f"unknown delayed-scaling update mode {mode!r}; valid modes: {', '.join(UPDATE_MODES)}")
     mods = _delayed_modules(model)
     for m in mods:
-        if m.scaling_update == "lazy":
-            for i in range(3):
-                m._commit(i)
-        m.scaling_update = mode
-    if mode == "lazy" and mods:
-        _advance(mods, None, reduce=False)  # commit what step mode accumulated, locally
+        m.reconfigure(scaling_update=mode)
     return len(mods)
 
 
@@ -122,8 +117,7 @@ def _advance(mods: List[nn.Module], process_group, reduce: bool) -> None:
         [m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods] + [m.fp8_grad_pending for m in mods]
     )
     for m in mods:
-        m._pending = [False, False, False]
-        m._scale_generation += 1  # the cached FP8 weight is re-quantised with the new scale
+        m.pending_amaxes_cleared(scales_advanced=True)  # (its cached FP8 weight follows the new scale)
 
 
 @torch.no_grad()
@@ -139,7 +133,7 @@ def discard_delayed_scaling(model: nn.Module) -> int:
             [m.fp8_amax_pending for m in mods] + [m.fp8_pending for m in mods] + [m.fp8_grad_pending for m in mods]
         )
         for m in mods:
-            m._pending = [False, False, False]
+            m.pending_amaxes_cleared(scales_advanced=False)
     return len(mods)
 
 

@@ -5,23 +5,24 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..formats import Format, Granularity, ScaleRounding
-from ..options import KernelOptions
 from ..quant.reference import QuantizedTensor
+from .config import Float8LinearConfig
 from .gemms import IN, operand_spec
 
 __all__ = ["SHARED_INPUT", "input_prequantization", "input_quantizer", "is_fp8_linear", "share_input_quantization"]
 
 
 def is_fp8_linear(mod) -> bool:
-    """Whether ``mod`` is an FP8 linear of the native backend (an ``nn.Linear`` with kernel
-    options: :class:`~nemo_fp8_recipes.nn.Float8Linear`), without importing it here."""
-    return isinstance(mod, nn.Linear) and isinstance(getattr(mod, "kernel_options", None), KernelOptions)
+    """Whether ``mod`` is an FP8 linear of the native backend (an ``nn.Linear`` with a
+    :class:`~nemo_fp8_recipes.nn.Float8LinearConfig`: :class:`~nemo_fp8_recipes.nn.Float8Linear`),
+    without importing it here."""
+    return isinstance(mod, nn.Linear) and isinstance(getattr(mod, "config", None), Float8LinearConfig)
 
 
 class SharedInput(threading.local):
@@ -69,18 +70,20 @@ SHARED_INPUT = SharedInput()
 def shareable(mod: nn.Module, x: torch.Tensor) -> bool:
     """:func:`input_quantizer`'s conditions on the module and the moment (not on ``x``'s
     ``grad_fn``, which a producer checks once it has made ``x``)."""
+    cfg = mod.config
     return not (
-        mod.recipe.is_delayed
-        or mod.telemetry_enabled
+        cfg.recipe.is_delayed
+        or cfg.telemetry
         or (x.is_cuda and torch.cuda.is_current_stream_capturing())
-        or not mod.kernel_options.shared_input
+        or not cfg.kernel_options.shared_input
     )
 
 
 def share_key(mod: nn.Module, x: torch.Tensor):
     """(quantisation spec, CUDA stream) under which ``mod``'s input quantisation of ``x`` is shared."""
-    r = mod.recipe
-    spec = (type(mod), *operand_spec(r, IN), r.scale_rounding, mod.emulate, mod._row_multiple)
+    cfg = mod.config
+    r = cfg.recipe
+    spec = (type(mod), *operand_spec(r, IN), r.scale_rounding, cfg.emulate, cfg.row_multiple)
     return spec, (torch.cuda.current_stream(x.device).cuda_stream if x.is_cuda else None)
 
 
@@ -101,7 +104,7 @@ def input_prequantization(mod, x: torch.Tensor) -> Optional[Tuple[Format, Granul
     if gran is not Granularity.TENSOR and gran.block not in ((1, 32), (1, 128)):
         return None
     rows = x.numel() // max(x.shape[-1], 1)
-    if not mod.emulate and rows % mod._row_multiple:
+    if not mod.config.emulate and rows % mod.config.row_multiple:
         return None
     return fmt, gran, mod.recipe.scale_rounding
 
@@ -119,23 +122,25 @@ def share_input_quantization(mod, x: torch.Tensor, q: QuantizedTensor, q_wgrad: 
     return True
 
 
-def input_quantizer(mod: nn.Module, x: torch.Tensor):
-    """``mod._quantize_operand``, sharing the input's quantisation with the other eager FP8
+def input_quantizer(mod: nn.Module, x: torch.Tensor, quantize: Callable):
+    """``quantize`` (``mod``'s operand quantiser,
+    :meth:`~nemo_fp8_recipes.nn.linear.Float8LinearOperands.quantize`), sharing the input's
+    quantisation with the other eager FP8
     linears that read the same ``x`` (:class:`SharedInput`) where that is safe and gives the
     same codes: current scaling (delayed scaling's scale is per module), telemetry off (it
     records statistics per module), ``x`` an autograd intermediate (it has a ``grad_fn``; so
     never under ``torch.no_grad``), not while a CUDA graph is captured (the graph must contain
     its own quantisation). ``KernelOptions(shared_input=False)`` turns the sharing off (A/B runs)."""
     if x.grad_fn is None or not shareable(mod, x):
-        return mod._quantize_operand
+        return quantize
     spec, stream = share_key(mod, x)
 
     def quantize_operand(i: int, t: torch.Tensor, pair: bool = False):
         if i != IN:
-            return mod._quantize_operand(i, t, pair=pair)
+            return quantize(i, t, pair=pair)
         got = SHARED_INPUT.get(x, stream, spec, pair)
         if got is None:
-            got = mod._quantize_operand(i, t, pair=True) if pair else (mod._quantize_operand(i, t), None)
+            got = quantize(i, t, pair=True) if pair else (quantize(i, t), None)
             SHARED_INPUT.put(x, stream, spec, got)
         return got if pair else got[0]
 

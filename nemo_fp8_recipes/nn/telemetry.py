@@ -16,11 +16,11 @@ __all__ = ["collect_telemetry", "set_telemetry", "telemetry_group"]
 
 def set_telemetry(model: nn.Module, enabled: bool = True) -> None:
     """Make every Float8Linear record quantisation statistics (amax, scale, underflow,
-    saturation, SQNR) of its operands. Costs extra passes over each operand: use an interval."""
+    saturation, SQNR) of its operands, or stop (dropping what was not collected). Costs extra
+    passes over each operand: use an interval. A thin wrapper, ``reconfigure(telemetry=enabled)``
+    on each; a run that records from the start passes ``convert_model(..., telemetry=True)``."""
     for m in fp8_modules(model).values():
-        m.telemetry_enabled = enabled
-        if not enabled:
-            m._telemetry = {}
+        m.reconfigure(telemetry=bool(enabled))
 
 
 def telemetry_group(fqn: str, role: str) -> str:

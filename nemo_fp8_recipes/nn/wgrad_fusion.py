@@ -20,7 +20,7 @@ def wgrad_target(mod: nn.Module, ctx) -> Optional[torch.Tensor]:
     g = w.grad
     if g is None or not ctx.needs_input_grad[1] or torch.is_grad_enabled():
         return None
-    node = mod._grad_accumulator()
+    node = mod.grad_accumulator()
     try:
         if not torch._C._will_engine_execute_node(node):
             return None

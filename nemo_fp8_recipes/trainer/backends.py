@@ -113,29 +113,43 @@ class NativeBackend:
         tcfg,
         accum: int,
     ) -> None:
-        from ..nn import (
-            convert_model,
-            set_delayed_scaling_update,
-            set_graph_weight_cache,
-            set_wgrad_accumulation_fusion,
-        )
+        from ..nn import convert_model, fp8_modules
 
-        convert_model(model, recipe, policy, options=options)
-        # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
-        set_delayed_scaling_update(model, "step")
-        if tcfg.fuse_wgrad_accumulation:
-            if ctx.distributed:
-                raise ConfigError(
-                    f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks "
-                    f"{tcfg.data_parallel} reduces with ({ctx.world_size} ranks); set it to false "
-                    "under torchrun"
+        fuse = bool(tcfg.fuse_wgrad_accumulation)
+        if fuse and ctx.distributed:
+            raise ConfigError(
+                f"trainer.fuse_wgrad_accumulation=true skips the gradient hooks "
+                f"{tcfg.data_parallel} reduces with ({ctx.world_size} ranks); set it to false "
+                "under torchrun"
+            )
+        # the compiled path's FP8 weight cache: current scaling (delayed scaling caches its weight
+        # with the step's scale eagerly), set before DDP wraps the model and before it is compiled
+        graph_cache = False
+        if tcfg.compile and tcfg.compiled_weight_cache and recipe.is_fp8 and accum > 1:
+            if ctx.distributed and tcfg.data_parallel == "fsdp2":
+                log.info(
+                    "compiled FP8 weight cache off under FSDP2: the sharded weights are quantised in the "
+                    "graph at every micro-batch"
                 )
-            n_fused = set_wgrad_accumulation_fusion(model)
+            else:
+                graph_cache = not recipe.is_delayed
+        # delayed scaling: scales fixed within a step, amaxes max-reduced once per step (all ranks)
+        convert_model(
+            model,
+            recipe,
+            policy,
+            options=options,
+            scaling_update="step",
+            fuse_wgrad_accumulation=fuse,
+            graph_weight_cache=graph_cache,
+        )
+        mods = fp8_modules(model).values()
+        if fuse:
             if accum > 1:
                 log.info(
                     "fused wgrad accumulation: %d FP8 linears add micro-batches 2..%d into their FP32 "
                     "gradients inside the wgrad GEMM",
-                    n_fused,
+                    len(mods),
                     accum,
                 )
             else:
@@ -144,22 +158,14 @@ class NativeBackend:
                     "step (global_batch_size = micro_batch_size): every backward starts from zeroed "
                     "gradients"
                 )
-        self.cached_weights = 0
-        if tcfg.compile and tcfg.compiled_weight_cache and recipe.is_fp8 and accum > 1:
-            if ctx.distributed and tcfg.data_parallel == "fsdp2":
-                log.info(
-                    "compiled FP8 weight cache off under FSDP2: the sharded weights are quantised in the "
-                    "graph at every micro-batch"
-                )
-            else:  # (before DDP wraps the model and before it is compiled)
-                self.cached_weights = set_graph_weight_cache(model)
-                if self.cached_weights:
-                    log.info(
-                        "compiled FP8 weight cache: %d FP8 linears quantise their weights once per optimizer "
-                        "step, not in each of the %d micro-batches",
-                        self.cached_weights,
-                        accum,
-                    )
+        self.cached_weights = sum(1 for m in mods if m.config.graph_weight_cache)
+        if self.cached_weights:
+            log.info(
+                "compiled FP8 weight cache: %d FP8 linears quantise their weights once per optimizer "
+                "step, not in each of the %d micro-batches",
+                self.cached_weights,
+                accum,
+            )
 
     def fp8_gemm_modules(self, model: nn.Module) -> List[nn.Module]:
         from ..nn import fp8_modules
@@ -180,7 +186,7 @@ class NativeBackend:
     def start_telemetry(self, model: nn.Module) -> None:
         from ..nn import set_telemetry
 
-        set_telemetry(model, True)
+        set_telemetry(model, True)  # (a run-time switch: on for one logging step, off in collect_telemetry)
 
     def collect_telemetry(self, model: nn.Module) -> Dict[str, float]:
         from ..nn import collect_telemetry, set_telemetry

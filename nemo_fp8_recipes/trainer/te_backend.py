@@ -41,7 +41,7 @@ import torch
 import torch.nn as nn
 
 from ..policy import Decision, PrecisionPolicy
-from ..recipes import Recipe
+from ..recipes import Recipe, ScalingKind
 from .distributed import DistContext
 
 log = logging.getLogger("nemo_fp8_recipes.train")  # (the trainer's: the TE backend logs into the run)
@@ -355,7 +355,7 @@ def te_run_problem(recipe, device: torch.device, tcfg) -> Optional[str]:
             "real FP8 GEMMs only: use backend=native recipe.emulate=true, or drop recipe.emulate"
         )
     info = describe_device(device)
-    if recipe.name == "mxfp8" and (info.capability or (0, 0)) < (10, 0):
+    if recipe.scaling_kind is ScalingKind.MICROSCALING and (info.capability or (0, 0)) < (10, 0):
         return (
             f"recipe mxfp8 with backend=te needs SM100 (Blackwell): Transformer Engine refuses MXFP8 on "
             f"{info}. Use recipe=blockwise (fine-grained scales that Hopper runs), or backend=native "

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Union
 
 from ...policy import PrecisionPolicy
-from ...recipes import Recipe, get_recipe
+from ...recipes import Recipe, ScalingKind, get_recipe
 from ..megatron import MegatronFP8Config, megatron_config
 
 __all__ = [
@@ -77,7 +77,7 @@ def bridge_mixed_precision_kwargs(
         kw[k] = mc[k]
     kw["fp8_param"] = bool(fp8_param_gather)
     kw["fp8_param_gather"] = bool(fp8_param_gather)
-    kw["reuse_grad_buf_for_mxfp8_param_ag"] = bool(fp8_param_gather and r.name == "mxfp8")
+    kw["reuse_grad_buf_for_mxfp8_param_ag"] = bool(fp8_param_gather and r.scaling_kind is ScalingKind.MICROSCALING)
     return kw
 
 
