@@ -16,6 +16,7 @@ from ..config import (
     trainer_config,
     uses_cuda_graphs,
 )
+from ..recipes import ScalingKind, get_recipe, list_recipes
 
 if TYPE_CHECKING:  # annotations only
     import torch
@@ -34,8 +35,8 @@ __all__ = [
     "te_backend_problem_for",
 ]
 
-#: recipes whose emulation torch.compile's CPU (C++) backend cannot compile
-NO_CPU_COMPILE = ("blockwise", "mxfp8")
+#: scaling kinds whose emulation torch.compile's CPU (C++) backend cannot compile (block scales)
+NO_CPU_COMPILE = (ScalingKind.BLOCKWISE, ScalingKind.MICROSCALING)
 
 
 def check_embedded_run(cfg) -> Tuple[TrainerConfig, RunConfig, str]:
@@ -120,7 +121,7 @@ def check_compile_mode(tcfg: TrainerConfig, device: "torch.device", *, world_siz
 
 
 def check_cpu_compile(tcfg: TrainerConfig, recipe, device: "torch.device") -> None:
-    """Refuse ``trainer.compile=true`` on CPU for the recipes in :data:`NO_CPU_COMPILE`.
+    """Refuse ``trainer.compile=true`` on CPU for the recipes of the kinds in :data:`NO_CPU_COMPILE`.
 
     Inductor's C++ backend fails on the 1x128 / 1x32 block reshapes of these emulated quantisers
     (AssertionError in CppScheduling.try_loop_split: two fused nodes end with different loop
@@ -129,13 +130,13 @@ def check_cpu_compile(tcfg: TrainerConfig, recipe, device: "torch.device") -> No
     """
     import torch
 
-    if tcfg.compile and device.type == "cpu" and recipe.name in NO_CPU_COMPILE:
+    if tcfg.compile and device.type == "cpu" and recipe.scaling_kind in NO_CPU_COMPILE:
         raise ConfigError(
             f"trainer.compile=true on CPU cannot compile recipe {recipe.name}: the C++ backend of torch.compile "
             f"(torch {torch.__version__}) fails on its block-scaled quantisers after minutes of compiling. On CPU "
             "use trainer.compile=false (the emulation computes the same numbers), or compile on a GPU "
             f"(trainer.device=cuda); recipes that compile on CPU: "
-            + ", ".join(r for r in ("bf16", "delayed", "tensorwise") if r != recipe.name)
+            + ", ".join(n for n in list_recipes() if get_recipe(n).scaling_kind not in NO_CPU_COMPILE)
         )
 
 
