@@ -14,7 +14,7 @@
 #
 # The result is written to $NEMO_FP8_SLURM_DIR/status as shell-style KEY=VALUE lines:
 #   SLURM_STATUS=ok|failed   SLURM_REASON=<why it failed>   SLURM_CONF=<path>   SLURM_NODE=<name>
-# tests/test_slurm.py reads that file: it runs the real submission when the status is ok and skips
+# tests/launch/test_slurm.py reads that file: it runs the real submission when the status is ok and skips
 # with SLURM_REASON otherwise. This script exits 0 in both cases (CI carries on; the test says why
 # it skipped) unless called with --strict, which makes a failure exit 1.
 set -uo pipefail

@@ -20,46 +20,17 @@ import torch  # noqa: E402  (after OMP_NUM_THREADS)
 if _WORKERS > 1:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
-# Without a GPU, Triton kernels run under Triton's CPU interpreter (tests/test_triton_kernels.py).
+# Without a GPU, Triton kernels run under Triton's CPU interpreter (tests/quant/test_triton_kernels.py).
 # The variable is read when Triton is imported, so it is set before any test imports it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def import_benchmark(name: str):
-    """The module ``benchmarks/<name>.py``, imported with ``benchmarks/`` on ``sys.path`` as when the
-    script runs (it may import its siblings), which is taken off again afterwards."""
-    import importlib
-    import sys
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    sys.path.insert(0, path)
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(path)
-
-
-def gpu_skip_reason():
-    if not torch.cuda.is_available():
-        return "needs a CUDA GPU (none found: CPU-only machine); run these tests on a CUDA GPU"
-    return None
-
-
-def te_skip_reason():
-    """Why the ``te`` tests cannot run here (None when Transformer Engine imports on a GPU)."""
-    gpu = gpu_skip_reason()
-    if gpu is not None:
-        return f"Transformer Engine {gpu}"
-    from nemo_fp8_recipes.integrations.te import te_available
-
-    ok, why = te_available()
-    return None if ok else f"Transformer Engine is not importable here ({why}); pip install '.[te]' on this GPU machine"
-
+from helpers.report import NUMERICS_REPORT  # noqa: E402  (after the environment above)
+from helpers.skips import gpu_skip_reason, te_skip_reason  # noqa: E402
 
 # Module/session-scoped fixtures that take many seconds to build (sets of training runs); cheap
 # shared fixtures are left out so their tests still spread over the workers.
-SHARED_FIXTURES = {"dist_runs", "sweep", "smoke", "bridge_runs"}
+SHARED_FIXTURES = {"dist_runs", "sweep", "smoke", "bridge_runs", "seeds"}
 
 
 def _files_with_shared_fixtures() -> set:
@@ -68,11 +39,13 @@ def _files_with_shared_fixtures() -> set:
     here = os.path.dirname(os.path.abspath(__file__))
     pattern = re.compile(r'@pytest\.fixture\(scope="(?:module|session)"\)\s*\ndef (\w+)\(')
     out = set()
-    for name in sorted(os.listdir(here)):
-        if name.endswith(".py"):
-            with open(os.path.join(here, name), encoding="utf-8") as f:
-                if SHARED_FIXTURES & set(pattern.findall(f.read())):
-                    out.add(f"{os.path.basename(here)}/{name}")
+    for folder, _, names in sorted(os.walk(here)):
+        for name in sorted(names):
+            if name.startswith("test_") and name.endswith(".py"):
+                with open(os.path.join(folder, name), encoding="utf-8") as f:
+                    if SHARED_FIXTURES & set(pattern.findall(f.read())):
+                        rel = os.path.relpath(os.path.join(folder, name), os.path.dirname(here))
+                        out.add(rel.replace(os.sep, "/"))
     return out
 
 
@@ -105,11 +78,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
         if item.get_closest_marker("te") is not None and te_reason is not None:
             item.add_marker(pytest.mark.skip(reason=te_reason))
-
-
-# Numerics tables collected by tests (e.g. error vs the exact float64 GEMM per recipe and GEMM)
-# and printed at the end of every run, so CI logs carry the numbers.
-NUMERICS_REPORT = {}
 
 
 def pytest_sessionfinish(session, exitstatus):

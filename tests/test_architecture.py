@@ -5,7 +5,8 @@ The modules form layers, and nothing imports upward (core vocabulary -> quantisa
 nn -> models and data -> configuration -> trainer / integrations / launch -> command lines;
 ``compare`` stands apart); a module's ``__all__`` names what it defines; no private name is
 imported across modules; nothing outside ``nn/linear.py`` touches ``Float8Linear``'s private
-members; ``NEMO_FP8_*`` variables are read in ``nemo_fp8_recipes/options.py`` only."""
+members; ``NEMO_FP8_*`` variables are read in ``nemo_fp8_recipes/options.py`` only; no test file imports
+another test file or conftest (what they share is in ``tests/helpers``)."""
 
 from __future__ import annotations
 
@@ -403,3 +404,40 @@ def test_the_licence_is_stated_where_users_look():
     )
     assert "Apache-2.0" in meta.stdout and "License :: OSI Approved :: Apache Software License" in meta.stdout
     assert "Apache License 2.0 ([LICENSE](LICENSE))" in (REPO / "README.md").read_text(encoding="utf-8")
+
+
+# ---- the tests' own layout --------------------------------------------------------------------------
+TESTS = Path(__file__).resolve().parent
+
+
+def _test_module_imports(source: str) -> list:
+    """The modules an imported test file takes from other test files or from conftest."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        out += [n for n in names if n.split(".")[0] == "conftest" or n.split(".")[-1].startswith("test_")]
+    return out
+
+
+def test_no_test_module_imports_another_or_conftest():
+    """What test files share lives in tests/helpers (imported as ``helpers.<module>``); fixtures and
+    hooks in conftest, which pytest loads itself."""
+    bad = []
+    for p in sorted(TESTS.rglob("*.py")):
+        found = _test_module_imports(p.read_text(encoding="utf-8"))
+        if found and "golden" not in p.parts:  # (the golden regeneration script runs the golden test's run)
+            bad.append(f"{p.relative_to(TESTS)}: {', '.join(found)}")
+    assert not bad, (
+        "test files importing test modules or conftest (move the shared code to tests/helpers):\n" + "\n".join(bad)
+    )
+
+
+def test_the_test_import_finder_finds_one():
+    assert _test_module_imports("from test_compare import raw_scalars\nimport conftest\nfrom helpers.x import y") == [
+        "test_compare",
+        "conftest",
+    ]

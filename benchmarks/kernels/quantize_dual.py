@@ -7,7 +7,7 @@ The library runs the row kernel and the transposed-column kernel one after the o
 (1x32) at 8192x14336 against 0.361 and 0.498 ms here, because the in-register transpose of a
 whole tile costs more than the second read saves (docs/internals/design-notes.md). ``quant_bandwidth.py``
 times it as the "one read" row and sweeps its launch configurations (``dual128``, ``dual32``);
-tests/test_triton_kernels.py checks its codes against the reference quantisers."""
+tests/quant/test_triton_kernels.py checks its codes against the reference quantisers."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Pick the quantiser for a tensor: the fused Triton kernels on CUDA, the reference elsewhere.
 
-Both produce bit-identical codes and scales (checked by tests/test_triton_kernels.py on the GPU
+Both produce bit-identical codes and scales (checked by tests/quant/test_triton_kernels.py on the GPU
 and under Triton's CPU interpreter), so this choice never changes the numbers — only the speed.
 ``triton=False`` forces the reference quantisers for one call (an FP8 linear passes it when its
 :class:`~nemo_fp8_recipes.options.KernelOptions` say ``triton=False``; under ``torch.compile``

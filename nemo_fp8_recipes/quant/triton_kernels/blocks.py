@@ -61,7 +61,7 @@ if HAVE_TRITON:
         s, si, e8 = scale_from_amax(amax, FMAX, 0, 0, MODE)
         # with TRANS the explicit saturation stays (NO_INF off), as in the other kernels that
         # store transposed codes: without it Triton 3.6 on sm_90 writes wrong transposed codes
-        # for FP32 weights of several blocks (dgrad NaN in tests/test_gpu.py)
+        # for FP32 weights of several blocks (dgrad NaN in tests/quant/test_gpu.py)
         q = round_to_fp8(x * s, FMAX, IS_E4M3, HW_CVT, NO_INF=not TRANS)
         codes = fp8_cast(q, q_ptr.dtype.element_ty, IS_E4M3, NO_INF=not TRANS)
         tl.store(q_ptr + rows[:, None] * C + cols[None, :], codes, mask=m)

@@ -31,7 +31,7 @@ SCALE_MODE_ID = {ScaleRounding.FP32: 0, ScaleRounding.POW2: 1, ScaleRounding.E8M
 
 
 #: Launch configurations (tile sizes, warps and options) per kernel. They change the speed, never
-#: the codes (every configuration gives the same bits: tests/test_triton_kernels.py). The values are
+#: the codes (every configuration gives the same bits: tests/quant/test_triton_kernels.py). The values are
 #: the fastest of ``benchmarks/quant_bandwidth.py --sweep all``; docs/internals/kernels.md has the
 #: measured times behind each. Override temporarily with :func:`launch_config`. The options:
 #:
@@ -115,7 +115,7 @@ def cvt_capable(index: int) -> bool:
     # differ from one) while 3.9 converts directly. Below sm_90 the kernels therefore keep the
     # explicit rounding, whose result is exactly representable, so any conversion of it is
     # exact. The sm_90 lowering is checked in CI by compiling the kernels
-    # (tests/test_triton_kernels.py).
+    # (tests/quant/test_triton_kernels.py).
     return torch.cuda.get_device_capability(index) >= (9, 0)
 
 

@@ -45,7 +45,7 @@ if HAVE_TRITON:
             # (the explicit clamp and NaN rule are what satfinite does anyway, but the kernels
             # that store transposed codes keep them: without them and with a 1-D tile order,
             # Triton 3.6 on sm_90 compiles the per-tensor pair kernel into one that writes wrong
-            # transposed codes for FP32 sources (tests/test_gpu.py); which of the two triggers
+            # transposed codes for FP32 sources (tests/quant/test_gpu.py); which of the two triggers
             # it is not known)
             if IS_E4M3:
                 r = tl.where(inf, float("nan"), yc)
