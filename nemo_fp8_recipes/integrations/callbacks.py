@@ -325,7 +325,9 @@ def lightning_callback(
     """A Lightning callback (NeMo 2.x ``nl.Trainer(callbacks=[...])``) running
     :class:`TEPrecisionHooks`: attach at ``setup``, audit table logged (strict: raised) after
     ``audit_at_step`` training batches, telemetry every ``telemetry_interval`` steps to the
-    trainer's TensorBoard logger (or ``log_dir``). Needs ``lightning`` (or ``pytorch_lightning``)."""
+    trainer's TensorBoard logger (or ``log_dir``). Attaches at ``setup`` and again at
+    ``on_fit_start``, since NeMo 2 builds the model between the two. Needs ``lightning`` (or
+    ``pytorch_lightning``)."""
     try:
         from lightning.pytorch import Callback
     except ImportError:
@@ -346,6 +348,11 @@ def lightning_callback(
             self._writer = None
 
         def setup(self, trainer, pl_module, stage=None) -> None:
+            self.hooks.attach(pl_module)
+
+        def on_fit_start(self, trainer, pl_module) -> None:
+            # NeMo 2 builds the Megatron model in ``configure_model``, which Lightning calls after
+            # ``setup``: attach again once it exists (idempotent per module).
             self.hooks.attach(pl_module)
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
