@@ -558,7 +558,7 @@ def test_nemo2_plugin_is_the_real_megatron_mixed_precision(recipe):
 
 
 def _nemo2_smoke_script():
-    path = Path(__file__).resolve().parents[1] / "scripts" / "nemo2_smoke.py"
+    path = Path(__file__).resolve().parents[2] / "scripts" / "nemo2_smoke.py"
     spec = importlib.util.spec_from_file_location("nemo2_smoke", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
