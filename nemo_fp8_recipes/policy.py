@@ -51,6 +51,7 @@ __all__ = [
     "FP8_CROSSOVER_WEIGHT_ELEMENTS",
     "small_gemm_hint",
     "linear_shape",
+    "grouped_weight_names",
     "layer_index",
     "classify",
 ]
@@ -167,6 +168,14 @@ def _is_gemm_module(module: Optional[nn.Module]) -> bool:
     return cls.endswith("Linear") or cls in {"TopKRouter", "Router", "MoEGate"}
 
 
+def grouped_weight_names(module: Optional[nn.Module]) -> Tuple[str, ...]:
+    """Names of ``module``'s own 3-D Parameters: the weights of a grouped GEMM
+    (``[experts, out_features, in_features]``, transformers 5's experts modules), or ``()``."""
+    if module is None:
+        return ()
+    return tuple(n for n, p in module.named_parameters(recurse=False) if p.dim() == 3)
+
+
 def classify(fqn: str, module: Optional[nn.Module] = None) -> Tuple[str, str]:
     """Role of a module and the rule that matched, from its name and class.
 
@@ -200,6 +209,9 @@ def classify(fqn: str, module: Optional[nn.Module] = None) -> Tuple[str, str]:
         return Role.OUTPUT, f"output head ({leaf})"
     if parents & {"shared_head"} and leaf == "head":  # DeepSeek multi-token-prediction head
         return Role.OUTPUT, "multi-token-prediction output head"
+    grouped = grouped_weight_names(module)
+    if grouped:
+        return Role.MLP, f"MoE grouped experts ({cls}, 3-D weights {', '.join(grouped)})"
     if not _is_gemm_module(module):
         return Role.OTHER, f"not a GEMM module ({cls})"
     if parents & {"experts", "local_experts", "shared_expert", "shared_experts"}:

@@ -12,6 +12,7 @@ from .convert import (
     set_graph_weight_cache,
     set_wgrad_accumulation_fusion,
 )
+from .grouped import Float8GroupedExperts, grouped_fp8_modules
 from .linear import Float8Linear, fp8_modules
 from .scaling import (
     discard_delayed_scaling,
@@ -25,6 +26,7 @@ from .telemetry import collect_telemetry, set_telemetry
 
 __all__ = [
     "AuditReport",
+    "Float8GroupedExperts",
     "Float8Linear",
     "Float8LinearConfig",
     "PolicyViolation",
@@ -34,6 +36,7 @@ __all__ = [
     "collect_telemetry",
     "convert_model",
     "fp8_modules",
+    "grouped_fp8_modules",
     "invalidate_weight_cache",
     "reset_gemm_counts",
     "set_amax_reduce_fn",

@@ -11,13 +11,15 @@ import torch.nn as nn
 
 from ..policy import HIGH_PRECISION_ROLES
 from .convert import conversion_state, hp_gemm_counts
+from .grouped import grouped_fp8_modules
 from .linear import fp8_modules
 
 __all__ = ["AuditReport", "AuditRow", "PolicyViolation", "audit"]
 
 
 class PolicyViolation(RuntimeError):
-    """A module with a high-precision role ran a GEMM in FP8 (strict audit)."""
+    """A module with a high-precision role ran a GEMM in FP8, or a grouped GEMM module that the
+    policy put in FP8 could not be converted (strict audit)."""
 
 
 @dataclass
@@ -37,6 +39,9 @@ class AuditReport:
     ``rows``: one per classified module. ``counts``: totals of GEMMs run, as
     ``{"fp8": {"fprop": n, "dgrad": n, "wgrad": n}, "high_precision": {...}}``.
     ``violations``: high-precision-role modules that ran a GEMM in FP8.
+    ``unplaced``: grouped GEMM modules (3-D expert weights) the policy put in FP8 that
+    ``convert_model`` could not convert (no recognised layout, no ``swaps`` factory), by name
+    with the reason.
     ``stale_weight_caches``: FP8 linears whose compiled-path weight cache
     (:func:`set_graph_weight_cache`) is older than their weight — written in place outside an
     optimizer step or ``load_state_dict`` without :func:`invalidate_weight_cache`, so a compiled
@@ -52,6 +57,7 @@ class AuditReport:
     stale_weight_caches: List[str] = field(default_factory=list)
     kernel_options: Dict[str, bool] = field(default_factory=dict)
     fp8: bool = True
+    unplaced: Dict[str, str] = field(default_factory=dict)
 
     def computed_in(self, dtype: str) -> "AuditReport":
         """This report with the high-precision modules' ``bf16`` read as ``dtype`` (``"fp32"`` for a
@@ -109,6 +115,8 @@ class AuditReport:
             lines.append(
                 "kernel options: " + " ".join(f"{k}={'on' if v else 'off'}" for k, v in self.kernel_options.items())
             )
+        if self.unplaced:
+            lines.append("GROUPED GEMMs NOT CONVERTED (kept in high precision): " + ", ".join(self.unplaced))
         if self.violations:
             lines.append("POLICY VIOLATIONS (high-precision role ran in FP8): " + ", ".join(self.violations))
         return "\n".join(lines)
@@ -120,12 +128,13 @@ class AuditReport:
 def audit(model: nn.Module, strict: bool = False) -> AuditReport:
     """Per-module decisions plus per-GEMM counts of what ran since conversion (or the last
     :func:`reset_gemm_counts`). ``strict=True`` raises :class:`PolicyViolation` if a module
-    whose role must stay in high precision ran a GEMM in FP8."""
+    whose role must stay in high precision ran a GEMM in FP8, or if a grouped GEMM module the
+    policy puts in FP8 could not be converted (:attr:`AuditReport.unplaced`)."""
     state = conversion_state(model)
     if state is None:
         raise RuntimeError("audit() needs a model converted with convert_model()")
     fp8 = fp8_modules(model)
-    by_fqn = {m.fqn: m for m in fp8.values()}
+    by_fqn = {m.fqn: m for m in (*fp8.values(), *grouped_fp8_modules(model).values())}
     rows, violations = [], []
     tot8 = {"fprop": 0, "dgrad": 0, "wgrad": 0}
     toth = dict(tot8)
@@ -149,12 +158,18 @@ def audit(model: nn.Module, strict: bool = False) -> AuditReport:
         stale_weight_caches=stale,
         kernel_options=state.options.as_dict(),
         fp8=state.recipe.is_fp8,
+        unplaced=dict(state.unplaced),
     )
     if strict and violations:
         raise PolicyViolation(
             "high-precision roles ran in FP8: "
             + ", ".join(violations)
             + " (remove them from policy.include, or run without strict)"
+        )
+    if strict and state.unplaced:
+        raise PolicyViolation(
+            "grouped GEMM modules the policy puts in FP8 were left in high precision: "
+            + "; ".join(f"{k}: {v}" for k, v in state.unplaced.items())
         )
     if strict and stale:
         raise RuntimeError(

@@ -29,10 +29,11 @@ import torch
 import torch.nn as nn
 
 from ..options import KernelOptions, default_kernel_options
-from ..policy import GEMM_ROLES, Decision, PrecisionPolicy, Role, layer_index
+from ..policy import GEMM_ROLES, Decision, PrecisionPolicy, Role, grouped_weight_names, layer_index
 from ..quant.launch import set_fast_launch
 from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
 from .config import Float8LinearConfig
+from .grouped import Float8GroupedExperts, grouped_fp8_modules, grouped_layout_problem
 from .linear import Float8Linear, fp8_modules
 from .wgrad_fusion import check_wgrad_fusion
 
@@ -54,13 +55,14 @@ __all__ = [
 _STATE_ATTR = "_nemo_fp8_state"
 
 #: Builds the FP8 replacement of one module the policy put in FP8:
-#: ``factory(fqn, module, decision, config) -> Float8Linear``. ``config`` is the model's
+#: ``factory(fqn, module, decision, config) -> Float8Linear`` (or, for a module with 3-D grouped
+#: expert weights, a :class:`~nemo_fp8_recipes.nn.Float8GroupedExperts`). ``config`` is the model's
 #: :class:`~nemo_fp8_recipes.nn.Float8LinearConfig` (the resolved recipe, whether the GEMMs are
 #: emulated on this device, the kernel options and run-time settings): build the replacement with
 #: it (``Float8Linear.from_parameters(weight, bias, config)``). The replacement shares
 #: ``module``'s Parameter objects, so an optimizer built before conversion keeps working.
 #: :func:`convert_model` sets its ``fqn`` and ``role`` and registers the module's forward hooks on it.
-SwapFactory = Callable[[str, nn.Module, Decision, Float8LinearConfig], Float8Linear]
+SwapFactory = Callable[[str, nn.Module, Decision, Float8LinearConfig], Union[Float8Linear, Float8GroupedExperts]]
 
 
 @dataclass
@@ -71,6 +73,7 @@ class _ConvertState:
     options: KernelOptions = field(default_factory=KernelOptions)
     decisions: Dict[str, Decision] = field(default_factory=dict)
     hp_modules: Dict[str, nn.Module] = field(default_factory=dict)
+    unplaced: Dict[str, str] = field(default_factory=dict)
     hooks: list = field(default_factory=list)
 
 
@@ -92,6 +95,26 @@ def set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
 def _swap_linear(fqn: str, module: nn.Module, decision: Decision, config: Float8LinearConfig) -> Float8Linear:
     """The built-in swap: an ``nn.Linear`` becomes a :class:`Float8Linear`."""
     return Float8Linear.from_linear(module, config=config)
+
+
+def _swap_grouped(fqn: str, module: nn.Module, decision: Decision, config: Float8LinearConfig):
+    """The built-in swap of a transformers 5 experts module: a :class:`Float8GroupedExperts`."""
+    return Float8GroupedExperts.from_experts(module, config)
+
+
+def _grouped_decision(policy: PrecisionPolicy, fqn: str, module: nn.Module, recipe: Recipe) -> Decision:
+    """The policy's decision for a module with 3-D grouped weights: each weight's
+    ``(out_features, in_features)`` is checked; the first that keeps it out of FP8 decides."""
+    decision = None
+    for name in grouped_weight_names(module):
+        w = getattr(module, name)
+        d = policy.decide(fqn, module, recipe=recipe, shape=(int(w.shape[1]), int(w.shape[2])))
+        if not d.fp8:
+            return Decision(
+                d.fqn, d.role, d.precision, f"{name}: {d.reason}" if "features" in d.reason else d.reason, d.layer
+            )
+        decision = decision or d
+    return decision
 
 
 def _find_swap(swaps: Mapping[type, SwapFactory], module: nn.Module) -> Optional[SwapFactory]:
@@ -156,7 +179,10 @@ def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module, devic
             x = inputs[0] if inputs else None
             x_needs = torch.is_tensor(x) and x.requires_grad
             w = getattr(mod, "weight", None)
-            w_needs = isinstance(w, torch.Tensor) and w.requires_grad
+            if isinstance(w, torch.Tensor):
+                w_needs = w.requires_grad
+            else:  # (grouped expert weights)
+                w_needs = any(p.requires_grad for p in mod.parameters(recurse=False))
             counts = getattr(mod, HP_BWD_COUNT)
 
             def bwd(_grad):
@@ -205,6 +231,13 @@ def convert_model(
     ``weight`` (``[out, in]``); if FP8, the factory builds the replacement, which must be a
     :class:`Float8Linear` (that is what :func:`audit` and the telemetry count). A GEMM module
     with no factory stays in high precision, counted, and its audit reason says why.
+
+    Grouped experts: a module with its own 3-D Parameters (``[experts, out, in]``) is a grouped
+    GEMM module (role ``mlp``); the alignment check runs on every 3-D weight. One in transformers
+    5's layout (``gate_up_proj`` / ``down_proj``, :func:`~nemo_fp8_recipes.nn.grouped.grouped_layout_problem`)
+    becomes a :class:`~nemo_fp8_recipes.nn.Float8GroupedExperts`; any other class needs a
+    ``swaps`` factory returning a ``Float8GroupedExperts``. Without one it stays in high
+    precision, its audit reason says why, and ``audit(strict=True)`` fails on it.
 
     ``emulate``: None = real FP8 GEMMs where the hardware has them (``check_supported``), exact
     emulation on CPU; True = always emulate; False = demand real GEMMs. A GPU lacking the
@@ -285,12 +318,18 @@ def convert_model(
     plan = []  # (fqn, module, decision, FP8 replacement or None)
     replaced: Tuple[str, ...] = ()  # "<fqn>." of replaced modules: their submodules go with them
     for fqn, module in list(model.named_modules()):
-        if not fqn or isinstance(module, Float8Linear) or fqn.startswith(replaced):
+        if not fqn or isinstance(module, (Float8Linear, Float8GroupedExperts)) or fqn.startswith(replaced):
             continue
         factory = _find_swap(factories, module)
+        grouped = bool(grouped_weight_names(module))
+        if grouped and factory is None and grouped_layout_problem(module) is None:
+            factory = _swap_grouped
         # nn.Linear: the policy reads out_features / in_features itself
         shape = _gemm_shape(module) if factory is not None and not isinstance(module, nn.Linear) else None
-        decision = policy.decide(fqn, module, recipe=r, shape=shape)
+        if grouped:
+            decision = _grouped_decision(policy, fqn, module, r)
+        else:
+            decision = policy.decide(fqn, module, recipe=r, shape=shape)
         if decision.role == Role.OTHER:
             if factory is not None and factory is not _swap_linear:
                 raise ValueError(
@@ -301,7 +340,16 @@ def convert_model(
             continue
         if isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and decision.role in GEMM_ROLES:
             continue
-        if decision.fp8 and factory is None:
+        if decision.fp8 and factory is None and grouped:
+            why = (
+                f"{type(module).__name__} holds grouped GEMM weights ({', '.join(grouped_weight_names(module))}, "
+                f"3-D) that convert_model cannot run in FP8: {grouped_layout_problem(module)}; pass "
+                f"swaps={{{type(module).__name__}: factory}} returning a Float8GroupedExperts, or keep it in BF16 "
+                "with PrecisionPolicy(exclude=[...])"
+            )
+            decision = Decision(fqn, decision.role, "bf16", why, decision.layer)
+            state.unplaced[fqn] = why
+        elif decision.fp8 and factory is None:
             decision = Decision(
                 fqn,
                 decision.role,
@@ -313,7 +361,7 @@ def convert_model(
             )
         new = None
         if decision.fp8:
-            if shape is None and not isinstance(module, nn.Linear):
+            if shape is None and not isinstance(module, nn.Linear) and not grouped:
                 w = getattr(module, "weight", None)
                 got = (
                     "no weight"
@@ -326,10 +374,11 @@ def convert_model(
                     "[out_features, in_features] tensor (keep it in BF16 with PrecisionPolicy(exclude=[...]))"
                 )
             new = factory(fqn, module, decision, config)
-            if not isinstance(new, Float8Linear):
+            if not isinstance(new, (Float8GroupedExperts if grouped else Float8Linear)):
+                want = "Float8GroupedExperts" if grouped else "Float8Linear"
                 raise TypeError(
                     f"{fqn}: the swap for {type(module).__name__} returned {type(new).__name__}, not a "
-                    "Float8Linear (or subclass), which audit() and the telemetry count as FP8"
+                    f"{want} (or subclass), which audit() counts as FP8"
                 )
             replaced += (fqn + ".",)
         plan.append((fqn, module, decision, new))
@@ -350,7 +399,7 @@ def convert_model(
     fp8_buffers = [
         f"{n}.{b}"
         for n, m in model.named_modules()
-        if isinstance(m, Float8Linear)
+        if isinstance(m, (Float8Linear, Float8GroupedExperts))
         for b, _ in m.named_buffers(recurse=False)
     ]
     fp8_buffers += [f"{n}.{b}" for n in state.hp_modules for b in (HP_FWD_COUNT, HP_BWD_COUNT)]
@@ -465,7 +514,7 @@ def conversion_state(model: nn.Module):
 
 def reset_gemm_counts(model: nn.Module) -> None:
     """Zero the per-GEMM counters that :func:`audit` reports."""
-    for m in fp8_modules(model).values():
+    for m in (*fp8_modules(model).values(), *grouped_fp8_modules(model).values()):
         m.reset_gemm_counts()
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:
