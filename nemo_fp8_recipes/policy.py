@@ -168,10 +168,14 @@ def _is_gemm_module(module: Optional[nn.Module]) -> bool:
     return cls.endswith("Linear") or cls in {"TopKRouter", "Router", "MoEGate"}
 
 
+_CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+
+
 def grouped_weight_names(module: Optional[nn.Module]) -> Tuple[str, ...]:
     """Names of ``module``'s own 3-D Parameters: the weights of a grouped GEMM
-    (``[experts, out_features, in_features]``, transformers 5's experts modules), or ``()``."""
-    if module is None:
+    (``[experts, out_features, in_features]``, transformers 5's experts modules), or ``()``.
+    A convolution's 3-D kernel (``nn.Conv1d``, e.g. a Mamba or audio layer) is no grouped GEMM."""
+    if module is None or isinstance(module, _CONVOLUTIONS):
         return ()
     return tuple(n for n, p in module.named_parameters(recurse=False) if p.dim() == 3)
 

@@ -181,3 +181,16 @@ def test_grouped_shape_check_names_the_weight():
     row = {r.name: r for r in audit(model).rows}["0.experts"]
     assert row.precision == "bf16" and row.reason.startswith("w: out_features=200")
     assert not audit(model, strict=True).unplaced  # a recorded policy decision, not a failure
+
+
+def test_a_convolution_is_no_grouped_gemm():
+    """A Conv1d's kernel is 3-D too (a Mamba or audio layer; here with dims the FP8 shape check
+    accepts): not a grouped GEMM module, so it is neither converted nor reported as unplaced, and
+    the strict audit passes on the linears."""
+    model = nn.Sequential(nn.Linear(128, 128), nn.Conv1d(128, 128, kernel_size=16))
+    convert_model(model, "tensorwise", PrecisionPolicy())
+    y = model[0](torch.randn(32, 128))
+    model[1](y.t().unsqueeze(0)).sum().backward()
+    report = audit(model, strict=True)
+    assert not report.unplaced
+    assert {r.name for r in report.rows if r.precision == "fp8"} == {"0"}
