@@ -130,3 +130,30 @@ def structured(rows: int, cols: int, seed: int = 0, dtype=torch.float32) -> torc
     tails = (torch.randn(rows, cols, generator=g, dtype=torch.float64) / chi2.sqrt()).clamp(-30, 30)
     x = (0.7 * base + 0.3 * tails) * row_mag[:, None] * col_mag[None, :]
     return x.to(dtype)
+
+
+#: The numerics contract per recipe (docs/recipes.md), as the reference tests read it.
+# per recipe: (X fmt, W fmt, dY fmt, X/dY group along contraction, W group along K, W group along N, rounding)
+CONTRACT = {
+    "delayed": ("e4m3", "e4m3", "e5m2", None, None, None, "fp32"),
+    "tensorwise": ("e4m3", "e4m3", "e5m2", None, None, None, "fp32"),
+    "blockwise": ("e4m3", "e4m3", "e4m3", 128, (128, 128), (128, 128), "pow2"),
+    "mxfp8": ("e4m3", "e4m3", "e4m3", 32, (1, 32), (32, 1), "e8m0_ceil"),
+}
+
+
+def fake_quantize(t, fmt, block, rounding, scale=None):
+    """``t`` quantised per the contract and dequantised (float64)."""
+    return quantize_groups(t, fmt, block, rounding, scale=scale)[0]
+
+
+def contract_reference(name, x, w, dy, scales=None):
+    """fprop/dgrad/wgrad computed from operands fake-quantised per the contract, in float64."""
+    xf, wf, gf, tile, wk, wn, rnd = CONTRACT[name]
+    s = scales or {}
+    row = None if tile is None else (1, tile)  # groups along the last dim
+    col = None if tile is None else (tile, 1)  # groups along the first dim (wgrad copies)
+    y = fake_quantize(x, xf, row, rnd, s.get("x")) @ fake_quantize(w, wf, wk, rnd, s.get("w")).T
+    dx = fake_quantize(dy, gf, row, rnd, s.get("g")) @ fake_quantize(w, wf, wn, rnd, s.get("w"))
+    dw = fake_quantize(dy, gf, col, rnd, s.get("g")).T @ fake_quantize(x, xf, col, rnd, s.get("x"))
+    return y, dx, dw

@@ -5,7 +5,7 @@ recipe and every GEMM, on inputs with structured outliers."""
 import numpy as np
 import pytest
 import torch
-from helpers.fp8_ref import quantize_groups, scale_for, structured
+from helpers.fp8_ref import contract_reference, scale_for, structured
 
 from nemo_fp8_recipes.nn import Float8GroupedExperts, Float8LinearConfig
 from nemo_fp8_recipes.recipes import get_recipe
@@ -13,30 +13,6 @@ from nemo_fp8_recipes.recipes import get_recipe
 K, N = 256, 384
 SIZES = (160, 0, 96, 33)  # rows per expert: one expert gets no token, one a short block
 FP8_RECIPES = ["delayed", "tensorwise", "blockwise", "mxfp8"]
-
-# per recipe: (X fmt, W fmt, dY fmt, X/dY group along contraction, W group along K, W group along N, rounding)
-CONTRACT = {
-    "delayed": ("e4m3", "e4m3", "e5m2", None, None, None, "fp32"),
-    "tensorwise": ("e4m3", "e4m3", "e5m2", None, None, None, "fp32"),
-    "blockwise": ("e4m3", "e4m3", "e4m3", 128, (128, 128), (128, 128), "pow2"),
-    "mxfp8": ("e4m3", "e4m3", "e4m3", 32, (1, 32), (32, 1), "e8m0_ceil"),
-}
-
-
-def _fq(t, fmt, block, rounding, scale=None):
-    return quantize_groups(t, fmt, block, rounding, scale=scale)[0]
-
-
-def expert_reference(name, x, w, dy, scales=None):
-    """One expert's fprop/dgrad/wgrad from operands fake-quantised per the contract, in float64."""
-    xf, wf, gf, tile, wk, wn, rnd = CONTRACT[name]
-    s = scales or {}
-    row = None if tile is None else (1, tile)
-    col = None if tile is None else (tile, 1)
-    y = _fq(x, xf, row, rnd, s.get("x")) @ _fq(w, wf, wk, rnd, s.get("w")).T
-    dx = _fq(dy, gf, row, rnd, s.get("g")) @ _fq(w, wf, wn, rnd, s.get("w"))
-    dw = _fq(dy, gf, col, rnd, s.get("g")).T @ _fq(x, xf, col, rnd, s.get("x"))
-    return y, dx, dw
 
 
 def operands(seed=0):
@@ -76,7 +52,7 @@ def check_against_reference(name, got, x, w, dy, scales):
             assert not dw[e].any(), f"{name}: expert {e} got no token but a weight gradient"
             continue
         sl = slice(start, start + m)
-        ref = expert_reference(name, x[sl], w[e], dy[sl], scales[e] if scales else None)
+        ref = contract_reference(name, x[sl], w[e], dy[sl], scales[e] if scales else None)
         for gemm, g, r in zip(("fprop", "dgrad", "wgrad"), (y[sl], dx[sl], dw[e]), ref):
             assert rel(g, r) < 1e-6, f"{name} expert {e} {gemm}: emulation differs from the contract reference"
         start += m
@@ -95,7 +71,7 @@ def test_grouped_fprop_dgrad_wgrad_match_per_expert_contract_reference(name):
     if name == "tensorwise":
         sl = slice(SIZES[0] + SIZES[1], SIZES[0] + SIZES[1] + SIZES[2])
         one_scale = {"w": scale_for(float(w.abs().max()), "e4m3", "fp32")}
-        assert rel(got[0][sl], expert_reference(name, x[sl], w[2], dy[sl], one_scale)[0]) > 1e-3
+        assert rel(got[0][sl], contract_reference(name, x[sl], w[2], dy[sl], one_scale)[0]) > 1e-3
 
 
 def test_grouped_delayed_uses_each_experts_history():

@@ -4,7 +4,7 @@ reference, for every recipe and every GEMM (docs/recipes.md), on inputs with str
 import numpy as np
 import pytest
 import torch
-from helpers.fp8_ref import quantize_groups, scale_for, structured
+from helpers.fp8_ref import contract_reference, scale_for, structured
 from helpers.report import NUMERICS_REPORT
 
 from nemo_fp8_recipes.nn import Float8Linear
@@ -13,30 +13,6 @@ from nemo_fp8_recipes.recipes import get_recipe
 
 M, K, N = 256, 384, 256
 FP8_RECIPES = ["delayed", "tensorwise", "blockwise", "mxfp8"]
-
-# per recipe: (X fmt, W fmt, dY fmt, X/dY group along contraction, W group along K, W group along N, rounding)
-CONTRACT = {
-    "delayed": ("e4m3", "e4m3", "e5m2", None, None, None, "fp32"),
-    "tensorwise": ("e4m3", "e4m3", "e5m2", None, None, None, "fp32"),
-    "blockwise": ("e4m3", "e4m3", "e4m3", 128, (128, 128), (128, 128), "pow2"),
-    "mxfp8": ("e4m3", "e4m3", "e4m3", 32, (1, 32), (32, 1), "e8m0_ceil"),
-}
-
-
-def _fq(t, fmt, block, rounding, scale=None):
-    return quantize_groups(t, fmt, block, rounding, scale=scale)[0]
-
-
-def contract_reference(name, x, w, dy, scales=None):
-    """fprop/dgrad/wgrad computed from operands fake-quantised per the contract, in float64."""
-    xf, wf, gf, tile, wk, wn, rnd = CONTRACT[name]
-    s = scales or {}
-    row = None if tile is None else (1, tile)  # groups along the last dim
-    col = None if tile is None else (tile, 1)  # groups along the first dim (wgrad copies)
-    y = _fq(x, xf, row, rnd, s.get("x")) @ _fq(w, wf, wk, rnd, s.get("w")).T
-    dx = _fq(dy, gf, row, rnd, s.get("g")) @ _fq(w, wf, wn, rnd, s.get("w"))
-    dw = _fq(dy, gf, col, rnd, s.get("g")).T @ _fq(x, xf, col, rnd, s.get("x"))
-    return y, dx, dw
 
 
 def run_module(mod, x, dy):
