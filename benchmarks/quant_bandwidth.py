@@ -10,7 +10,7 @@ written), so its "bytes moved" columns count the bytes it has to move (5 per ele
 included); "GPU-only" replays the same calls from CUDA graphs, i.e. the kernels' own time. Each is
 a fraction of the copy timed the same way (caller time against the copy's caller time, GPU-only
 against the copy's own replays). The "one read" 1x128 row is the benchmarks' own kernel
-(``kernels/quantize_dual.py``), which the library does not use. The last rows
+(``fp8_kernels/quantize_dual.py``), which the library does not use. The last rows
 compare SwiGLU -> quantise fused (the activation computed inside the quantisers from its halves)
 and unfused, forward and backward (:func:`swiglu_rows`), and RMSNorm -> quantise
 (:func:`norm_rows`, on ``[rows, --norm-dim]``). All variants run in one process, CUDA events, median of
@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import bench, bench_graph, host_us, table, write_json  # noqa: E402
-from kernels.quantize_dual import quantize_dual  # noqa: E402
+from fp8_kernels.quantize_dual import quantize_dual  # noqa: E402
 
 from nemo_fp8_recipes.quant.dispatch import quantize_pair_auto as quantize_pair  # noqa: E402
 from nemo_fp8_recipes.quant.reference import quantize  # noqa: E402
@@ -76,7 +76,7 @@ MIN_TRAFFIC = {
 
 #: ``--sweep``: the launch configurations tried per kernel (tile sizes x warps); see
 #: ``nemo_fp8_recipes.quant.triton_kernels.LAUNCH`` for the defaults (``dual128`` / ``dual32``:
-#: ``kernels/quantize_dual.py``).
+#: ``fp8_kernels/quantize_dual.py``).
 SWEEP = {
     # groups: scaling groups per tile along the grouped dim (tiles of at most 16-32K elements)
     "rows128": [

@@ -25,7 +25,7 @@ def test_linear_fwd_bwd_smoke(tmp_path):
 def test_quant_bandwidth_smoke(tmp_path):
     """``quant_bandwidth.py --smoke`` in one run (Triton's interpreter where there is no GPU:
     tests/conftest.py sets it): the table with every quantiser variant (the one-read 1x128 pair of
-    ``benchmarks/kernels`` and the 128x128 weight pairs included), then ``--sweep`` — each
+    ``benchmarks/fp8_kernels`` and the 128x128 weight pairs included), then ``--sweep`` — each
     configuration's codes checked against the default's, ``cols_t128_bf16`` tuning ``cols_t128``,
     ``dual128`` the benchmarks' kernel — and ``--host-overhead``, every part and wrapper timed."""
     triton = _has_triton() and os.environ.get("TRITON_INTERPRET") == "1"

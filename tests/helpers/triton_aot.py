@@ -1,7 +1,7 @@
 """Compile the Triton quantisers for real GPUs without a GPU (Triton's bundled ptxas) and report,
 as one JSON line, whether each variant compiles and which FP8 conversion instructions its PTX
 uses: the library's kernels and the benchmarks' one-read 1xN pair kernel
-(benchmarks/kernels/quantize_dual.py). Run by tests/quant/test_triton_kernels.py in a subprocess without
+(benchmarks/fp8_kernels/quantize_dual.py). Run by tests/quant/test_triton_kernels.py in a subprocess without
 TRITON_INTERPRET (the kernels must be JIT functions, not interpreted ones)."""
 
 import importlib.util
@@ -21,7 +21,7 @@ def main() -> None:
         print(json.dumps({"skip": "this Triton has no NVIDIA backend / ptxas to compile for a GPU"}))
         return
     import triton
-    from kernels.quantize_dual import _quant_dual_kernel
+    from fp8_kernels.quantize_dual import _quant_dual_kernel
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 

@@ -33,12 +33,12 @@ def tk():
 
 
 def _dual_module():
-    """The benchmarks' one-read 1xN pair kernel (``benchmarks/kernels/quantize_dual.py``), which
+    """The benchmarks' one-read 1xN pair kernel (``benchmarks/fp8_kernels/quantize_dual.py``), which
     the library does not use; it is built from the library's device functions."""
     bench = str(Path(__file__).resolve().parents[2] / "benchmarks")
     sys.path.insert(0, bench)
     try:
-        from kernels import quantize_dual
+        from fp8_kernels import quantize_dual
     finally:
         sys.path.remove(bench)
     return quantize_dual
