@@ -123,7 +123,8 @@ def _parser() -> argparse.ArgumentParser:
         "--tag",
         default=None,
         help=f"scalar to compare (default: the training loss, {DEFAULT_TAG} of "
-        "nemo-fp8-train runs or 'lm loss' of Megatron-Bridge runs; e.g. val/loss)",
+        "nemo-fp8-train runs, 'lm loss' of Megatron-Bridge runs or 'reduced_train_loss' of NeMo 2 runs; "
+        "e.g. val/loss)",
     )
     p.add_argument("--tokens-tag", default=None, help=f"throughput scalar (default {TOKENS_TAG})")
     p.add_argument(
@@ -239,7 +240,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 _parser().print_usage(sys.stderr)
                 raise CompareError("give at least one RUN_DIR (or --from-json FILE)")
             dirs = resolve_run_dirs(args.runs)
-            tag = args.tag  # None: each run's training loss (train/loss, or Megatron-Bridge's "lm loss")
+            tag = args.tag  # None: each run's training loss (train/loss, Bridge's "lm loss", NeMo 2's)
             tokens_tag = args.tokens_tag or TOKENS_TAG
             runs = [load_run(d, tag, tokens_tag, name=n) for d, n in zip(dirs, run_names(dirs))]
             if args.until is not None:

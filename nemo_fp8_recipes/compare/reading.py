@@ -31,8 +31,9 @@ __all__ = [
 ]
 
 DEFAULT_TAG = "train/loss"
-#: The training loss as each trainer logs it: nemo-fp8-train, Megatron-Bridge / Megatron-LM.
-LOSS_TAGS = (DEFAULT_TAG, "lm loss")
+#: The training loss as each trainer logs it: nemo-fp8-train, Megatron-Bridge / Megatron-LM,
+#: NeMo 2 (``llm.pretrain`` through ``NeMoLogger``).
+LOSS_TAGS = (DEFAULT_TAG, "lm loss", "reduced_train_loss")
 TOKENS_TAG = "tokens_per_s"
 EVENTS_GLOB = "events.out.tfevents.*"
 OUTPUT_MARKER = "compare.json"  #: an output directory of this tool (never a run) holds it

@@ -591,6 +591,30 @@ def test_megatron_bridge_runs_are_read_by_their_lm_loss_tag(sweep, tmp_path, cap
     assert int(rows["tensorwise-bridge"]["aligned_steps"]) == STEPS // LOG_EVERY
 
 
+def test_nemo2_runs_are_read_by_their_reduced_train_loss_tag(sweep, tmp_path, capsys):
+    """NeMo 2's ``llm.pretrain`` logs its training loss as 'reduced_train_loss' (through Lightning
+    and NeMoLogger's TensorBoard); the compare tool finds it without --tag."""
+    import shutil
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    parent, results = sweep
+    root = tmp_path / "runs"
+    shutil.copytree(parent / "bf16", root / "bf16")
+    w = SummaryWriter(log_dir=str(root / "tensorwise-nemo2"))
+    for step, loss in sorted(results["tensorwise"].losses.items()):
+        if step % LOG_EVERY == 0:
+            w.add_scalar("reduced_train_loss", loss * 1.002, step)
+            w.add_scalar("lr", 1e-3, step)
+    w.close()
+    capsys.readouterr()
+    assert main([str(root), "--last", "10", "--out", str(tmp_path / "out"), "--no-png", "--no-events"]) == 0
+    out = capsys.readouterr().out
+    assert "tag `train/loss / reduced_train_loss`" in out and "| tensorwise-nemo2 |" in out
+    rows = read_csv(tmp_path / "out" / "compare.csv")
+    assert int(rows["tensorwise-nemo2"]["aligned_steps"]) == STEPS // LOG_EVERY
+
+
 def test_a_non_finite_loss_is_blamed_on_the_run_that_logged_it():
     """A NaN in the baseline's curve fails the comparison naming the baseline, not the candidate;
     a NaN in the candidate's names the candidate."""
