@@ -30,6 +30,7 @@ __all__ = [
     "contiguous_codes",
     "fprop",
     "grads",
+    "output_dtype",
     "operand_spec",
     "pack_meta",
     "pack_tensors",
@@ -42,6 +43,14 @@ __all__ = [
 
 OPERANDS = ("input", "weight", "grad_output")
 IN, W, GO = 0, 1, 2
+
+
+def output_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an FP8 GEMM of input ``x`` returns: the autocast dtype where autocast is on for
+    ``x``'s device, else ``x``'s own (as the high-precision matmul it replaces would)."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def pack_meta(q: Optional[QuantizedTensor]):

@@ -25,7 +25,18 @@ import torch.nn as nn
 
 from ..quant.delayed import advance_delayed_scaling
 from .config import Float8LinearConfig
-from .gemms import GO, IN, W, check_device, fprop, grads, quantize_current, quantize_delayed, quantize_weight
+from .gemms import (
+    GO,
+    IN,
+    W,
+    check_device,
+    fprop,
+    grads,
+    output_dtype,
+    quantize_current,
+    quantize_delayed,
+    quantize_weight,
+)
 
 __all__ = ["Float8GroupedExperts", "GroupedOperands", "grouped_fp8_modules", "grouped_layout_problem"]
 
@@ -52,12 +63,6 @@ def grouped_layout_problem(module: nn.Module) -> Optional[str]:
     if not callable(getattr(module, "act_fn", None)):
         return "it has no act_fn"
     return None
-
-
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class GroupedOperands:
@@ -299,7 +304,7 @@ class Float8GroupedExperts(nn.Module):
                 f"{self.num_experts} experts and sum to {x.shape[0]}"
             )
         ops = GroupedOperands(self, self.weight_names.index(name))
-        return GroupedMMFn.apply(x, w, sizes, ops, _out_dtype(x), torch.is_grad_enabled())
+        return GroupedMMFn.apply(x, w, sizes, ops, output_dtype(x), torch.is_grad_enabled())
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """transformers 5's experts forward: route each token to its top-k experts, run

@@ -74,6 +74,7 @@ from .gemms import (
     W,
     check_device,
     operand_spec,
+    output_dtype,
     pack_meta,
     pack_tensors,
     quantize_plain,
@@ -88,12 +89,6 @@ __all__ = [
     "Float8LinearOperands",
     "fp8_modules",
 ]
-
-
-def _out_dtype_for(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 def _config_from(
@@ -789,7 +784,7 @@ class Float8Linear(nn.Linear):
         :meth:`forward` in eager mode), with ``bias`` given by the caller: wrappers that own the
         bias handling (Megatron's ``skip_bias_add``) call this."""
         return Float8LinearFn.apply(
-            x, self.weight, bias, Float8LinearOperands(self), _out_dtype_for(x), torch.is_grad_enabled()
+            x, self.weight, bias, Float8LinearOperands(self), output_dtype(x), torch.is_grad_enabled()
         )
 
     def forward(self, x: torch.Tensor, gate: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -836,7 +831,7 @@ class Float8Linear(nn.Linear):
                 f"Float8Linear {self.fqn or ''}: expected a floating-point input, got {x.dtype} "
                 "(as nn.Linear, it multiplies floating-point tensors; cast the input first)"
             )
-        out_dtype = _out_dtype_for(x)
+        out_dtype = output_dtype(x)
         if gate is not None:
             if self.fuses_swiglu(gate, x):
                 return self._forward_swiglu(gate, x, out_dtype)
