@@ -102,11 +102,13 @@ def _swap_grouped(fqn: str, module: nn.Module, decision: Decision, config: Float
     return Float8GroupedExperts.from_experts(module, config)
 
 
-def _grouped_decision(policy: PrecisionPolicy, fqn: str, module: nn.Module, recipe: Recipe) -> Decision:
-    """The policy's decision for a module with 3-D grouped weights: each weight's
+def _grouped_decision(
+    policy: PrecisionPolicy, fqn: str, module: nn.Module, recipe: Recipe, names: Tuple[str, ...]
+) -> Decision:
+    """The policy's decision for a module with the 3-D grouped weights ``names``: each weight's
     ``(out_features, in_features)`` is checked; the first that keeps it out of FP8 decides."""
     decision = None
-    for name in grouped_weight_names(module):
+    for name in names:
         w = getattr(module, name)
         d = policy.decide(fqn, module, recipe=recipe, shape=(int(w.shape[1]), int(w.shape[2])))
         if not d.fp8:
@@ -321,13 +323,14 @@ def convert_model(
         if not fqn or isinstance(module, (Float8Linear, Float8GroupedExperts)) or fqn.startswith(replaced):
             continue
         factory = _find_swap(factories, module)
-        grouped = bool(grouped_weight_names(module))
-        if grouped and factory is None and grouped_layout_problem(module) is None:
+        grouped = grouped_weight_names(module)  # (names of its 3-D weights; () for any other module)
+        layout_problem = grouped_layout_problem(module) if grouped and factory is None else None
+        if grouped and factory is None and layout_problem is None:
             factory = _swap_grouped
         # nn.Linear: the policy reads out_features / in_features itself
         shape = _gemm_shape(module) if factory is not None and not isinstance(module, nn.Linear) else None
         if grouped:
-            decision = _grouped_decision(policy, fqn, module, r)
+            decision = _grouped_decision(policy, fqn, module, r, grouped)
         else:
             decision = policy.decide(fqn, module, recipe=r, shape=shape)
         if decision.role == Role.OTHER:
@@ -342,8 +345,8 @@ def convert_model(
             continue
         if decision.fp8 and factory is None and grouped:
             why = (
-                f"{type(module).__name__} holds grouped GEMM weights ({', '.join(grouped_weight_names(module))}, "
-                f"3-D) that convert_model cannot run in FP8: {grouped_layout_problem(module)}; pass "
+                f"{type(module).__name__} holds grouped GEMM weights ({', '.join(grouped)}, "
+                f"3-D) that convert_model cannot run in FP8: {layout_problem}; pass "
                 f"swaps={{{type(module).__name__}: factory}} returning a Float8GroupedExperts, or keep it in BF16 "
                 "with PrecisionPolicy(exclude=[...])"
             )
