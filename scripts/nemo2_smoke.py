@@ -85,16 +85,6 @@ def _version(dist: str) -> Optional[str]:
         return None
 
 
-def _vtuple(v: str) -> tuple:
-    out = []
-    for part in v.split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        out.append(int(digits))
-    return tuple(out)
-
-
 def stack_versions() -> Dict[str, Optional[str]]:
     """Installed versions of the packages this run depends on (None: absent)."""
     return {
@@ -108,10 +98,12 @@ def stack_versions() -> Dict[str, Optional[str]]:
 
 def nemo_install_problem(versions: Dict[str, Optional[str]]) -> Optional[str]:
     """Why the installed stack cannot run NeMo 2's ``llm.pretrain`` (None: it looks right)."""
+    from nemo_fp8_recipes.versions import version_tuple
+
     nemo = versions.get("nemo_toolkit")
     if nemo is None:
         return f"NeMo 2 (nemo_toolkit 2.x) is not installed here; {PREPARE_HINT}"
-    if _vtuple(nemo) < (2, 3) or _vtuple(nemo) >= (2, 8):
+    if not (2, 3) <= version_tuple(nemo) < (2, 8):
         return (
             f"nemo_toolkit {nemo} is installed; this smoke run needs NeMo 2 with FP8 recipes, 2.3 to 2.7 "
             f"(3.x has no nemo.collections.llm); {PREPARE_HINT}"
@@ -119,7 +111,7 @@ def nemo_install_problem(versions: Dict[str, Optional[str]]) -> Optional[str]:
     mcore = versions.get("megatron-core")
     if mcore is None:
         return f"megatron-core is not installed (NeMo 2.7 needs 0.16.x); {PREPARE_HINT}"
-    if _vtuple(mcore) >= (0, 17):
+    if version_tuple(mcore) >= (0, 17):
         return (
             f"megatron-core {mcore} is installed; nemo.collections.llm 2.7 needs <= 0.16 (Megatron-Bridge's "
             f"/tmp/site must come after /tmp/nemo2site on PYTHONPATH); {PREPARE_HINT}"
@@ -140,8 +132,10 @@ def recipe_problem(key: str, versions: Dict[str, Optional[str]]) -> Optional[str
         )
     if key == "bf16":
         return None
+    from nemo_fp8_recipes.versions import version_tuple
+
     need = MIN_TE[key]
-    if _vtuple(te) < need:
+    if version_tuple(te) < need:
         return f"megatron-core builds {key} only with Transformer Engine >= {'.'.join(map(str, need))}; found {te}"
     return None
 
