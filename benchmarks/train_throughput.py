@@ -26,6 +26,14 @@ torch.compile's default mode and again with ``trainer.compile_mode=reduce-overhe
     python benchmarks/train_throughput.py --model llama3_150m --steps 100 --seq-len 1024 --micro-batch 8 \
         --compile compiled,graphs --recipes bf16,tensorwise,blockwise,delayed
 
+The cost of ``trainer.deterministic=true`` (``--deterministic both``): each recipe and mode runs
+without and then with deterministic kernels, one after the other, and a table gives the
+deterministic run's tokens/s over the default's (its losses repeat bit for bit; the default's do
+not)::
+
+    python benchmarks/train_throughput.py --model llama3_150m --steps 100 --seq-len 1024 --micro-batch 16 \
+        --compile compiled --recipes bf16,tensorwise,blockwise --deterministic both
+
 The trainer's two backends side by side (``--backends native,te``): every recipe also runs with
 ``backend=te`` (Transformer Engine modules, eager; mxfp8 left out on Hopper), a table gives native /
 TE tokens/s and both final losses per recipe, and ``nemo-fp8-compare`` overlays all the runs' loss
@@ -60,6 +68,7 @@ from pathlib import Path
 RECIPES = ["bf16", "delayed", "tensorwise", "blockwise", "mxfp8"]
 MODES = ("eager", "compiled", "graphs")
 BACKENDS = ("native", "te")
+DETERMINISTIC = {"off": (False,), "on": (True,), "both": (False, True)}
 
 
 def read_scalars(run_dir: Path) -> dict:
@@ -70,11 +79,19 @@ def read_scalars(run_dir: Path) -> dict:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def run_one(args, recipe: str, mode: str, root: Path, nproc: int = 1, backend: str = "native") -> dict:
+def run_one(
+    args, recipe: str, mode: str, root: Path, nproc: int = 1, backend: str = "native", deterministic: bool = False
+) -> dict:
     """One trainer run; ``mode``: eager, compiled (torch.compile's default mode) or graphs
-    (``trainer.compile_mode=reduce-overhead``: the compiled graphs replayed as CUDA graphs)."""
+    (``trainer.compile_mode=reduce-overhead``: the compiled graphs replayed as CUDA graphs);
+    ``deterministic``: with ``trainer.deterministic=true``."""
     compile_ = mode != "eager"
-    tag = ("te-" if backend == "te" else "") + mode + (f"-dp{nproc}" if args.nproc_list != [1] else "")
+    tag = (
+        ("te-" if backend == "te" else "")
+        + mode
+        + (f"-dp{nproc}" if args.nproc_list != [1] else "")
+        + ("-det" if deterministic else "")
+    )
     overrides = [
         f"backend={backend}",
         f"recipe={recipe}",
@@ -85,6 +102,7 @@ def run_one(args, recipe: str, mode: str, root: Path, nproc: int = 1, backend: s
         f"trainer.global_batch_size={args.global_batch or args.micro_batch}",
         f"trainer.compile={str(compile_).lower()}",
         *(["trainer.compile_mode=reduce-overhead"] if mode == "graphs" else []),
+        f"trainer.deterministic={str(deterministic).lower()}",
         f"trainer.val_interval={args.steps}",
         "trainer.checkpoint=false",  # (a throughput run needs no checkpoint: 21 GB for a 4-layer 8B)
         "trainer.progress=false",
@@ -110,6 +128,7 @@ def run_one(args, recipe: str, mode: str, root: Path, nproc: int = 1, backend: s
         "compile": compile_,
         "mode": mode,
         "nproc": nproc,
+        "deterministic": deterministic,
         "wall_s": round(wall, 1),
         "run_dir": str(run_dir),
         "returncode": proc.returncode,
@@ -184,6 +203,13 @@ def main(argv=None) -> int:
         "Hopper recipes). With both, a table puts them side by side per recipe and "
         "nemo-fp8-compare overlays their loss curves",
     )
+    p.add_argument(
+        "--deterministic",
+        choices=DETERMINISTIC,
+        default="off",
+        help="trainer.deterministic for every run (off, on), or both: each run without, then with it, "
+        "and a table of the cost (default %(default)s)",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny CPU run for CI: 3 steps, tiny model")
     p.add_argument("extra", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args(argv)
@@ -206,24 +232,31 @@ def main(argv=None) -> int:
     root = Path(args.root)
     results = []
     recipes = args.recipes.split(",")
+    dets = DETERMINISTIC[args.deterministic]
     runs = [
-        ("native", c, recipe, n) for c in modes for recipe in recipes for n in args.nproc_list if "native" in backends
+        ("native", c, recipe, n, d)
+        for c in modes
+        for recipe in recipes
+        for n in args.nproc_list
+        for d in dets
+        if "native" in backends
     ]
     # Transformer Engine's modules run eager (the trainer refuses trainer.compile=true with them);
     # mxfp8 has no TE GEMMs on Hopper, so it runs on the native backend only
     runs += [
-        ("te", "eager", recipe, n)
+        ("te", "eager", recipe, n, d)
         for recipe in recipes
         for n in args.nproc_list
+        for d in dets
         if "te" in backends and recipe != "mxfp8"
     ]
-    for backend, mode, recipe, nproc in runs:
-        r = run_one(args, recipe, mode, root, nproc, backend)
+    for backend, mode, recipe, nproc, det in runs:
+        r = run_one(args, recipe, mode, root, nproc, backend, det)
         results.append(r)
         write_out(args, results)  # (after every run: a sweep cut short keeps what it measured)
         status = "ok" if r["returncode"] == 0 else "FAILED"
         print(
-            f"[{status}] {backend:<6} {recipe:<11} {mode:<9} x{nproc} "
+            f"[{status}] {backend:<6} {recipe:<11} {mode:<9} x{nproc}{' det' if det else ''} "
             f"wall {r['wall_s']:>6}s "
             f"tok/s {r.get('tokens_per_s') or 0:>10.0f}  loss {r.get('first_loss') or 0:.3f} -> "
             f"{r.get('last_loss') or 0:.3f}"
@@ -232,35 +265,31 @@ def main(argv=None) -> int:
         )
         if r["returncode"] != 0:
             print(r["error"], file=sys.stderr)
-    single = {(r["backend"], r["recipe"], r["mode"]): r for r in results if r["nproc"] == 1}
+
+    def key(r) -> tuple:
+        return r["backend"], r["recipe"], r["mode"], r["deterministic"]
+
+    single = {key(r): r for r in results if r["nproc"] == 1}
     for r in results:  # data-parallel scaling against the 1-process run of the same recipe/mode
-        one = single.get((r["backend"], r["recipe"], r["mode"]))
+        one = single.get(key(r))
         if r["nproc"] > 1 and one and r.get("tokens_per_s") and one.get("tokens_per_s"):
             r["scaling_efficiency"] = r["tokens_per_s"] / (r["nproc"] * one["tokens_per_s"])
             ref = dict(one.get("loss_steps", []))
             devs = [abs(v - ref[s]) / abs(ref[s]) for s, v in r.get("loss_steps", []) if ref.get(s)]
             r["max_rel_loss_dev_vs_1proc"] = max(devs) if devs else None
     base = {
-        (bk, c, n): next(
-            (
-                r.get("tokens_per_s")
-                for r in results
-                if r["recipe"] == "bf16" and r["backend"] == bk and r["mode"] == c and r["nproc"] == n
-            ),
-            None,
-        )
-        for bk in BACKENDS
-        for c in MODES
-        for n in args.nproc_list
+        (r["backend"], r["mode"], r["nproc"], r["deterministic"]): r.get("tokens_per_s")
+        for r in results
+        if r["recipe"] == "bf16"
     }
     print(
-        "\n| backend | recipe | mode | procs | tokens/s | vs bf16 | MFU | loss first -> last | val loss "
-        "| DP efficiency | loss dev vs 1 proc |"
+        "\n| backend | recipe | mode | procs | deterministic | tokens/s | vs bf16 | MFU | loss first -> last "
+        "| val loss | DP efficiency | loss dev vs 1 proc |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r.get("tokens_per_s")
-        b = base[(r["backend"], r["mode"], r["nproc"])]
+        b = base.get((r["backend"], r["mode"], r["nproc"], r["deterministic"]))
         ratio = f"{t / b:.2f}x" if t and b else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
         eff = f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") else "-"
@@ -268,15 +297,16 @@ def main(argv=None) -> int:
         emulated = " (emulated)" if r["recipe"] == "mxfp8" and args.emulate_mxfp8 else ""
         print(
             f"| {r['backend']} | {r['recipe']}{emulated} | "
-            f"{r['mode']} | {r['nproc']} | {t or 0:.0f} | {ratio} | {mfu} | "
+            f"{r['mode']} | {r['nproc']} | {'on' if r['deterministic'] else 'off'} | {t or 0:.0f} | {ratio} | {mfu} | "
             f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
             f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |"
         )
+    cost = deterministic_cost(results) if args.deterministic == "both" else []
     compared = compare_backends(results, root, args) if len(backends) > 1 else {}
     te_rows = run_megatron_te(args, root) if args.megatron_te else []
     if te_rows:
         print_te_table([r for r in results if r["backend"] == "native"], te_rows)
-    write_out(args, results, backends=compared, megatron_te=te_rows)
+    write_out(args, results, backends=compared, megatron_te=te_rows, deterministic_cost=cost)
     return (
         0
         if (
@@ -286,6 +316,36 @@ def main(argv=None) -> int:
         )
         else 1
     )
+
+
+def deterministic_cost(results: list) -> list:
+    """``--deterministic both``: per backend, recipe, mode and process count, the deterministic
+    run's tokens/s over the default run's (< 1: deterministic kernels cost that fraction)."""
+    pairs: dict = {}
+    for r in results:
+        pairs.setdefault((r["backend"], r["recipe"], r["mode"], r["nproc"]), {})[r["deterministic"]] = r
+    rows = []
+    print("\n| backend | recipe | mode | procs | tokens/s default | tokens/s deterministic | deterministic / default |")
+    print("|---|---|---|---|---|---|---|")
+    for (backend, recipe, mode, nproc), by in pairs.items():
+        off, on = (by.get(False) or {}).get("tokens_per_s"), (by.get(True) or {}).get("tokens_per_s")
+        ratio = on / off if on and off else None
+        rows.append(
+            {
+                "backend": backend,
+                "recipe": recipe,
+                "mode": mode,
+                "nproc": nproc,
+                "tokens_per_s_default": off,
+                "tokens_per_s_deterministic": on,
+                "deterministic_over_default": ratio,
+            }
+        )
+        print(
+            f"| {backend} | {recipe} | {mode} | {nproc} | {off or 0:.0f} | {on or 0:.0f} | "
+            + (f"{ratio:.3f}x |" if ratio else "- (a run failed) |")
+        )
+    return rows
 
 
 def write_out(args, results: list, **more) -> None:

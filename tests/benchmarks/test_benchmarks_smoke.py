@@ -1121,6 +1121,44 @@ def test_train_throughput_graphs_mode_is_refused_on_cpu_with_the_reason(tmp_path
     assert proc.returncode == 2 and "unknown --compile mode 'fast'; valid: eager, compiled, graphs, both" in proc.stderr
 
 
+def test_train_throughput_measures_the_cost_of_deterministic_mode(tmp_path):
+    """``train_throughput.py --deterministic both``: each recipe runs without and then with
+    ``trainer.deterministic=true`` (each run's config says which), and the cost table pairs them."""
+    out = tmp_path / "d.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "train_throughput.py"),
+            "--smoke",
+            "--recipes",
+            "bf16",
+            "--deterministic",
+            "both",
+            "--root",
+            str(tmp_path / "runs"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(ROOT),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(out.read_text())
+    runs = res["results"]
+    assert [r["deterministic"] for r in runs] == [False, True]
+    for r in runs:
+        assert f"trainer.deterministic={str(r['deterministic']).lower()}" in r["cmd"]
+        cfg = (Path(r["run_dir"]) / "config.yaml").read_text()
+        assert f"deterministic: {str(r['deterministic']).lower()}" in cfg
+    assert runs[0]["run_dir"] != runs[1]["run_dir"]
+    (row,) = res["deterministic_cost"]
+    assert row["recipe"] == "bf16" and row["mode"] == "eager"
+    assert row["deterministic_over_default"] == pytest.approx(runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"])
+    assert "| native | bf16 | eager | 1 |" in proc.stdout and "deterministic / default" in proc.stdout
+
+
 def test_layer_speedup_plot_reads_the_measured_te_columns(tmp_path):
     """``plot_layer_speedup.py`` on the layer results the docs link: ours and TE's speed-up over
     our compiled BF16 layer per recipe and size (values from the run's own ``speedup`` field)."""
