@@ -56,8 +56,6 @@ NEMO2_PRESETS = {
     "mxfp8": "bf16_with_mxfp8_mixed",
 }
 HOPPER_RECIPES = ("bf16", "delayed", "tensorwise", "blockwise")
-# Transformer Engine versions megatron-core 0.16.1's get_fp8_recipe needs for each recipe.
-MIN_TE = {"delayed": (2, 1), "tensorwise": (2, 2), "blockwise": (2, 3), "mxfp8": (2, 1)}
 LOSS_TAG = "reduced_train_loss"
 PREFIX = "[nemo2_smoke]"
 PREPARE_HINT = (
@@ -132,9 +130,11 @@ def recipe_problem(key: str, versions: Dict[str, Optional[str]]) -> Optional[str
         )
     if key == "bf16":
         return None
+    from nemo_fp8_recipes import get_recipe
+    from nemo_fp8_recipes.integrations.validate_checks import te_min_version
     from nemo_fp8_recipes.versions import version_tuple
 
-    need = MIN_TE[key]
+    need = te_min_version(get_recipe(key))
     if version_tuple(te) < need:
         return f"megatron-core builds {key} only with Transformer Engine >= {'.'.join(map(str, need))}; found {te}"
     return None

@@ -54,6 +54,7 @@ __all__ = [
     "check_no_te",
     "check_moe_fp8_no_te",
     "check_te_version",
+    "te_min_version",
     "check_nvte_env",
     "check_te_imported_settings",
     "check_layer_dims",
@@ -116,8 +117,9 @@ RECIPE_OWNED_FIELDS = (
     "fp4",
 )
 
-#: Minimum TE version per scaling kind, as Megatron-Core's get_fp8_recipe() requires it.
-_TE_MIN_FOR_RECIPE = {
+#: Minimum TE version per scaling kind, as Megatron-Core's get_fp8_recipe() requires it
+#: (delayed scaling has no minimum there).
+_TE_MIN_FOR_SCALING = {
     ScalingKind.DELAYED: (1, 0),
     ScalingKind.CURRENT: (2, 2),
     ScalingKind.BLOCKWISE: (2, 3),
@@ -612,12 +614,17 @@ def check_moe_fp8_no_te(
     return []
 
 
+def te_min_version(recipe: Recipe) -> Tuple[int, ...]:
+    """The oldest Transformer Engine with which Megatron-Core builds ``recipe``'s TE recipe."""
+    return _TE_MIN_FOR_SCALING.get(recipe.scaling_kind, (2, 0))
+
+
 def check_te_version(recipe: Recipe, backend: str, target_te: Optional[Tuple[int, ...]]) -> List[Finding]:
     """``te-version``: the Transformer Engine on the target (``target_te``; None = unknown) is new
     enough for the recipe in Megatron-Core, and has ``te.autocast`` (2.9)."""
     if not (backend in TE_BACKENDS and recipe.is_fp8) or target_te is None:
         return []
-    need = _TE_MIN_FOR_RECIPE.get(recipe.scaling_kind, (2, 0))
+    need = te_min_version(recipe)
     if target_te < need:
         return [
             Finding(

@@ -604,5 +604,10 @@ def test_nemo2_smoke_script_arguments_and_messages(monkeypatch, capsys):
     old_te = dict(NEMO2_STACK, transformer_engine="2.2.0")
     assert smoke.recipe_problem("tensorwise", old_te) is None
     assert "blockwise only with Transformer Engine >= 2.3; found 2.2.0" in smoke.recipe_problem("blockwise", old_te)
+    # (the minimum is the one nemo-fp8-check applies: Megatron-Core builds delayed scaling with any TE)
+    assert smoke.recipe_problem("delayed", dict(NEMO2_STACK, transformer_engine="1.13.0")) is None
+    assert "mxfp8 only with Transformer Engine >= 2.1" in smoke.recipe_problem(
+        "mxfp8", dict(old_te, transformer_engine="2.0")
+    )
     assert ".te/install.sh" in smoke.recipe_problem("bf16", dict(NEMO2_STACK, transformer_engine=None))
     assert set(smoke.NEMO2_PRESETS) == set(list_recipes())  # NeMo 2.7 has a preset for every registry key
