@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from ..formats import Granularity
 from ..nn import Float8Linear, Float8LinearConfig
+from ..options import KernelOptions
 from ..policy import Decision, PrecisionPolicy
 from ..recipes import Recipe, ScalingKind, get_recipe
 from .te import TEUnsupportedError, te_env, te_recipe_spec
@@ -436,6 +437,12 @@ def convert_megatron_model(
     policy: Optional[PrecisionPolicy] = None,
     emulate: Optional[bool] = None,
     device=None,
+    options: Optional[KernelOptions] = None,
+    *,
+    telemetry: bool = False,
+    graph_weight_cache: bool = False,
+    scaling_update: str = "lazy",
+    amax_reduce_fn: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
 ) -> nn.Module:
     """Apply ``recipe`` to a Megatron-Core model built with the local spec (in place; returns it).
 
@@ -446,6 +453,10 @@ def convert_megatron_model(
     ``[out, in]`` weight — and each one it puts in FP8 becomes a :class:`Float8MegatronLinear`.
     :func:`nemo_fp8_recipes.audit` then reports per module what ran in FP8;
     ``collect_telemetry`` / ``set_telemetry`` work as for plain PyTorch models.
+
+    ``options`` and the keyword-only settings are :func:`~nemo_fp8_recipes.convert_model`'s, set
+    once for every FP8 linear. Its ``fuse_wgrad_accumulation`` is not offered: it skips the
+    weight's gradient hooks, through which Megatron's DDP fills ``main_grad``.
     """
     from ..nn.convert import convert_model
 
@@ -459,7 +470,12 @@ def convert_megatron_model(
         policy=policy,
         emulate=emulate,
         device=device,
+        options=options,
         swaps={col: _swap_megatron_linear, row: _swap_megatron_linear},
+        telemetry=telemetry,
+        graph_weight_cache=graph_weight_cache,
+        scaling_update=scaling_update,
+        amax_reduce_fn=amax_reduce_fn,
     )
 
 

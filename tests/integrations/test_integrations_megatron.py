@@ -259,6 +259,21 @@ def test_native_swap_moe_keeps_router_fp32_and_refuses_parallel_layers():
         convert_megatron_model(other, "tensorwise")
 
 
+def test_native_swap_takes_the_linear_settings_of_convert_model():
+    """convert_megatron_model passes convert_model's per-linear settings to every swapped layer."""
+    from nemo_fp8_recipes.options import KernelOptions
+
+    model = build_tiny_gpt_model(num_layers=1, seed=7)
+    opts = KernelOptions(triton=False)
+    convert_megatron_model(model, "delayed", options=opts, telemetry=True, scaling_update="step")
+    swapped = [m for m in model.modules() if isinstance(m, Float8MegatronLinear)]
+    assert swapped
+    for m in swapped:
+        assert m.config.telemetry and m.config.scaling_update == "step" and m.config.kernel_options == opts
+    with pytest.raises(ValueError, match="unknown delayed-scaling update mode .often.; valid modes: lazy, step"):
+        convert_megatron_model(build_tiny_gpt_model(num_layers=1, seed=8), "delayed", scaling_update="often")
+
+
 def _counting_policy(calls, **kw):
     """A PrecisionPolicy that counts its ``decide`` calls per module name into ``calls``."""
 
