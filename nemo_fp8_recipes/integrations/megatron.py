@@ -369,10 +369,10 @@ class Float8MegatronLinear(Float8Linear):
     """
 
     @classmethod
-    def from_megatron(cls, layer: nn.Module, config: Float8LinearConfig) -> "Float8MegatronLinear":
-        """Wrap ``layer`` (same Parameter objects), configured by ``config``."""
+    def from_megatron(cls, layer: nn.Module, config: Float8LinearConfig, fqn: str = "") -> "Float8MegatronLinear":
+        """Wrap ``layer`` (same Parameter objects), configured by ``config``; ``fqn``: its name."""
         bias = layer.bias if isinstance(getattr(layer, "bias", None), nn.Parameter) else None
-        new = cls.from_parameters(layer.weight, bias, config)
+        new = cls.from_parameters(layer.weight, bias, config, fqn=fqn)
         new.skip_bias_add = bool(getattr(layer, "skip_bias_add", False))
         new.megatron_class = type(layer).__name__
         new.is_expert = bool(getattr(layer, "is_expert", False))
@@ -428,7 +428,7 @@ def _swap_megatron_linear(
     fqn: str, layer: nn.Module, decision: Decision, config: Float8LinearConfig
 ) -> Float8MegatronLinear:
     """The :data:`~nemo_fp8_recipes.nn.SwapFactory` of Megatron's parallel linears."""
-    return Float8MegatronLinear.from_megatron(layer, config)
+    return Float8MegatronLinear.from_megatron(layer, config, fqn)
 
 
 def convert_megatron_model(

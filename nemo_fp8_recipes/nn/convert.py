@@ -94,7 +94,7 @@ def set_submodule(root: nn.Module, fqn: str, new: nn.Module) -> None:
 
 def _swap_linear(fqn: str, module: nn.Module, decision: Decision, config: Float8LinearConfig) -> Float8Linear:
     """The built-in swap: an ``nn.Linear`` becomes a :class:`Float8Linear`."""
-    return Float8Linear.from_linear(module, config=config)
+    return Float8Linear.from_linear(module, config=config, fqn=fqn)
 
 
 def _swap_grouped(fqn: str, module: nn.Module, decision: Decision, config: Float8LinearConfig):

@@ -191,21 +191,23 @@ class Float8Linear(nn.Linear):
         options: Optional[KernelOptions] = None,
         *,
         config: Optional[Float8LinearConfig] = None,
+        fqn: str = "",
     ) -> "Float8Linear":
         """A Float8Linear sharing ``linear``'s weight and bias Parameter objects, configured by
-        ``config`` (or by ``recipe``, ``emulate`` and ``options``)."""
-        new = cls.from_parameters(linear.weight, linear.bias, _config_from(recipe, emulate, options, config))
+        ``config`` (or by ``recipe``, ``emulate`` and ``options``); ``fqn``: its name in the model
+        (what its messages and the audit say)."""
+        new = cls.from_parameters(linear.weight, linear.bias, _config_from(recipe, emulate, options, config), fqn=fqn)
         new.to(linear.weight.device)
         return new
 
     @classmethod
     def from_parameters(
-        cls, weight: nn.Parameter, bias: Optional[nn.Parameter], config: Float8LinearConfig
+        cls, weight: nn.Parameter, bias: Optional[nn.Parameter], config: Float8LinearConfig, *, fqn: str = ""
     ) -> "Float8Linear":
         """A Float8Linear (or subclass) around an existing ``[out, in]`` ``weight`` and ``bias``
         (the same Parameter objects, so an optimizer built before keeps working): what
         :meth:`from_linear` and integrations that wrap another library's linear build on. The
-        subclass sets its own attributes afterwards."""
+        subclass sets its own attributes afterwards. ``fqn``: its name in the model, for messages."""
         if not isinstance(config, Float8LinearConfig):
             raise TypeError(f"config must be a Float8LinearConfig, got {type(config).__name__}")
         new = cls.__new__(cls)
@@ -213,13 +215,13 @@ class Float8Linear(nn.Linear):
         new.out_features, new.in_features = int(weight.shape[0]), int(weight.shape[1])
         new.weight = weight
         new.bias = bias
-        new._setup_fp8(config)
+        new._setup_fp8(config, fqn)
         return new
 
     # ---- set-up ------------------------------------------------------------------------------
-    def _setup_fp8(self, config: Float8LinearConfig) -> None:
+    def _setup_fp8(self, config: Float8LinearConfig, fqn: str = "") -> None:
         install_optimizer_hook()
-        self.fqn = ""
+        self.fqn = fqn
         self.role = "linear"
         self._gemm_counts_eager: Dict[str, int] = {"fprop": 0, "dgrad": 0, "wgrad": 0}
         self._telemetry: Dict[int, list] = {}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers.fp8_ref import structured
 
-from nemo_fp8_recipes import check_supported, get_recipe
+from nemo_fp8_recipes import check_supported, convert_model, get_recipe
 from nemo_fp8_recipes.nn import Float8Linear, set_wgrad_accumulation_fusion
 from nemo_fp8_recipes.trainer.distributed import DistContext, wrap_model
 
@@ -136,6 +136,15 @@ def test_refusals_name_the_fix():
     with pytest.raises(ValueError, match=r"set_wgrad_accumulation_fusion\(model, False\)"):
         wrap_model(model, "ddp", DistContext(world_size=2))
     assert set_wgrad_accumulation_fusion(model, False) == 1 and not fused.fuse_wgrad_accumulation
+
+
+def test_refusal_at_conversion_names_the_module():
+    """convert_model(..., fuse_wgrad_accumulation=True) on BF16 weights: the error names the
+    module by its place in the model, not the class."""
+    model = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(64, 64)).to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"^1: fuse_wgrad_accumulation accumulates FP32 gradients"):
+        convert_model(model, "tensorwise", fuse_wgrad_accumulation=True)
+    assert isinstance(model[1], torch.nn.Linear)  # (refused before the model changed)
 
 
 @pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
