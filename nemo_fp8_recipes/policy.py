@@ -40,7 +40,7 @@ from typing import Iterable, Optional, Tuple, Union
 
 import torch.nn as nn
 
-from .recipes import Recipe
+from .recipes import Recipe, get_recipe, list_recipes
 
 __all__ = [
     "Role",
@@ -48,7 +48,6 @@ __all__ = [
     "GEMM_ROLES",
     "Decision",
     "PrecisionPolicy",
-    "FP8_CROSSOVER_WEIGHT_ELEMENTS",
     "small_gemm_hint",
     "linear_shape",
     "grouped_weight_names",
@@ -252,18 +251,6 @@ class Decision:
         return self.precision == "fp8"
 
 
-#: ``min_fp8_weight_elements="auto"``: per recipe, the weight size (``in_features × out_features``)
-#: from which an FP8 linear's forward + backward is at least as fast as BF16's. Measured on one
-#: H200 with 8,192 tokens per micro-batch, steps queued back to back (docs/policy.md has the table
-#: and the command); fewer tokens per micro-batch move the crossover up. MXFP8 has no measured
-#: crossover (it needs an SM100 GPU): give a number.
-FP8_CROSSOVER_WEIGHT_ELEMENTS = {
-    "tensorwise": 16 * 2**20,
-    "blockwise": 24 * 2**20,
-    "delayed": 24 * 2**20,
-}
-
-
 @dataclass(frozen=True, kw_only=True)
 class PrecisionPolicy:
     """What stays in high precision.
@@ -279,7 +266,8 @@ class PrecisionPolicy:
         min_fp8_weight_elements: GEMMs whose weight has fewer elements (``in_features ×
             out_features``) stay BF16, with the size in the audit's reason: FP8 only pays off once
             the GEMM outweighs the quantisation and its launches. ``0`` (default) = off; ``"auto"``
-            = the recipe's measured crossover (:data:`FP8_CROSSOVER_WEIGHT_ELEMENTS`). ``include``
+            = the recipe's measured crossover
+            (:attr:`~nemo_fp8_recipes.recipes.Recipe.fp8_crossover_weight_elements`). ``include``
             patterns win over it. Applied where the policy sees ``nn.Linear`` shapes (the native
             backend, the embedded trainer's ``backend=te``); Megatron configs refuse it.
     """
@@ -330,12 +318,13 @@ class PrecisionPolicy:
         m = self.min_fp8_weight_elements
         if m != "auto":
             return int(m)
-        if recipe.name not in FP8_CROSSOVER_WEIGHT_ELEMENTS:
+        if recipe.fp8_crossover_weight_elements is None:
+            measured = [n for n in list_recipes() if get_recipe(n).fp8_crossover_weight_elements is not None]
             raise ValueError(
                 f"min_fp8_weight_elements='auto' has no measured crossover for recipe {recipe.name} (measured: "
-                f"{', '.join(FP8_CROSSOVER_WEIGHT_ELEMENTS)}); give the threshold in weight elements instead"
+                f"{', '.join(measured)}); give the threshold in weight elements instead"
             )
-        return FP8_CROSSOVER_WEIGHT_ELEMENTS[recipe.name]
+        return recipe.fp8_crossover_weight_elements
 
     def with_num_layers(self, n: Optional[int]) -> "PrecisionPolicy":
         import dataclasses
@@ -448,10 +437,10 @@ def small_gemm_hint(recipe: Recipe, policy: PrecisionPolicy, shapes: Iterable[Tu
     recipe's measured FP8/BF16 crossover while the size rule is off: such a model likely trains
     slower in FP8 than in BF16. None when the rule is on, the recipe has no measured crossover,
     there is no FP8 GEMM, or one is at or above the crossover."""
-    if policy.min_fp8_weight_elements or recipe.name not in FP8_CROSSOVER_WEIGHT_ELEMENTS:
+    threshold = recipe.fp8_crossover_weight_elements
+    if policy.min_fp8_weight_elements or threshold is None:
         return None
     sizes = [o * i for o, i in shapes]
-    threshold = FP8_CROSSOVER_WEIGHT_ELEMENTS[recipe.name]
     if not sizes or max(sizes) >= threshold:
         return None
     return (

@@ -110,6 +110,12 @@ class Recipe:
 
     #: how this recipe class chooses its scales (a class constant, not a field)
     scaling_kind: ClassVar[ScalingKind] = ScalingKind.NONE
+    #: ``PrecisionPolicy(min_fp8_weight_elements="auto")``: the weight size (``in_features ×
+    #: out_features``) from which an FP8 linear's forward + backward is at least as fast as BF16's.
+    #: Measured on one H200 with 8,192 tokens per micro-batch, steps queued back to back
+    #: (docs/policy.md has the table and the command); fewer tokens per micro-batch move it up.
+    #: None: not measured (give the threshold as a number). A class constant, not a field.
+    fp8_crossover_weight_elements: ClassVar[Optional[int]] = None
 
     # ---- derived -----------------------------------------------------------------------------
     @property
@@ -229,6 +235,7 @@ class DelayedScalingRecipe(Recipe):
 
     name: str = "delayed"
     scaling_kind: ClassVar[ScalingKind] = ScalingKind.DELAYED
+    fp8_crossover_weight_elements: ClassVar[Optional[int]] = 24 * 2**20
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     margin: int = 0
@@ -267,6 +274,7 @@ class TensorwiseRecipe(Recipe):
 
     name: str = "tensorwise"
     scaling_kind: ClassVar[ScalingKind] = ScalingKind.CURRENT
+    fp8_crossover_weight_elements: ClassVar[Optional[int]] = 16 * 2**20
     fprop: GemmConfig = field(default_factory=lambda: GemmConfig(fast_accum=True))
 
     def _validate(self) -> None:
@@ -302,6 +310,7 @@ class BlockwiseRecipe(Recipe):
 
     name: str = "blockwise"
     scaling_kind: ClassVar[ScalingKind] = ScalingKind.BLOCKWISE
+    fp8_crossover_weight_elements: ClassVar[Optional[int]] = 24 * 2**20
     grad_format: Format = Format.E4M3
     input_granularity: Granularity = Granularity.TILE_1x128
     weight_granularity: Granularity = Granularity.BLOCK_128x128

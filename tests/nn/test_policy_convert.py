@@ -17,6 +17,7 @@ from nemo_fp8_recipes import (
     audit,
     convert_model,
     get_recipe,
+    list_recipes,
 )
 from nemo_fp8_recipes.nn import (
     Float8Linear,
@@ -232,8 +233,6 @@ def test_shape_check_keeps_unaligned_layers_in_bf16_with_reason():
 
 
 def test_size_rule_keeps_small_gemms_in_bf16_with_the_size_in_the_reason():
-    from nemo_fp8_recipes.policy import FP8_CROSSOVER_WEIGHT_ELEMENTS
-
     # w1/w3 are 256x128 = 32,768 elements, w2 128x256 the same; wq..wo 128x128 = 16,384; output 256x128
     torch.manual_seed(0)
     model = TinyLlama()
@@ -255,19 +254,29 @@ def test_size_rule_keeps_small_gemms_in_bf16_with_the_size_in_the_reason():
     assert PrecisionPolicy().decide("layers.0.attention.wk", recipe=get_recipe("tensorwise"), shape=(128, 128)).fp8
     # auto: the recipe's measured crossover, named in the reason
     auto = PrecisionPolicy(min_fp8_weight_elements="auto")
-    for name, threshold in FP8_CROSSOVER_WEIGHT_ELEMENTS.items():
+    measured = {n: get_recipe(n).fp8_crossover_weight_elements for n in list_recipes()}
+    assert measured == {
+        "bf16": None,
+        "delayed": 24 * 2**20,
+        "tensorwise": 16 * 2**20,
+        "blockwise": 24 * 2**20,
+        "mxfp8": None,
+    }
+    for name, threshold in ((n, t) for n, t in measured.items() if t):
         r = get_recipe(name)
         small = auto.decide("layers.0.mlp.w1", recipe=r, shape=(threshold // 1024 - 128, 1024))
         assert not small.fp8 and f"auto: the measured {name} crossover" in small.reason
         assert auto.decide("layers.0.mlp.w1", recipe=r, shape=(threshold // 1024, 1024)).fp8
-    with pytest.raises(ValueError, match="no measured crossover for recipe mxfp8"):
+    with pytest.raises(
+        ValueError, match=r"no measured crossover for recipe mxfp8 \(measured: delayed, tensorwise, blockwise\)"
+    ):
         auto.decide("layers.0.mlp.w1", recipe=get_recipe("mxfp8"), shape=(128, 128))
     # the bf16 recipe converts nothing, whatever the rule says
     assert auto.decide("layers.0.mlp.w1", recipe=get_recipe("bf16"), shape=(128, 128)).reason == "recipe bf16: no FP8"
 
 
 def test_a_model_below_the_crossover_gets_a_hint_unless_the_size_rule_is_on():
-    from nemo_fp8_recipes.policy import FP8_CROSSOVER_WEIGHT_ELEMENTS, small_gemm_hint
+    from nemo_fp8_recipes.policy import small_gemm_hint
 
     tw = get_recipe("tensorwise")
     small = [(3072, 1024), (1024, 3072), (1024, 1024)]  # llama3_150m's projections
@@ -276,7 +285,7 @@ def test_a_model_below_the_crossover_gets_a_hint_unless_the_size_rule_is_on():
     assert small_gemm_hint(tw, PrecisionPolicy(min_fp8_weight_elements="auto"), small) is None
     assert small_gemm_hint(tw, PrecisionPolicy(), small + [(14336, 4096)]) is None  # one GEMM gains
     assert small_gemm_hint(tw, PrecisionPolicy(), []) is None
-    assert "mxfp8" not in FP8_CROSSOVER_WEIGHT_ELEMENTS
+    assert get_recipe("mxfp8").fp8_crossover_weight_elements is None
     assert small_gemm_hint(get_recipe("mxfp8"), PrecisionPolicy(), small) is None
 
 
