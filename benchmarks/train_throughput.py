@@ -143,7 +143,9 @@ def run_one(
     val = sc.get("val/loss", [])
     summary = run_dir / "summary.json"
     if summary.exists():  # (graphs: how many compiled graphs ran without CUDA graphs; 0 = all captured)
-        res["cuda_graph_skips"] = json.loads(summary.read_text()).get("cuda_graph_skips")
+        done = json.loads(summary.read_text())
+        res["cuda_graph_skips"] = done.get("cuda_graph_skips")
+        res["peak_memory_gib"] = done.get("peak_memory_gib")  # (torch.cuda.max_memory_allocated; None on CPU)
     res.update(
         {
             "tokens_per_s": statistics.median(tps) if tps else None,
@@ -283,21 +285,23 @@ def main(argv=None) -> int:
         if r["recipe"] == "bf16"
     }
     print(
-        "\n| backend | recipe | mode | procs | deterministic | tokens/s | vs bf16 | MFU | loss first -> last "
-        "| val loss | DP efficiency | loss dev vs 1 proc |"
+        "\n| backend | recipe | mode | procs | deterministic | tokens/s | vs bf16 | MFU | peak GiB "
+        "| loss first -> last | val loss | DP efficiency | loss dev vs 1 proc |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r.get("tokens_per_s")
         b = base.get((r["backend"], r["mode"], r["nproc"], r["deterministic"]))
         ratio = f"{t / b:.2f}x" if t and b else "-"
         mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "-"
+        peak = f"{r['peak_memory_gib']:.2f}" if r.get("peak_memory_gib") is not None else "-"
         eff = f"{r['scaling_efficiency']:.1%}" if r.get("scaling_efficiency") else "-"
         dev = f"{r['max_rel_loss_dev_vs_1proc']:.1e}" if r.get("max_rel_loss_dev_vs_1proc") is not None else "-"
         emulated = " (emulated)" if r["recipe"] == "mxfp8" and args.emulate_mxfp8 else ""
         print(
             f"| {r['backend']} | {r['recipe']}{emulated} | "
-            f"{r['mode']} | {r['nproc']} | {'on' if r['deterministic'] else 'off'} | {t or 0:.0f} | {ratio} | {mfu} | "
+            f"{r['mode']} | {r['nproc']} | {'on' if r['deterministic'] else 'off'} | "
+            f"{t or 0:.0f} | {ratio} | {mfu} | {peak} | "
             f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
             f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |"
         )
