@@ -81,7 +81,7 @@ from .gemms import (
     quantize_weight,
 )
 from .shared_input import input_quantizer
-from .weight_cache import GRAPH_CACHED, OPTIMIZER_GENERATION, install_optimizer_hook
+from .weight_cache import EAGER_CACHED, GRAPH_CACHED, OPTIMIZER_GENERATION, install_optimizer_hook
 from .wgrad_fusion import check_wgrad_fusion, wgrad_target
 
 __all__ = [
@@ -380,7 +380,7 @@ class Float8Linear(nn.Linear):
 
     # ---- delayed scaling ---------------------------------------------------------------------
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        self._wcache_key = self._wcache = None
+        self.release_weight_cache()
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if self.recipe.is_delayed and prefix + "fp8_pending" in state_dict:
             self._pending = [bool(v) for v in state_dict[prefix + "fp8_pending"].tolist()]
@@ -405,7 +405,7 @@ class Float8Linear(nn.Linear):
             b = getattr(self, name, None)
             if b is not None and b.dtype != torch.float32:
                 setattr(self, name, b.float())
-        self._wcache_key = self._wcache = None
+        self.release_weight_cache()
         if self._config is not None:  # the weight moved or changed dtype
             self.refresh_graph_weight_cache()
         return out
@@ -424,7 +424,7 @@ class Float8Linear(nn.Linear):
             self.fp8_pending.zero_()
             self.fp8_grad_pending.zero_()
         self._pending = [False, False, False]
-        self._wcache_key = self._wcache = None
+        self.release_weight_cache()
         if self._config is not None:
             self.refresh_graph_weight_cache()
 
@@ -481,7 +481,7 @@ class Float8Linear(nn.Linear):
         written outside an optimizer step and ``load_state_dict``: through ``.data`` (which does
         not bump its version counter) in eager mode, by any in-place write when the compiled
         forward reads the cache."""
-        self._wcache_key = self._wcache = None
+        self.release_weight_cache()
         self.refresh_graph_weight_cache()
 
     # ---- the compiled path's FP8 weight cache ----------------------------------------------------
@@ -699,9 +699,31 @@ class Float8Linear(nn.Linear):
             key = key + (self._scale_generation,)
         if self._wcache_key == key and self._wcache is not None:
             return self._wcache
-        self._wcache_key = key
+        self._wcache_key = self._wcache = None  # (the stale copy goes before the new one is made)
         self._wcache = quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
+        self._wcache_key = key
+        EAGER_CACHED.add(self)
         return self._wcache
+
+    def release_weight_cache(self) -> None:
+        """Drop the eager FP8 weight copy (the next forward quantises the weight again). Every
+        optimizer step does this for every FP8 linear before it runs
+        (:mod:`~nemo_fp8_recipes.nn.weight_cache`); the compiled weight cache is not touched."""
+        self._wcache_key = self._wcache = None
+        EAGER_CACHED.discard(self)
+
+    @property
+    def weight_cache_bytes(self) -> int:
+        """Bytes held by the eager FP8 weight copy (codes and scales; 0 when there is none)."""
+        if self._wcache is None:
+            return 0
+        seen, total = set(), 0
+        for q in self._wcache:
+            for t in (q.data, q.scale_inv, q.scale_e8m0):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    total += t.untyped_storage().nbytes()
+        return total
 
     # ---- bookkeeping -------------------------------------------------------------------------
     @property
