@@ -1055,18 +1055,15 @@ def test_layer_benchmark_te_variants_say_why_they_did_not_run(tmp_path):
     assert rows[("bf16", "eager")]["status"] == "ok"
 
 
-def test_train_throughput_with_the_megatron_te_column(tmp_path):
-    """``train_throughput.py --megatron-te``: the embedded trainer's rows and, beside them, one
-    Megatron-Core + TE row per recipe — trained where TE runs, skipped with the reason here."""
-    out = tmp_path / "e2e.json"
+def _train_throughput(tmp_path, *args: str):
+    """``benchmarks/train_throughput.py --smoke`` with ``args``: (the process, its JSON or None)."""
+    out = tmp_path / "throughput.json"
     proc = subprocess.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "train_throughput.py"),
             "--smoke",
-            "--recipes",
-            "bf16,tensorwise",
-            "--megatron-te",
+            *args,
             "--root",
             str(tmp_path / "runs"),
             "--out",
@@ -1077,8 +1074,14 @@ def test_train_throughput_with_the_megatron_te_column(tmp_path):
         timeout=600,
         cwd=str(ROOT),
     )
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def test_train_throughput_with_the_megatron_te_column(tmp_path):
+    """``train_throughput.py --megatron-te``: the embedded trainer's rows and, beside them, one
+    Megatron-Core + TE row per recipe — trained where TE runs, skipped with the reason here."""
+    proc, data = _train_throughput(tmp_path, "--recipes", "bf16,tensorwise", "--megatron-te")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    data = json.loads(out.read_text())
     assert [r["recipe"] for r in data["results"]] == ["bf16", "tensorwise"]
     assert all(r["returncode"] == 0 and r["tokens_per_s"] for r in data["results"])
     te = {r["recipe"]: r for r in data["megatron_te"]}
@@ -1094,58 +1097,23 @@ def test_train_throughput_graphs_mode_is_refused_on_cpu_with_the_reason(tmp_path
     """``train_throughput.py --compile graphs`` runs the trainer with
     ``trainer.compile_mode=reduce-overhead``; on CPU the trainer refuses it and the row says why;
     an unknown mode lists the valid ones."""
-    bench = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "train_throughput.py"),
-        "--smoke",
-        "--recipes",
-        "bf16",
-        "--root",
-        str(tmp_path / "runs"),
-    ]
-    proc = subprocess.run(
-        bench + ["--compile", "graphs", "--out", str(tmp_path / "g.json")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=str(ROOT),
-    )
+    proc, data = _train_throughput(tmp_path, "--recipes", "bf16", "--compile", "graphs")
     assert proc.returncode == 1
-    (row,) = json.loads((tmp_path / "g.json").read_text())["results"]
+    (row,) = data["results"]
     assert row["mode"] == "graphs" and "trainer.compile_mode=reduce-overhead" in row["cmd"]
     assert (
         "compile_mode=reduce-overhead replays the compiled graphs as CUDA graphs and needs a CUDA device"
         in row["error"]
     )
-    proc = subprocess.run(bench + ["--compile", "fast"], capture_output=True, text=True, timeout=120, cwd=str(ROOT))
+    proc, _ = _train_throughput(tmp_path, "--recipes", "bf16", "--compile", "fast")
     assert proc.returncode == 2 and "unknown --compile mode 'fast'; valid: eager, compiled, graphs, both" in proc.stderr
 
 
 def test_train_throughput_measures_the_cost_of_deterministic_mode(tmp_path):
     """``train_throughput.py --deterministic both``: each recipe runs without and then with
     ``trainer.deterministic=true`` (each run's config says which), and the cost table pairs them."""
-    out = tmp_path / "d.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "train_throughput.py"),
-            "--smoke",
-            "--recipes",
-            "bf16",
-            "--deterministic",
-            "both",
-            "--root",
-            str(tmp_path / "runs"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=str(ROOT),
-    )
+    proc, res = _train_throughput(tmp_path, "--recipes", "bf16", "--deterministic", "both")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(out.read_text())
     runs = res["results"]
     assert [r["deterministic"] for r in runs] == [False, True]
     for r in runs:
