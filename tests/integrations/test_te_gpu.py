@@ -193,6 +193,8 @@ def test_te_refuses_mxfp8_on_hopper_and_our_check_says_what_to_do():
 # ---- (c) Megatron-Core GPTModel with the TE spec ------------------------------------------------------
 def _init_megatron():
     import torch.distributed as dist
+
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -206,6 +208,7 @@ def _init_megatron():
 
 
 def _te_gpt(key: str, policy: PrecisionPolicy, layers: int = 4):
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
