@@ -67,24 +67,9 @@ def test_quant_bandwidth_refuses_an_unknown_sweep_kernel_before_measuring(capsys
 def test_linear_breakdown_attributes_the_step_to_kernel_classes(tmp_path):
     """``linear_fwd_bwd.py --breakdown``: every variant gets a profile whose classes add up to the
     profiled kernel time; on CPU the GEMM class is the matmuls (ATen ``mm``)."""
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "linear_fwd_bwd.py"),
-            "--smoke",
-            "--breakdown",
-            "--recipes",
-            "tensorwise",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc, data = _smoke("linear_fwd_bwd.py", tmp_path, "--breakdown", "--recipes", "tensorwise")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["results"]
+    rows = data["results"]
     assert [r["recipe"] for r in rows] == ["bf16", "tensorwise"]
     for r in rows:
         b = r["breakdown"]
@@ -101,25 +86,9 @@ def test_linear_benchmark_cuda_graph_column(tmp_path):
     variants follow their unfused ones and get the like-for-like ratio."""
     import torch
 
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "linear_fwd_bwd.py"),
-            "--smoke",
-            "--cuda-graph",
-            "--fused-wgrad",
-            "--recipes",
-            "tensorwise",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc, data = _smoke("linear_fwd_bwd.py", tmp_path, "--cuda-graph", "--fused-wgrad", "--recipes", "tensorwise")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["results"]
+    rows = data["results"]
     assert [r["recipe"] for r in rows] == ["bf16", "bf16+fused", "tensorwise", "tensorwise+fused"]
     assert "CUDA graph" in proc.stdout and "vs BF16+fused" in proc.stdout
     fused_base = next(r for r in rows if r["recipe"] == "bf16+fused")
@@ -136,26 +105,11 @@ def test_linear_benchmark_cuda_graph_column(tmp_path):
 def test_layer_breakdown_profiles_each_variant_and_mode(tmp_path):
     """``layer_fwd_bwd.py --breakdown``: a profile per variant and mode, classes adding up, the
     attention core attributed to its own class (CPU: ``aten::_scaled_dot_product...``)."""
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "layer_fwd_bwd.py"),
-            "--smoke",
-            "--breakdown",
-            "--variants",
-            "bf16,tensorwise",
-            "--modes",
-            "eager",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc, data = _smoke(
+        "layer_fwd_bwd.py", tmp_path, "--breakdown", "--variants", "bf16,tensorwise", "--modes", "eager"
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = json.loads(out.read_text())["results"]
+    rows = data["results"]
     assert [(r["variant"], r["mode"]) for r in rows] == [("bf16", "eager"), ("tensorwise", "eager")]
     for r in rows:
         b = r["breakdown"]
@@ -347,17 +301,27 @@ def _has_triton() -> bool:
     return True
 
 
-def _run_smoke(script, tmp_path, *args):
+def _smoke(script, tmp_path, *args, timeout=300, cwd=None):
+    """``benchmarks/<script> --smoke --out <tmp_path>/r.json`` with ``args``: (the finished
+    process, the JSON it wrote or None)."""
     out = tmp_path / "r.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out), *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
+        cwd=cwd,
     )
+    return proc, json.loads(out.read_text()) if out.exists() else None
+
+
+def _run_smoke(script, tmp_path, *args):
+    """:func:`_smoke` that must succeed and print a Markdown table: its JSON."""
+    proc, data = _smoke(script, tmp_path, *args)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "|---|" in proc.stdout  # a Markdown table
-    return json.loads(out.read_text())
+    assert data is not None, "no JSON written"
+    return data
 
 
 def _finite_positive(v):
@@ -408,26 +372,9 @@ def test_gemm_tflops_energy_rows(tmp_path):
     """``--energy``: every variant of every GEMM gets an energy record from its back-to-back
     window — on CPU the time (and the call count) with the reason the joules are missing, on a
     GPU with NVML joules per call and a draw that match the time; a second table is printed."""
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gemm_tflops.py"),
-            "--smoke",
-            "--energy",
-            "0.02",
-            "--variants",
-            "bf16,blockwise",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc, data = _smoke("gemm_tflops.py", tmp_path, "--energy", "0.02", "--variants", "bf16,blockwise")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Energy: each variant back to back" in proc.stdout
-    data = json.loads(out.read_text())
     assert data["energy_s"] == 0.02
     rows = data["results"]
     assert {r["variant"] for r in rows} == {"bf16", "blockwise"} and len(rows) == 12
@@ -948,25 +895,9 @@ def test_layer_eager_only_variants(tmp_path, block, variant, reason):
     ``tensorwise-unshared-input``: ``shared_input=False``; ``*-unfused-norm``: ``fused_norm=False``):
     measured eager, reported as skipped
     compiled with the reason (the compiled path is the recipe's own there)."""
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "layer_fwd_bwd.py"),
-            "--smoke",
-            "--block",
-            block,
-            "--variants",
-            f"bf16,{variant}",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc, data = _smoke("layer_fwd_bwd.py", tmp_path, "--block", block, "--variants", f"bf16,{variant}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
+    rows = {(r["variant"], r["mode"]): r for r in data["results"]}
     assert rows[(variant, "eager")]["status"] == "ok"
     assert rows[(variant, "eager")]["ms"] > 0
     skipped = rows[(variant, "compiled")]
@@ -1027,27 +958,19 @@ def test_host_profile_smoke(tmp_path):
 def test_layer_benchmark_te_variants_say_why_they_did_not_run(tmp_path):
     """The te.TransformerLayer rows are in the table on every machine: timed where Transformer
     Engine runs, skipped with the reason elsewhere (here: not importable, or no GPU)."""
-    out = tmp_path / "r.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "layer_fwd_bwd.py"),
-            "--smoke",
-            "--block",
-            "mlp",
-            "--variants",
-            "bf16,te-bf16,te-tensorwise,te-blockwise,te-delayed",
-            "--modes",
-            "eager,compiled",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    proc, data = _smoke(
+        "layer_fwd_bwd.py",
+        tmp_path,
+        "--block",
+        "mlp",
+        "--variants",
+        "bf16,te-bf16,te-tensorwise,te-blockwise,te-delayed",
+        "--modes",
+        "eager,compiled",
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {(r["variant"], r["mode"]): r for r in json.loads(out.read_text())["results"]}
+    rows = {(r["variant"], r["mode"]): r for r in data["results"]}
     for v in ("te-bf16", "te-tensorwise", "te-blockwise", "te-delayed"):
         for m in ("eager", "compiled"):
             st = rows[(v, m)]["status"]
@@ -1055,32 +978,15 @@ def test_layer_benchmark_te_variants_say_why_they_did_not_run(tmp_path):
     assert rows[("bf16", "eager")]["status"] == "ok"
 
 
-def _train_throughput(tmp_path, *args: str):
-    """``benchmarks/train_throughput.py --smoke`` with ``args``: (the process, its JSON or None)."""
-    out = tmp_path / "throughput.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "train_throughput.py"),
-            "--smoke",
-            *args,
-            "--root",
-            str(tmp_path / "runs"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(ROOT),
-    )
-    return proc, json.loads(out.read_text()) if out.exists() else None
+def _train_throughput(tmp_path, *args: str, timeout: int):
+    """:func:`_smoke` of ``train_throughput.py`` with its runs under ``tmp_path``."""
+    return _smoke("train_throughput.py", tmp_path, *args, "--root", str(tmp_path / "runs"), timeout=timeout, cwd=ROOT)
 
 
 def test_train_throughput_with_the_megatron_te_column(tmp_path):
     """``train_throughput.py --megatron-te``: the embedded trainer's rows and, beside them, one
     Megatron-Core + TE row per recipe — trained where TE runs, skipped with the reason here."""
-    proc, data = _train_throughput(tmp_path, "--recipes", "bf16,tensorwise", "--megatron-te")
+    proc, data = _train_throughput(tmp_path, "--recipes", "bf16,tensorwise", "--megatron-te", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["recipe"] for r in data["results"]] == ["bf16", "tensorwise"]
     assert all(r["returncode"] == 0 and r["tokens_per_s"] for r in data["results"])
@@ -1097,7 +1003,7 @@ def test_train_throughput_graphs_mode_is_refused_on_cpu_with_the_reason(tmp_path
     """``train_throughput.py --compile graphs`` runs the trainer with
     ``trainer.compile_mode=reduce-overhead``; on CPU the trainer refuses it and the row says why;
     an unknown mode lists the valid ones."""
-    proc, data = _train_throughput(tmp_path, "--recipes", "bf16", "--compile", "graphs")
+    proc, data = _train_throughput(tmp_path, "--recipes", "bf16", "--compile", "graphs", timeout=300)
     assert proc.returncode == 1
     (row,) = data["results"]
     assert row["mode"] == "graphs" and "trainer.compile_mode=reduce-overhead" in row["cmd"]
@@ -1105,14 +1011,14 @@ def test_train_throughput_graphs_mode_is_refused_on_cpu_with_the_reason(tmp_path
         "compile_mode=reduce-overhead replays the compiled graphs as CUDA graphs and needs a CUDA device"
         in row["error"]
     )
-    proc, _ = _train_throughput(tmp_path, "--recipes", "bf16", "--compile", "fast")
+    proc, _ = _train_throughput(tmp_path, "--recipes", "bf16", "--compile", "fast", timeout=120)
     assert proc.returncode == 2 and "unknown --compile mode 'fast'; valid: eager, compiled, graphs, both" in proc.stderr
 
 
 def test_train_throughput_measures_the_cost_of_deterministic_mode(tmp_path):
     """``train_throughput.py --deterministic both``: each recipe runs without and then with
     ``trainer.deterministic=true`` (each run's config says which), and the cost table pairs them."""
-    proc, res = _train_throughput(tmp_path, "--recipes", "bf16", "--deterministic", "both")
+    proc, res = _train_throughput(tmp_path, "--recipes", "bf16", "--deterministic", "both", timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     runs = res["results"]
     assert [r["deterministic"] for r in runs] == [False, True]
