@@ -193,8 +193,6 @@ def test_te_refuses_mxfp8_on_hopper_and_our_check_says_what_to_do():
 # ---- (c) Megatron-Core GPTModel with the TE spec ------------------------------------------------------
 def _init_megatron():
     import torch.distributed as dist
-
-    pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install megatron-core)")
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
