@@ -699,7 +699,7 @@ class Float8Linear(nn.Linear):
             key = key + (self._scale_generation,)
         if self._wcache_key == key and self._wcache is not None:
             return self._wcache
-        self._wcache_key = self._wcache = None  # (the stale copy goes before the new one is made)
+        self.release_weight_cache()  # (the stale copy goes before the new one is made)
         self._wcache = quantize_weight(w.detach(), self.recipe, self.emulate, self._quantize_operand)
         self._wcache_key = key
         EAGER_CACHED.add(self)
