@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.events import raw_scalars
+from helpers.tiny import TINY_SHAPE
 
 from nemo_fp8_recipes.compare import (
     DEVIATION_TAG,
@@ -34,26 +35,14 @@ from nemo_fp8_recipes.train import train
 
 RECIPES = ("bf16", "tensorwise", "blockwise")
 STEPS, LOG_EVERY = 30, 2
-# One layer, every GEMM dim a multiple of 128 (so blockwise converts every projection), 64 tokens
-# per step: each run takes about a second on 2 CPU cores.
 TINY = [
-    "model.num_layers=1",
-    "model.dim=128",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.ffn_dim=128",
-    "trainer.seq_len=32",
-    "trainer.micro_batch_size=2",
-    "trainer.global_batch_size=2",
+    *TINY_SHAPE,
     "trainer.warmup_steps=4",
     f"trainer.max_steps={STEPS}",
     f"trainer.log_interval={LOG_EVERY}",
     "trainer.val_interval=10",
     "trainer.val_steps=1",
-    "trainer.progress=false",
-    "trainer.device=cpu",
     "trainer.checkpoint=false",
-    "trainer.telemetry_interval=0",
     "data.max_files=20",
 ]
 

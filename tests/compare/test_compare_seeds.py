@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.events import raw_scalars
+from helpers.tiny import TINY_SHAPE
 
 from nemo_fp8_recipes.compare import (
     DEVIATION_HIGH_TAG,
@@ -38,23 +39,13 @@ from nemo_fp8_recipes.train import main as train_main
 
 RECIPES, SEEDS, STEPS, LAST = ("bf16", "tensorwise", "blockwise"), (1, 2, 3), 20, 6
 TINY = [
-    "model.num_layers=1",
-    "model.dim=128",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.ffn_dim=128",
-    "trainer.seq_len=32",
-    "trainer.micro_batch_size=2",
-    "trainer.global_batch_size=2",
+    *TINY_SHAPE,
     "trainer.warmup_steps=4",
     f"trainer.max_steps={STEPS}",
     "trainer.log_interval=2",
     "trainer.val_interval=10",
     "trainer.val_steps=1",
-    "trainer.progress=false",
-    "trainer.device=cpu",
     "trainer.checkpoint=false",
-    "trainer.telemetry_interval=0",
     "data.max_files=20",
     "trainer.deterministic=true",
 ]

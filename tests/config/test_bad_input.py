@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
+from helpers.tiny import TINY_SHAPE
 
 from nemo_fp8_recipes.config import compose_config, trainer_config
 from nemo_fp8_recipes.data import DataConfig, DataError, load_corpus
@@ -26,21 +27,7 @@ from nemo_fp8_recipes.recipes import get_recipe
 from nemo_fp8_recipes.train import main as train_main
 from nemo_fp8_recipes.train import train
 
-TINY = [
-    "model.num_layers=1",
-    "model.dim=128",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.ffn_dim=128",
-    "trainer.seq_len=32",
-    "trainer.micro_batch_size=2",
-    "trainer.global_batch_size=2",
-    "trainer.progress=false",
-    "trainer.device=cpu",
-    "data.max_files=10",
-    "trainer.val_interval=0",
-    "trainer.telemetry_interval=0",
-]
+TINY = [*TINY_SHAPE, "data.max_files=10", "trainer.val_interval=0"]
 
 
 @pytest.fixture(scope="module")
