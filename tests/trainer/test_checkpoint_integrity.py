@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.tiny import SMALL_MODEL
 
 from nemo_fp8_recipes.config import compose_config
 from nemo_fp8_recipes.train import main, train
@@ -34,12 +35,7 @@ from nemo_fp8_recipes.trainer.checkpoint import (
 )
 
 TINY = [
-    "model.num_layers=2",
-    "model.dim=256",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.ffn_dim=256",
-    "trainer.seq_len=64",
+    *SMALL_MODEL,
     "trainer.micro_batch_size=4",
     "trainer.global_batch_size=4",
     "trainer.warmup_steps=2",

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.skips import te_skip_reason
+from helpers.tiny import SMALL_MODEL
 
 from nemo_fp8_recipes.recipes import check_supported, list_recipes
 
@@ -56,12 +57,7 @@ def _check_identical(a: dict, b: dict, deterministic: list, control: tuple) -> N
 
 def _cpu_common(token_cache: str) -> list:
     return [
-        "model.num_layers=2",
-        "model.dim=256",
-        "model.num_heads=4",
-        "model.num_kv_heads=2",
-        "model.ffn_dim=256",
-        "trainer.seq_len=64",
+        *SMALL_MODEL,
         "trainer.micro_batch_size=2",
         "trainer.global_batch_size=4",
         "trainer.max_steps=5",

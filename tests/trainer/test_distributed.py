@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.tiny import SMALL_MODEL
 
 from nemo_fp8_recipes.config import compose_config
 from nemo_fp8_recipes.recipes import list_recipes
@@ -31,12 +32,7 @@ WORKER = Path(__file__).with_name("dist_worker.py")
 STEPS, CKPT_AT = 6, 3
 # every projection FP8 under every recipe (dims multiples of 128); global batch 4 = 2 micro x 2
 BASE = [
-    "model.num_layers=2",
-    "model.dim=256",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.ffn_dim=256",
-    "trainer.seq_len=64",
+    *SMALL_MODEL,
     "trainer.micro_batch_size=2",
     "trainer.global_batch_size=4",
     f"trainer.max_steps={STEPS}",

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.tiny import SMALL_MODEL
 
 from nemo_fp8_recipes import recipes as recipes_mod
 from nemo_fp8_recipes.config import ConfigError, compose_config
@@ -31,12 +32,7 @@ from nemo_fp8_recipes.trainer.checkpoint import (
 # A 2-layer model whose GEMM dims are multiples of 128, so every projection is FP8 under every
 # recipe (blockwise needs 128), with GQA (4 heads, 2 KV heads); 256 tokens per step.
 TINY = [
-    "model.num_layers=2",
-    "model.dim=256",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.ffn_dim=256",
-    "trainer.seq_len=64",
+    *SMALL_MODEL,
     "trainer.micro_batch_size=4",
     "trainer.global_batch_size=4",
     "trainer.warmup_steps=5",
