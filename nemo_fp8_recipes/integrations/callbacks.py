@@ -23,8 +23,10 @@ tested on a real Megatron module tree without TE.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
@@ -380,9 +382,6 @@ def lightning_callback(
 def write_audit(report: "TEAuditReport", directory) -> None:
     """``audit.txt`` (the table) and ``audit.json`` into ``directory``, as the embedded trainer
     writes them into its run directory."""
-    import json
-    from pathlib import Path
-
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / "audit.txt").write_text(report.table() + "\n", encoding="utf-8")
@@ -408,7 +407,9 @@ def bridge_callback(
       :class:`TEPrecisionHooks` to the model chunks;
     * ``on_train_step_end``: audit after ``audit_at_step`` steps (strict: raise; ``audit_dir``:
       also written there as ``audit.txt`` / ``audit.json``), telemetry every
-      ``telemetry_interval`` steps to Bridge's TensorBoard writer.
+      ``telemetry_interval`` steps to Bridge's TensorBoard writer;
+    * ``on_train_end``: with ``audit_dir``, ``summary.json`` there: the steps run and the peak
+      GPU memory (``torch.cuda.max_memory_allocated``, GiB), as the embedded trainer writes it.
 
     Needs Megatron-Bridge (Python >= 3.12)."""
     from megatron.bridge.training.callbacks import Callback  # type: ignore
@@ -462,5 +463,9 @@ def bridge_callback(
 
         def on_train_end(self, context) -> None:
             self.hooks.detach()
+            if audit_dir is not None:  # what the embedded trainer's summary.json says of a run
+                peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+                summary = {"steps": self.steps, "peak_memory_gib": peak}
+                (Path(audit_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
 
     return NemoFP8BridgeCallback()

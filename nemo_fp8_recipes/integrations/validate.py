@@ -514,7 +514,11 @@ def validate_config(
     tr = cfg.get("trainer")
     mbs = tr.micro_batch_size if tr is not None and backend == "native" else None
     seq = tr.seq_len if tr is not None and backend == "native" else None
-    fpg = bool(cfg.backend.get("fp8_param_gather", False)) if backend == "megatron_bridge" else False
+    fpg = False
+    if backend == "megatron_bridge":
+        from .bridge.recipes import resolved_fp8_param_gather
+
+        fpg = resolved_fp8_param_gather(cfg.backend, r.name)
     if backend == "native" and framework_overrides:
         raise ValueError(
             f"backend=native takes no framework overrides, got {list(framework_overrides)}; these keys belong "

@@ -611,3 +611,169 @@ def test_nemo2_smoke_script_arguments_and_messages(monkeypatch, capsys):
     )
     assert ".te/install.sh" in smoke.recipe_problem("bf16", dict(NEMO2_STACK, transformer_engine=None))
     assert set(smoke.NEMO2_PRESETS) == set(list_recipes())  # NeMo 2.7 has a preset for every registry key
+
+
+def _assignments(fn: ast.FunctionDef) -> dict:
+    """``{"a.b.c": value}`` for every ``cfg.a.b.c = <value>`` in ``fn`` (any nesting; the last one
+    wins; ``...`` for a value that is not a literal). ``env_vars`` dicts are kept as AST nodes."""
+
+    def dotted(t):
+        parts = []
+        while isinstance(t, ast.Attribute):
+            parts.append(t.attr)
+            t = t.value
+        return ".".join(reversed(parts)) if isinstance(t, ast.Name) and t.id == "cfg" else None
+
+    out = {}
+    for node in ast.walk(fn):
+        if not isinstance(node, ast.Assign):
+            continue
+        for t in node.targets:
+            key = dotted(t)
+            if not key:  # not cfg.<field>, or cfg itself
+                continue
+            if key == "env_vars":
+                out[key] = node.value
+                continue
+            try:
+                out[key] = ast.literal_eval(node.value)
+            except ValueError:
+                out[key] = ...
+    return out
+
+
+def _functions(path: Path) -> dict:
+    return {n.name: n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.FunctionDef)}
+
+
+def _env(node: ast.Dict, common: dict) -> dict:
+    env = {}
+    for k, v in zip(node.keys, node.values):
+        if k is None:  # **COMMON_..._ENV_VARS
+            env.update(common)
+        else:
+            env[ast.literal_eval(k)] = ast.literal_eval(v)
+    return env
+
+
+#: Fields Bridge's H100 Llama 3 8B performance recipes set that are the run's own (parallel layout,
+#: batch, run length, schedule, logging, checkpoints, tokenizer, data) or have no effect on a dense
+#: model, so ``backend.perf`` leaves them to ``trainer.*`` / ``backend.*`` / pass-through overrides.
+PERF_LEFT_TO_THE_RUN = {
+    "model.tensor_model_parallel_size",
+    "model.pipeline_model_parallel_size",
+    "model.context_parallel_size",
+    "model.virtual_pipeline_model_parallel_size",
+    "model.sequence_parallel",
+    "model.pipeline_model_parallel_layout",
+    "model.pipeline_dtype",
+    "model.seq_length",
+    "model.should_pad_vocab",
+    "model.moe_token_dispatcher_type",
+    "model.moe_hybridep_num_sms",
+    "model.use_transformer_engine_op_fuser",
+    "model.cuda_graph_warmup_steps",
+    "model.recompute_granularity",
+    "model.recompute_method",
+    "model.recompute_num_layers",
+    "model.recompute_modules",
+    "model.fine_grained_activation_offloading",
+    "model.offload_modules",
+    "train.train_iters",
+    "train.global_batch_size",
+    "train.micro_batch_size",
+    "train.eval_iters",
+    "validation.eval_interval",
+    "scheduler.lr_warmup_iters",
+    "scheduler.lr_decay_iters",
+    "logger.log_interval",
+    "logger.tensorboard_dir",
+    "logger.log_timers_to_tensorboard",
+    "checkpoint.save",
+    "checkpoint.save_interval",
+    "tokenizer.tokenizer_type",
+    "tokenizer.tokenizer_model",
+    "tokenizer.vocab_size",
+    "dataset.blend",
+    "dataset.num_workers",
+    "dataset.seq_length",
+    "model",
+    "comm_overlap",
+    "mixed_precision",
+    "env_vars",  # the model: our provider; precision: our recipe
+    "optimizer.main_grads_dtype",
+    "optimizer.main_params_dtype",
+    "optimizer.exp_avg_dtype",
+    "optimizer.exp_avg_sq_dtype",  # torch.float32, the optimizer's defaults
+}
+
+
+@pytest.mark.skipif(BRIDGE_SRC is None, reason="Megatron-Bridge source not found (set NEMO_FP8_BRIDGE_SRC)")
+def test_perf_settings_against_bridge_source():
+    """``backend.perf=llama3_8b_h100`` is what Bridge's H100 Llama 3 8B performance recipes set:
+    every field we set has Bridge's value, every performance field Bridge sets is ours or
+    deliberately the run's (:data:`PERF_LEFT_TO_THE_RUN`), the environment is the recipes' own per
+    precision, and ``fp8_param_gather`` follows Bridge's mixed-precision preset per recipe."""
+    from nemo_fp8_recipes.integrations.bridge.recipes import PERF_SETTINGS
+
+    perf = PERF_SETTINGS["llama3_8b_h100"]
+    root = BRIDGE_SRC.parents[1]
+    base = _functions(root / "recipes/llama/h100/llama3.py")["llama3_8b_pretrain_2gpu_h100_bf16_config"]
+    flat = _functions(root / "perf_recipes/llama/h100/llama3.py")
+    common = _functions(root / "perf_recipes/_common.py")["_benchmark_common"]
+    llama = _functions(root / "perf_recipes/llama/common.py")["_llama_benchmark_common"]
+    env_tree = ast.parse((root / "perf_recipes/environment.py").read_text())
+    common_env = next(
+        ast.literal_eval(n.value)
+        for n in ast.walk(env_tree)
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "COMMON_PERF_ENV_VARS"
+    )
+    for fp8, name in (
+        (False, "llama3_8b_pretrain_8gpu_h100_bf16_config"),
+        (True, "llama3_8b_pretrain_8gpu_h100_fp8cs_config"),
+    ):
+        src = {**_assignments(base), **_assignments(flat[name]), **_assignments(llama), **_assignments(common)}
+        ours = dict(perf.settings(fp8))
+        for key, value in ours.items():
+            assert key in src, f"{key}: Bridge's {name} does not set it"
+            if src[key] is not ...:  # te_rng_tracker: False unless CUDA graphs run (they do not)
+                assert src[key] == value, f"{key}: ours {value!r}, Bridge's {src[key]!r}"
+        missed = {k for k in src if k not in ours and k not in PERF_LEFT_TO_THE_RUN}
+        assert not missed, f"Bridge's {name} sets {sorted(missed)}; add them to backend.perf or PERF_LEFT_TO_THE_RUN"
+        assert _env(_assignments(flat[name])["env_vars"], common_env) == perf.environment(fp8)
+    presets = _functions(BRIDGE_SRC)
+    for recipe, fn in (
+        ("tensorwise", "bf16_with_fp8_current_scaling_mixed"),
+        ("delayed", "bf16_with_fp8_delayed_scaling_mixed"),
+        ("blockwise", "bf16_with_fp8_subchannel_scaling_mixed"),
+        ("mxfp8", "bf16_with_mxfp8_mixed"),
+    ):
+        assert _assignments(presets[fn])["fp8_param_gather"] == perf.fp8_param_gather[recipe], recipe
+
+
+def test_perf_settings_in_the_launch_plan(monkeypatch):
+    """``backend.perf`` puts Bridge's performance fields, environment and what one process cannot
+    reproduce into the plan; ``fp8_param_gather`` follows the preset unless given; an unknown name
+    lists the valid ones; an override the user passes wins over the preset's field."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    base = ["backend=megatron_bridge", "model=llama3_tiny", "backend.provider=ours", "backend.perf=llama3_8b_h100"]
+    plan = bridge.launch_plan(compose_config(base + ["recipe=tensorwise"]), ["model.apply_rope_fusion=false"])
+    perf = plan["perf"]
+    assert perf["name"] == "llama3_8b_h100" and perf["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == 32
+    settings = dict(perf["settings"])
+    assert settings["ddp.grad_reduce_in_fp32"] is False and settings["train.manual_gc"] is True
+    assert "model.apply_rope_fusion" not in settings  # passed through: the user's value wins
+    assert plan["mixed_precision"]["fp8_param_gather"] is True  # Bridge's current-scaling preset
+    assert any("recomputes 5 of 32 layers" in n for n in perf["not_reproduced"])
+    plan = bridge.launch_plan(compose_config(base + ["recipe=blockwise"]))
+    assert plan["mixed_precision"]["fp8_param_gather"] is False  # Bridge's subchannel preset
+    plan = bridge.launch_plan(compose_config(base + ["recipe=tensorwise", "backend.fp8_param_gather=false"]))
+    assert plan["mixed_precision"]["fp8_param_gather"] is False  # given: kept
+    plan = bridge.launch_plan(compose_config(base + ["recipe=bf16"]))
+    assert (
+        plan["perf"]["env"]["CUDA_DEVICE_MAX_CONNECTIONS"] == 1 and "NVTE_NORM_FWD_USE_CUDNN" not in plan["perf"]["env"]
+    )
+    plan = bridge.launch_plan(compose_config(base[:-1] + ["recipe=tensorwise"]))
+    assert "perf" not in plan and plan["mixed_precision"]["fp8_param_gather"] is False
+    with pytest.raises(bridge.BridgeLaunchError, match="llama3_8b_h100"):
+        bridge.launch_plan(compose_config(base[:-1] + ["backend.perf=llama3_8b_b200"]))

@@ -20,19 +20,24 @@ from .precision import (
 )
 from .recipes import (
     BRIDGE_RECIPES,
+    PERF_SETTINGS,
     PROVIDER_MODES,
     PUBLISHED_RECIPES,
     BridgeLaunchError,
+    PerfSettings,
     PublishedRecipe,
     bridge_recipe_name,
+    perf_settings,
     provider_mode,
 )
 
 __all__ = [
     "BRIDGE_RECIPES",
+    "PERF_SETTINGS",
     "PROVIDER_MODES",
     "PUBLISHED_RECIPES",
     "BridgeLaunchError",
+    "PerfSettings",
     "PublishedRecipe",
     "bridge_mixed_precision_config",
     "bridge_mixed_precision_kwargs",
@@ -43,6 +48,7 @@ __all__ = [
     "expected_model_fields",
     "launch_plan",
     "main",
+    "perf_settings",
     "provider_kwargs",
     "provider_mode",
     "trainer_settings",

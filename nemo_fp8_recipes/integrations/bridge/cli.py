@@ -45,6 +45,14 @@ Megatron-Bridge section of ``docs/megatron.md``. TensorBoard events and checkpoi
 run directory (``runs/<model>/<recipe>[-<tag>]``), so ``nemo-fp8-compare runs/<model>`` compares
 Bridge runs as it compares the embedded trainer's.
 
+Bridge's performance settings (``backend.perf=llama3_8b_h100``, with ``provider=ours``): the
+fields and process environment Bridge's own H100 Llama 3 8B performance recipes set beyond the
+model shape, layout and batch (fused cross entropy and RoPE, manual garbage collection every 100
+steps, no NaN or large-gradient checks, BF16 gradient reduction, distributed optimizer without
+sharding, ``CUDA_DEVICE_MAX_CONNECTIONS``, cuDNN norms for FP8); ``backend.fp8_param_gather`` then
+follows Bridge's mixed-precision preset of the recipe unless given. The plan prints them with what
+one process cannot reproduce (the 8-GPU layout, recompute, APEX's wgrad fusion).
+
 Traps handled (seen with Bridge 0.6.2 on an H200): Bridge runs ``make`` on megatron-core's dataset
 helpers at start and exits when that fails — a wheel install has them compiled but no Makefile,
 so the prebuilt module is used then (logged); ``gradient_accumulation_fusion`` needs APEX's fused
@@ -111,6 +119,13 @@ def _print_plan(plan: Dict[str, Any]) -> None:
         )
     if plan["settings"]:
         print("  set on the ConfigContainer: " + ", ".join(f"{k}={v}" for k, v in plan["settings"]), flush=True)
+    perf = plan.get("perf")
+    if perf:
+        print(f"  Megatron-Bridge performance settings ({perf['name']}; from {'; '.join(perf['source'])}):", flush=True)
+        print("    " + ", ".join(f"{k}={v}" for k, v in perf["settings"]), flush=True)
+        print("    environment: " + ", ".join(f"{k}={v}" for k, v in perf["env"].items()), flush=True)
+        for line in perf["not_reproduced"]:
+            print(f"    not reproduced here: {line}", flush=True)
     for note in plan.get("notes", ()):
         print(f"  note: {note}", flush=True)
     print(f"  pass-through overrides: {plan['pass_through']}", flush=True)

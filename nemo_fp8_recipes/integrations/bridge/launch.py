@@ -27,7 +27,9 @@ from .recipes import (
     PUBLISHED_RECIPES,
     BridgeLaunchError,
     bridge_recipe_name,
+    perf_settings,
     provider_mode,
+    resolved_fp8_param_gather,
 )
 
 __all__ = [
@@ -36,6 +38,7 @@ __all__ = [
     "check_world_size",
     "launch_plan",
     "build_bridge_config",
+    "apply_perf_environment",
     "use_prebuilt_dataset_helpers",
 ]
 
@@ -210,12 +213,14 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
     model_name = str(cfg.model.name)
     mode = provider_mode(model_name, b.get("provider", "auto"), b.get("recipe_fn"))
     run_dir = Path(run_config(cfg).dir).expanduser().resolve()
+    perf = perf_settings(b.get("perf"))
+    fpg = resolved_fp8_param_gather(b, r.name)
     plan: Dict[str, Any] = {
         "model": model_name,
         "recipe": r.name,
         "provider": mode,
         "run_dir": str(run_dir),
-        "mixed_precision": bridge_mixed_precision_kwargs(r, p, fp8_param_gather=bool(b.get("fp8_param_gather", False))),
+        "mixed_precision": bridge_mixed_precision_kwargs(r, p, fp8_param_gather=fpg),
         "model_fields": {
             k: (v if k != "quant_recipe" else "per-module BF16 overrides (set)")
             for k, v in bridge_model_fields(r, p).items()
@@ -297,6 +302,14 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
             plan["notes"] = ["gradient_accumulation_fusion off: APEX's fused wgrad kernel is not installed"]
     given = _given(bridge_overrides)
     plan["settings"] = [(k, v) for k, v in plan["settings"] if k not in given]
+    if perf is not None:
+        plan["perf"] = {
+            "name": perf.name,
+            "source": list(perf.source),
+            "settings": [(k, v) for k, v in perf.settings(r.is_fp8) if k not in given],
+            "env": perf.environment(r.is_fp8),
+            "not_reproduced": list(perf.not_reproduced),
+        }
     need = plan.get("parallel", {}).get("gpus_per_replica")
     world = _world_size()
     if need and (world < need or world % need):
@@ -345,9 +358,10 @@ def build_bridge_config(
     plan = launch_plan(cfg, bridge_overrides, our_overrides)
     r = build_recipe(cfg.recipe)
     p = build_policy(cfg.get("policy"))
-    fpg = bool(cfg.backend.get("fp8_param_gather", False))
+    fpg = resolved_fp8_param_gather(cfg.backend, r.name)
     if r.is_fp8:
         prepare_te_env(r)  # before anything imports Transformer Engine
+    apply_perf_environment(plan)
     try:
         from megatron.bridge.training.utils.omegaconf_utils import (
             process_config_with_overrides,  # type: ignore
@@ -379,8 +393,12 @@ def build_bridge_config(
     for key, value in plan["settings"]:
         _setattr_path(container, key, value)
     container.mixed_precision = bridge_mixed_precision_config(r, p, fp8_param_gather=fpg)
+    perf = plan.get("perf")
+    for key, value in perf["settings"] if perf else ():
+        _setattr_path(container, key, value)
     env_vars = getattr(container, "env_vars", None)
     if isinstance(env_vars, dict):
+        env_vars.update(perf["env"] if perf else {})
         env_vars.update(plan["te_env"])
     if bridge_overrides:
         container = process_config_with_overrides(container, cli_overrides=list(bridge_overrides))
@@ -401,6 +419,14 @@ def build_bridge_config(
         plan.get("recipe_fn") or f"model={plan['model']} (backend.provider=ours)",
     )
     return container, expected_model_fields(r, p)
+
+
+def apply_perf_environment(plan: Dict[str, Any]) -> None:
+    """Set the process environment of ``backend.perf`` (``CUDA_DEVICE_MAX_CONNECTIONS``, the
+    NVTE_* norm settings, the allocator) where it is not set already, as Bridge does — before
+    anything creates a CUDA context, which reads some of them once."""
+    for k, v in (plan.get("perf") or {}).get("env", {}).items():
+        os.environ.setdefault(k, str(v))
 
 
 def _offline_container():
