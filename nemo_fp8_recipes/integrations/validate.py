@@ -454,7 +454,7 @@ def _settings_rows(
     else:
         safe_policy = p if not (r.is_delayed and (p.first_layers_bf16 or p.last_layers_bf16)) else PrecisionPolicy()
         try:
-            mc = megatron_config(r, safe_policy)
+            mc = megatron_config(r, safe_policy, fp8_param=fp8_param_gather and backend == "megatron_bridge")
         except (TEUnsupportedError, ValueError) as e:
             rows.append(("megatron_config", "refused", str(e).split(";")[0]))
             mc = None
