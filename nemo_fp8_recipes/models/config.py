@@ -176,6 +176,20 @@ class ModelConfig:
         attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
         return 6.0 * n + attn
 
+    def megatron_flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token as Megatron-LM and Megatron-Bridge count model TFLOP/s
+        (``num_floating_point_operations``): ``6·`` (the GEMM weights a token passes through:
+        attention projections, the feed-forward — shared plus ``moe_top_k`` routed experts in MoE
+        layers — and the output head; no norms, no router) ``+ 6·L·H·Dh·T``, the attention core
+        with the causal half only. Llama 3 8B at sequence 8192 gives 51.47 GFLOP, the figure behind
+        Bridge's published 744 TFLOP/s/GPU at 14,451 tokens/s/GPU. Against
+        :meth:`flops_per_token` (PaLM's convention, which the trainer's MFU uses) it halves the
+        attention core."""
+        d = self.dim
+        gemm = self.num_params(include_embedding=False, active_only=True) - (2 * self.num_layers + 1) * d
+        gemm -= sum(d * self.num_experts for i in range(self.num_layers) if self.is_moe_layer(i))
+        return 6.0 * gemm + 6.0 * self.num_layers * self.num_heads * self.head_dim * seq_len
+
     def replace(self, **overrides: Any) -> "ModelConfig":
         """A copy with ``overrides`` applied (validated); unknown keys list the valid ones."""
         _check_keys(overrides, self.name)
