@@ -52,6 +52,16 @@ end-to-end comparison of the docs (8B width, 16 layers, sequence 4096, four micr
     python benchmarks/train_throughput.py --model llama3_8b --steps 30 --seq-len 4096 --micro-batch 1 \
         --global-batch 4 --compile compiled --recipes bf16,delayed,tensorwise,blockwise --megatron-te \
         --out results/e2e_8b16.json model.num_layers=16
+
+Megatron-Bridge's own ``pretrain()`` beside it (``--bridge``): the same shapes through our Bridge
+launcher (one process under ``torchrun``, the model built offline, mock data) with Bridge's H100
+Llama 3 8B performance settings (``backend.perf=llama3_8b_h100``, docs/megatron.md), one run per
+Hopper recipe; the table adds Bridge's tokens/s (from its logged iteration time), its model
+TFLOP/s/GPU (Bridge's formula, as it logs it), both peak memories and ours / Bridge::
+
+    python benchmarks/train_throughput.py --model llama3_8b --steps 60 --seq-len 4096 --micro-batch 1 \
+        --global-batch 4 --compile compiled --recipes bf16,tensorwise,blockwise,delayed --bridge \
+        --out results/e2e_8b8_bridge.json model.num_layers=8
 """
 
 from __future__ import annotations
@@ -59,6 +69,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -199,6 +210,12 @@ def main(argv=None) -> int:
         help="also train the same shapes as Megatron-Core + Transformer Engine (one run per recipe)",
     )
     p.add_argument(
+        "--bridge",
+        action="store_true",
+        help="also train the same shapes with Megatron-Bridge's pretrain() through our launcher, with "
+        "Bridge's H100 Llama 3 8B performance settings (backend.perf=llama3_8b_h100; one run per Hopper recipe)",
+    )
+    p.add_argument(
         "--backends",
         default="native",
         help="comma-separated trainer backends: native, te (Transformer Engine modules, eager; "
@@ -279,16 +296,20 @@ def main(argv=None) -> int:
             ref = dict(one.get("loss_steps", []))
             devs = [abs(v - ref[s]) / abs(ref[s]) for s, v in r.get("loss_steps", []) if ref.get(s)]
             r["max_rel_loss_dev_vs_1proc"] = max(devs) if devs else None
+    flops = megatron_flops_per_token(args)
+    for r in results:
+        if r.get("tokens_per_s"):  # per GPU, as Bridge reports it
+            r["model_tflops_per_gpu"] = r["tokens_per_s"] * flops / 1e12 / r["nproc"]
     base = {
         (r["backend"], r["mode"], r["nproc"], r["deterministic"]): r.get("tokens_per_s")
         for r in results
         if r["recipe"] == "bf16"
     }
     print(
-        "\n| backend | recipe | mode | procs | deterministic | tokens/s | vs bf16 | MFU | peak GiB "
+        "\n| backend | recipe | mode | procs | deterministic | tokens/s | vs bf16 | model TFLOP/s/GPU | MFU | peak GiB "
         "| loss first -> last | val loss | DP efficiency | loss dev vs 1 proc |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         t = r.get("tokens_per_s")
         b = base.get((r["backend"], r["mode"], r["nproc"], r["deterministic"]))
@@ -301,7 +322,7 @@ def main(argv=None) -> int:
         print(
             f"| {r['backend']} | {r['recipe']}{emulated} | "
             f"{r['mode']} | {r['nproc']} | {'on' if r['deterministic'] else 'off'} | "
-            f"{t or 0:.0f} | {ratio} | {mfu} | {peak} | "
+            f"{t or 0:.0f} | {ratio} | {r.get('model_tflops_per_gpu') or 0:.0f} | {mfu} | {peak} | "
             f"{r.get('first_loss') or float('nan'):.3f} -> {r.get('last_loss') or float('nan'):.3f} | "
             f"{r.get('val_loss') or float('nan'):.3f} | {eff} | {dev} |"
         )
@@ -310,12 +331,16 @@ def main(argv=None) -> int:
     te_rows = run_megatron_te(args, root) if args.megatron_te else []
     if te_rows:
         print_te_table([r for r in results if r["backend"] == "native"], te_rows)
-    write_out(args, results, backends=compared, megatron_te=te_rows, deterministic_cost=cost)
+    bridge_rows = run_bridge(args, root) if args.bridge else []
+    if bridge_rows:
+        print_bridge_table([r for r in results if r["backend"] == "native"], bridge_rows)
+    write_out(args, results, backends=compared, megatron_te=te_rows, bridge=bridge_rows, deterministic_cost=cost)
     return (
         0
         if (
             all(r["returncode"] == 0 for r in results)
             and all(r.get("ok", True) for r in te_rows)
+            and all(r.get("ok", True) for r in bridge_rows)
             and compared.get("returncode", 0) == 0
         )
         else 1
@@ -419,6 +444,21 @@ def compare_backends(results: list, root: Path, args) -> dict:
     return {"rows": rows, "compare_cmd": " ".join(cmd), "compare_dir": str(out), "returncode": proc.returncode}
 
 
+def megatron_flops_per_token(args) -> float:
+    """Model FLOPs per token of ``--model`` (with the ``model.*`` overrides of ``extra``) at
+    ``--seq-len`` by Megatron-LM's and Megatron-Bridge's formula
+    (:meth:`~nemo_fp8_recipes.models.ModelConfig.megatron_flops_per_token`), so every row's model
+    TFLOP/s compares with what Bridge logs and publishes."""
+    from omegaconf import OmegaConf
+
+    from nemo_fp8_recipes.config import compose_config
+    from nemo_fp8_recipes.models import ModelConfig
+
+    keep = [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
+    m = compose_config([f"model={args.model}", *keep]).model
+    return ModelConfig.from_dict(OmegaConf.to_container(m, resolve=True)).megatron_flops_per_token(args.seq_len)
+
+
 def _model_shape(args) -> dict:
     """Layers, width, heads and vocabulary of ``--model`` with the ``model.*`` overrides of ``extra``."""
     from nemo_fp8_recipes.config import compose_config
@@ -516,6 +556,123 @@ def run_megatron_te(args, root: Path) -> list:
             f"[{row['status']}] Megatron-Core + TE {recipe:<11} tok/s {row.get('tokens_per_s') or 0:>10.0f}", flush=True
         )
     return rows
+
+
+_BRIDGE_ITER = re.compile(
+    r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([\d.]+) \|"
+    r"(?:.*?throughput per GPU \(TFLOP/s/GPU\): ([\d.]+) \|)?(?:.*?lm loss: ([\d.Ee+-]+) \|)?"
+)
+
+
+def parse_bridge_log(text: str) -> list:
+    """``[(iteration, ms, tflops or None, loss or None)]`` from Megatron-Bridge's per-iteration log
+    lines (``training/utils/train_utils.py: training_log``)."""
+    rows = []
+    for m in _BRIDGE_ITER.finditer(text):
+        it, ms, tf, loss = m.groups()
+        rows.append((int(it), float(ms), float(tf) if tf else None, float(loss) if loss else None))
+    return rows
+
+
+def run_bridge(args, root: Path) -> list:
+    """One Megatron-Bridge ``pretrain()`` run per Hopper recipe through our launcher
+    (``python -m nemo_fp8_recipes.integrations.bridge``, one process under ``torchrun``): the
+    model built offline from ``--model`` and its ``model.*`` overrides, the same sequence,
+    micro-batch and global batch as the trainer's runs, mock data, Bridge's H100 Llama 3 8B
+    performance settings (``backend.perf=llama3_8b_h100``; FP8 primary weights where Bridge's
+    preset keeps them), strict audit. Tokens/s from Bridge's logged iteration time (median over the
+    second half), model TFLOP/s/GPU as Bridge logs it (its formula), peak memory from the
+    launcher's ``summary.json``."""
+    recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
+    model_keys = [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
+    gbs = args.global_batch or args.micro_batch
+    rows = []
+    for recipe in recipes:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=1",
+            "-m",
+            "nemo_fp8_recipes.integrations.bridge",
+            "backend=megatron_bridge",
+            "backend.provider=ours",
+            "backend.perf=llama3_8b_h100",
+            "backend.strict_audit=true",
+            f"recipe={recipe}",
+            f"model={args.model}",
+            *model_keys,
+            f"trainer.max_steps={args.steps}",
+            f"trainer.seq_len={args.seq_len}",
+            f"trainer.micro_batch_size={args.micro_batch}",
+            f"trainer.global_batch_size={gbs}",
+            f"trainer.val_interval={args.steps}",
+            "trainer.val_steps=1",
+            "trainer.checkpoint=false",
+            "trainer.log_interval=1",
+            f"run.root={root}",
+            "logger.log_throughput=true",
+        ]
+        t0 = time.time()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        text = (proc.stdout or "") + (proc.stderr or "")
+        row = {"recipe": recipe, "cmd": " ".join(cmd), "ok": proc.returncode == 0, "wall_s": round(time.time() - t0, 1)}
+        its = [r for r in parse_bridge_log(text) if r[0] > args.steps // 2]
+        m = re.search(r"run directory: (\S+)", text)
+        summary = Path(m.group(1)) / "summary.json" if m else None
+        if proc.returncode == 0 and its:
+            ms = statistics.median(r[1] for r in its)
+            tfs = [r[2] for r in its if r[2] is not None]
+            losses = [r[3] for r in its if r[3] is not None]
+            row.update(
+                {
+                    "status": "ok",
+                    "step_ms_median": ms,
+                    "tokens_per_s": gbs * args.seq_len * 1000.0 / ms,
+                    "model_tflops_per_gpu": statistics.median(tfs) if tfs else None,
+                    "last_loss": losses[-1] if losses else None,
+                    "iterations_timed": len(its),
+                    "peak_gib": json.loads(summary.read_text()).get("peak_memory_gib")
+                    if summary is not None and summary.is_file()
+                    else None,
+                }
+            )
+        else:
+            row["ok"] = False
+            row["status"] = "failed" if proc.returncode else "no iteration lines in the log"
+            row["error"] = text[-3000:]
+            print(row["error"], file=sys.stderr)
+        rows.append(row)
+        print(f"[{row['status']}] Megatron-Bridge {recipe:<11} tok/s {row.get('tokens_per_s') or 0:>10.0f}", flush=True)
+    return rows
+
+
+def print_bridge_table(results: list, rows: list) -> None:
+    """Ours (the last mode run, one process) beside Megatron-Bridge's ``pretrain()``."""
+    ours = {r["recipe"]: r for r in results if r["nproc"] == 1 and r.get("tokens_per_s")}
+    print(
+        "\n| recipe | embedded trainer tok/s | its model TFLOP/s/GPU | Megatron-Bridge tok/s "
+        "| Bridge model TFLOP/s/GPU (as logged) | Bridge step ms | Bridge peak GiB | ours peak GiB | ours / Bridge |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        o = ours.get(row["recipe"], {})
+        t = row.get("tokens_per_s")
+        if t is None:
+            print(
+                f"| {row['recipe']} | {o.get('tokens_per_s') or 0:.0f} | {o.get('model_tflops_per_gpu') or 0:.0f} | "
+                f"{row['status']} | - | - | - | - | - |"
+            )
+            continue
+        op = o.get("peak_memory_gib")
+        print(
+            f"| {row['recipe']} | {o.get('tokens_per_s') or 0:.0f} | "
+            f"{o.get('model_tflops_per_gpu') or 0:.0f} | {t:.0f} | "
+            f"{row.get('model_tflops_per_gpu') or 0:.0f} | "
+            f"{row['step_ms_median']:.0f} | {row.get('peak_gib') or 0:.1f} | {op or 0:.1f} | "
+            f"{(o.get('tokens_per_s') or 0) / t:.2f}x |"
+        )
 
 
 def print_te_table(results: list, te_rows: list) -> None:

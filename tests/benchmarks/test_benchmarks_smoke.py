@@ -999,6 +999,40 @@ def test_train_throughput_with_the_megatron_te_column(tmp_path):
     assert "Megatron-Core + TE tok/s" in proc.stdout
 
 
+def test_train_throughput_bridge_rows_run_our_launcher_with_bridges_perf_settings(tmp_path):
+    """``train_throughput.py --bridge``: one run of our Megatron-Bridge launcher per Hopper recipe
+    under ``torchrun``, with ``backend.perf=llama3_8b_h100`` and the trainer's shapes; where Bridge
+    cannot be imported (here) the row fails with the launcher's reason and the sweep says so."""
+    proc, data = _train_throughput(
+        tmp_path, "--smoke", "--recipes", "bf16,mxfp8", "--backends", "", "--bridge", timeout=300
+    )
+    assert proc.returncode == 1 and data["results"] == []
+    (row,) = data["bridge"]  # mxfp8: no Hopper GEMMs in TE, left out
+    assert row["recipe"] == "bf16" and not row["ok"] and row["status"] == "failed"
+    for arg in ("backend.perf=llama3_8b_h100", "backend.provider=ours", "model.num_layers=1", "trainer.seq_len=64"):
+        assert arg in row["cmd"].split()
+    assert "needs Megatron-Bridge" in row["error"] and "Megatron-Bridge tok/s" in proc.stdout
+
+
+def test_bridge_log_lines_are_read_as_bridge_writes_them(tmp_path):
+    """The iteration line of Megatron-Bridge 0.6.2's ``training_log`` (its format strings), with and
+    without the throughput and loss fields."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import train_throughput as tt
+    finally:
+        sys.path.pop(0)
+    line = " [2026-12-06 21:00:00]" + " iteration {:8d}/{:8d} |".format(12, 40)
+    line += " consumed samples: {:12d} |".format(48) + " elapsed time per iteration (ms): {:.1f} |".format(565.25)
+    full = (
+        line
+        + f" throughput per GPU (TFLOP/s/GPU): {402.14:.1f} |"
+        + " learning rate: 2.9E-04 | lm loss: 1.052345E+01 |"
+    )
+    assert tt.parse_bridge_log(full + "\n" + line + "\n") == [(12, 565.2, 402.1, 10.52345), (12, 565.2, None, None)]
+    assert tt.parse_bridge_log("iteration 3 done\n") == []
+
+
 def test_train_throughput_graphs_mode_is_refused_on_cpu_with_the_reason(tmp_path):
     """``train_throughput.py --compile graphs`` runs the trainer with
     ``trainer.compile_mode=reduce-overhead``; on CPU the trainer refuses it and the row says why;
