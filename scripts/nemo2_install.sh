@@ -2,7 +2,7 @@
 # ON THE GPU MACHINE, in a call that carries .nemo2 (made by scripts/nemo2_prepare.sh), after a call
 # that ran .te/install.sh on the same warm machine (.te and .nemo2 together exceed the carry limit):
 #   bash .nemo2/install.sh && export PYTHONPATH=/tmp/nemo2site:/tmp/site:$PWD || exit;
-# Installs NeMo 2.7.3, megatron-core 0.16.1 and what they import that the image lacks into /tmp/nemo2site,
+# Installs NeMo 2.7.3, megatron-core 0.15.3 and what they import that the image lacks into /tmp/nemo2site,
 # apart from Bridge's /tmp/site (TE stays there). Skips everything on a warm machine that has it already.
 set -uo pipefail
 src=$(cd "$(dirname "$0")" && pwd)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Bring NeMo 2 (nemo_toolkit 2.7.3, megatron-core 0.16.1) to the GPU machine for scripts/nemo2_smoke.py:
+# Bring NeMo 2 (nemo_toolkit 2.7.3, megatron-core 0.15.3) to the GPU machine for scripts/nemo2_smoke.py:
 # run HERE, from the project root. Fills ./.nemo2/ (git-ignored) with the Python 3.12 manylinux wheels
 # that `import nemo.collections.llm` and `llm.pretrain` import at module level and the GPU image lacks
 # (or has in a version NeMo 2.7 cannot use), plus .nemo2/install.sh. The set was found by tracing the
@@ -26,7 +26,10 @@
 #     pyarrow are used rather than carrying 60 MB of numpy 1.26 + pyarrow 22;
 #   - NeMo 2.7.3's async checkpoint IO imports megatron.core.dist_checkpointing.strategies.tensorstore,
 #     gone in megatron-core 0.16: MegatronStrategy(ckpt_async_save=False) (the smoke script sets it);
-#   - megatron-core 0.16.1 declares transformer-engine < 2.12; .te carries 2.20.2 (--no-deps installs it).
+#   - NeMo 2.7.3's optimizer setup calls get_megatron_optimizer(no_weight_decay_cond=...), which
+#     megatron-core 0.16 removed: with 0.16.1 the model builds (TE 2.20.2, H100) and every recipe stops
+#     there with a TypeError (seen on the GPU, 2026-12-06); 0.15.3 still takes it;
+#   - megatron-core 0.15.3 declares transformer-engine < 2.10; .te carries 2.20.2 (--no-deps installs it).
 set -euo pipefail
 root=$(git rev-parse --show-toplevel); cd "$root"
 here=$(cd "$(dirname "$0")" && pwd)
@@ -46,7 +49,7 @@ pkgs=(
   h2==4.4.1 hpack==4.2.0 huggingface_hub==0.36.2 hydra-core==1.3.2 hyperframe==6.1.0 invoke==2.2.1
   jaraco.context==6.1.0 jaraco.functools==4.6.0 jaraco.text==4.0.0 jsonschema-specifications==2025.9.1
   jsonschema==4.26.0 lark==1.3.1 lazy-importer==0.1.0 ledoc-ui==0.1.0 leptonai==0.27.3 libcst==1.9.0
-  lightning==2.4.0 loguru==0.7.3 megatron-core==0.16.1 more-itertools==11.2.1 multiprocess==0.70.19
+  lightning==2.4.0 loguru==0.7.3 megatron-core==0.15.3 more-itertools==11.2.1 multiprocess==0.70.19
   nemo-toolkit==2.7.3 nemo_run==0.11.1 numexpr==2.13.1 nv-one-logger-core==2.3.1
   nv-one-logger-pytorch-lightning-integration==2.3.1 nv-one-logger-training-telemetry==2.3.1
   nvidia-modelopt==0.37.0 omegaconf==2.3.0 opentelemetry-api==1.45.2

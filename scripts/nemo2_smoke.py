@@ -14,7 +14,7 @@ precision did (strict); for bf16, none ran in FP8. Files per run: TensorBoard ev
 
 Recipes: NeMo 2.7.3 has presets for bf16, delayed (``bf16_with_fp8_mixed``), tensorwise
 (``bf16_with_fp8_current_scaling_mixed``), blockwise (``bf16_with_fp8_subchannel_scaling_mixed``)
-and mxfp8 (``bf16_with_mxfp8_mixed``); megatron-core 0.16.1 builds tensorwise with Transformer
+and mxfp8 (``bf16_with_mxfp8_mixed``); megatron-core 0.15.3 builds tensorwise with Transformer
 Engine >= 2.2 and blockwise with >= 2.3. The Hopper set (the default) is bf16, delayed,
 tensorwise, blockwise; mxfp8 needs Blackwell and is refused on Hopper, as is a recipe the
 installed NeMo / megatron-core / TE cannot build.
@@ -108,11 +108,17 @@ def nemo_install_problem(versions: Dict[str, Optional[str]]) -> Optional[str]:
         )
     mcore = versions.get("megatron-core")
     if mcore is None:
-        return f"megatron-core is not installed (NeMo 2.7 needs 0.16.x); {PREPARE_HINT}"
+        return f"megatron-core is not installed (NeMo 2.7 trains with 0.15.x); {PREPARE_HINT}"
     if version_tuple(mcore) >= (0, 17):
         return (
-            f"megatron-core {mcore} is installed; nemo.collections.llm 2.7 needs <= 0.16 (Megatron-Bridge's "
-            f"/tmp/site must come after /tmp/nemo2site on PYTHONPATH); {PREPARE_HINT}"
+            f"megatron-core {mcore} is installed; nemo.collections.llm 2.7 needs 0.15.x (0.17 removed a module it "
+            f"imports; Megatron-Bridge's /tmp/site must come after /tmp/nemo2site on PYTHONPATH); {PREPARE_HINT}"
+        )
+    if version_tuple(mcore) >= (0, 16):
+        return (
+            f"megatron-core {mcore} is installed; NeMo 2.7's optimizer setup passes no_weight_decay_cond to "
+            f"get_megatron_optimizer, which megatron-core 0.16 removed (the model builds, training stops with a "
+            f"TypeError): install megatron-core 0.15.x; {PREPARE_HINT}"
         )
     return None
 
@@ -493,7 +499,7 @@ def _pretrain(recipe, policy, steps: int, run_dir: Path, gpu: bool, state: dict)
             pipeline_model_parallel_size=1,
             ckpt_load_optimizer=False,
             # NeMo 2.7.3's async checkpoint IO imports a module megatron-core 0.16 no longer has
-            # (dist_checkpointing.strategies.tensorstore) and refuses to start.
+            # (dist_checkpointing.strategies.tensorstore); a smoke run saves nothing.
             ckpt_async_save=False,
         ),
         plugins=plugin,
