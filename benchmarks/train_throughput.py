@@ -44,8 +44,9 @@ curves against the native BF16 run (``<root>/<model>/compare/``)::
 
 Megatron-Core + Transformer Engine beside it (``--megatron-te``): after the embedded trainer's runs,
 the same model shape, sequence, micro-batch and micro-batches per step train as a Megatron-Core
-``GPTModel`` with the TE layer spec (``benchmarks/megatron_native_train.py --impl te``: FP32
-parameters under BF16 autocast, TE re-quantising its weights in every forward, strict audit), one
+``GPTModel`` with the TE layer spec as Megatron trains it (``benchmarks/megatron_native_train.py
+--impl te``: BF16 parameters, Megatron's DDP and distributed optimizer with FP32 master weights,
+its forward-backward schedule, which re-quantises the weights once per step; strict audit), one
 run per recipe; the table adds its tokens/s, step time and peak memory, and ours / TE. The
 end-to-end comparison of the docs (8B width, 16 layers, sequence 4096, four micro-batches)::
 

@@ -395,12 +395,17 @@ def test_te_hooks_apply_and_audit_the_policy_on_a_megatron_tree():
     assert "_nemo_fp8_orig_forward" not in vars(model.decoder.layers[0].mlp.linear_fc1)
 
 
-def test_benchmark_builds_converts_and_audits_on_cpu(capsys):
+def _benchmark_module():
     spec = importlib.util.spec_from_file_location(
         "megatron_native_train", REPO / "benchmarks" / "megatron_native_train.py"
     )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_benchmark_builds_converts_and_audits_on_cpu(capsys):
+    mod = _benchmark_module()
     rc = mod.main(
         [
             "--steps",
@@ -427,3 +432,58 @@ def test_benchmark_builds_converts_and_audits_on_cpu(capsys):
     assert rc == 0 and "blockwise" in out and "decoder.layers.1.mlp.linear_fc1" in out
     assert "layer 0 is among the first 1 kept in BF16" in out and "last 1 of 3" in out
     assert mod.main(["--steps", "2", "--device", "cpu"]) == 2  # training steps need CUDA, said clearly
+
+
+def test_megatron_native_train_flops_follow_megatrons_formula():
+    """Megatron-LM's model FLOPs (``num_floating_point_operations``, core_v0.19.0): Llama 3 8B at
+    sequence 8192 is 51.47 GFLOP per token — GEMM weights 6·7.5047e9, causal attention 6·32·8192·4096."""
+    flops = _benchmark_module().megatron_flops_per_token
+    llama3_8b = dict(layers=32, hidden=4096, ffn=14336, heads=32, kv_heads=8, vocab=128256)
+    assert flops(**llama3_8b, seq=8192) == 51_470_401_536
+    # the attention term grows linearly with the sequence; GQA shrinks only the K/V projections
+    assert flops(**llama3_8b, seq=8192) - flops(**llama3_8b, seq=4096) == 6 * 32 * 4096 * 4096
+    mha = flops(**{**llama3_8b, "kv_heads": 32}, seq=8192) - flops(**llama3_8b, seq=8192)
+    assert mha == 6 * 32 * 4096 * 2 * (4096 - 1024)
+    assert flops(**llama3_8b, seq=8192, gated=False) == flops(**llama3_8b, seq=8192) - 6 * 32 * 4096 * 14336
+
+
+def test_megatron_native_train_te_ways_are_labelled_and_refused_without_te(capsys, monkeypatch):
+    """``--impl te`` is Megatron's way (BF16 parameters, FP32 master weights); ``te-fp32params`` is the
+    labelled variant. Without Transformer Engine or a GPU both are refused with the reason, and the
+    gradient-accumulation fusion says why it is off."""
+    mod = _benchmark_module()
+    assert mod.PARAMS == {"native": "fp32", "te": "bf16+fp32-master", "te-fp32params": "fp32"}
+    assert "not how Megatron trains" in mod.IMPLS["te-fp32params"]
+    args = mod.parse_args(["--impl", "te-fp32params"])
+    assert args.impl == "te-fp32params" and not args.grad_reduce_in_fp32 and args.grad_accum_fusion == "auto"
+    with pytest.raises(SystemExit):
+        mod.parse_args(["--impl", "megatron"])
+    assert "invalid choice: 'megatron'" in capsys.readouterr().err
+    import nemo_fp8_recipes.integrations.te as te_mod
+
+    monkeypatch.setattr(te_mod, "te_available", lambda: (False, "transformer_engine is not installed"))
+    for impl in ("te", "te-fp32params"):
+        assert mod.main(["--impl", impl, "--steps", "1", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert f"--impl {impl} needs Transformer Engine on a CUDA GPU (transformer_engine is not installed)" in err
+    assert mod.grad_accum_fusion_setting("auto") == (False, "Transformer Engine is not importable")
+    assert mod.grad_accum_fusion_setting("off") == (False, "--grad-accum-fusion off")
+    monkeypatch.setattr(te_mod, "te_available", lambda: (True, ""))
+    on, why = mod.grad_accum_fusion_setting("auto")
+    assert on == (importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None)
+    assert on or "fused_weight_gradient_mlp_cuda is not importable" in why
+
+
+def test_megatron_native_train_runs_recipes_in_processes_of_their_own(capsys):
+    """The TE ways train each recipe in a child process (Megatron's DDP and distributed optimizer
+    outlive a run in-process); the children's results merge into one ``runs`` table. Exercised here
+    with the native build (``--steps 0``), which runs on CPU."""
+    mod = _benchmark_module()
+    shape = ["--layers", "3", "--hidden", "256", "--ffn", "512", "--heads", "4", "--kv-heads", "2", "--seq", "128"]
+    rc, out = mod.run_recipes_apart(["--steps", "0", "--device", "cpu", *shape], ["bf16", "blockwise"])
+    assert rc == 0 and list(out["runs"]) == ["bf16", "blockwise"] and out["device"] == "cpu"
+    assert {r["params"] for r in out["runs"].values()} == {"fp32"}
+    assert out["runs"]["bf16"]["audit"]["fp8_modules"] == 0 < out["runs"]["blockwise"]["audit"]["fp8_modules"]
+    rc, out = mod.run_recipes_apart(["--steps", "0", "--device", "cpu", *shape], ["bf16", "nope"])
+    assert rc != 0 and list(out["runs"]) == ["bf16"]
+    assert "recipe nope failed" in capsys.readouterr().err
