@@ -78,4 +78,6 @@ os.replace(tmp, src)
 PY
 cp "$here/nemo2_install.sh" .nemo2/install.sh
 du -sh .nemo2
-echo "a call carrying .nemo2 sends about $(du -sm --exclude=.git --exclude=.te --exclude=.whl --exclude=.whlb . | cut -f1) MiB (limit 64)"
+# what a device call sends: the working tree (tracked and untracked files git does not ignore) plus .nemo2
+tree_kb=$(git ls-files -z --cached --others --exclude-standard | du -ck --files0-from=- 2>/dev/null | tail -1 | cut -f1)
+echo "a call carrying .nemo2 sends about $(( (tree_kb + $(du -sk .nemo2 | cut -f1)) / 1024 )) MiB (limit 64)"
