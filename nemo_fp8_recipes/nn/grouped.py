@@ -9,25 +9,30 @@ its weight are quantised with the recipe's granularity on their own — per tens
 (delayed, tensorwise), 1x128 tiles and 128x128 blocks (blockwise), 1x32 blocks (mxfp8) — so
 fprop, dgrad and wgrad of expert ``e`` are exactly those of a :class:`~nemo_fp8_recipes.nn.Float8Linear`
 holding ``weight[e]`` and fed that expert's tokens. Delayed scaling keeps an amax history per
-weight, expert and operand. Real FP8 GEMMs run one ``torch._scaled_mm`` per expert through the same
-dispatch, each expert's rows padded to the recipe's alignment; there is no fused grouped kernel.
-The router, its top-k and the combine (routing weight times expert output, summed per token) stay
-in the precision the model computes them in.
+weight, expert and operand, advanced on either schedule (``lazy`` before each quantisation,
+``step`` by :func:`~nemo_fp8_recipes.nn.sync_delayed_scaling`, as the trainer runs it). Real FP8
+GEMMs run one ``torch._scaled_mm`` per expert through the same dispatch, each expert's rows padded
+to the recipe's alignment; there is no fused grouped kernel. The router, its top-k and the combine
+(routing weight times expert output, summed per token) stay in the precision the model computes
+them in. Telemetry records the statistics a :class:`~nemo_fp8_recipes.nn.Float8Linear` records,
+per weight, expert and operand (:meth:`Float8GroupedExperts.pop_telemetry`).
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 
 from ..quant.delayed import advance_delayed_scaling
+from ..quant.reference import STAT_NAMES, quantization_stats
 from .config import Float8LinearConfig
 from .gemms import (
     GO,
     IN,
+    OPERANDS,
     W,
     check_device,
     fprop,
@@ -76,22 +81,37 @@ class GroupedOperands:
         self.module, self.p = module, p
 
     def quantizer(self, e: int):
-        """``quantize_operand(i, t, pair=False)`` for expert ``e``."""
+        """``quantize_operand(i, t, pair=False)`` for expert ``e``. With telemetry on, each
+        quantisation's statistics are recorded for (weight, expert, operand), from the reference
+        quantisers (the same codes; the fused 1x128 / 128x128 kernels return no amax)."""
         cfg = self.config
-        triton = cfg.kernel_options.triton
-        if not cfg.recipe.is_delayed:
-            return lambda i, t, pair=False: quantize_current(cfg.recipe, i, t, pair=pair, triton=triton)
         m, p = self.module, self.p
+        tel = cfg.telemetry
+        triton = cfg.kernel_options.triton and not tel
+        if cfg.recipe.is_delayed:
 
-        def quantize_operand(i, t, pair=False):
-            q = quantize_delayed(cfg.recipe, m.fp8_scale[p, e], i, t, pair=pair, triton=triton)
-            amax = (q[0] if pair else q).amax.reshape(())
-            with torch.no_grad():
-                m.fp8_amax_pending[p, e, i] = torch.maximum(m.fp8_amax_pending[p, e, i], amax)
-                m.fp8_pending[p, e, i] = 1.0
+            def quantize(i, t, pair):
+                q = quantize_delayed(cfg.recipe, m.fp8_scale[p, e], i, t, pair=pair, triton=triton)
+                amax = (q[0] if pair else q).amax.reshape(())
+                with torch.no_grad():
+                    m.fp8_amax_pending[p, e, i] = torch.maximum(m.fp8_amax_pending[p, e, i], amax)
+                    m.fp8_pending[p, e, i] = 1.0
+                return q
+
+        else:
+
+            def quantize(i, t, pair):
+                return quantize_current(cfg.recipe, i, t, pair=pair, triton=triton)
+
+        if not tel:
+            return lambda i, t, pair=False: quantize(i, t, pair)
+
+        def quantize_recorded(i, t, pair=False):
+            q = quantize(i, t, pair)
+            m.record_telemetry(p, e, i, quantization_stats(t.detach(), q[0] if pair else q))
             return q
 
-        return quantize_operand
+        return quantize_recorded
 
     def commit(self, operands: Sequence[int]) -> None:
         """Delayed scaling, ``lazy`` schedule: fold the pending amaxes of ``operands`` into the
@@ -199,6 +219,8 @@ class Float8GroupedExperts(nn.Module):
 
     Counts: every expert that received tokens runs one fprop, dgrad and wgrad per weight, each
     counted as one GEMM (:attr:`gemm_counts`, reported by :func:`~nemo_fp8_recipes.nn.audit`).
+    Run-time settings (telemetry, the delayed-scaling schedule and amax reduction) change through
+    :meth:`reconfigure`, as a Float8Linear's do.
     """
 
     def __init__(self, weights: Dict[str, nn.Parameter], config: Float8LinearConfig, act_fn=None):
@@ -211,11 +233,6 @@ class Float8GroupedExperts(nn.Module):
         experts = {s[0] for s in shapes.values()}
         if len(experts) != 1:
             raise ValueError(f"grouped expert weights disagree on the number of experts: {shapes}")
-        if config.recipe.is_delayed and config.scaling_update != "lazy":
-            raise ValueError(
-                "grouped FP8 experts run delayed scaling with the 'lazy' update schedule only; convert with "
-                "scaling_update='lazy', or use a current-scaling recipe (tensorwise, blockwise)"
-            )
         for n, w in weights.items():
             self.register_parameter(n, w)
         self.weight_names: Tuple[str, ...] = tuple(weights)
@@ -224,6 +241,7 @@ class Float8GroupedExperts(nn.Module):
         self.act_fn = act_fn
         self.fqn, self.role = "", "mlp"
         self._counts = {"fprop": 0, "dgrad": 0, "wgrad": 0}
+        self._telemetry: Dict[Tuple[int, int, int], List[torch.Tensor]] = {}
         if config.recipe.is_delayed:
             P, E, L = len(weights), self.num_experts, config.recipe.amax_history_len
             dev = next(iter(weights.values())).device
@@ -260,15 +278,71 @@ class Float8GroupedExperts(nn.Module):
         """Zero the GEMM counters."""
         self._counts = {k: 0 for k in self._counts}
 
+    def reconfigure(self, **changes) -> Float8LinearConfig:
+        """Replace the config with ``self.config.replace(**changes)`` and return it, as
+        :meth:`Float8Linear.reconfigure <nemo_fp8_recipes.nn.Float8Linear.reconfigure>` does:
+        ``telemetry`` (off drops the statistics not yet collected), ``scaling_update`` and
+        ``amax_reduce_fn`` (pending amaxes carry over: neither schedule loses one),
+        ``kernel_options``. The compiled weight cache and fused wgrad accumulation do not apply
+        (the experts' weights are quantised in every forward and their gradients returned)."""
+        new = self.config.replace(**changes)
+        self.config = new
+        if not new.telemetry:
+            self._telemetry = {}
+        return new
+
+    def record_telemetry(self, p: int, e: int, i: int, stats: torch.Tensor) -> None:
+        """Keep one quantisation's statistics (:func:`~nemo_fp8_recipes.quant.reference.quantization_stats`)
+        of operand ``i`` of weight ``p``'s expert ``e``."""
+        self._telemetry.setdefault((p, e, i), []).append(stats)
+
+    def pop_telemetry(self, per_expert: bool = False) -> Dict:
+        """The statistics recorded since the last call, then reset. Default, per operand: what a
+        :meth:`Float8Linear.pop_telemetry <nemo_fp8_recipes.nn.Float8Linear.pop_telemetry>` gives
+        (``amax`` the max, ``scale``, ``underflow_frac``, ``saturated_frac``, ``sqnr_db`` the mean
+        over every quantisation of every expert and weight) and the worst expert's
+        ``underflow_frac_worst``, ``saturated_frac_worst`` (the max over (weight, expert) of
+        its mean) and ``sqnr_db_worst`` (the min): a mean over many experts hides the one whose
+        scale went wrong, e.g. a rarely routed expert. ``per_expert=True``:
+        ``{weight name: {expert: {operand: {stat: mean (amax: max)}}}}`` for the experts that ran."""
+        tel, self._telemetry = self._telemetry, {}
+        means: Dict[Tuple[int, int, int], Dict[str, float]] = {}
+        pooled: Dict[int, List[torch.Tensor]] = {}
+        for (p, e, i), stats in sorted(tel.items()):
+            if not stats:
+                continue
+            st = torch.stack(stats).float().cpu()
+            v = {name: float(st[:, k].mean()) for k, name in enumerate(STAT_NAMES)}
+            v["amax"] = float(st[:, 0].max())
+            means[(p, e, i)] = v
+            pooled.setdefault(i, []).append(st)
+        if per_expert:
+            out: Dict = {}
+            for (p, e, i), v in means.items():
+                out.setdefault(self.weight_names[p], {}).setdefault(e, {})[OPERANDS[i]] = v
+            return out
+        out = {}
+        for i, sts in pooled.items():
+            st = torch.cat(sts)
+            v = {name: float(st[:, k].mean()) for k, name in enumerate(STAT_NAMES)}
+            v["amax"] = float(st[:, 0].max())
+            per = [m for (_, _, j), m in means.items() if j == i]
+            v["underflow_frac_worst"] = max(m["underflow_frac"] for m in per)
+            v["saturated_frac_worst"] = max(m["saturated_frac"] for m in per)
+            v["sqnr_db_worst"] = min(m["sqnr_db"] for m in per)
+            out[OPERANDS[i]] = v
+        return out
+
     def graph_weight_cache_stale(self) -> bool:
         """Always False: the expert weights are quantised in every forward (no cache)."""
         return False
 
     @torch.no_grad()
-    def advance_delayed_scaling(self, operands: Sequence[int], p: Optional[int] = None) -> None:
+    def advance_delayed_scaling(self, operands: Sequence[int], p: Optional[int] = None, reduce: bool = True) -> None:
         """Fold the pending amaxes of ``operands`` (of weight ``p``, or all) into the amax
         histories and recompute the scales (:func:`~nemo_fp8_recipes.quant.delayed.advance_delayed_scaling`;
-        max-reduced first by the config's ``amax_reduce_fn`` if set)."""
+        max-reduced first by the config's ``amax_reduce_fn`` if set and ``reduce``;
+        :func:`~nemo_fp8_recipes.nn.sync_delayed_scaling` reduces them itself)."""
         sel = slice(None) if p is None else slice(p, p + 1)
         pend, flag = self.fp8_amax_pending[sel], self.fp8_pending[sel].clone()
         keep = torch.zeros(3, dtype=torch.bool, device=flag.device)
@@ -276,7 +350,7 @@ class Float8GroupedExperts(nn.Module):
         flag = flag * keep
         if not bool(flag.any()):
             return
-        if self.config.amax_reduce_fn is not None:
+        if reduce and self.config.amax_reduce_fn is not None:
             pend = self.config.amax_reduce_fn(pend.clone())
         r = self.recipe
         hist, scale = advance_delayed_scaling(
@@ -293,6 +367,10 @@ class Float8GroupedExperts(nn.Module):
         self.fp8_pending[sel] = torch.where(flag > 0, torch.zeros_like(flag), self.fp8_pending[sel])
 
     # ---- the GEMMs -----------------------------------------------------------------------------
+    # Eager islands, as Float8Linear's eager path: under torch.compile each call is a graph break
+    # (the rows per expert are read on the host, the quantisers and the state updates stay exact
+    # Python-side).
+    @torch.compiler.disable
     def grouped_mm(self, name: str, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """``x [T, in]`` (rows sorted by expert, ``sizes[e]`` rows for expert ``e``) times
         ``weight[e]ᵀ`` per expert for the 3-D weight ``name``: ``[T, out]``, every expert GEMM in FP8."""
@@ -306,6 +384,7 @@ class Float8GroupedExperts(nn.Module):
         ops = GroupedOperands(self, self.weight_names.index(name))
         return GroupedMMFn.apply(x, w, sizes, ops, output_dtype(x), torch.is_grad_enabled())
 
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """transformers 5's experts forward: route each token to its top-k experts, run
         ``down_proj(act(gate) * up)`` per expert in FP8, and sum the outputs weighted by the

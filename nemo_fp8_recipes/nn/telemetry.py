@@ -1,5 +1,6 @@
 """FP8 telemetry of the native backend: per-operand quantisation statistics collected by the FP8
-linears and aggregated per layer group (the same tags as the Transformer Engine hooks)."""
+linears and the grouped MoE experts, aggregated per layer group (the same tags as the Transformer
+Engine hooks)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ import torch.nn as nn
 
 from ..policy import Role
 from .gemms import OPERANDS
+from .grouped import grouped_fp8_modules
 from .linear import fp8_modules
 
 __all__ = ["collect_telemetry", "set_telemetry", "telemetry_group"]
 
+#: How a statistic is combined over the modules of a group and over calls: the largest amax, the
+#: worst expert's fractions (largest) and SQNR (smallest), the mean of everything else.
+_WORST = {"amax": max, "underflow_frac_worst": max, "saturated_frac_worst": max, "sqnr_db_worst": min}
+
 
 def set_telemetry(model: nn.Module, enabled: bool = True) -> None:
-    """Make every Float8Linear record quantisation statistics (amax, scale, underflow,
-    saturation, SQNR) of its operands, or stop (dropping what was not collected). Costs extra
-    passes over each operand: use an interval. A thin wrapper, ``reconfigure(telemetry=enabled)``
-    on each; a run that records from the start passes ``convert_model(..., telemetry=True)``."""
-    for m in fp8_modules(model).values():
+    """Make every Float8Linear and grouped experts module record quantisation statistics (amax,
+    scale, underflow, saturation, SQNR) of its operands, or stop (dropping what was not
+    collected). Costs extra passes over each operand: use an interval. A thin wrapper,
+    ``reconfigure(telemetry=enabled)`` on each; a run that records from the start passes
+    ``convert_model(..., telemetry=True)``."""
+    for m in (*fp8_modules(model).values(), *grouped_fp8_modules(model).values()):
         m.reconfigure(telemetry=bool(enabled))
 
 
@@ -44,12 +51,20 @@ def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
     mlp, experts, shared_expert, ...) since the last call: amax is the max, the other stats
     (scale, underflow_frac, saturated_frac, sqnr_db) the mean over modules and calls. Delayed
     scaling adds ``scale_pinned``: the fraction of the group's modules whose amax history holds a
-    non-finite value, which holds their scale where it is until it ages out."""
+    non-finite value, which holds their scale where it is until it ages out.
+
+    Grouped experts (:class:`~nemo_fp8_recipes.nn.Float8GroupedExperts`) count as one module each
+    whose stats are the mean over their experts' quantisations (amax: the max), and add the worst
+    expert of the group: ``underflow_frac_worst`` and ``saturated_frac_worst`` (the largest of an
+    expert's mean) and ``sqnr_db_worst`` (the smallest), since one expert whose scale went wrong
+    (a rarely routed one, or one whose delayed-scaling history is stale) disappears in a mean over
+    many; :meth:`Float8GroupedExperts.pop_telemetry(per_expert=True)
+    <nemo_fp8_recipes.nn.Float8GroupedExperts.pop_telemetry>` names it."""
     from .scaling import pinned_scales
 
     acc: Dict[str, List[float]] = {}
     pinned = pinned_scales(model)
-    for name, m in fp8_modules(model).items():
+    for name, m in (*fp8_modules(model).items(), *grouped_fp8_modules(model).items()):
         tel = m.pop_telemetry() if reset else {}
         group = telemetry_group(m.fqn, m.role)
         for operand, stats in tel.items():
@@ -60,5 +75,6 @@ def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
                 acc.setdefault(f"fp8/{group}/{operand}/scale_pinned", []).append(float(operand in pinned.get(name, ())))
     out = {}
     for k, vs in acc.items():
-        out[k] = max(vs) if k.endswith("/amax") else sum(vs) / len(vs)
+        combine = _WORST.get(k.rsplit("/", 1)[-1])
+        out[k] = combine(vs) if combine else sum(vs) / len(vs)
     return out
