@@ -1,6 +1,8 @@
-"""convert_model, the policy and the audit on MoE experts: a real Hugging Face Mixtral (tiny config
-built offline from MixtralConfig; transformers 5 holds each layer's experts as one module with 3-D
-weights, transformers 4 as nn.Linear), and grouped-weight modules of other classes."""
+"""convert_model, the policy and the audit on grouped MoE experts: a real Hugging Face Mixtral's
+experts module (tiny config built offline; transformers 5 holds each layer's experts as one module
+with 3-D weights) against its own high-precision forward, and grouped-weight modules of other
+classes. Whole Hugging Face MoE models trained under every recipe, with transformers 5 and 4.x:
+tests/nn/test_hf_moe.py."""
 
 import pytest
 import torch
@@ -9,70 +11,12 @@ import torch.nn as nn
 from nemo_fp8_recipes import PolicyViolation, PrecisionPolicy, audit, convert_model
 from nemo_fp8_recipes.nn import Float8GroupedExperts, Float8Linear, grouped_fp8_modules
 
-transformers = pytest.importorskip("transformers", reason="needs transformers (pip install '.[dev]')")
+pytest.importorskip("transformers", reason="needs transformers (pip install '.[dev]')")
 
-E, STEPS = 4, 2
-GROUPED = int(transformers.__version__.split(".")[0]) >= 5
-MOE = "mlp" if GROUPED else "block_sparse_moe"  # the MoE block's name in MixtralDecoderLayer
+from helpers.hf_moe import EXPERTS as E  # noqa: E402
+from helpers.hf_moe import tiny_mixtral, transformers_major  # noqa: E402
 
-
-def tiny_mixtral(seed=0):
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = MixtralConfig(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        num_local_experts=E,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-    )
-    return MixtralForCausalLM(cfg)
-
-
-def train(model, steps=STEPS):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-@pytest.mark.parametrize("recipe", ["tensorwise", "blockwise", "mxfp8", "delayed"])
-def test_mixtral_experts_run_in_fp8_router_in_fp32(recipe):
-    model = convert_model(tiny_mixtral(), recipe, PrecisionPolicy())
-    losses = train(model)
-    assert all(torch.isfinite(torch.tensor(losses)))
-    report = audit(model, strict=True)
-    rows = {r.name: r for r in report.rows}
-    for layer in range(2):
-        gate = rows[f"model.layers.{layer}.{MOE}.gate"]
-        assert (gate.role, gate.precision) == ("router", "fp32")
-        assert gate.fp8_gemms == {} and gate.hp_gemms["fprop"] == STEPS
-        if GROUPED:  # transformers 5: one module, one GEMM per expert and weight
-            row = rows[f"model.layers.{layer}.mlp.experts"]
-            assert (row.role, row.precision) == ("mlp", "fp8"), row.reason
-            assert "MixtralExperts" in row.reason
-            n = STEPS * 2 * E  # gate_up_proj and down_proj of every expert (64 tokens x top-2: all hit)
-            assert row.fp8_gemms == {"fprop": n, "dgrad": n, "wgrad": n}
-        else:  # transformers 4: nn.Linear experts
-            for e in range(E):
-                for w in ("w1", "w2", "w3"):
-                    row = rows[f"model.layers.{layer}.{MOE}.experts.{e}.{w}"]
-                    assert row.precision == "fp8" and row.fp8_gemms["fprop"] == STEPS
-    expert_rows = [r for r in report.rows if ".experts" in r.name]
-    assert expert_rows and all(r.precision == "fp8" and not r.hp_gemms for r in expert_rows)
-    assert not report.unplaced
-    assert f"{MOE}.gate" in report.table() and "fp32" in report.table()
+GROUPED = transformers_major() >= 5
 
 
 @pytest.mark.skipif(not GROUPED, reason="transformers 5 grouped experts (installed: transformers 4)")
