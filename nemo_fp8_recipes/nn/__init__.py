@@ -22,7 +22,7 @@ from .scaling import (
     set_delayed_scaling_update,
     sync_delayed_scaling,
 )
-from .telemetry import collect_telemetry, set_telemetry
+from .telemetry import collect_telemetry, set_telemetry, telemetry_combine
 
 __all__ = [
     "AuditReport",
@@ -43,6 +43,7 @@ __all__ = [
     "set_delayed_scaling_update",
     "set_graph_weight_cache",
     "set_telemetry",
+    "telemetry_combine",
     "set_wgrad_accumulation_fusion",
     "sync_delayed_scaling",
     "discard_delayed_scaling",

@@ -13,11 +13,17 @@ from .gemms import OPERANDS
 from .grouped import grouped_fp8_modules
 from .linear import fp8_modules
 
-__all__ = ["collect_telemetry", "set_telemetry", "telemetry_group"]
+__all__ = ["collect_telemetry", "set_telemetry", "telemetry_combine", "telemetry_group"]
 
-#: How a statistic is combined over the modules of a group and over calls: the largest amax, the
-#: worst expert's fractions (largest) and SQNR (smallest), the mean of everything else.
-_WORST = {"amax": max, "underflow_frac_worst": max, "saturated_frac_worst": max, "sqnr_db_worst": min}
+#: How a statistic is combined over the modules of a group, over calls and over ranks: the largest
+#: amax, the worst expert's fractions (largest) and SQNR (smallest), the mean of everything else.
+_COMBINE = {"amax": "max", "underflow_frac_worst": "max", "saturated_frac_worst": "max", "sqnr_db_worst": "min"}
+
+
+def telemetry_combine(key: str) -> str:
+    """How the statistic of a telemetry key (``fp8/<group>/<operand>/<stat>`` or the bare stat) is
+    combined over modules, calls and data-parallel ranks: ``"max"``, ``"min"`` or ``"mean"``."""
+    return _COMBINE.get(key.rsplit("/", 1)[-1], "mean")
 
 
 def set_telemetry(model: nn.Module, enabled: bool = True) -> None:
@@ -75,6 +81,6 @@ def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
                 acc.setdefault(f"fp8/{group}/{operand}/scale_pinned", []).append(float(operand in pinned.get(name, ())))
     out = {}
     for k, vs in acc.items():
-        combine = _WORST.get(k.rsplit("/", 1)[-1])
-        out[k] = combine(vs) if combine else sum(vs) / len(vs)
+        how = telemetry_combine(k)
+        out[k] = max(vs) if how == "max" else min(vs) if how == "min" else sum(vs) / len(vs)
     return out

@@ -268,25 +268,26 @@ def load_state_dicts(
 
 
 def reduce_telemetry(values: Dict[str, float], ctx: DistContext) -> Dict[str, float]:
-    """FP8 telemetry of every rank combined (same keys everywhere): ``…/amax`` the max over
-    ranks, other statistics the mean. Every rank gets the result."""
+    """FP8 telemetry of every rank combined (same keys everywhere), each statistic as
+    :func:`~nemo_fp8_recipes.nn.telemetry_combine` says: ``…/amax`` and the worst expert's
+    fractions the max over ranks, the worst expert's SQNR the min, other statistics the mean.
+    Every rank gets the result."""
     if not ctx.distributed or not values:
         return values
     import torch.distributed as dist
 
+    from ..nn import telemetry_combine
+
     keys = sorted(values)
     dev = ctx.device
-    amax_keys = [k for k in keys if k.endswith("/amax")]
-    mean_keys = [k for k in keys if not k.endswith("/amax")]
     out = {}
-    if amax_keys:
-        t = torch.tensor([values[k] for k in amax_keys], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        out.update(zip(amax_keys, t.tolist()))
-    if mean_keys:
-        t = torch.tensor([values[k] for k in mean_keys], dtype=torch.float64, device=dev)
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
-        out.update(zip(mean_keys, (t / ctx.world_size).tolist()))
+    for how, op in (("max", dist.ReduceOp.MAX), ("min", dist.ReduceOp.MIN), ("mean", dist.ReduceOp.SUM)):
+        ks = [k for k in keys if telemetry_combine(k) == how]
+        if not ks:
+            continue
+        t = torch.tensor([values[k] for k in ks], dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=op)
+        out.update(zip(ks, (t / ctx.world_size if how == "mean" else t).tolist()))
     return out
 
 

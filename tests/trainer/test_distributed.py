@@ -298,3 +298,50 @@ def test_scaling_benchmark_smoke(tmp_path):
     assert two["scaling_efficiency"] > 0
     assert two["max_rel_loss_dev_vs_1proc"] == 0.0  # deterministic CPU kernels: identical curves
     assert "| DP efficiency |" in proc.stdout
+
+
+def _reduce_telemetry_worker(rank: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from nemo_fp8_recipes.trainer.distributed import DistContext, reduce_telemetry
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        values = {
+            "fp8/experts/input/amax": [3.0, 5.0][rank],
+            "fp8/experts/input/underflow_frac_worst": [0.25, 0.5][rank],
+            "fp8/experts/input/sqnr_db_worst": [30.0, 20.0][rank],
+            "fp8/experts/input/sqnr_db": [40.0, 30.0][rank],
+        }
+        got = reduce_telemetry(values, DistContext(world_size=2, rank=rank))
+        Path(out).with_suffix(f".{rank}.json").write_text(json.dumps(got))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_telemetry_of_two_ranks_combines_each_statistic_as_over_modules(tmp_path):
+    """Two gloo ranks: amax and the worst expert's fractions take the max over ranks, the worst
+    expert's SQNR the min, every other statistic the mean — the rule collect_telemetry applies
+    over modules (nn.telemetry_combine)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from nemo_fp8_recipes.nn import telemetry_combine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_reduce_telemetry_worker, args=(port, str(tmp_path / "t")), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"t.{r}.json").read_text()) for r in (0, 1))
+    assert (
+        r0
+        == r1
+        == {
+            "fp8/experts/input/amax": 5.0,
+            "fp8/experts/input/underflow_frac_worst": 0.5,
+            "fp8/experts/input/sqnr_db_worst": 20.0,
+            "fp8/experts/input/sqnr_db": 35.0,
+        }
+    )
+    assert [telemetry_combine(k) for k in ("amax", "fp8/a/b/sqnr_db_worst", "scale")] == ["max", "min", "mean"]
