@@ -176,8 +176,11 @@ def _install_hp_counter(state: _ConvertState, fqn: str, module: nn.Module, devic
                 getattr(mod, HP_BWD_COUNT).zero_()
             mod._hp_counts_unset = False
         getattr(mod, HP_FWD_COUNT).add_(1)
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        if torch.is_tensor(out) and out.requires_grad:
+        # the first output gradients flow back through (a router may return its integer top-k
+        # indices first, e.g. transformers 4's DeepSeek-V3 gate: (indices, weights))
+        outs = output if isinstance(output, (tuple, list)) else (output,)
+        out = next((o for o in outs if torch.is_tensor(o) and o.requires_grad), None)
+        if out is not None:
             x = inputs[0] if inputs else None
             x_needs = torch.is_tensor(x) and x.requires_grad
             w = getattr(mod, "weight", None)
