@@ -68,7 +68,7 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 IMPLS = {
     "native": "local spec + our FP8 linears, FP32 parameters under BF16 autocast, torch AdamW",
     "te": "Megatron-Core + TE as Megatron trains: BF16 parameters, DDP main grads, distributed optimizer "
-    "with FP32 master weights and Adam moments, Megatron's schedule",
+    "with FP32 master weights and Adam moments, Megatron's schedule and fused RoPE, SwiGLU and cross entropy",
     "te-fp32params": "TE layer spec with FP32 parameters under BF16 autocast and torch AdamW (not how Megatron trains)",
 }
 # how each way holds the parameters (the ``params`` field of a result row)
@@ -187,6 +187,21 @@ def build_te_model(args, recipe, policy, device: torch.device, *, bf16_params: b
     if args.arch != "llama":
         raise SystemExit("the TE ways build the Llama layer (RMSNorm, SwiGLU, RoPE); use --arch llama")
     mc = megatron_config(recipe, policy, backend="te")
+    # Megatron's fused kernels, on as Megatron-LM's Llama scripts and Megatron-Bridge's Llama
+    # providers set them (TE's fused RoPE and cross entropy, the fused SwiGLU); the labelled
+    # FP32-parameter variant keeps Megatron-Core's defaults
+    fusions = (
+        dict(
+            apply_rope_fusion=True,
+            bias_activation_fusion=True,
+            masked_softmax_fusion=True,
+            persist_layer_norm=True,
+            cross_entropy_loss_fusion=True,
+            cross_entropy_fusion_impl="te",
+        )
+        if bf16_params
+        else {}
+    )
     cfg = TransformerConfig(
         num_layers=args.layers,
         hidden_size=args.hidden,
@@ -205,6 +220,7 @@ def build_te_model(args, recipe, policy, device: torch.device, *, bf16_params: b
         params_dtype=torch.bfloat16 if bf16_params else torch.float32,
         bf16=bf16_params,
         gradient_accumulation_fusion=grad_accum_fusion,
+        **fusions,
         **mc.transformer_config_kwargs(),
     )
     torch.manual_seed(args.seed)
