@@ -75,6 +75,13 @@ IMPLS = {
 PARAMS = {"native": "fp32", "te": "bf16+fp32-master", "te-fp32params": "fp32"}
 
 
+def _llama3_rope_base() -> int:
+    """Llama 3's RoPE base, from the package's model config (Megatron-Core's GPTModel defaults to 10000)."""
+    from nemo_fp8_recipes.models.config import load_model_config
+
+    return int(load_model_config("llama3_8b").rope_theta)
+
+
 def megatron_flops_per_token(
     *, layers: int, hidden: int, ffn: int, heads: int, kv_heads: int, seq: int, vocab: int, gated: bool = True
 ) -> float:
@@ -230,6 +237,7 @@ def build_te_model(args, recipe, policy, device: torch.device, *, bf16_params: b
         vocab_size=args.vocab,
         max_sequence_length=args.seq,
         position_embedding_type="rope",
+        rotary_base=_llama3_rope_base(),
     )
     return model.to(device)
 
@@ -356,6 +364,7 @@ def build_model(args, recipe, policy, device: torch.device):
         vocab_size=args.vocab,
         max_sequence_length=args.seq,
         position_embedding_type="rope" if llama else "learned_absolute",
+        **({"rotary_base": _llama3_rope_base()} if llama else {}),
     )
     model.to(device)
     convert_megatron_model(model, recipe, policy, device=device)
