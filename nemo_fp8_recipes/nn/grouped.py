@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from ..quant.delayed import advance_delayed_scaling
-from ..quant.reference import STAT_NAMES, quantization_stats
+from ..quant.reference import quantization_stats, summarize_stats
 from .config import Float8LinearConfig
 from .gemms import (
     GO,
@@ -311,10 +311,8 @@ class Float8GroupedExperts(nn.Module):
         for (p, e, i), stats in sorted(tel.items()):
             if not stats:
                 continue
-            st = torch.stack(stats).float().cpu()
-            v = {name: float(st[:, k].mean()) for k, name in enumerate(STAT_NAMES)}
-            v["amax"] = float(st[:, 0].max())
-            means[(p, e, i)] = v
+            st = torch.stack(stats)
+            means[(p, e, i)] = summarize_stats(st)
             pooled.setdefault(i, []).append(st)
         if per_expert:
             out: Dict = {}
@@ -323,9 +321,7 @@ class Float8GroupedExperts(nn.Module):
             return out
         out = {}
         for i, sts in pooled.items():
-            st = torch.cat(sts)
-            v = {name: float(st[:, k].mean()) for k, name in enumerate(STAT_NAMES)}
-            v["amax"] = float(st[:, 0].max())
+            v = summarize_stats(torch.cat(sts))
             per = [m for (_, _, j), m in means.items() if j == i]
             v["underflow_frac_worst"] = max(m["underflow_frac"] for m in per)
             v["saturated_frac_worst"] = max(m["saturated_frac"] for m in per)

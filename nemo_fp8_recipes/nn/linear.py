@@ -60,7 +60,7 @@ from ..options import KernelOptions, default_kernel_options
 from ..quant.delayed import advance_delayed_scaling
 from ..quant.dispatch import quantize_auto as quantize
 from ..quant.dispatch import quantize_pair_auto, triton_enabled
-from ..quant.reference import STAT_NAMES, accumulate_amax, quantization_stats
+from ..quant.reference import accumulate_amax, quantization_stats, summarize_stats
 from ..recipes import Recipe
 from .autograd import (
     Float8LinearDelayedTracedFn,
@@ -749,10 +749,7 @@ class Float8Linear(nn.Linear):
         for i, stats in self._telemetry.items():
             if not stats:
                 continue
-            s = torch.stack(stats).float().cpu()
-            vals = {name: float(s[:, k].mean()) for k, name in enumerate(STAT_NAMES)}
-            vals["amax"] = float(s[:, 0].max())
-            out[OPERANDS[i]] = vals
+            out[OPERANDS[i]] = summarize_stats(torch.stack(stats))
         self._telemetry = {}
         return out
 

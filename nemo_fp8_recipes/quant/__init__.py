@@ -12,6 +12,7 @@ from .reference import (
     quantize,
     quantize_blocks,
     quantize_tensorwise,
+    summarize_stats,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "quantize_tensorwise",
     "real_matmul",
     "scaled_matmul",
+    "summarize_stats",
 ]

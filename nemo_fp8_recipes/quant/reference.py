@@ -19,7 +19,7 @@ Conventions
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -39,6 +39,7 @@ __all__ = [
     "fake_quantize",
     "quantization_stats",
     "STAT_NAMES",
+    "summarize_stats",
     "scale_grid",
 ]
 
@@ -356,3 +357,12 @@ def quantization_stats(x: torch.Tensor, q: QuantizedTensor) -> torch.Tensor:
 
 
 STAT_NAMES = ("amax", "scale", "underflow_frac", "saturated_frac", "sqnr_db")
+
+
+def summarize_stats(stats: torch.Tensor) -> Dict[str, float]:
+    """Rows of :func:`quantization_stats` (``[n, 5]``) as one ``{stat: value}``: the largest amax,
+    the mean of every other statistic."""
+    st = stats.float().cpu()
+    out = {name: float(st[:, k].mean()) for k, name in enumerate(STAT_NAMES)}
+    out["amax"] = float(st[:, 0].max())
+    return out
