@@ -445,27 +445,32 @@ def compare_backends(results: list, root: Path, args) -> dict:
     return {"rows": rows, "compare_cmd": " ".join(cmd), "compare_dir": str(out), "returncode": proc.returncode}
 
 
-def megatron_flops_per_token(args) -> float:
-    """Model FLOPs per token of ``--model`` (with the ``model.*`` overrides of ``extra``) at
-    ``--seq-len`` by Megatron-LM's and Megatron-Bridge's formula
-    (:meth:`~nemo_fp8_recipes.models.ModelConfig.megatron_flops_per_token`), so every row's model
-    TFLOP/s compares with what Bridge logs and publishes."""
+def _model_overrides(args) -> list:
+    """The ``model.*`` overrides among ``extra`` (every system of the sweep builds the same shape)."""
+    return [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
+
+
+def _model_config(args):
+    """``--model`` with the ``model.*`` overrides of ``extra``, as the trainer builds it."""
     from omegaconf import OmegaConf
 
     from nemo_fp8_recipes.config import compose_config
     from nemo_fp8_recipes.models import ModelConfig
 
-    keep = [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
-    m = compose_config([f"model={args.model}", *keep]).model
-    return ModelConfig.from_dict(OmegaConf.to_container(m, resolve=True)).megatron_flops_per_token(args.seq_len)
+    m = compose_config([f"model={args.model}", *_model_overrides(args)]).model
+    return ModelConfig.from_dict(OmegaConf.to_container(m, resolve=True))
+
+
+def megatron_flops_per_token(args) -> float:
+    """Model FLOPs per token of the swept model at ``--seq-len`` by Megatron-LM's and
+    Megatron-Bridge's formula (:meth:`~nemo_fp8_recipes.models.ModelConfig.megatron_flops_per_token`),
+    so every row's model TFLOP/s compares with what Bridge logs and publishes."""
+    return _model_config(args).megatron_flops_per_token(args.seq_len)
 
 
 def _model_shape(args) -> dict:
-    """Layers, width, heads and vocabulary of ``--model`` with the ``model.*`` overrides of ``extra``."""
-    from nemo_fp8_recipes.config import compose_config
-
-    keep = [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
-    m = compose_config([f"model={args.model}", *keep]).model
+    """Layers, width, heads and vocabulary of the swept model."""
+    m = _model_config(args)
     return {
         "layers": m.num_layers,
         "hidden": m.dim,
@@ -585,7 +590,6 @@ def run_bridge(args, root: Path) -> list:
     second half), model TFLOP/s/GPU as Bridge logs it (its formula), peak memory from the
     launcher's ``summary.json``."""
     recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
-    model_keys = [e for e in args.extra if e.split("=", 1)[0].startswith("model.")]
     gbs = args.global_batch or args.micro_batch
     rows = []
     for recipe in recipes:
@@ -603,7 +607,7 @@ def run_bridge(args, root: Path) -> list:
             "backend.strict_audit=true",
             f"recipe={recipe}",
             f"model={args.model}",
-            *model_keys,
+            *_model_overrides(args),
             f"trainer.max_steps={args.steps}",
             f"trainer.seq_len={args.seq_len}",
             f"trainer.micro_batch_size={args.micro_batch}",
