@@ -358,7 +358,7 @@ def build_bridge_config(
     plan = launch_plan(cfg, bridge_overrides, our_overrides)
     r = build_recipe(cfg.recipe)
     p = build_policy(cfg.get("policy"))
-    fpg = resolved_fp8_param_gather(cfg.backend, r.name)
+    fpg = plan["mixed_precision"]["fp8_param_gather"]  # (backend.fp8_param_gather as resolved)
     if r.is_fp8:
         prepare_te_env(r)  # before anything imports Transformer Engine
     apply_perf_environment(plan)
