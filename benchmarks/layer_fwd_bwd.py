@@ -46,6 +46,12 @@ time over ours for the same recipe in the same round (``bf16`` against ``te-bf16
 faster). TE re-quantises its weights in every forward, so compare them with ``--requant-weights``
 rows of ours. Without TE (or a GPU) the rows say why they were skipped.
 
+``--projections separate,fused``: our layer (and torchao's) as written by default, with separate
+q/k/v and gate/up projections as Hugging Face's Llama has them, and with the fused layout
+Megatron-Core and TE use (``model.fused_projections``: one ``wqkv``, one ``w13``; rows
+``<variant>+fused``, compared with ``bf16+fused`` and ``torchao-tensorwise+fused`` where they ran).
+Per-tensor recipes then take one scale for the stacked weight, as TE's fused projection does.
+
 As the package's trainer runs a layer: FP32 parameters (the master weights) under BF16 autocast,
 and an FP32 residual stream (the embedding output is not autocast), so the block's input is FP32
 unless ``--input-dtype bf16``; gradients are set to None before every step (``zero_grad``). In
@@ -183,9 +189,21 @@ OPTION_VARIANTS = {
 VARIANT_RECIPE = {v: r for v, (r, _) in OPTION_VARIANTS.items()}  # variant -> its recipe
 
 
+#: the suffix of a variant built with ``model.fused_projections`` (one ``wqkv`` and one ``w13``
+#: projection, as Megatron-Core and TE lay them out; ``--projections fused``)
+FUSED = "+fused"
+
+
+def split_variant(variant: str):
+    """``(base variant, fused projections?)``: ``"tensorwise+fused"`` -> ``("tensorwise", True)``."""
+    if variant.endswith(FUSED):
+        return variant[: -len(FUSED)], True
+    return variant, False
+
+
 def variant_options(variant: str) -> KernelOptions:
     """The kernel options ``variant`` runs with: all on, but its own A/B change."""
-    return KernelOptions().replace(**OPTION_VARIANTS.get(variant, (None, {}))[1])
+    return KernelOptions().replace(**OPTION_VARIANTS.get(split_variant(variant)[0], (None, {}))[1])
 
 
 #: Transformer Engine's own layer (``te.TransformerLayer``: RMSNorm fused into its QKV and FC1
@@ -357,7 +375,11 @@ class TELayer(nn.Module):
 
 
 def build(cfg, block: str, variant: str, dev: str, smoke: bool, seq: int = 8192) -> nn.Module:
-    """The block for ``variant`` on ``dev``, FP32 parameters, converted per variant."""
+    """The block for ``variant`` on ``dev``, FP32 parameters, converted per variant (a ``+fused``
+    variant: the same with ``model.fused_projections``)."""
+    variant, fused = split_variant(variant)
+    if fused:
+        cfg = cfg.replace(fused_projections=True)
     if variant in TE_LAYER:
         with torch.device(dev):
             return TELayer(cfg, block, TE_LAYER[variant], seq)
@@ -721,8 +743,8 @@ def run_round_robin(
             outs[variant] = row
             if variant not in models:
                 continue
-            if mode == "compiled" and variant in EAGER_ONLY:
-                row["status"] = f"skipped: {EAGER_ONLY[variant]}"
+            if mode == "compiled" and split_variant(variant)[0] in EAGER_ONLY:
+                row["status"] = f"skipped: {EAGER_ONLY[split_variant(variant)[0]]}"
                 continue
             model = models[variant]
             _clear_grads(model, inputs)
@@ -816,10 +838,13 @@ def report_row(row: dict, cfg, inputs: Inputs, a, res: list, header: dict) -> bo
 
 def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reason: str, *, reset_dynamo: bool = True):
     """``(row fields, skip status or None, model or None)`` for one variant of one size."""
+    full = variant
+    variant, fused = split_variant(variant)
     row0 = {
         "size": size,
         "block": a.block,
-        "variant": variant,
+        "variant": full,
+        "projections": "fused" if fused or variant in TE_LAYER else "separate",
         "dim": cfg.dim,
         "ffn_dim": cfg.ffn_dim,
         "heads": cfg.num_heads,
@@ -854,7 +879,7 @@ def build_row(size: str, cfg, variant: str, inputs: Inputs, a, dev: str, ao_reas
     if skip is None:
         try:
             free_memory(dynamo=reset_dynamo)
-            model = build(cfg, a.block, variant, dev, a.smoke, seq=a.seq)
+            model = build(cfg, a.block, full, dev, a.smoke, seq=a.seq)
             row0["fp8_linears"] = sum(type(m).__name__ == "Float8Linear" for m in model.modules())
         except Exception as e:  # noqa: BLE001 - record it, go on with the other variants
             traceback.print_exc()
@@ -868,6 +893,13 @@ def main(argv=None) -> int:
     p.add_argument("--sizes", default="8b,70b,405b", help="comma list of " + ",".join(MODELS))
     p.add_argument("--modes", default="eager,compiled", help="comma list of eager,compiled")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help="comma list of " + ",".join(VARIANTS))
+    p.add_argument(
+        "--projections",
+        default="separate",
+        help="comma list of separate,fused: our layer (and torchao's) with separate q/k/v and gate/up "
+        "projections as Hugging Face's Llama has them, and/or fused ones (wqkv, w13) as Megatron-Core and "
+        "TE have them (model.fused_projections; rows `<variant>+fused`). TE's layer is always fused.",
+    )
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument(
@@ -993,6 +1025,18 @@ def main(argv=None) -> int:
             p.error(f"unknown variant {v!r}; valid: {', '.join(VARIANTS)}")
     if "bf16" not in variants:
         variants.insert(0, "bf16")  # speed-ups are against BF16 in the same run
+    projections = split(a.projections)
+    for pr in projections:
+        if pr not in ("separate", "fused"):
+            p.error(f"unknown projections {pr!r}; valid: separate, fused")
+    if not projections:
+        p.error("--projections needs separate, fused or both")
+    variants = [
+        v + (FUSED if pr == "fused" else "")
+        for pr in projections
+        for v in variants
+        if pr == "separate" or v not in TE_LAYER  # (TE's layer has one layout, fused)
+    ]
     dev = benchmark_device(a.smoke)
     cuda = dev == "cuda"
     cfgs = {s: load_model_config(MODELS[s]).replace(max_seq_len=a.seq) for s in sizes}
@@ -1035,6 +1079,7 @@ def main(argv=None) -> int:
         "micro_batches": a.micro_batches,
         "cuda_graph": a.cuda_graph,
         "energy_s": a.energy,
+        "projections": projections,
     }
     failed = False
 
@@ -1049,8 +1094,8 @@ def main(argv=None) -> int:
             row0, skip, model = build_row(size, cfg, variant, inputs, a, dev, ao_reason)
             for mode in modes:
                 row = dict(row0, mode=mode, status=skip, rounds=1)
-                if model is not None and mode == "compiled" and variant in EAGER_ONLY:
-                    row["status"] = f"skipped: {EAGER_ONLY[variant]}"
+                if model is not None and mode == "compiled" and split_variant(variant)[0] in EAGER_ONLY:
+                    row["status"] = f"skipped: {EAGER_ONLY[split_variant(variant)[0]]}"
                 elif model is not None:
                     with variant_launch(variant):
                         row.update(measure(model, mode, inputs, a, dev))
@@ -1240,11 +1285,15 @@ def _add_ratios(res) -> None:
         same = {
             o["variant"]: o for o in res if o["size"] == r["size"] and o["mode"] == r["mode"] and o["status"] == "ok"
         }
-        b, t = same.get("bf16"), same.get("torchao-tensorwise")
+        # against BF16 and torchao with the same projections where they ran, else the separate ones
+        base, fused = split_variant(r["variant"])
+        sfx = FUSED if fused else ""
+        b = same.get("bf16" + sfx) or same.get("bf16")
+        t = same.get("torchao-tensorwise" + sfx) or same.get("torchao-tensorwise")
         r["speedup"] = b["ms"] / r["ms"] if b else None
         # ours over Transformer Engine's layer under the same recipe, timed in the same round
         # (TE eager); for TE's rows, TE's BF16 layer's speed-up over ours
-        te = same.get("te-" + VARIANT_RECIPE.get(r["variant"], r["variant"])) if r["variant"] not in TE_LAYER else None
+        te = same.get("te-" + VARIANT_RECIPE.get(base, base)) if base not in TE_LAYER else None
         r["vs_te"] = te["ms"] / r["ms"] if te else None
         r["vs_torchao_tensorwise"] = t["ms"] / r["ms"] if t else None
         both = r.get("ms_b2b") is not None

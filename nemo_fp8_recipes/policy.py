@@ -16,9 +16,10 @@ output                ``output``, ``lm_head``, ``output_layer``            BF16 
 router                ``router``, ``gate`` (Mixtral/DeepSeek MoE gate)     FP32
 norm                  any *Norm class, ``*_layernorm``, ``*_norm``         FP32
 attention_core        ``core_attention``, *DotProductAttention, SDPA       BF16
-attention_projection  ``wq/wk/wv/wo``, ``q/k/v/o_proj``, ``linear_qkv``,   FP8 (option BF16)
-                      ``linear_proj``, MLA ``*_a_proj``/``*_b_proj``
-mlp                   ``w1/w2/w3``, ``gate/up/down_proj``,                 FP8
+attention_projection  ``wq/wk/wv/wo``, ``wqkv``, ``q/k/v/o_proj``,         FP8 (option BF16)
+                      ``linear_qkv``, ``linear_proj``, MLA ``*_a_proj``/
+                      ``*_b_proj``
+mlp                   ``w1/w2/w3``, ``w13``, ``gate/up/down_proj``,        FP8
                       ``linear_fc1/fc2``, experts, shared experts
 linear                any other Linear                                     FP8 if its shape
                                                                            allows
@@ -125,6 +126,7 @@ _MLP_NAMES = {
     "w1",
     "w2",
     "w3",
+    "w13",
     "gate_proj",
     "up_proj",
     "down_proj",

@@ -56,6 +56,15 @@ class ModelConfig:
     #: Longest sequence the RoPE table is built for (the trainer checks ``seq_len`` against it).
     max_seq_len: int = 8192
     init_std: float = 0.02
+    #: One projection for q/k/v (``attention.wqkv``) and one for the SwiGLU's gate and up halves
+    #: (``w13``), as Megatron-Core and Transformer Engine lay them out, instead of the separate
+    #: ``wq/wk/wv`` and ``w1/w3`` of Meta's and Hugging Face's Llama. The same function: fused
+    #: weights are the separate ones stacked along the output dimension, and
+    #: :func:`~nemo_fp8_recipes.models.llama.fuse_projections_state_dict` converts a state dict.
+    #: In FP8 a fused GEMM shares its scaling: per-tensor recipes take one weight scale for the
+    #: stacked weight (separate projections: one each); block and group recipes quantise the
+    #: same blocks either way when every projection's width is a multiple of the block.
+    fused_projections: bool = False
     # ---- mixture of experts (arch="moe") ----
     num_experts: int = 0
     num_shared_experts: int = 0

@@ -5,10 +5,12 @@ The module tree uses the names the precision policy recognises (``nemo_fp8_recip
     tok_embeddings                      nn.Embedding                 BF16 (embedding)
     layers.<i>.attention_norm           RMSNorm                      FP32 compute
     layers.<i>.attention.wq|wk|wv|wo    nn.Linear (no bias)          FP8 (attention projections)
+                     .wqkv              (model.fused_projections: q, k, v stacked)
     layers.<i>.attention  -> SDPA       scaled_dot_product_attention BF16 (attention core)
     layers.<i>.ffn_norm                 RMSNorm                      FP32 compute
     layers.<i>.ffn_outliers             OutlierGain (stress only)    FP32 element-wise gain
     layers.<i>.feed_forward.w1|w3|w2    nn.Linear (gate, up, down)   FP8 (MLP)
+                           .w13         (model.fused_projections: gate, up stacked)
     layers.<i>.feed_forward.router      nn.Linear d -> experts       FP32 (MoE gate)
     layers.<i>.feed_forward.experts.<j>.w1|w3|w2                     FP8 (experts)
     layers.<i>.feed_forward.shared_expert.w1|w3|w2                   FP8 (shared expert)
@@ -30,7 +32,7 @@ policy, not expert-parallel speed).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import Dict, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -51,6 +53,7 @@ __all__ = [
     "ModelOutput",
     "precompute_rope",
     "apply_rope",
+    "fuse_projections_state_dict",
 ]
 
 
@@ -131,25 +134,43 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention: ``wq/wk/wv/wo`` projections (no bias), RoPE, and
-    the attention core through SDPA (BF16 under autocast; never an FP8 GEMM)."""
+    """Grouped-query causal self-attention: ``wq/wk/wv/wo`` projections (no bias), or ``wqkv`` and
+    ``wo`` with ``model.fused_projections`` (q, k, v stacked in that order along the output
+    dimension), RoPE, and the attention core through SDPA (BF16 under autocast; never an FP8
+    GEMM)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.fused = cfg.fused_projections
+        if self.fused:
+            self.qkv_split = (q_dim, kv_dim, kv_dim)
+            self.wqkv = nn.Linear(cfg.dim, q_dim + 2 * kv_dim, bias=False)
+        else:
+            self.wq = nn.Linear(cfg.dim, q_dim, bias=False)
+            self.wk = nn.Linear(cfg.dim, kv_dim, bias=False)
+            self.wv = nn.Linear(cfg.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(q_dim, cfg.dim, bias=False)
+
+    @property
+    def input_projection(self) -> nn.Module:
+        """The first projection that reads the block's normalised input (``wqkv`` or ``wq``): the
+        consumer the fused norm starts quantising for."""
+        return self.wqkv if self.fused else self.wq
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         """``x`` ``[B, T, dim]`` -> ``[B, T, dim]``."""
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, self.num_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seqlen, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            q, k, v = self.wqkv(x).split(self.qkv_split, dim=-1)
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.reshape(bsz, seqlen, self.num_heads, self.head_dim)
+        k = k.reshape(bsz, seqlen, self.num_kv_heads, self.head_dim)
+        v = v.reshape(bsz, seqlen, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         if v.dtype != q.dtype:  # FP8 / autocast paths can leave V in another dtype than Q, K
@@ -160,21 +181,36 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` with ``w1`` = gate, ``w3`` = up, ``w2`` = down."""
+    """SwiGLU MLP: ``w2(silu(w1 x) * w3 x)`` with ``w1`` = gate, ``w3`` = up, ``w2`` = down; with
+    ``fused=True`` one ``w13`` projection holds the gate rows, then the up rows."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, fused: bool = False) -> None:
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.fused = fused
+        if fused:
+            self.w13 = nn.Linear(dim, 2 * hidden_dim, bias=False)
+        else:
+            self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+            self.w3 = nn.Linear(dim, hidden_dim, bias=False)
         self.w2 = nn.Linear(hidden_dim, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    @property
+    def input_projection(self) -> nn.Module:
+        """The first projection that reads the MLP's input (``w13`` or ``w1``)."""
+        return self.w13 if self.fused else self.w1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the MLP to the last dim. An FP8 down projection that fuses the SwiGLU
         (``Float8Linear.fuses_swiglu``; eager, on by default) gets the halves unmultiplied, ``w2(u, gate=g)``, so
         the activation is computed inside its quantisation — its forward hooks then see ``u``
         (and ``gate`` in the keyword arguments) instead of the activation; otherwise ``w2`` is
-        called with the activation as usual."""
-        g, u = self.w1(x), self.w3(x)
+        called with the activation as usual. The halves of ``w13``'s output are strided views,
+        which that kernel does not take: fused projections materialise the activation in eager
+        mode (under ``torch.compile`` Inductor fuses it either way)."""
+        if self.fused:
+            g, u = self.w13(x).chunk(2, dim=-1)
+        else:
+            g, u = self.w1(x), self.w3(x)
         fuses = getattr(self.w2, "fuses_swiglu", None)
         if fuses is not None and fuses(g, u):
             return self.w2(u, gate=g)
@@ -236,9 +272,12 @@ class MoE(nn.Module):
         self.route_scale = cfg.route_scale
         self.compute_aux = cfg.aux_loss_coef > 0
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(FeedForward(cfg.dim, cfg.moe_ffn_dim) for _ in range(cfg.num_experts))
+        fused = cfg.fused_projections
+        self.experts = nn.ModuleList(FeedForward(cfg.dim, cfg.moe_ffn_dim, fused) for _ in range(cfg.num_experts))
         self.shared_expert = (
-            FeedForward(cfg.dim, cfg.moe_ffn_dim * cfg.num_shared_experts) if cfg.num_shared_experts > 0 else None
+            FeedForward(cfg.dim, cfg.moe_ffn_dim * cfg.num_shared_experts, fused)
+            if cfg.num_shared_experts > 0
+            else None
         )
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -297,15 +336,15 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_outliers = OutlierGain(cfg) if cfg.outlier_channels else None
         self.is_moe = cfg.is_moe_layer(layer_id)
-        self.feed_forward = MoE(cfg) if self.is_moe else FeedForward(cfg.dim, cfg.ffn_dim)
+        self.feed_forward = MoE(cfg) if self.is_moe else FeedForward(cfg.dim, cfg.ffn_dim, cfg.fused_projections)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Returns (hidden states, raw MoE aux loss or 0)."""
-        h = x + self.attention(self.attention_norm(x, consumer=self.attention.wq), rope)
+        h = x + self.attention(self.attention_norm(x, consumer=self.attention.input_projection), rope)
         if self.ffn_outliers is not None:  # outlier stress on the SwiGLU input
             z = self.ffn_outliers(self.ffn_norm(h))
         else:
-            z = self.ffn_norm(h, consumer=None if self.is_moe else self.feed_forward.w1)
+            z = self.ffn_norm(h, consumer=None if self.is_moe else self.feed_forward.input_projection)
         if self.is_moe:
             f, aux = self.feed_forward(z)
         else:
@@ -377,3 +416,44 @@ class Transformer(nn.Module):
         """Number of parameters of the built model (works on the meta device)."""
         n = sum(p.numel() for p in self.parameters())
         return n if include_embedding else n - self.tok_embeddings.weight.numel()
+
+
+def fuse_projections_state_dict(
+    state: Mapping[str, torch.Tensor], cfg: ModelConfig, fused: bool
+) -> Dict[str, torch.Tensor]:
+    """A :class:`Transformer` state dict in the other projection layout (``model.fused_projections``).
+
+    ``fused=True`` stacks every ``attention.wq/wk/wv.weight`` into ``attention.wqkv.weight`` and
+    every ``w1/w3.weight`` (gate, up) into ``w13.weight``; ``fused=False`` splits them back, with
+    the widths of ``cfg``. Everything else is passed through, so the result loads with
+    ``load_state_dict(strict=True)`` into the model of the other layout and computes the same
+    function. Takes the plain model's state dict (before ``convert_model``). Raises ``KeyError``
+    naming a projection whose partners are missing."""
+    q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    # (separate projections in stacking order, fused name, split widths or None for halves)
+    layouts = ((("wq", "wk", "wv"), "wqkv", (q_dim, kv_dim, kv_dim)), (("w1", "w3"), "w13", None))
+    out: Dict[str, torch.Tensor] = {}
+    for key, value in state.items():
+        base, _, rest = key.rpartition(".")
+        prefix, _, name = base.rpartition(".")
+        prefix = f"{prefix}." if prefix else ""
+        for parts, joined, widths in layouts:
+            attention = joined == "wqkv"
+            if rest != "weight" or attention != prefix.endswith("attention."):
+                continue
+            if fused and name in parts:
+                keys = [f"{prefix}{p}.weight" for p in parts]
+                missing = [k for k in keys if k not in state]
+                if missing:
+                    raise KeyError(f"{missing[0]}: needed with {key} to build {prefix}{joined}.weight")
+                if name == parts[0]:
+                    out[f"{prefix}{joined}.weight"] = torch.cat([state[k] for k in keys], 0)
+                break
+            if not fused and name == joined:
+                sizes = widths or (value.shape[0] // 2,) * 2
+                for p, chunk in zip(parts, value.split(sizes, 0)):
+                    out[f"{prefix}{p}.weight"] = chunk.clone()
+                break
+        else:
+            out[key] = value
+    return out

@@ -542,6 +542,32 @@ def test_benchmarks_refuse_to_time_without_fp8(bench_modules, capsys):
     assert t.recipe_mode("tensorwise", "cpu")[0] == "emulated"
 
 
+def test_layer_fwd_bwd_fused_projections_smoke(tmp_path):
+    """``--projections separate,fused``: every variant of ours in both layouts (``+fused`` rows
+    with ``wqkv`` / ``w13``: 4 FP8 linears instead of 7), each compared with the BF16 layer of its
+    own layout; an unknown layout is refused with the valid ones."""
+    data = _run_smoke(
+        "layer_fwd_bwd.py",
+        tmp_path,
+        "--variants",
+        "bf16,tensorwise",
+        "--modes",
+        "eager",
+        "--projections",
+        "separate,fused",
+    )
+    assert data["projections"] == ["separate", "fused"]
+    rows = {r["variant"]: r for r in data["results"]}
+    assert set(rows) == {"bf16", "tensorwise", "bf16+fused", "tensorwise+fused"}
+    assert rows["tensorwise"]["fp8_linears"] == 7 and rows["tensorwise+fused"]["fp8_linears"] == 4
+    assert rows["tensorwise+fused"]["projections"] == "fused" and rows["tensorwise"]["projections"] == "separate"
+    assert rows["bf16+fused"]["speedup"] == 1.0  # its own BF16 baseline
+    r = rows["tensorwise+fused"]
+    assert r["speedup"] == pytest.approx(rows["bf16+fused"]["ms"] / r["ms"])
+    proc, _ = _smoke("layer_fwd_bwd.py", tmp_path, "--projections", "merged")
+    assert proc.returncode == 2 and "unknown projections 'merged'; valid: separate, fused" in proc.stderr
+
+
 @pytest.mark.parametrize(
     "block,n_fp8,extra",
     [

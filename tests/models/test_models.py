@@ -22,6 +22,7 @@ from nemo_fp8_recipes.models.llama import (
     Attention,
     FeedForward,
     apply_rope,
+    fuse_projections_state_dict,
     precompute_rope,
 )
 from nemo_fp8_recipes.nn import Float8Linear, audit, convert_model
@@ -258,6 +259,80 @@ def test_moe_first_layers_dense_and_aux_loss():
     assert model.layers[1].feed_forward.router.weight.grad is not None
     model.eval()
     assert model(x, x).aux_loss.item() == 0.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "moe"])
+def test_fused_projections_compute_the_separate_model_function(arch):
+    """``model.fused_projections``: one ``wqkv`` and one ``w13`` per block (shared and routed
+    experts too) holding the separate weights stacked in order; the state-dict conversion goes
+    both ways, loads strictly, and the three models agree (FP32, CPU) on logits and gradients."""
+    shape = SMALL_MOE if arch == "moe" else SMALL
+    cfg = ModelConfig(arch=arch, **shape)
+    cfg_f = cfg.replace(fused_projections=True)
+    torch.manual_seed(0)
+    sep = build_model(cfg)
+    fused = build_model(cfg_f)
+    names = dict(fused.named_modules())
+    assert "layers.0.attention.wqkv" in names and "layers.0.attention.wq" not in names
+    assert "layers.0.feed_forward.w13" in names and "layers.0.feed_forward.w1" not in names
+    if arch == "moe":
+        assert "layers.1.feed_forward.experts.0.w13" in names and "layers.1.feed_forward.shared_expert.w13" in names
+    assert sum(p.numel() for p in fused.parameters()) == cfg.num_params() == cfg_f.num_params()
+    state = fuse_projections_state_dict(sep.state_dict(), cfg, fused=True)
+    fused.load_state_dict(state, strict=True)
+    wq, wk, wv = (sep.state_dict()[f"layers.0.attention.{n}.weight"] for n in ("wq", "wk", "wv"))
+    assert torch.equal(state["layers.0.attention.wqkv.weight"], torch.cat([wq, wk, wv]))
+    w1, w3 = (sep.state_dict()[f"layers.0.feed_forward.{n}.weight"] for n in ("w1", "w3"))
+    assert torch.equal(state["layers.0.feed_forward.w13.weight"], torch.cat([w1, w3]))
+    back = build_model(cfg)
+    back.load_state_dict(fuse_projections_state_dict(fused.state_dict(), cfg, fused=False), strict=True)
+    x = torch.randint(0, cfg.vocab_size, (2, 32))
+    outs = [m(x, x) for m in (sep, fused, back)]
+    for o in outs[1:]:
+        torch.testing.assert_close(o.logits, outs[0].logits, rtol=1e-5, atol=1e-5)
+    for m, o in zip((sep, fused), outs):
+        o.loss.backward()
+    g = fused.layers[0].attention.wqkv.weight.grad
+    torch.testing.assert_close(g[: wq.shape[0]], sep.layers[0].attention.wq.weight.grad, rtol=1e-4, atol=1e-6)
+    g = fused.layers[0].feed_forward.w13.weight.grad
+    torch.testing.assert_close(g[w1.shape[0] :], sep.layers[0].feed_forward.w3.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_fused_projections_state_dict_names_a_missing_partner():
+    cfg = ModelConfig(**SMALL)
+    state = build_model(cfg).state_dict()
+    del state["layers.1.attention.wv.weight"]
+    with pytest.raises(KeyError, match=r"layers\.1\.attention\.wv\.weight: needed with"):
+        fuse_projections_state_dict(state, cfg, fused=True)
+
+
+@pytest.mark.parametrize("recipe", ["blockwise", "mxfp8", "tensorwise"])
+def test_fused_projections_run_in_fp8_and_keep_block_scaling(recipe):
+    """Converted, ``wqkv`` and ``w13`` are FP8 attention / MLP projections (strict audit). Block
+    and group recipes quantise the same blocks fused or not (every projection width here is a
+    multiple of 128), so the loss matches the separate model's; per-tensor scaling shares one
+    scale over the stacked weight, so it may differ (within FP8 error)."""
+    shape = dict(SMALL, dim=256, num_heads=2, num_kv_heads=1, ffn_dim=384)
+    cfg = ModelConfig(**shape)
+    torch.manual_seed(0)
+    sep = build_model(cfg)
+    fused = build_model(cfg.replace(fused_projections=True))
+    fused.load_state_dict(fuse_projections_state_dict(sep.state_dict(), cfg, fused=True))
+    for m in (sep, fused):
+        convert_model(m, get_recipe(recipe), PrecisionPolicy())
+    x = torch.randint(0, cfg.vocab_size, (2, 64))
+    loss_s, loss_f = sep(x, x).loss, fused(x, x).loss
+    loss_f.backward()
+    if recipe == "tensorwise":
+        torch.testing.assert_close(loss_f, loss_s, rtol=2e-3, atol=0)
+    else:
+        torch.testing.assert_close(loss_f, loss_s, rtol=1e-6, atol=0)
+    report = audit(fused, strict=True)
+    rows = {r.name: r for r in report.rows}
+    for name, role in (("layers.0.attention.wqkv", "attention_projection"), ("layers.0.feed_forward.w13", "mlp")):
+        assert isinstance(dict(fused.named_modules())[name], Float8Linear)
+        assert rows[name].role == role and rows[name].precision == "fp8"
+        assert rows[name].fp8_gemms == {"fprop": 1, "dgrad": 1, "wgrad": 1}
 
 
 def test_moe_tiny_converts_with_router_and_head_out_of_fp8():
