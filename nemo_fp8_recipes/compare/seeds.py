@@ -443,15 +443,27 @@ def group_statistics(
                 row.mean_abs_dev = window_devs[0]
             else:
                 row.final_vs_baseline = (fl - base_mean) / base_mean
+            # runs of nemo-fp8-train carry their seed in config.yaml; other frameworks' runs
+            # (NeMo 2, Megatron-Bridge) have none, and the advice is in their terms
+            ours = any(r.seed is not None for r in members)
             if seeded or len(seed_runs) == 1:
                 row.notes.append(
                     "one seed: this comparison cannot separate the recipe from seed noise (train "
-                    "several seeds, e.g. trainer.seed=1,2,3, for an interval)"
+                    + (
+                        "several seeds, e.g. trainer.seed=1,2,3, for an interval)"
+                        if ours
+                        else "several seeds with nemo-fp8-train, e.g. trainer.seed=1,2,3, for an interval: runs "
+                        "without its config.yaml are compared one run per recipe)"
+                    )
                 )
             if not row.deterministic:
                 row.notes.append(
                     "not deterministic: run-to-run noise is in the deviation too "
-                    "(trainer.deterministic=true removes it)"
+                    + (
+                        "(trainer.deterministic=true removes it)"
+                        if ours
+                        else "(unknown for runs without nemo-fp8-train's config.yaml)"
+                    )
                 )
         # the per-step deviation over the paired seeds
         if paired:

@@ -602,6 +602,11 @@ def test_nemo2_runs_are_read_by_their_reduced_train_loss_tag(sweep, tmp_path, ca
     assert "tag `train/loss / reduced_train_loss`" in out and "| tensorwise-nemo2 |" in out
     rows = read_csv(tmp_path / "out" / "compare.csv")
     assert int(rows["tensorwise-nemo2"]["aligned_steps"]) == STEPS // LOG_EVERY
+    # its notes speak NeMo 2's terms: no seed or determinism option of our trainer to set there
+    note = next(line for line in out.splitlines() if line.startswith("- **tensorwise-nemo2**: one seed"))
+    assert "without its config.yaml are compared one run per recipe" in note
+    note = next(line for line in out.splitlines() if line.startswith("- **tensorwise-nemo2**: not deterministic"))
+    assert "unknown for runs without nemo-fp8-train's config.yaml" in note and "removes it" not in note
 
 
 def test_a_non_finite_loss_is_blamed_on_the_run_that_logged_it():
