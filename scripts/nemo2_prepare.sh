@@ -4,18 +4,19 @@
 # that `import nemo.collections.llm` and `llm.pretrain` import at module level and the GPU image lacks
 # (or has in a version NeMo 2.7 cannot use), plus .nemo2/install.sh. The set was found by tracing the
 # smoke run's imports on a CPU up to its first CUDA call, then dropping each package whose absence
-# still let it get there; the training steps themselves were not traced (no GPU run yet).
+# still let it get there; with it, scripts/nemo2_smoke.py trained every Hopper recipe on an H100
+# (2026-12-07, TE 2.20.2, torch 2.11).
 # Needs Transformer Engine in .te too (shared/device/te/prepare.sh; once .te/te_ext.tar.xz exists,
 # delete .te/nvidia_cudnn_frontend*.whl and .te/*.tar.gz, which only TE's build needs).
 # The carry limit is 64 MiB with the working tree, and .nemo2 (about 49 MB) does not fit beside .te
 # (about 32 MB slimmed), so it takes TWO device calls, the second within 30 s of the first (a warm
 # machine keeps /tmp: both install scripts skip what is there):
 #   call 1, carry [".te"]:    bash .te/install.sh
-#   call 2, carry [".nemo2"]: bash .nemo2/install.sh && export PYTHONPATH=/tmp/nemo2site:/tmp/site:$PWD &&
+#   call 2, carry [".nemo2"]: bash .nemo2/install.sh /tmp/nemo2site && export PYTHONPATH=/tmp/nemo2site:/tmp/site:$PWD &&
 #     python scripts/nemo2_smoke.py   (install.sh stops, saying so, when call 1's TE is not there)
 # NeMo goes to /tmp/nemo2site, never into Bridge's /tmp/site: it cannot share an environment with
 # Megatron-Bridge 0.6.2 or megatron-core >= 0.17, and /tmp/nemo2site must come first on PYTHONPATH.
-# Known traps (seen on a CPU with these versions; the GPU run has not been made):
+# Known traps (seen with these versions on a CPU, and on the GPU where said):
 #   - the image's transformers 5.x, tokenizers 0.23.2+, huggingface_hub 1.x and lightning 2.6 break NeMo
 #     2.7.3: the older ones here shadow them (transformers 4.57 checks its tokenizers/hub ranges at import);
 #   - leptonai >= 0.47 breaks `import nemo_run`; leptonai 0.27.3 imports exceptiongroup even on 3.12;

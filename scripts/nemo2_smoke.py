@@ -20,8 +20,8 @@ tensorwise, blockwise; mxfp8 needs Blackwell and is refused on Hopper, as is a r
 installed NeMo / megatron-core / TE cannot build.
 
 Environment (NeMo 2 cannot share one with Megatron-Bridge): ``scripts/nemo2_prepare.sh`` here,
-then on the GPU machine ``bash .te/install.sh && bash .nemo2/install.sh`` and
-``export PYTHONPATH=/tmp/nemo2site:/tmp/site:$PWD`` (docs/megatron.md, "How to run it on a GPU").
+then on the GPU machine, with Transformer Engine installed, ``bash .nemo2/install.sh DIR`` and
+``export PYTHONPATH=DIR:$PYTHONPATH`` (docs/megatron.md, "How to run it on a GPU").
 
 Without a GPU it goes as far as NeMo gets (imports, plugin, model construction), stops at the
 first CUDA call and says so (exit status 3): a check of the install, not a run.
@@ -60,7 +60,7 @@ LOSS_TAG = "reduced_train_loss"
 PREFIX = "[nemo2_smoke]"
 PREPARE_HINT = (
     "prepare it with scripts/nemo2_prepare.sh (from the project root; it fills .nemo2/), then "
-    "`bash .nemo2/install.sh` and `export PYTHONPATH=/tmp/nemo2site:/tmp/site:$PWD`"
+    "`bash .nemo2/install.sh DIR` and `export PYTHONPATH=DIR:$PYTHONPATH` (NeMo's folder first)"
 )
 NO_GPU_HINT = (
     "nemo2_smoke needs one CUDA GPU (Hopper, sm_90, for the FP8 recipes); run it on the GPU machine "
@@ -112,7 +112,7 @@ def nemo_install_problem(versions: Dict[str, Optional[str]]) -> Optional[str]:
     if version_tuple(mcore) >= (0, 17):
         return (
             f"megatron-core {mcore} is installed; nemo.collections.llm 2.7 needs 0.15.x (0.17 removed a module it "
-            f"imports; Megatron-Bridge's /tmp/site must come after /tmp/nemo2site on PYTHONPATH); {PREPARE_HINT}"
+            f"imports; a Megatron-Bridge install must come after NeMo's folder on PYTHONPATH); {PREPARE_HINT}"
         )
     if version_tuple(mcore) >= (0, 16):
         return (
@@ -156,8 +156,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         ),
         epilog=(
             "Recipes NeMo 2.7 offers: bf16, delayed, tensorwise, blockwise (Hopper) and mxfp8 (Blackwell only). "
-            "Set up: scripts/nemo2_prepare.sh here; on the GPU machine `bash .te/install.sh && bash "
-            ".nemo2/install.sh && export PYTHONPATH=/tmp/nemo2site:/tmp/site:$PWD`. Exit status: 0 all runs "
+            "Set up: scripts/nemo2_prepare.sh here; on the GPU machine, with Transformer Engine installed, "
+            "`bash .nemo2/install.sh DIR && export PYTHONPATH=DIR:$PYTHONPATH`. Exit status: 0 all runs "
             "passed, 1 a run failed, 2 usage or a refused recipe, 3 no GPU (stopped at the first CUDA call)."
         ),
     )
