@@ -187,12 +187,14 @@ class FeedForward(nn.Module):
     def __init__(self, dim: int, hidden_dim: int, fused: bool = False) -> None:
         super().__init__()
         self.fused = fused
+        # (registration order = initialisation order: w1, w2, w3 as always, so seeds keep their models)
         if fused:
             self.w13 = nn.Linear(dim, 2 * hidden_dim, bias=False)
+            self.w2 = nn.Linear(hidden_dim, dim, bias=False)
         else:
             self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+            self.w2 = nn.Linear(hidden_dim, dim, bias=False)
             self.w3 = nn.Linear(dim, hidden_dim, bias=False)
-        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
 
     @property
     def input_projection(self) -> nn.Module:
