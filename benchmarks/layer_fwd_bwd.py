@@ -234,6 +234,15 @@ EAGER_ONLY = {
     "tensorwise-unfused-norm": _NORM_EAGER,
     "blockwise-unfused-norm": _NORM_EAGER,
 }
+
+
+def compiled_skip(variant: str):
+    """The status of ``variant``'s compiled row when it only differs from its recipe in eager mode
+    (``+fused`` included), else None."""
+    reason = EAGER_ONLY.get(split_variant(variant)[0])
+    return f"skipped: {reason}" if reason else None
+
+
 VARIANTS = [
     "bf16",
     "bf16-unfused-norm",
@@ -743,8 +752,8 @@ def run_round_robin(
             outs[variant] = row
             if variant not in models:
                 continue
-            if mode == "compiled" and split_variant(variant)[0] in EAGER_ONLY:
-                row["status"] = f"skipped: {EAGER_ONLY[split_variant(variant)[0]]}"
+            if mode == "compiled" and (eager_only := compiled_skip(variant)):
+                row["status"] = eager_only
                 continue
             model = models[variant]
             _clear_grads(model, inputs)
@@ -1094,8 +1103,8 @@ def main(argv=None) -> int:
             row0, skip, model = build_row(size, cfg, variant, inputs, a, dev, ao_reason)
             for mode in modes:
                 row = dict(row0, mode=mode, status=skip, rounds=1)
-                if model is not None and mode == "compiled" and split_variant(variant)[0] in EAGER_ONLY:
-                    row["status"] = f"skipped: {EAGER_ONLY[split_variant(variant)[0]]}"
+                if model is not None and mode == "compiled" and (eager_only := compiled_skip(variant)):
+                    row["status"] = eager_only
                 elif model is not None:
                     with variant_launch(variant):
                         row.update(measure(model, mode, inputs, a, dev))
