@@ -432,15 +432,18 @@ def fuse_projections_state_dict(
     function. Takes the plain model's state dict (before ``convert_model``). Raises ``KeyError``
     naming a projection whose partners are missing."""
     q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    # (separate projections in stacking order, fused name, split widths or None for halves)
-    layouts = ((("wq", "wk", "wv"), "wqkv", (q_dim, kv_dim, kv_dim)), (("w1", "w3"), "w13", None))
+    # (separate projections in stacking order, fused name, split widths or None for halves,
+    # whether they sit under an ``attention`` module: the MLP's under feed-forwards and experts)
+    layouts = (
+        (("wq", "wk", "wv"), "wqkv", (q_dim, kv_dim, kv_dim), True),
+        (("w1", "w3"), "w13", None, False),
+    )
     out: Dict[str, torch.Tensor] = {}
     for key, value in state.items():
         base, _, rest = key.rpartition(".")
         prefix, _, name = base.rpartition(".")
         prefix = f"{prefix}." if prefix else ""
-        for parts, joined, widths in layouts:
-            attention = joined == "wqkv"
+        for parts, joined, widths, attention in layouts:
             if rest != "weight" or attention != prefix.endswith("attention."):
                 continue
             if fused and name in parts:
