@@ -33,7 +33,7 @@ from ..policy import GEMM_ROLES, Decision, PrecisionPolicy, Role, grouped_weight
 from ..quant.launch import set_fast_launch
 from ..recipes import Recipe, get_recipe, require_supported, uses_real_fp8_gemm
 from .config import Float8LinearConfig
-from .grouped import Float8GroupedExperts, grouped_fp8_modules, grouped_layout_problem
+from .grouped import Float8GroupedExperts, fp8_state_modules, grouped_layout_problem
 from .linear import Float8Linear, fp8_modules
 from .wgrad_fusion import check_wgrad_fusion
 
@@ -520,7 +520,7 @@ def conversion_state(model: nn.Module):
 
 def reset_gemm_counts(model: nn.Module) -> None:
     """Zero the per-GEMM counters that :func:`audit` reports."""
-    for m in (*fp8_modules(model).values(), *grouped_fp8_modules(model).values()):
+    for m in fp8_state_modules(model).values():
         m.reset_gemm_counts()
     state = getattr(model, _STATE_ATTR, None)
     if state is not None:

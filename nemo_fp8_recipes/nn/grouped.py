@@ -42,8 +42,15 @@ from .gemms import (
     quantize_delayed,
     quantize_weight,
 )
+from .linear import fp8_modules
 
-__all__ = ["Float8GroupedExperts", "GroupedOperands", "grouped_fp8_modules", "grouped_layout_problem"]
+__all__ = [
+    "Float8GroupedExperts",
+    "GroupedOperands",
+    "fp8_state_modules",
+    "grouped_fp8_modules",
+    "grouped_layout_problem",
+]
 
 #: The weights of transformers 5's experts modules, each ``[experts, out_features, in_features]``.
 HF_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
@@ -408,3 +415,9 @@ class Float8GroupedExperts(nn.Module):
 def grouped_fp8_modules(model: nn.Module) -> Dict[str, Float8GroupedExperts]:
     """All :class:`Float8GroupedExperts` of ``model`` by name."""
     return {n: m for n, m in model.named_modules() if isinstance(m, Float8GroupedExperts)}
+
+
+def fp8_state_modules(model: nn.Module) -> Dict[str, nn.Module]:
+    """Every module that runs its own FP8 GEMMs and keeps FP8 state, by name: the FP8 linears,
+    then the grouped experts (both have the same telemetry, counter and scaling interface)."""
+    return {**fp8_modules(model), **grouped_fp8_modules(model)}

@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from ..quant.delayed import advance_delayed_scaling
 from .config import UPDATE_MODES
-from .grouped import grouped_fp8_modules
+from .grouped import fp8_state_modules, grouped_fp8_modules
 from .linear import fp8_modules
 
 __all__ = [
@@ -57,11 +57,6 @@ def _delayed_modules(model: nn.Module) -> List[nn.Module]:
 
 def _delayed_grouped(model: nn.Module) -> List[nn.Module]:
     return [m for m in grouped_fp8_modules(model).values() if m.recipe.is_delayed]
-
-
-def _fp8_state_modules(model: nn.Module) -> Dict[str, nn.Module]:
-    """Every module with FP8 state: the FP8 linears and the grouped experts, by name."""
-    return {**fp8_modules(model), **grouped_fp8_modules(model)}
 
 
 def set_delayed_scaling_update(model: nn.Module, mode: str) -> int:
@@ -173,7 +168,7 @@ def pinned_scales(model: nn.Module) -> Dict[str, List[str]]:
     experts: for any weight and expert): their scale cannot move until that entry leaves the
     history (``amax_history_len`` updates)."""
     out: Dict[str, List[str]] = {}
-    for name, m in _fp8_state_modules(model).items():
+    for name, m in fp8_state_modules(model).items():
         if not m.recipe.is_delayed:
             continue
         # [3] for a linear; grouped experts: any of their weights and experts
@@ -189,7 +184,7 @@ def fp8_state_snapshot(model: nn.Module) -> Dict[str, Dict[str, Any]]:
     (scaling buffers, extra state), to put back with :func:`restore_fp8_state` (e.g. around an
     evaluation that must not advance delayed scaling)."""
     snap = {}
-    for name, m in _fp8_state_modules(model).items():
+    for name, m in fp8_state_modules(model).items():
         params = {n for n, _ in m.named_parameters(recurse=False)}
         snap[name] = {
             k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in m.state_dict().items() if k not in params
@@ -200,7 +195,7 @@ def fp8_state_snapshot(model: nn.Module) -> Dict[str, Dict[str, Any]]:
 def restore_fp8_state(model: nn.Module, snap: Dict[str, Dict[str, Any]]) -> None:
     """Put back a :func:`fp8_state_snapshot` (through ``load_state_dict``, which also drops any
     cached FP8 weight copies, as a resumed run starts without them)."""
-    for name, m in _fp8_state_modules(model).items():
+    for name, m in fp8_state_modules(model).items():
         if name in snap:
             result = m.load_state_dict(snap[name], strict=False)
             if result.unexpected_keys:  # pragma: no cover - a snapshot always matches its module

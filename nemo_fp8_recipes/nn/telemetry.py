@@ -10,8 +10,7 @@ import torch.nn as nn
 
 from ..policy import Role
 from .gemms import OPERANDS
-from .grouped import grouped_fp8_modules
-from .linear import fp8_modules
+from .grouped import fp8_state_modules
 
 __all__ = ["collect_telemetry", "set_telemetry", "telemetry_combine", "telemetry_group"]
 
@@ -32,7 +31,7 @@ def set_telemetry(model: nn.Module, enabled: bool = True) -> None:
     collected). Costs extra passes over each operand: use an interval. A thin wrapper,
     ``reconfigure(telemetry=enabled)`` on each; a run that records from the start passes
     ``convert_model(..., telemetry=True)``."""
-    for m in (*fp8_modules(model).values(), *grouped_fp8_modules(model).values()):
+    for m in fp8_state_modules(model).values():
         m.reconfigure(telemetry=bool(enabled))
 
 
@@ -70,7 +69,7 @@ def collect_telemetry(model: nn.Module, reset: bool = True) -> Dict[str, float]:
 
     acc: Dict[str, List[float]] = {}
     pinned = pinned_scales(model)
-    for name, m in (*fp8_modules(model).items(), *grouped_fp8_modules(model).items()):
+    for name, m in fp8_state_modules(model).items():
         tel = m.pop_telemetry() if reset else {}
         group = telemetry_group(m.fqn, m.role)
         for operand, stats in tel.items():
