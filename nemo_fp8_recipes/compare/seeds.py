@@ -415,8 +415,12 @@ def group_statistics(
             continue
         paired = [s for s in seed_runs if s is not None and s in base_seed_runs]
         judged = [seed_runs[s] for s in paired] or list(seed_runs.values())
+        # a group sharing no seed with the baseline is judged by Welch's interval below: its runs
+        # lacking a same-seed partner is the design, not a fault (their other reasons still count)
+        welch = not paired and len(seed_runs) >= 2 and len(base_seed_runs) >= 2
         for r in judged:
-            row.reasons += [f"{r.name}: {why}" for why in run_stats[r.name].reasons]
+            st = run_stats[r.name]
+            row.reasons += [f"{r.name}: {why}" for why in st.reasons if not (welch and why == st.unpaired)]
         for s in paired:
             rb = base_seed_runs[s]
             row.per_seed[seed_key(s)] = (finals[seed_runs[s].name] - finals[rb.name]) / finals[rb.name]
@@ -427,7 +431,7 @@ def group_statistics(
             if all(d is not None for d in window_devs):
                 row.mean_abs_dev, ci = mean_interval(window_devs)
                 row.mean_abs_dev_interval = None if ci is None else (max(0.0, ci[0]), ci[1])  # (|dev| >= 0)
-        elif not paired and len(seed_runs) >= 2 and len(base_seed_runs) >= 2:
+        elif welch:
             row.method = "unpaired"
             diff, ci = welch_interval(fl_values, base_finals)
             row.final_vs_baseline = diff / base_mean

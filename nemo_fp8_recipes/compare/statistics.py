@@ -67,7 +67,9 @@ class RunStats:
     or not available (no tokens/s logged, no aligned steps, no baseline run of its seed).
     ``paired_with``: the baseline run it is compared with (the baseline group's run of the same
     seed, or the baseline run). ``reasons``: why the run cannot be judged in full (it ended before
-    the baseline, damaged event files, ...) or failed the gate."""
+    the baseline, damaged event files, ...) or failed the gate. ``unpaired``: the reason among
+    them that the baseline has no run of its seed — no fault of a group that shares no seed with
+    the baseline, which Welch's interval judges instead (:mod:`~nemo_fp8_recipes.compare.seeds`)."""
 
     name: str
     path: str
@@ -88,6 +90,7 @@ class RunStats:
     group: Optional[str] = None
     paired_with: Optional[str] = None
     window_mean_rel_dev: Optional[float] = None
+    unpaired: Optional[str] = None
 
 
 @dataclass
@@ -598,6 +601,7 @@ def compare_runs(
             continue
         base = base_by_seed.get(r.seed) if seeded else base_runs[0]
         if base is None:
+            unpaired = f"no {base_label} run of seed {r.seed} to pair it with"
             stats.append(
                 RunStats(
                     **common,
@@ -610,7 +614,8 @@ def compare_runs(
                     gate_window=None,
                     speedup=None,
                     passed=None,
-                    reasons=[f"no {base_label} run of seed {r.seed} to pair it with"],
+                    reasons=[f"damaged event file: {p}" for p in r.problems] + [unpaired],
+                    unpaired=unpaired,
                 )
             )
             continue

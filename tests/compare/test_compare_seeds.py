@@ -193,6 +193,18 @@ def test_a_group_without_common_seeds_gets_welchs_interval(seeds, tmp_path):
     assert row["method"] == "unpaired"
     assert float(row["final_vs_baseline"]) == pytest.approx((a.mean() - b.mean()) / b.mean(), rel=1e-9)
     assert float(row["interval_high"]) - float(row["final_vs_baseline"]) == pytest.approx(half, rel=1e-9)
+    # the gate judges such a group by Welch's interval: runs without a same-seed partner are the
+    # design there, not a fault (a single unpartnered run is still failed: it has no interval)
+    reach = max(abs(float(row["interval_low"])), abs(float(row["interval_high"])))
+    args = [*map(str, dirs), "--last", str(LAST), "--out", str(tmp_path), "--no-png", "--no-events"]
+    assert main(args + ["--max-rel-dev", repr(reach * 1.0001)]) == 0
+    assert _groups_csv(tmp_path / "compare_groups.csv")["bf16-other"]["passed"] == "True"
+    assert main(args + ["--max-rel-dev", repr(reach * 0.9999)]) == 1
+    assert _groups_csv(tmp_path / "compare_groups.csv")["bf16-other"]["passed"] == "False"
+    one = [*map(str, dirs[:-1]), "--last", str(LAST), "--out", str(tmp_path), "--no-png", "--no-events"]
+    assert main(one + ["--max-rel-dev", "0.99"]) == 1
+    row = _groups_csv(tmp_path / "compare_groups.csv")["bf16-other"]
+    assert row["passed"] == "False" and "no bf16 run of seed 4 to pair it with" in row["reasons"]
 
 
 def test_the_gate_decides_on_the_interval(seeds, tmp_path, capsys):
