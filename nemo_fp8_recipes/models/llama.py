@@ -12,7 +12,7 @@ The module tree uses the names the precision policy recognises (``nemo_fp8_recip
     layers.<i>.feed_forward.w1|w3|w2    nn.Linear (gate, up, down)   FP8 (MLP)
                            .w13         (model.fused_projections: gate, up stacked)
     layers.<i>.feed_forward.router      nn.Linear d -> experts       FP32 (MoE gate)
-    layers.<i>.feed_forward.experts.<j>.w1|w3|w2                     FP8 (experts)
+    layers.<i>.feed_forward.experts     GroupedExperts (3-D weights) FP8 (grouped experts)
     layers.<i>.feed_forward.shared_expert.w1|w3|w2                   FP8 (shared expert)
     norm                                RMSNorm                      FP32 compute
     output                              nn.Linear (untied)           BF16 GEMM, FP32 logits
@@ -24,9 +24,13 @@ weight and disables autocast, and the logits are cast to FP32 before the loss.
 
 Attention goes through ``torch.nn.functional.scaled_dot_product_attention`` with
 ``enable_gqa`` so the GPU picks the flash / cuDNN kernels and K/V are never materialised per
-query head. The MoE is written for clarity: a loop over experts with an index gather and an
-``index_add_`` scatter (fine for the small models it exists for; it exercises the router
-policy, not expert-parallel speed).
+query head. The MoE's routed experts are one module with 3-D weights in Hugging Face
+transformers 5's layout (``gate_up_proj [E, 2F, D]``, ``down_proj [E, D, F]``), so
+``convert_model`` runs them as it runs a transformers Mixtral's or DeepSeek-V3's: one
+:class:`~nemo_fp8_recipes.nn.Float8GroupedExperts`, every expert GEMM in FP8. In high precision
+they are written for clarity: tokens sorted by expert, a loop over experts, an ``index_add_``
+scatter (fine for the small models it exists for; it exercises the router policy and the grouped
+FP8 GEMMs, not expert-parallel speed).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..nn.grouped import Float8GroupedExperts
 from ..nn.norm import rms_norm
 from ..options import default_kernel_options
 from .config import ModelConfig
@@ -47,6 +52,8 @@ __all__ = [
     "Attention",
     "FeedForward",
     "OutlierGain",
+    "GroupedExperts",
+    "init_expert_weights",
     "MoE",
     "TransformerBlock",
     "Transformer",
@@ -255,12 +262,73 @@ class OutlierGain(nn.Module):
         return f"channels={self.channels}, scale={self.scale:g}"
 
 
+@torch.no_grad()
+def init_expert_weights(experts: nn.Module, std: float, out_std: float) -> None:
+    """Initialise grouped experts (a :class:`GroupedExperts` or its FP8 form) as the model
+    initialises linears: Normal(0, std) for ``gate_up_proj`` (the gate and up projections),
+    Normal(0, out_std) for ``down_proj`` (a residual-branch output, like ``w2``)."""
+    nn.init.normal_(experts.gate_up_proj, mean=0.0, std=std)
+    nn.init.normal_(experts.down_proj, mean=0.0, std=out_std)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts of an MoE layer as one module with 3-D weights, in Hugging Face
+    transformers 5's layout (``MixtralExperts``, ``DeepseekV3Experts``): ``gate_up_proj [E, 2F, D]``
+    holds expert ``e``'s gate (``w1``) rows then its up (``w3``) rows, ``down_proj [E, D, F]`` its
+    down projection (``w2``); SwiGLU, no bias. ``convert_model`` turns it into a
+    :class:`~nemo_fp8_recipes.nn.Float8GroupedExperts` sharing the Parameters, whose forward
+    computes the same with every expert GEMM in FP8."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * hidden_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.act_fn = F.silu
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Each expert's weights as ``nn.Linear`` initialises its own, U(-1/sqrt(in), 1/sqrt(in)),
+        so the module is usable on its own; :meth:`Transformer.init_weights` then draws the
+        model's init (:func:`init_expert_weights`)."""
+        for w in (self.gate_up_proj, self.down_proj):
+            bound = 1 / math.sqrt(w.shape[-1])
+            nn.init.uniform_(w, -bound, bound)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        """``hidden_states [N, dim]``, each token's experts ``top_k_index [N, k]`` and routing
+        weights ``top_k_weights [N, k]`` -> ``sum_s weight[s] * expert[index[s]](x)`` per token,
+        in ``hidden_states``' dtype (the routing weights multiply in their own precision, FP32)."""
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # rows grouped by expert
+        token = order // k
+        sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
+        ys = []
+        for e, x in enumerate(hidden_states[token].split(sizes)):
+            if x.shape[0]:
+                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                ys.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+        out = torch.zeros_like(hidden_states)
+        if not ys:
+            return out
+        h = torch.cat(ys) * top_k_weights.reshape(-1)[order, None]
+        return out.index_add_(0, token, h.to(out.dtype))
+
+    def extra_repr(self) -> str:
+        e, f2, d = self.gate_up_proj.shape
+        return f"experts={e}, dim={d}, hidden_dim={f2 // 2}"
+
+
 class MoE(nn.Module):
     """DeepSeek-V3-style mixture of experts: shared expert(s) + top-k routed experts.
 
     The gate (``router``, an ``nn.Linear`` d -> num_experts) runs in FP32 with autocast off;
     scores are ``softmax`` or ``sigmoid`` of the logits; the top-k scores are renormalised
-    (``norm_topk_prob``) and multiplied by ``route_scale``. The switch-style load-balancing loss
+    (``norm_topk_prob``) and multiplied by ``route_scale``. The routed experts are one
+    :class:`GroupedExperts`; their outputs are combined with the FP32 routing weights in the
+    residual stream's precision (FP32). The switch-style load-balancing loss
     ``E · Σ_j f_j · P_j`` (f_j = share of routed slots given to expert j, P_j = its mean score) is
     returned raw; the model weights it by ``aux_loss_coef``.
     """
@@ -275,7 +343,7 @@ class MoE(nn.Module):
         self.compute_aux = cfg.aux_loss_coef > 0
         self.router = nn.Linear(cfg.dim, cfg.num_experts, bias=False)
         fused = cfg.fused_projections
-        self.experts = nn.ModuleList(FeedForward(cfg.dim, cfg.moe_ffn_dim, fused) for _ in range(cfg.num_experts))
+        self.experts = GroupedExperts(cfg.num_experts, cfg.dim, cfg.moe_ffn_dim)
         self.shared_expert = (
             FeedForward(cfg.dim, cfg.moe_ffn_dim * cfg.num_shared_experts, fused)
             if cfg.num_shared_experts > 0
@@ -305,14 +373,7 @@ class MoE(nn.Module):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         top_w, top_i, scores = self.route(xf)
-        routed = torch.zeros(xf.shape, dtype=torch.float32, device=x.device)
-        for j, expert in enumerate(self.experts):
-            tok, slot = torch.where(top_i == j)
-            if tok.numel() == 0:  # no token for this expert in this batch
-                continue
-            y = expert(xf[tok]).float() * top_w[tok, slot, None]
-            routed.index_add_(0, tok, y)
-        out = routed
+        out = self.experts(xf, top_i, top_w).float()  # (combined in xf's dtype: FP32, the residual stream's)
         if self.shared_expert is not None:
             out = out + self.shared_expert(xf).float()
         if self.compute_aux and self.training:
@@ -377,14 +438,16 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """Normal(0, init_std) for embeddings and linears, residual-branch outputs (``wo``,
-        ``w2``) scaled by ``1/sqrt(2·num_layers)`` (GPT-2), norms to one, outlier-stress gains to
-        their values; rebuilds the RoPE table (use after ``to_empty`` when materialising a
-        meta-device model)."""
+        """Normal(0, init_std) for embeddings, linears and experts, residual-branch outputs
+        (``wo``, ``w2``, the experts' ``down_proj``) scaled by ``1/sqrt(2·num_layers)`` (GPT-2),
+        norms to one, outlier-stress gains to their values; rebuilds the RoPE table (use after
+        ``to_empty`` when materialising a meta-device model)."""
         std = self.config.init_std
         out_std = std / math.sqrt(2 * self.config.num_layers)
         for name, m in self.named_modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, (GroupedExperts, Float8GroupedExperts)):
+                init_expert_weights(m, std, out_std)
+            elif isinstance(m, nn.Linear):
                 leaf = name.rsplit(".", 1)[-1]
                 nn.init.normal_(m.weight, mean=0.0, std=out_std if leaf in ("wo", "w2") else std)
                 if m.bias is not None:

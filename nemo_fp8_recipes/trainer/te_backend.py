@@ -40,7 +40,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.nn as nn
 
-from ..policy import Decision, PrecisionPolicy
+from ..config import ConfigError
+from ..policy import Decision, PrecisionPolicy, grouped_weight_names
 from ..recipes import Recipe, ScalingKind
 from .distributed import DistContext
 
@@ -187,13 +188,23 @@ def convert_to_te(
     """Swap every ``nn.Linear`` of ``model`` that the policy puts in FP8 for a ``te.Linear`` with the
     same weights (FP32 parameters, the master weights; TE casts them under autocast), in place.
     Linears the policy keeps in high precision, and everything that is not a linear, stay as they
-    are. ``micro``: the trainer's micro-batch position (TE's weight caching)."""
+    are. Grouped MoE experts (3-D weights) that the policy puts in FP8 raise ``ConfigError``: no TE
+    module takes their place here, and leaving them in BF16 would run less FP8 than asked.
+    ``micro``: the trainer's micro-batch position (TE's weight caching)."""
     from ..integrations.te import to_te_recipe
     from ..nn.convert import infer_num_layers, set_submodule
 
+    policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
+    for fqn, module in model.named_modules():
+        if fqn and grouped_weight_names(module) and policy.decide(fqn, module, recipe=recipe).fp8:
+            raise ConfigError(
+                f"backend=te: {fqn} ({type(module).__name__}) holds grouped MoE experts (3-D weights), "
+                "which this backend does not swap for Transformer Engine modules, so its expert GEMMs "
+                f"would stay in high precision under recipe {recipe.name}. Use backend=native (grouped "
+                "FP8 experts), or recipe=bf16"
+            )
     cls = _te_linear_class()
     te_recipe = to_te_recipe(recipe) if recipe.is_fp8 else None
-    policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
     out = TEConversion()
     for fqn, module in list(model.named_modules()):
         if not fqn or type(module) is not nn.Linear:

@@ -329,6 +329,28 @@ def test_backend_te_refuses_what_te_cannot_run(extra, words, monkeypatch, tmp_pa
     assert problem and words in problem
 
 
+def test_backend_te_refuses_grouped_moe_experts_it_would_leave_in_bf16(monkeypatch):
+    """moe_tiny's routed experts are one grouped module (3-D weights): backend=te swaps linears
+    only, so an FP8 recipe is refused before TE is touched, naming the module and the way out;
+    with the experts kept in BF16 on purpose (the policy's exclude) the check lets it through."""
+    from nemo_fp8_recipes.config import ConfigError
+    from nemo_fp8_recipes.models import build_model, load_model_config
+    from nemo_fp8_recipes.policy import PrecisionPolicy
+    from nemo_fp8_recipes.recipes import get_recipe
+    from nemo_fp8_recipes.trainer import te_backend as te_model
+
+    model = build_model(load_model_config("moe_tiny", num_layers=2))
+    with pytest.raises(ConfigError, match=r"layers\.1\.feed_forward\.experts \(GroupedExperts\).*backend=native"):
+        te_model.convert_to_te(model, get_recipe("tensorwise"))
+
+    def no_te():  # where the conversion would build its first TE module
+        raise ImportError("no TE here")
+
+    monkeypatch.setattr(te_model, "_te_linear_class", no_te)
+    with pytest.raises(ImportError, match="no TE here"):  # past the grouped check
+        te_model.convert_to_te(model, get_recipe("tensorwise"), PrecisionPolicy(exclude=["*experts*"]))
+
+
 def test_a_run_root_that_cannot_be_written_stops_at_once(capsys):
     """A read-only or missing file system (here /proc, which takes no new directories) is one line
     naming the run directory and the fix, not Hydra's traceback."""

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from nemo_fp8_recipes.models import (
     ModelConfig,
@@ -21,11 +22,12 @@ from nemo_fp8_recipes.models import (
 from nemo_fp8_recipes.models.llama import (
     Attention,
     FeedForward,
+    GroupedExperts,
     apply_rope,
     fuse_projections_state_dict,
     precompute_rope,
 )
-from nemo_fp8_recipes.nn import Float8Linear, audit, convert_model
+from nemo_fp8_recipes.nn import Float8GroupedExperts, Float8Linear, audit, convert_model
 from nemo_fp8_recipes.policy import PrecisionPolicy, Role
 from nemo_fp8_recipes.recipes import get_recipe
 
@@ -120,8 +122,7 @@ def test_module_names_match_the_policy_roles():
         "layers.0.feed_forward.w2": Role.MLP,
         "layers.0.feed_forward.w3": Role.MLP,
         "layers.1.feed_forward.router": Role.ROUTER,
-        "layers.1.feed_forward.experts.0.w1": Role.MLP,
-        "layers.1.feed_forward.experts.3.w2": Role.MLP,
+        "layers.1.feed_forward.experts": Role.MLP,
         "layers.1.feed_forward.shared_expert.w3": Role.MLP,
         "norm": Role.NORM,
         "output": Role.OUTPUT,
@@ -129,6 +130,10 @@ def test_module_names_match_the_policy_roles():
     for fqn, role in expect.items():
         assert fqn in names, fqn
         assert policy.decide(fqn, names[fqn]).role == role, fqn
+    assert (
+        "grouped experts"
+        in policy.decide("layers.1.feed_forward.experts", names["layers.1.feed_forward.experts"]).reason
+    )
     assert isinstance(names["tok_embeddings"], nn.Embedding)
     assert isinstance(names["output"], nn.Linear) and names["output"].weight is not names["tok_embeddings"].weight
     for leaf in ("wq", "wk", "wv", "wo"):
@@ -236,9 +241,16 @@ def test_moe_matches_a_per_token_reference(score):
     y, aux = moe(x)
     xf = x.reshape(-1, cfg.dim)
     w, idx, _ = moe.route(xf)
+    ex = moe.experts
+    f = cfg.moe_ffn_dim
+
+    def expert(e, v):  # SwiGLU of expert e from its slices of the 3-D weights: w2(silu(w1 v) * w3 v)
+        w1, w3, w2 = ex.gate_up_proj[e, :f], ex.gate_up_proj[e, f:], ex.down_proj[e]
+        return w2 @ (F.silu(w1 @ v) * (w3 @ v))
+
     ref = torch.stack(
         [
-            sum(w[t, s] * moe.experts[int(idx[t, s])](xf[t]) for s in range(cfg.moe_top_k)) + moe.shared_expert(xf[t])
+            sum(w[t, s] * expert(int(idx[t, s]), xf[t]) for s in range(cfg.moe_top_k)) + moe.shared_expert(xf[t])
             for t in range(xf.shape[0])
         ]
     ).view_as(x)
@@ -263,8 +275,9 @@ def test_moe_first_layers_dense_and_aux_loss():
 
 @pytest.mark.parametrize("arch", ["llama", "moe"])
 def test_fused_projections_compute_the_separate_model_function(arch):
-    """``model.fused_projections``: one ``wqkv`` and one ``w13`` per block (shared and routed
-    experts too) holding the separate weights stacked in order; the state-dict conversion goes
+    """``model.fused_projections``: one ``wqkv`` and one ``w13`` per block (the shared expert too;
+    routed experts are grouped, gate and up stacked, either way) holding the separate weights
+    stacked in order; the state-dict conversion goes
     both ways, loads strictly, and the three models agree (FP32, CPU) on logits and gradients."""
     shape = SMALL_MOE if arch == "moe" else SMALL
     cfg = ModelConfig(arch=arch, **shape)
@@ -276,7 +289,7 @@ def test_fused_projections_compute_the_separate_model_function(arch):
     assert "layers.0.attention.wqkv" in names and "layers.0.attention.wq" not in names
     assert "layers.0.feed_forward.w13" in names and "layers.0.feed_forward.w1" not in names
     if arch == "moe":
-        assert "layers.1.feed_forward.experts.0.w13" in names and "layers.1.feed_forward.shared_expert.w13" in names
+        assert "layers.1.feed_forward.shared_expert.w13" in names  # routed experts: gate_up_proj either way
     assert sum(p.numel() for p in fused.parameters()) == cfg.num_params() == cfg_f.num_params()
     state = fuse_projections_state_dict(sep.state_dict(), cfg, fused=True)
     fused.load_state_dict(state, strict=True)
@@ -335,22 +348,98 @@ def test_fused_projections_run_in_fp8_and_keep_block_scaling(recipe):
         assert rows[name].fp8_gemms == {"fprop": 1, "dgrad": 1, "wgrad": 1}
 
 
-def test_moe_tiny_converts_with_router_and_head_out_of_fp8():
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
+def test_moe_tiny_converts_to_grouped_fp8_experts_with_router_and_head_out_of_fp8(recipe):
     cfg = load_model_config("moe_tiny", num_layers=2)
     model = build_model(cfg)
-    convert_model(model, get_recipe("blockwise"))
+    params = {n: p for n, p in model.named_parameters()}
+    convert_model(model, get_recipe(recipe))
+    assert dict(model.named_parameters()) == params  # the same Parameter objects, the same names
     moe = model.layers[1].feed_forward
     assert type(moe.router) is nn.Linear  # FP32 gate, not converted
-    assert isinstance(moe.experts[0].w1, Float8Linear)
+    assert isinstance(moe.experts, Float8GroupedExperts)  # one module, every expert GEMM in FP8
     assert isinstance(moe.shared_expert.w2, Float8Linear)
     assert type(model.output) is nn.Linear
     x = torch.randint(0, 259, (2, 32))
+    hit = []  # the experts the router gave tokens to
+    moe.experts.register_forward_pre_hook(lambda m, args: hit.append(torch.unique(args[1]).numel()))
     model(x, x).loss.backward()
     report = audit(model, strict=True)
     rows = {r.name: r for r in report.rows}
-    assert rows["layers.1.feed_forward.router"].precision == "fp32"
-    assert rows["layers.1.feed_forward.router"].hp_gemms["fprop"] == 1  # ran, in high precision
-    assert report.counts["fp8"]["fprop"] > 0
+    router = rows["layers.1.feed_forward.router"]
+    assert router.precision == "fp32" and router.fp8_gemms == {}
+    assert router.hp_gemms["fprop"] == 1  # ran, in high precision
+    experts = rows["layers.1.feed_forward.experts"]
+    assert (experts.role, experts.precision, experts.hp_gemms) == ("mlp", "fp8", {})
+    n = 2 * hit[0]  # gate_up_proj and down_proj of each expert that got tokens
+    assert len(hit) == 1 and experts.fp8_gemms == {"fprop": n, "dgrad": n, "wgrad": n}
+    assert "MoE grouped experts (GroupedExperts" in experts.reason
+    assert not report.unplaced
+
+
+def test_grouped_experts_match_the_moe_without_conversion_and_in_fp8():
+    """The same weights through GroupedExperts and through its FP8 form: close (FP8 rounding),
+    and under the bf16 recipe the module is left as it is."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(arch="moe", **SMALL_MOE)
+    hp = build_model(cfg)
+    fp8 = build_model(cfg)
+    fp8.load_state_dict(hp.state_dict())
+    convert_model(fp8, get_recipe("blockwise"))
+    x = torch.randint(0, 259, (2, 32))
+    with torch.no_grad():
+        a, b = hp(x, x), fp8(x, x)
+    assert 0 < float((a.logits - b.logits).norm() / a.logits.norm()) < 0.05
+    bf16 = build_model(cfg)
+    convert_model(bf16, get_recipe("bf16"))
+    assert type(bf16.layers[1].feed_forward.experts) is GroupedExperts
+
+
+def test_grouped_experts_built_alone_are_initialised_as_linears():
+    """A GroupedExperts (or an MoE) built outside a Transformer holds usable weights: each expert's
+    as nn.Linear would initialise it, U(-1/sqrt(in), 1/sqrt(in))."""
+    torch.manual_seed(0)
+    ex = GroupedExperts(4, 128, 64)
+    for w, fan_in in ((ex.gate_up_proj, 128), (ex.down_proj, 64)):
+        bound = 1 / math.sqrt(fan_in)
+        assert w.abs().max() <= bound and w.abs().max() > 0.99 * bound
+        assert abs(float(w.detach().std()) * math.sqrt(3) / bound - 1) < 0.02  # a uniform's std
+    assert (ex.gate_up_proj.shape, ex.down_proj.shape) == ((4, 128, 128), (4, 128, 64))
+    assert "experts=4, dim=128, hidden_dim=64" in repr(ex)
+
+
+@torch.no_grad()
+def test_expert_init_follows_the_linear_init():
+    """The grouped experts draw from the distributions the per-expert linears had: Normal(0,
+    init_std) for gate and up (like w1, w3), Normal(0, init_std / sqrt(2 * num_layers)) for down
+    (like w2, a residual-branch output) — every expert, and the gate and up halves alike."""
+    torch.manual_seed(0)
+    cfg = load_model_config("moe_tiny")
+    model = build_model(cfg)
+    std, out_std, f = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers), cfg.moe_ffn_dim
+    ex = model.layers[1].feed_forward.experts
+    dense = model.layers[0].feed_forward
+
+    def check(w, want, tol):  # sample std within tol of want, mean within 4 standard errors of 0
+        assert abs(float(w.std()) / want - 1) < tol and abs(float(w.mean())) < 4 * want / math.sqrt(w.numel())
+
+    for w, want in (
+        (ex.gate_up_proj, std),
+        (ex.down_proj, out_std),
+        (dense.w1.weight, std),
+        (dense.w2.weight, out_std),
+    ):
+        check(w, want, 0.01)  # (0.2M-1M values: the sample std is within 0.3% of the true one)
+    for e in range(cfg.num_experts):  # 65k values each: within 1%
+        check(ex.gate_up_proj[e, :f], std, 0.02)
+        check(ex.gate_up_proj[e, f:], std, 0.02)
+        check(ex.down_proj[e], out_std, 0.02)
+    # init_weights draws them again (as after to_empty), in the FP8 form too
+    convert_model(model, get_recipe("tensorwise"))
+    before = ex.gate_up_proj.clone()
+    model.init_weights()
+    assert not torch.equal(before, ex.gate_up_proj)
+    check(ex.gate_up_proj, std, 0.01)
 
 
 def test_init_weights_materialises_a_meta_model():

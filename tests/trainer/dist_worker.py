@@ -15,10 +15,10 @@ import torch.distributed as dist
 
 
 def fp8_state(model) -> dict:
-    from nemo_fp8_recipes.nn import fp8_modules
+    from nemo_fp8_recipes.nn import fp8_modules, grouped_fp8_modules
 
     out = {}
-    for name, m in fp8_modules(model).items():
+    for name, m in (*fp8_modules(model).items(), *grouped_fp8_modules(model).items()):
         if m.recipe.is_delayed:
             out[name] = {"scale": m.fp8_scale.tolist(), "history": m.fp8_amax_history.tolist()}
     return out

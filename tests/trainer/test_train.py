@@ -124,9 +124,55 @@ def test_moe_tiny_trains_with_the_router_in_fp32(tmp_path, token_cache):
     assert result.history[-1]["loss"] < result.history[0]["loss"] - 1.0
     router = [line for line in result.audit_table.splitlines() if "feed_forward.router" in line]
     assert router and "fp32" in router[0] and "2/2/2" in router[0]  # ran twice (grad accum 2), high precision
+    # the routed experts: one grouped module per MoE layer, its expert GEMMs counted in FP8
+    experts = [line.split() for line in result.audit_table.splitlines() if line.endswith("FP8 per recipe")]
+    experts = [row for row in experts if row[0].endswith("feed_forward.experts")]
+    assert [row[:3] for row in experts] == [["layers.1.feed_forward.experts", "mlp", "fp8"]]
+    assert experts[0][4] == "-"  # nothing in high precision
     acc = _events(result.run_dir)
-    assert "train/aux_loss" in acc.Tags()["scalars"]
-    assert "fp8/experts/input/amax" in acc.Tags()["scalars"]
+    scalars = acc.Tags()["scalars"]
+    assert "train/aux_loss" in scalars
+    for stat in ("amax", "scale", "underflow_frac", "sqnr_db", "underflow_frac_worst", "sqnr_db_worst"):
+        assert f"fp8/experts/input/{stat}" in scalars, stat
+
+
+def test_moe_tiny_resumes_exactly_under_delayed_scaling(tmp_path, token_cache):
+    """Grouped experts under the trainer's delayed-scaling schedule (one update per optimizer
+    step, evaluation kept out of the histories): a resumed run reproduces the uninterrupted one
+    bit for bit, experts' scaling state included, and validation does not steer training."""
+    common = [
+        "model=moe_tiny",
+        "model.num_layers=2",
+        "model.num_experts=4",
+        "trainer.seq_len=64",
+        "trainer.micro_batch_size=4",
+        "trainer.global_batch_size=8",
+        "trainer.warmup_steps=2",
+        "trainer.progress=false",
+        "trainer.device=cpu",
+        "data.max_files=40",
+        f"data.cache_dir={token_cache}",
+        "recipe=delayed",
+        "trainer.max_steps=8",
+        "trainer.log_interval=2",
+        "trainer.val_interval=4",
+        "trainer.val_steps=2",
+        "trainer.telemetry_interval=4",
+        "trainer.ckpt_interval=4",
+    ]
+    full = train(compose_config(common + [f"run.root={tmp_path / 'a'}"]))
+    ckpt = full.run_dir / "checkpoints" / "step_00000004.pt"
+    resumed = train(compose_config(common + [f"run.root={tmp_path / 'b'}", f"trainer.resume={ckpt}"]))
+    assert resumed.start_step == 4 and resumed.losses == {s: v for s, v in full.losses.items() if s > 4}
+    a = load_checkpoint(full.run_dir / "checkpoints" / "step_00000008.pt")["model"]
+    b = load_checkpoint(resumed.run_dir / "checkpoints" / "step_00000008.pt")["model"]
+    hist = a["layers.1.feed_forward.experts.fp8_amax_history"]  # [weights, experts, operands, history]
+    assert hist.shape[:3] == (2, 4, 3) and (hist[..., :8] > 0).any() and not hist[..., 8:].any()
+    for key, t in a.items():
+        if torch.is_tensor(t):
+            assert torch.equal(t, b[key]), key
+    no_val = train(compose_config(common + [f"run.root={tmp_path / 'c'}", "trainer.val_interval=0"]))
+    assert no_val.losses == full.losses
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
