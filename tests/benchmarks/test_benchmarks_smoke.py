@@ -1156,3 +1156,32 @@ def test_layer_benchmark_names_the_cudnn_fix_when_torch_cannot_load_its_own(monk
     assert "cuDNN attention" in why and ("LD_LIBRARY_PATH" in why)
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     assert layer_fwd_bwd.cudnn_status() == ("9.19.0", None)
+
+
+@pytest.mark.parametrize("routing", ["balanced", "skewed"])
+def test_moe_fwd_bwd_smoke(tmp_path, routing):
+    """``moe_fwd_bwd.py --smoke``: every variant that runs on a CPU is timed and its output checked
+    against the FP32 experts (BF16 within 1%, the emulated FP8 recipes within 10%); torchao's and
+    TE's rows say why they were skipped where those are missing."""
+    data = _run_smoke("moe_fwd_bwd.py", tmp_path, "--routing", routing)
+    h = data["header"]
+    assert sum(h["sizes"]) == h["rows"] == h["tokens"] * h["top_k"] and all(s % 16 == 0 for s in h["sizes"])
+    rows = {r["variant"]: r for r in data["results"]}
+    for name in ("bf16-grouped-mm", "bf16-loop", "tensorwise", "blockwise", "delayed", "mxfp8"):
+        r = rows[name]
+        assert r["status"] == "ok" and _finite_positive(r["ms"]) and _finite_positive(r["tflops"]), r
+        assert r["rel_err"] < (0.01 if name.startswith("bf16") else 0.10), r
+    assert rows["bf16-grouped-mm"]["vs_bf16"] == 1.0
+    for name in ("torchao-rowwise", "te-bf16", "te-tensorwise", "te-delayed", "te-blockwise"):
+        assert rows[name]["status"].startswith("skipped: "), rows[name]
+
+
+def test_moe_expert_sizes_are_multiples_of_16_that_sum_to_the_rows(bench_modules):
+    import moe_fwd_bwd
+
+    assert moe_fwd_bwd.expert_sizes(16384, 8, "balanced") == [2048] * 8
+    for seed in range(5):
+        sizes = moe_fwd_bwd.expert_sizes(16384, 8, "skewed", seed)
+        assert sum(sizes) == 16384 and all(s % 16 == 0 and s >= 0 for s in sizes) and len(set(sizes)) > 1
+    with pytest.raises(SystemExit, match="multiple of 16"):
+        moe_fwd_bwd.expert_sizes(100, 8, "balanced")
