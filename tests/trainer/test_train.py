@@ -99,15 +99,21 @@ def test_30_step_run_writes_events_and_lowers_the_loss(recipe, tmp_path, token_c
     assert (run_dir / "checkpoints" / "step_00000030.pt").is_file()  # always saved at the end
 
 
+#: moe_tiny cut to a dense layer and one MoE layer of 4 experts, at a CPU-sized batch
+MOE_SMALL = [
+    "model=moe_tiny",
+    "model.num_layers=2",
+    "model.num_experts=4",
+    "trainer.seq_len=64",
+    "trainer.micro_batch_size=4",
+    "trainer.global_batch_size=8",
+]
+
+
 def test_moe_tiny_trains_with_the_router_in_fp32(tmp_path, token_cache):
     cfg = compose_config(
         [
-            "model=moe_tiny",
-            "model.num_layers=2",
-            "model.num_experts=4",
-            "trainer.seq_len=64",
-            "trainer.micro_batch_size=4",
-            "trainer.global_batch_size=8",
+            *MOE_SMALL,
             "trainer.max_steps=12",
             "trainer.warmup_steps=3",
             "trainer.log_interval=4",
@@ -141,12 +147,7 @@ def test_moe_tiny_resumes_exactly_under_delayed_scaling(tmp_path, token_cache):
     step, evaluation kept out of the histories): a resumed run reproduces the uninterrupted one
     bit for bit, experts' scaling state included, and validation does not steer training."""
     common = [
-        "model=moe_tiny",
-        "model.num_layers=2",
-        "model.num_experts=4",
-        "trainer.seq_len=64",
-        "trainer.micro_batch_size=4",
-        "trainer.global_batch_size=8",
+        *MOE_SMALL,
         "trainer.warmup_steps=2",
         "trainer.progress=false",
         "trainer.device=cpu",
