@@ -33,7 +33,10 @@ One command trains, compares and reports::
 
 ``--variant "delayed-margin8 recipe.margin=8"`` adds a recipe with overrides of its own as one more
 group (runs ``delayed-margin8-seed<N>``, the trainer's ``run.tag``), trained at every seed and compared
-with BF16 like the recipes, e.g. a deliberately degraded run for the gate. ``--report-only`` runs steps
+with BF16 like the recipes, e.g. a deliberately degraded run for the gate. ``--other-seeds 4,5,6``
+trains BF16 at seeds of its own as the group ``bf16-other`` (runs ``bf16-other-seed<N>``, after
+the others), compared with BF16 unpaired (Welch's interval): BF16 against itself, what a comparison
+without seed pairing resolves and whether the gate passes it. ``--report-only`` runs steps
 2 and 3 on existing runs. Hydra overrides after the flags go to every
 run (``model.outlier_channels=2 model.outlier_scale=10000`` for the outlier stress,
 docs/numerics.md). Exit status: 0 done, 1 a run failed or a recipe failed the gate, 2 bad
@@ -155,6 +158,14 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
         raise ValueError(f"--seeds takes whole numbers separated by commas, got {a.seeds!r}") from None
     if not a.seeds or len(set(a.seeds)) != len(a.seeds):
         raise ValueError(f"--seeds needs distinct seeds (three or more for intervals), got {a.seeds}")
+    try:
+        other = [int(x) for x in _split(a.other_seeds or "")]
+    except ValueError:
+        raise ValueError(f"--other-seeds takes whole numbers separated by commas, got {a.other_seeds!r}") from None
+    if len(set(other)) != len(other) or set(other) & set(a.seeds):
+        raise ValueError(f"--other-seeds needs distinct seeds that are not in --seeds {a.seeds}, got {other}")
+    if other:  # BF16 at seeds of its own: compared unpaired (Welch), the noise an unpaired comparison must beat
+        a.arms.append({"name": "bf16-other", "recipe": "bf16", "tag": "other", "overrides": [], "seeds": other})
     if a.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {a.parallel}")
     data = ["data=jsonl", f"data.paths=[{Path(a.corpus).resolve()}]"] if a.corpus else []
@@ -187,6 +198,12 @@ def sweep_commands(a: argparse.Namespace) -> List[List[str]]:
     out = [["-m", f"recipe={','.join(plain)}", seeds, *common_overrides(a)]]
     if emulated:
         out.append(["-m", f"recipe={','.join(emulated)}", "recipe.emulate=true", seeds, *common_overrides(a)])
+    for arm in a.arms:
+        if "seeds" in arm:
+            out.append(
+                ["-m", "recipe=bf16", f"run.tag={arm['tag']}", f"trainer.seed={','.join(map(str, arm['seeds']))}"]
+                + common_overrides(a)
+            )
     for v in a.variants:
         emulate = ["recipe.emulate=true"] if v["recipe"] in a.emulate else []
         out.append(
@@ -204,32 +221,33 @@ def sweep_commands(a: argparse.Namespace) -> List[List[str]]:
 
 
 def jobs(a: argparse.Namespace) -> List[Dict[str, object]]:
-    """One job per seed and group (recipes, then variants), seed by seed: its name, group (``arm``),
-    run directory and trainer arguments."""
+    """One job per seed and group (recipes, then variants), seed by seed, then BF16 at
+    ``--other-seeds``: its name, group (``arm``), run directory and trainer arguments."""
     out = []
-    for seed in a.seeds:
-        for arm in a.arms:
-            r = arm["recipe"]
-            name = f"{arm['name']}-seed{seed}"
-            argv = [
-                f"recipe={r}",
-                *(["recipe.emulate=true"] if r in a.emulate else []),
-                *([f"run.tag={arm['tag']}"] if arm["tag"] else []),
-                f"trainer.seed={seed}",
-                "run.sweep=[trainer.seed]",
-                *common_overrides(a),
-                *arm["overrides"],
-            ]
-            out.append(
-                {
-                    "name": name,
-                    "arm": arm["name"],
-                    "recipe": r,
-                    "seed": seed,
-                    "dir": Path(a.root) / a.model / name,
-                    "argv": argv,
-                }
-            )
+    order = [(seed, arm) for seed in a.seeds for arm in a.arms if "seeds" not in arm]
+    order += [(seed, arm) for arm in a.arms if "seeds" in arm for seed in arm["seeds"]]
+    for seed, arm in order:
+        r = arm["recipe"]
+        name = f"{arm['name']}-seed{seed}"
+        argv = [
+            f"recipe={r}",
+            *(["recipe.emulate=true"] if r in a.emulate else []),
+            *([f"run.tag={arm['tag']}"] if arm["tag"] else []),
+            f"trainer.seed={seed}",
+            "run.sweep=[trainer.seed]",
+            *common_overrides(a),
+            *arm["overrides"],
+        ]
+        out.append(
+            {
+                "name": name,
+                "arm": arm["name"],
+                "recipe": r,
+                "seed": seed,
+                "dir": Path(a.root) / a.model / name,
+                "argv": argv,
+            }
+        )
     return out
 
 
@@ -384,8 +402,9 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
     for arm in a.arms:
         r = arm["name"]
         tr, va = group_of("train", r), group_of("val", r)
-        runs = {s: results.get(f"{r}-seed{s}") for s in a.seeds}
-        complete = [s for s in a.seeds if run_state(Path(a.root) / a.model / f"{r}-seed{s}", a.steps) == "complete"]
+        seeds = arm.get("seeds", a.seeds)
+        runs = {s: results.get(f"{r}-seed{s}") for s in seeds}
+        complete = [s for s in seeds if run_state(Path(a.root) / a.model / f"{r}-seed{s}", a.steps) == "complete"]
         goal = GOALS.get(r)
         recipes[r] = {
             "seeds": (tr or {}).get("seeds", []),
@@ -402,7 +421,7 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
             "per_seed_val": (va or {}).get("per_seed", {}),
             "tracking_per_seed": {
                 str(s): (runs[s] or {}).get("window_mean_rel_dev")
-                for s in a.seeds
+                for s in seeds
                 if runs[s] and not runs[s].get("baseline")
             },
             "goal": goal,
@@ -410,6 +429,7 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
             "goal_val": _verdict((va or {}).get("interval"), goal) if goal and va else None,
             "gate_passed": (tr or {}).get("passed"),
             "variant": None if not arm["tag"] else {"recipe": arm["recipe"], "overrides": arm["overrides"]},
+            "unpaired": "seeds" in arm,
         }
     # fine-grained against per-tensor scaling: the difference of the two recipes' tracking, paired by seed
     contrasts = []
@@ -504,7 +524,20 @@ def report_markdown(rep: dict) -> str:
             f"{'—' if base else _ci(r['val_vs_bf16'], r['val_interval'])} | "
             f"{'—' if base else _ci(r['tracking'], r['tracking_interval'], False)} | {goal} | {met} |"
         )
-    variants = [(name, r["variant"]) for name, r in rep["recipes"].items() if r.get("variant")]
+    other = rep["recipes"].get("bf16-other")
+    if other:
+        lines += [
+            "",
+            f"bf16-other: BF16 at seeds {', '.join(map(str, other['complete_seeds'])) or 'none complete'}, "
+            "compared with BF16 unpaired (Welch's interval, seed-to-seed noise included): what a comparison "
+            "without seed pairing can resolve"
+            + (
+                "" if other["gate_passed"] is None else f"; the gate {'passes' if other['gate_passed'] else 'fails'} it"
+            ),
+        ]
+    variants = [
+        (name, r["variant"]) for name, r in rep["recipes"].items() if r.get("variant") and not r.get("unpaired")
+    ]
     if variants:
         lines += [""] + [
             f"{name}: {v['recipe']} with {' '.join(v['overrides'])} (a variant: no goal of its own)"
@@ -591,6 +624,13 @@ def _parser() -> argparse.ArgumentParser:
         metavar='"RECIPE-TAG OVERRIDE..."',
         help="one more group: RECIPE with these Hydra overrides, its runs named RECIPE-TAG-seed<N> "
         '(repeatable), e.g. --variant "delayed-margin8 recipe.margin=8"',
+    )
+    p.add_argument(
+        "--other-seeds",
+        default=None,
+        metavar="SEEDS",
+        help="BF16 also at these seeds (comma list, none of --seeds), as the group bf16-other compared "
+        "with BF16 unpaired: the gate on BF16 against itself (e.g. 4,5,6)",
     )
     p.add_argument("--model", default=None, help="model config (default: the preset's)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the preset's)")

@@ -111,6 +111,30 @@ def test_variants_are_groups_of_their_own(ns):
         _settings(ns, "--variant", "delayed-m x=1", "--variant", "delayed-m y=2")
 
 
+def test_other_seeds_are_a_bf16_group_trained_last(ns):
+    """``--other-seeds``: BF16 at seeds of its own, after every seed of the study, named as the
+    trainer names a run of run.tag=other; seeds shared with --seeds are refused."""
+    a = _settings(ns, "--recipes", "bf16,tensorwise", "--seeds", "1,2", "--other-seeds", "7,8")
+    js = ns.jobs(a)
+    assert [j["name"] for j in js] == [
+        "bf16-seed1",
+        "tensorwise-seed1",
+        "bf16-seed2",
+        "tensorwise-seed2",
+        "bf16-other-seed7",
+        "bf16-other-seed8",
+    ]
+    from nemo_fp8_recipes.config import compose_config
+
+    cfg = compose_config(js[-1]["argv"])
+    assert Path(cfg.run.dir) == js[-1]["dir"] and cfg.run.tag == "other" and cfg.trainer.seed == 8
+    assert cfg.recipe.name == "bf16" and js[-1]["arm"] == "bf16-other"
+    assert ["-m", "recipe=bf16", "run.tag=other", "trainer.seed=7,8"] in [c[:4] for c in ns.sweep_commands(a)]
+    for bad in ("2,3", "7,7", "x"):
+        with pytest.raises(ValueError, match="--other-seeds"):
+            _settings(ns, "--seeds", "1,2", "--other-seeds", bad)
+
+
 def test_bad_arguments_exit_2(ns, capsys, tmp_path):
     with pytest.raises(SystemExit) as e:
         ns.main(["--recipes", "bf16,fp4", "--dry-run"])
@@ -155,6 +179,8 @@ def smoke(ns, tmp_path_factory):
                 "2",
                 "--variant",
                 "tensorwise-pow2 recipe.scale_rounding=pow2",
+                "--other-seeds",
+                "3,4",
             ]
         )
     assert rc == 0, out.getvalue()[-3000:]
@@ -179,8 +205,12 @@ def test_smoke_study_reports_what_the_runs_logged(smoke):
         rep["preset"] == "smoke"
         and rep["steps"] == 6
         and rep["last"] == 2
-        and set(rep["recipes"]) == {"bf16", "tensorwise", "tensorwise-pow2"}
+        and set(rep["recipes"]) == {"bf16", "tensorwise", "tensorwise-pow2", "bf16-other"}
     )
+    other = rep["recipes"]["bf16-other"]  # BF16 at other seeds: unpaired, Welch's interval
+    assert other["unpaired"] and other["complete_seeds"] == [3, 4] and other["goal"] is None
+    lo, hi = other["train_interval"]
+    assert lo <= other["train_vs_bf16"] <= hi and other["per_seed_train"] == {}
     import yaml
 
     var = rep["recipes"]["tensorwise-pow2"]
@@ -211,6 +241,8 @@ def test_smoke_study_reports_what_the_runs_logged(smoke):
     row = next(line for line in md.splitlines() if line.startswith("| tensorwise |"))
     assert f"{100 * tw['train_vs_bf16']:+.2f}%" in row and "±0.50%" in row
     assert "tensorwise-pow2: tensorwise with recipe.scale_rounding=pow2 (a variant" in md
+    assert "bf16-other: BF16 at seeds 3, 4, compared with BF16 unpaired (Welch's interval" in md
+    assert "bf16-other: bf16 with" not in md  # not listed as a variant
     assert "Noise floor (train loss): BF16 seed to seed" in md and "0 (deterministic)" in md
     for tag in ("train", "val"):
         cmp = json.loads((rdir / "compare" / tag / "compare.json").read_text())
