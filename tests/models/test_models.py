@@ -349,8 +349,11 @@ def test_fused_projections_run_in_fp8_and_keep_block_scaling(recipe):
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
-def test_moe_tiny_converts_to_grouped_fp8_experts_with_router_and_head_out_of_fp8(recipe):
-    cfg = load_model_config("moe_tiny", num_layers=2)
+@pytest.mark.parametrize("preset", ["moe_tiny", "moe_360m"])
+def test_moe_presets_convert_to_grouped_fp8_experts_with_router_and_head_out_of_fp8(recipe, preset):
+    """Both MoE presets (cut to their dense first layer and one MoE layer, at full width): every
+    expert GEMM in FP8 under every recipe (moe_360m's widths are multiples of 128), the router FP32."""
+    cfg = load_model_config(preset, num_layers=2)
     model = build_model(cfg)
     params = {n: p for n, p in model.named_parameters()}
     convert_model(model, get_recipe(recipe))
