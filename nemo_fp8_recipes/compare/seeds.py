@@ -224,11 +224,12 @@ def mean_interval(xs: Sequence[float], level: float = 0.95) -> Tuple[float, Opti
 def welch_interval(
     a: Sequence[float], b: Sequence[float], level: float = 0.95
 ) -> Tuple[float, Optional[Tuple[float, float]]]:
-    """``mean(a) - mean(b)`` and its Welch interval (None unless both have two values or more)."""
+    """``mean(a) - mean(b)`` and its Welch interval (None unless both have two values or more, all
+    finite)."""
     ma, sa = _mean_sd(a)
     mb, sb = _mean_sd(b)
     diff = ma - mb
-    if len(a) < 2 or len(b) < 2:
+    if len(a) < 2 or len(b) < 2 or not all(math.isfinite(v) for v in (*a, *b)):
         return diff, None
     va, vb = sa * sa / len(a), sb * sb / len(b)
     se2 = va + vb
@@ -421,6 +422,11 @@ def group_statistics(
         for r in judged:
             st = run_stats[r.name]
             row.reasons += [f"{r.name}: {why}" for why in st.reasons if not (welch and why == st.unpaired)]
+        if welch:  # what a paired run learns from its partner: the baseline's damaged files, a lost loss
+            for rb in base_seed_runs.values():
+                row.reasons += [f"baseline {rb.name}: {why}" for why in run_stats[rb.name].reasons]
+            if not all(math.isfinite(v) for v in fl_values + base_finals):
+                row.reasons.append("a final loss of this group or of the baseline is not finite: no interval")
         for s in paired:
             rb = base_seed_runs[s]
             row.per_seed[seed_key(s)] = (finals[seed_runs[s].name] - finals[rb.name]) / finals[rb.name]

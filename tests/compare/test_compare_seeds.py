@@ -117,6 +117,8 @@ def test_interval_helpers():
     assert mean_interval([0.5])[1] is None
     diff, ci = welch_interval([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
     assert diff == 0 and ci[0] < 0 < ci[1]
+    assert welch_interval([1.0, float("nan")], [1.0, 2.0])[1] is None  # a lost loss: no interval, no crash
+    assert welch_interval([1.0, 2.0], [1.0, float("inf")])[1] is None
     assert group_label("bf16-seed1", 1) == "bf16" and group_label("a/bf16-x-seed12-y", 12) == "a/bf16-x-y"
     assert group_label("bf16", 1) == "bf16" and group_label("bf16-seed2", 1) == "bf16-seed2"
 
