@@ -42,6 +42,7 @@ __all__ = [
     "apply_kernel_options",
     "conversion_state",
     "convert_model",
+    "grouped_decision",
     "hp_gemm_counts",
     "infer_num_layers",
     "invalidate_weight_cache",
@@ -102,7 +103,7 @@ def _swap_grouped(fqn: str, module: nn.Module, decision: Decision, config: Float
     return Float8GroupedExperts.from_experts(module, config)
 
 
-def _grouped_decision(
+def grouped_decision(
     policy: PrecisionPolicy, fqn: str, module: nn.Module, recipe: Recipe, names: Tuple[str, ...]
 ) -> Decision:
     """The policy's decision for a module with the 3-D grouped weights ``names``: each weight's
@@ -333,7 +334,7 @@ def convert_model(
         # nn.Linear: the policy reads out_features / in_features itself
         shape = _gemm_shape(module) if factory is not None and not isinstance(module, nn.Linear) else None
         if grouped:
-            decision = _grouped_decision(policy, fqn, module, r, grouped)
+            decision = grouped_decision(policy, fqn, module, r, grouped)
         else:
             decision = policy.decide(fqn, module, recipe=r, shape=shape)
         if decision.role == Role.OTHER:

@@ -192,16 +192,18 @@ def convert_to_te(
     module takes their place here, and leaving them in BF16 would run less FP8 than asked.
     ``micro``: the trainer's micro-batch position (TE's weight caching)."""
     from ..integrations.te import to_te_recipe
-    from ..nn.convert import infer_num_layers, set_submodule
+    from ..nn.convert import grouped_decision, infer_num_layers, set_submodule
 
     policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
     for fqn, module in model.named_modules():
-        if fqn and grouped_weight_names(module) and policy.decide(fqn, module, recipe=recipe).fp8:
+        names = grouped_weight_names(module) if fqn else ()
+        if names and grouped_decision(policy, fqn, module, recipe, names).fp8:  # as the native path decides
             raise ConfigError(
                 f"backend=te: {fqn} ({type(module).__name__}) holds grouped MoE experts (3-D weights), "
                 "which this backend does not swap for Transformer Engine modules, so its expert GEMMs "
                 f"would stay in high precision under recipe {recipe.name}. Use backend=native (grouped "
-                "FP8 experts), or recipe=bf16"
+                "FP8 experts), keep the experts in BF16 on purpose with policy.exclude=[*experts*], "
+                "or use recipe=bf16"
             )
     cls = _te_linear_class()
     te_recipe = to_te_recipe(recipe) if recipe.is_fp8 else None

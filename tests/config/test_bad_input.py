@@ -340,7 +340,9 @@ def test_backend_te_refuses_grouped_moe_experts_it_would_leave_in_bf16(monkeypat
     from nemo_fp8_recipes.trainer import te_backend as te_model
 
     model = build_model(load_model_config("moe_tiny", num_layers=2))
-    with pytest.raises(ConfigError, match=r"layers\.1\.feed_forward\.experts \(GroupedExperts\).*backend=native"):
+    with pytest.raises(
+        ConfigError, match=r"layers\.1\.feed_forward\.experts \(GroupedExperts\).*backend=native.*policy\.exclude"
+    ):
         te_model.convert_to_te(model, get_recipe("tensorwise"))
 
     def no_te():  # where the conversion would build its first TE module
@@ -349,6 +351,9 @@ def test_backend_te_refuses_grouped_moe_experts_it_would_leave_in_bf16(monkeypat
     monkeypatch.setattr(te_model, "_te_linear_class", no_te)
     with pytest.raises(ImportError, match="no TE here"):  # past the grouped check
         te_model.convert_to_te(model, get_recipe("tensorwise"), PrecisionPolicy(exclude=["*experts*"]))
+    # the size rule keeps experts this small in BF16, as the native path would: no refusal either
+    with pytest.raises(ImportError, match="no TE here"):
+        te_model.convert_to_te(model, get_recipe("tensorwise"), PrecisionPolicy(min_fp8_weight_elements="auto"))
 
 
 def test_a_run_root_that_cannot_be_written_stops_at_once(capsys):
