@@ -130,9 +130,12 @@ def test_other_seeds_are_a_bf16_group_trained_last(ns):
     assert Path(cfg.run.dir) == js[-1]["dir"] and cfg.run.tag == "other" and cfg.trainer.seed == 8
     assert cfg.recipe.name == "bf16" and js[-1]["arm"] == "bf16-other"
     assert ["-m", "recipe=bf16", "run.tag=other", "trainer.seed=7,8"] in [c[:4] for c in ns.sweep_commands(a)]
-    for bad in ("2,3", "7,7", "x"):
+    assert ns.sweep_commands(a)[-1][:4] == ["-m", "recipe=bf16", "run.tag=other", "trainer.seed=7,8"]
+    for bad in ("2,3", "7,7", "7", "x"):
         with pytest.raises(ValueError, match="--other-seeds"):
             _settings(ns, "--seeds", "1,2", "--other-seeds", bad)
+    with pytest.raises(ValueError, match="name the variant otherwise"):
+        _settings(ns, "--other-seeds", "7,8", "--variant", "bf16-other trainer.lr=1e-3")
 
 
 def test_bad_arguments_exit_2(ns, capsys, tmp_path):
