@@ -19,6 +19,8 @@ the FP8 grouped GEMMs of torchao and TE require).
 **Variants** (``--variants``; the parameters are FP32 master weights under BF16 autocast, as the
 trainer runs them, unless said otherwise):
 
+Our variants, torchao's and the BF16 ones share one set of FP32 weights; TE's modules hold their own.
+
 - ``bf16-grouped-mm``: PyTorch's BF16 grouped GEMM (``torch._grouped_mm``) on BF16 copies of the
   weights cast in every step (what autocast does for a linear): the fast BF16 path, the baseline
   of the speedup column.
@@ -42,8 +44,10 @@ TFLOP/s counts the six GEMMs: ``18 x rows x hidden x intermediate`` per step. ``
 variant's output against an FP32 computation of the same experts (the norm of the difference over
 the norm of the reference), taken on the fourth step (delayed scaling's first step runs on scales
 of 1, before any amax is recorded): about 0.5% for BF16 and a few percent for FP8; a broken path
-shows here before its time means anything. Peak memory: ``torch.cuda.max_memory_allocated`` over one
-step with the weights, their gradients and the inputs allocated.
+shows here before its time means anything. ``step GiB``: what one step allocates at its peak above
+what was resident before it (the shared FP32 weights, TE's own copies and the inputs): activations,
+FP8 copies, gradients. torchao's grouped GEMM accumulates in fast (FP8-precision) mode in all three
+GEMMs, as torchao ships it; our recipes and TE's use split accumulation for dgrad and wgrad.
 """
 
 from __future__ import annotations
@@ -81,6 +85,7 @@ OURS = ("tensorwise", "blockwise", "delayed", "mxfp8")
 TE = ("te-bf16", "te-tensorwise", "te-delayed", "te-blockwise")
 VARIANTS = ("bf16-grouped-mm", "bf16-loop", *OURS, "torchao-rowwise", *TE)
 DEFAULT = "bf16-grouped-mm,bf16-loop,tensorwise,blockwise,delayed,mxfp8,torchao-rowwise," + ",".join(TE)
+FULL = dict(experts=8, top_k=2, hidden=4096, intermediate=14336, tokens=8192)  # Mixtral 8x7B's experts
 SMOKE = dict(experts=4, top_k=2, hidden=128, intermediate=256, tokens=64)
 
 
@@ -112,12 +117,12 @@ class Problem:
         self.E, self.H, self.I = a.experts, a.hidden, a.intermediate
         self.rows = a.tokens * a.top_k
         self.sizes = expert_sizes(self.rows, self.E, a.routing, seed=0)
-        ref = GroupedExperts(self.E, self.H, self.I).to(device)
-        with torch.no_grad():  # the model's init: Normal(0, 0.02), residual output scaled
-            ref.gate_up_proj.normal_(0.0, 0.02)
-            ref.down_proj.normal_(0.0, 0.02 / math.sqrt(2 * 32))
-        self.gate_up = ref.gate_up_proj.detach()
-        self.down = ref.down_proj.detach()
+        # the model's init: Normal(0, 0.02), the residual-branch output scaled (GroupedExperts' layout)
+        self.gate_up = torch.randn(self.E, 2 * self.I, self.H, device=device) * 0.02
+        self.down = torch.randn(self.E, self.H, self.I, device=device) * (0.02 / math.sqrt(2 * 32))
+        # one set of FP32 master weights for every variant that reads them (none updates them;
+        # each step sets their gradients to None before and after): one copy in memory, not one each
+        self._params = {"gate_up_proj": nn.Parameter(self.gate_up), "down_proj": nn.Parameter(self.down)}
         self.x = [torch.randn(self.rows, self.H, device=device).to(torch.bfloat16) for _ in range(a.input_sets)]
         self.dy = [torch.randn(self.rows, self.H, device=device).to(torch.bfloat16) * 1e-3 for _ in range(a.input_sets)]
         self.offs = torch.tensor(self.sizes, device=device, dtype=torch.int32).cumsum(0).to(torch.int32)
@@ -134,10 +139,8 @@ class Problem:
         return torch.cat(ys)
 
     def params(self) -> Dict[str, nn.Parameter]:
-        return {
-            "gate_up_proj": nn.Parameter(self.gate_up.clone()),
-            "down_proj": nn.Parameter(self.down.clone()),
-        }
+        """The shared FP32 master weights (the same Parameter objects for every variant)."""
+        return dict(self._params)
 
 
 def swiglu_experts(gemm_gu: Callable, gemm_d: Callable, x: torch.Tensor) -> torch.Tensor:
@@ -163,6 +166,8 @@ class Variant:
         with self.context():
             y = self._forward(x)
         y.backward(p.dy[i % len(p.dy)])
+        for w in self.params:  # (the weights are shared: the next variant must not find these)
+            w.grad = None
         return y
 
 
@@ -180,8 +185,10 @@ def build_bf16_grouped_mm(p: Problem) -> Variant:
 
 
 def _grouped_module(p: Problem) -> nn.Module:
+    """A ``GroupedExperts`` (built on the meta device, no init) holding the shared weights."""
     holder = nn.Module()
-    holder.experts = GroupedExperts(p.E, p.H, p.I).to(p.device)
+    with torch.device("meta"):
+        holder.experts = GroupedExperts(p.E, p.H, p.I)
     for name, w in p.params().items():
         setattr(holder.experts, name, w)
     return holder
@@ -232,9 +239,10 @@ def build_torchao(p: Problem) -> Variant:
 def build_te(p: Problem, key: str, device: str) -> Variant:
     import transformer_engine.pytorch as te
 
-    from nemo_fp8_recipes.integrations.te import te_autocast
+    from nemo_fp8_recipes.integrations.te import te_autocast, to_te_recipe
 
     recipe = key.split("-", 1)[1]
+    te_recipe = to_te_recipe(recipe) if recipe != "bf16" else None  # built once, as a training loop does
     mods = {}
     for name, (n_in, n_out) in {"gate_up_proj": (p.H, 2 * p.I), "down_proj": (p.I, p.H)}.items():
         mod = te.GroupedLinear(p.E, n_in, n_out, bias=False, params_dtype=torch.float32, device=device)
@@ -245,7 +253,7 @@ def build_te(p: Problem, key: str, device: str) -> Variant:
         mods[name] = mod
 
     def fwd(x):
-        with te_autocast(recipe if recipe != "bf16" else None, enabled=recipe != "bf16"):
+        with te_autocast(te_recipe, enabled=te_recipe is not None):
             return swiglu_experts(
                 lambda t: mods["gate_up_proj"](t, p.sizes), lambda t: mods["down_proj"](t, p.sizes), x
             )
@@ -301,22 +309,25 @@ def build(name: str, p: Problem, device: str) -> Variant:
 
 
 def peak_bytes(v: Variant, p: Problem, device: str) -> Optional[int]:
+    """What one step allocates above what was resident before it (weights of every variant and
+    inputs): activations, FP8 copies, gradients; None on a CPU."""
     if device != "cuda":
         return None
     torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     v.step(p, 0)
     torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=4096, help="model width H (default: Mixtral 8x7B's)")
-    ap.add_argument("--intermediate", type=int, default=14336, help="expert FFN width I")
-    ap.add_argument("--tokens", type=int, default=8192, help="tokens routed (rows = tokens x top-k)")
+    ap.add_argument("--experts", type=int, default=None, help="number of experts (default 8; --smoke: 4)")
+    ap.add_argument("--top-k", type=int, default=None, help="experts per token (default 2)")
+    ap.add_argument("--hidden", type=int, default=None, help="model width H (default 4096, Mixtral 8x7B's)")
+    ap.add_argument("--intermediate", type=int, default=None, help="expert FFN width I (default 14336)")
+    ap.add_argument("--tokens", type=int, default=None, help="tokens routed, rows = tokens x top-k (default 8192)")
     ap.add_argument("--routing", choices=("balanced", "skewed"), default="balanced")
     ap.add_argument("--variants", default=DEFAULT, help=f"comma list of {', '.join(VARIANTS)}")
     ap.add_argument("--warmup", type=int, default=5)
@@ -334,10 +345,19 @@ def parse_args(argv=None):
     if a.rounds < 1 or a.iters < 1:
         ap.error("--rounds and --iters must be at least 1")
     a.variants = variants
+    for k, v in (SMOKE if a.smoke else FULL).items():  # the shapes not given
+        if getattr(a, k) is None:
+            setattr(a, k, v)
     if a.smoke:
-        for k, v in SMOKE.items():
-            setattr(a, k.replace("-", "_"), v)
         a.warmup, a.iters, a.rounds, a.window = 1, 2, 1, 2
+    if min(a.experts, a.top_k, a.hidden, a.intermediate, a.tokens) < 1 or a.top_k > a.experts:
+        ap.error("--experts, --top-k, --hidden, --intermediate and --tokens must be positive, --top-k <= --experts")
+    rows = a.tokens * a.top_k
+    if rows % 16 or (a.routing == "balanced" and rows % (16 * a.experts)):
+        ap.error(
+            f"tokens x top-k = {rows} rows must be a multiple of 16 (the FP8 grouped GEMMs' alignment)"
+            + (f", and of 16 x {a.experts} experts for --routing balanced" if a.routing == "balanced" else "")
+        )
     return a
 
 
@@ -361,7 +381,7 @@ def main(argv=None) -> int:
                 v.step(p, i + 1)
             y = v.step(p, 0).detach()
             row["rel_err"] = float((y.float() - ref).norm() / ref.norm())
-            row["peak_gib"] = None if (b := peak_bytes(v, p, device)) is None else b / 2**30
+            row["step_gib"] = None if (b := peak_bytes(v, p, device)) is None else b / 2**30
             built[name] = v
         except Exception as e:  # noqa: BLE001 - one variant's failure is its row, not the run's end
             row["status"] = error_status(e)
@@ -420,7 +440,7 @@ def main(argv=None) -> int:
                 "model TFLOP/s",
                 "vs bf16-grouped-mm",
                 "vs TE",
-                "peak GiB",
+                "step GiB",
                 "rel. error",
                 "status",
             ],
@@ -432,7 +452,7 @@ def main(argv=None) -> int:
                     fmt_tflops(r.get("tflops")),
                     fmt(r.get("vs_bf16"), ".2f", "×"),
                     fmt(r.get("vs_te"), ".2f", "×"),
-                    fmt(r.get("peak_gib"), ".2f"),
+                    fmt(r.get("step_gib"), ".2f"),
                     fmt(None if r.get("rel_err") is None else 100 * r["rel_err"], ".2f", "%"),
                     r["status"],
                 ]
