@@ -181,7 +181,7 @@ def test_te_linear_equals_float8_linear_bit_for_bit(key, triton, monkeypatch):
 def test_te_grouped_linear_equals_float8_grouped_experts_bit_for_bit(key):
     """``te.GroupedLinear`` and our grouped FP8 experts (``Float8GroupedExperts.grouped_mm``) on the
     same 3-D weight and the same rows per expert: fprop, dgrad and every expert's wgrad identical
-    over several steps (delayed: each expert's amax history included)."""
+    over several steps (delayed: four steps, so each expert's own amax history sets its scales)."""
     from nemo_fp8_recipes.integrations.te import te_autocast, to_te_recipe
     from nemo_fp8_recipes.nn import Float8GroupedExperts, Float8LinearConfig
 
