@@ -242,7 +242,14 @@ class Comparison:
         notes = [
             f"- **{g.label}**: {why}" for g in self.groups for why in (g.reasons + g.notes if self.seeded else g.notes)
         ]
-        notes += [f"- **{s.name}**: {why}" for s in self.stats for why in s.reasons]
+        # a group judged by Welch's interval has its own note for why its runs have no same-seed partner
+        welch = {g.label for g in self.groups if g.method == "unpaired"}
+        notes += [
+            f"- **{s.name}**: {why}"
+            for s in self.stats
+            for why in s.reasons
+            if not (s.group in welch and why == s.unpaired)
+        ]
         if notes:
             lines += ["", "Notes:", *dict.fromkeys(notes)]
         return "\n".join(lines) + "\n"

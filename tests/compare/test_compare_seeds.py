@@ -193,6 +193,8 @@ def test_a_group_without_common_seeds_gets_welchs_interval(seeds, tmp_path):
     df = (va + vb) ** 2 / (va**2 / 1 + vb**2 / 2)
     half = t_quantile(0.975, df) * math.sqrt(va + vb) / b.mean()
     assert row["method"] == "unpaired"
+    md = (tmp_path / "compare.md").read_text()  # one note for the group, not a 'no partner' per run
+    assert "Welch's interval over the two groups' seeds" in md and "to pair it with" not in md
     assert float(row["final_vs_baseline"]) == pytest.approx((a.mean() - b.mean()) / b.mean(), rel=1e-9)
     assert float(row["interval_high"]) - float(row["final_vs_baseline"]) == pytest.approx(half, rel=1e-9)
     # the gate judges such a group by Welch's interval: runs without a same-seed partner are the
@@ -207,6 +209,7 @@ def test_a_group_without_common_seeds_gets_welchs_interval(seeds, tmp_path):
     assert main(one + ["--max-rel-dev", "0.99"]) == 1
     row = _groups_csv(tmp_path / "compare_groups.csv")["bf16-other"]
     assert row["passed"] == "False" and "no bf16 run of seed 4 to pair it with" in row["reasons"]
+    assert "no bf16 run of seed 4 to pair it with" in (tmp_path / "compare.md").read_text()
 
 
 def test_the_gate_decides_on_the_interval(seeds, tmp_path, capsys):
