@@ -36,13 +36,13 @@ FP8 GEMMs, not expert-parallel speed).
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, NamedTuple, Optional, Tuple
+from typing import Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..nn.grouped import Float8GroupedExperts
+from ..nn.grouped import Float8GroupedExperts, experts_forward
 from ..nn.norm import rms_norm
 from ..options import default_kernel_options
 from .config import ModelConfig
@@ -296,25 +296,19 @@ class GroupedExperts(nn.Module):
             bound = 1 / math.sqrt(w.shape[-1])
             nn.init.uniform_(w, -bound, bound)
 
+    def grouped_mm(self, name: str, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+        """``x [T, in]`` (rows sorted by expert, ``sizes[e]`` rows for expert ``e``) times
+        ``weight[e]ᵀ`` per expert for the 3-D weight ``name``: ``[T, out]``, one ``F.linear`` each."""
+        w = getattr(self, name)
+        return torch.cat([F.linear(xe, w[e]) for e, xe in enumerate(x.split(list(sizes)))])
+
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """``hidden_states [N, dim]``, each token's experts ``top_k_index [N, k]`` and routing
         weights ``top_k_weights [N, k]`` -> ``sum_s weight[s] * expert[index[s]](x)`` per token,
-        in ``hidden_states``' dtype (the routing weights multiply in their own precision, FP32)."""
-        k = top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # rows grouped by expert
-        token = order // k
-        sizes = torch.bincount(flat, minlength=self.num_experts).tolist()
-        ys = []
-        for e, x in enumerate(hidden_states[token].split(sizes)):
-            if x.shape[0]:
-                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-                ys.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
-        out = torch.zeros_like(hidden_states)
-        if not ys:
-            return out
-        h = torch.cat(ys) * top_k_weights.reshape(-1)[order, None]
-        return out.index_add_(0, token, h.to(out.dtype))
+        in ``hidden_states``' dtype (the routing weights multiply in their own precision, FP32):
+        the routing of :func:`~nemo_fp8_recipes.nn.grouped.experts_forward`, which the FP8 form
+        shares, over :meth:`grouped_mm`."""
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
     def extra_repr(self) -> str:
         e, f2, d = self.gate_up_proj.shape

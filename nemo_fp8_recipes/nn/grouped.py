@@ -47,6 +47,7 @@ from .linear import fp8_modules
 __all__ = [
     "Float8GroupedExperts",
     "GroupedOperands",
+    "experts_forward",
     "fp8_state_modules",
     "grouped_fp8_modules",
     "grouped_layout_problem",
@@ -389,27 +390,36 @@ class Float8GroupedExperts(nn.Module):
 
     @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        """transformers 5's experts forward: route each token to its top-k experts, run
-        ``down_proj(act(gate) * up)`` per expert in FP8, and sum the outputs weighted by the
-        routing weights (in the routing weights' precision, FP32 for transformers' routers)."""
-        E, k = self.num_experts, top_k_index.shape[-1]
-        flat = top_k_index.reshape(-1)
-        valid = flat < E  # (transformers marks tokens of experts on other ranks with E)
-        order = torch.argsort(torch.where(valid, flat, E), stable=True)
-        order = order[: int(valid.sum())]
-        token = order // k
-        sizes = torch.bincount(flat[order], minlength=E).tolist()
-        x = hidden_states[token]
-        gate, up = self.grouped_mm("gate_up_proj", x, sizes).chunk(2, dim=-1)
-        h = self.grouped_mm("down_proj", self.act_fn(gate) * up, sizes)
-        h = h * top_k_weights.reshape(-1)[order, None]
-        out = torch.zeros_like(hidden_states)
-        return out.index_add_(0, token, h.to(out.dtype))
+        """transformers 5's experts forward (:func:`experts_forward`), every expert GEMM in FP8."""
+        return experts_forward(self, hidden_states, top_k_index, top_k_weights)
 
     def extra_repr(self) -> str:
         shapes = ", ".join(f"{n}={tuple(getattr(self, n).shape)}" for n in self.weight_names)
         mode = "emulated" if self.config.emulate else "real FP8"
         return f"{shapes}, recipe={self.recipe.name} ({mode})"
+
+
+def experts_forward(
+    experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers 5's experts forward over ``experts.grouped_mm(name, x, sizes)`` (rows sorted by
+    expert) and ``experts.act_fn``: route each token to its top-k experts, run
+    ``down_proj(act(gate) * up)`` per expert, and sum the outputs weighted by the routing weights
+    (in the routing weights' precision, FP32 for transformers' routers). One routing for the FP8
+    experts and the trainer's high-precision ``GroupedExperts``; only their GEMMs differ."""
+    E, k = experts.num_experts, top_k_index.shape[-1]
+    flat = top_k_index.reshape(-1)
+    valid = flat < E  # (transformers marks tokens of experts on other ranks with E)
+    order = torch.argsort(torch.where(valid, flat, E), stable=True)
+    order = order[: int(valid.sum())]
+    token = order // k
+    sizes = torch.bincount(flat[order], minlength=E).tolist()
+    x = hidden_states[token]
+    gate, up = experts.grouped_mm("gate_up_proj", x, sizes).chunk(2, dim=-1)
+    h = experts.grouped_mm("down_proj", experts.act_fn(gate) * up, sizes)
+    h = h * top_k_weights.reshape(-1)[order, None]
+    out = torch.zeros_like(hidden_states)
+    return out.index_add_(0, token, h.to(out.dtype))
 
 
 def grouped_fp8_modules(model: nn.Module) -> Dict[str, Float8GroupedExperts]:
