@@ -184,42 +184,30 @@ def build_bf16_grouped_mm(p: Problem) -> Variant:
     return Variant("bf16-grouped-mm", lambda x: swiglu_experts(gemm("gate_up_proj"), gemm("down_proj"), x), w.values())
 
 
-def _grouped_module(p: Problem) -> nn.Module:
-    """A ``GroupedExperts`` (built on the meta device, no init) holding the shared weights."""
+def build_grouped(p: Problem, name: str, device: str) -> Variant:
+    """``bf16-loop``: the trainer's ``GroupedExperts`` (built on the meta device, then given the
+    shared weights); a recipe: the same module converted by ``convert_model`` (emulated off a GPU).
+    Both run the experts through the module's own ``grouped_mm``."""
     holder = nn.Module()
     with torch.device("meta"):
         holder.experts = GroupedExperts(p.E, p.H, p.I)
-    for name, w in p.params().items():
-        setattr(holder.experts, name, w)
-    return holder
-
-
-def build_bf16_loop(p: Problem, device: str) -> Variant:
-    m = _grouped_module(p).experts
-
-    def fwd(x):
-        ys = []
-        for e, xe in enumerate(x.split(p.sizes)):
-            gate, up = F.linear(xe, m.gate_up_proj[e]).chunk(2, dim=-1)
-            ys.append(F.linear(F.silu(gate) * up, m.down_proj[e]))
-        return torch.cat(ys)
-
-    return Variant("bf16-loop", fwd, m.parameters(), autocast(device))
-
-
-def build_ours(p: Problem, recipe: str, device: str, emulate: bool) -> Variant:
-    holder = convert_model(_grouped_module(p), recipe, emulate=emulate, scaling_update="step")
+    for wname, w in p.params().items():
+        setattr(holder.experts, wname, w)
+    on_step = None
+    if name != "bf16-loop":
+        convert_model(holder, name, emulate=device != "cuda", scaling_update="step")
+        if not isinstance(holder.experts, Float8GroupedExperts):
+            raise RuntimeError(f"convert_model left the experts as {type(holder.experts).__name__}")
+        if name == "delayed":
+            on_step = lambda: sync_delayed_scaling(holder)  # noqa: E731 - the trainer's step schedule
     m = holder.experts
-    if not isinstance(m, Float8GroupedExperts):
-        raise RuntimeError(f"convert_model left the experts as {type(m).__name__}")
 
     def fwd(x):
         return swiglu_experts(
             lambda t: m.grouped_mm("gate_up_proj", t, p.sizes), lambda t: m.grouped_mm("down_proj", t, p.sizes), x
         )
 
-    on_step = (lambda: sync_delayed_scaling(holder)) if recipe == "delayed" else None
-    return Variant(recipe, fwd, m.parameters(), autocast(device), on_step)
+    return Variant(name, fwd, m.parameters(), autocast(device), on_step)
 
 
 def build_torchao(p: Problem) -> Variant:
@@ -299,10 +287,8 @@ def variant_skip(name: str, device: str, ao_reason: str) -> Optional[str]:
 def build(name: str, p: Problem, device: str) -> Variant:
     if name == "bf16-grouped-mm":
         return build_bf16_grouped_mm(p)
-    if name == "bf16-loop":
-        return build_bf16_loop(p, device)
-    if name in OURS:
-        return build_ours(p, name, device, emulate=device != "cuda")
+    if name == "bf16-loop" or name in OURS:
+        return build_grouped(p, name, device)
     if name == "torchao-rowwise":
         return build_torchao(p)
     return build_te(p, name, device)
