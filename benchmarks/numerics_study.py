@@ -204,7 +204,9 @@ def sweep_commands(a: argparse.Namespace) -> List[List[str]]:
     out = [["-m", f"recipe={','.join(plain)}", seeds, *common_overrides(a)]]
     if emulated:
         out.append(["-m", f"recipe={','.join(emulated)}", "recipe.emulate=true", seeds, *common_overrides(a)])
-    for v in a.variants:
+    for v in a.arms:  # the tagged groups: the variants, then BF16 at --other-seeds (seeds of its own)
+        if not v["tag"]:
+            continue
         emulate = ["recipe.emulate=true"] if v["recipe"] in a.emulate else []
         out.append(
             [
@@ -213,16 +215,10 @@ def sweep_commands(a: argparse.Namespace) -> List[List[str]]:
                 *emulate,
                 f"run.tag={v['tag']}",
                 *v["overrides"],
-                seeds,
+                f"trainer.seed={','.join(map(str, v['seeds']))}" if "seeds" in v else seeds,
                 *common_overrides(a),
             ]
         )
-    for arm in a.arms:
-        if "seeds" in arm:
-            out.append(
-                ["-m", "recipe=bf16", f"run.tag={arm['tag']}", f"trainer.seed={','.join(map(str, arm['seeds']))}"]
-                + common_overrides(a)
-            )
     return out
 
 
