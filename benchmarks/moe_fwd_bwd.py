@@ -94,11 +94,15 @@ def expert_sizes(rows: int, experts: int, routing: str, seed: int = 0) -> List[i
     ``balanced`` equal shares, ``skewed`` Dirichlet(1) shares (seeded), rounded to 16 with the
     remainder given to the largest."""
     if rows % 16:
-        raise SystemExit(f"tokens x top-k = {rows} routed rows must be a multiple of 16")
+        raise SystemExit(
+            f"tokens x top-k = {rows} routed rows must be a multiple of 16 (the FP8 grouped GEMMs' alignment)"
+        )
     units = rows // 16
     if routing == "balanced":
         if units % experts:
-            raise SystemExit(f"{rows} routed rows do not split into {experts} equal multiples of 16")
+            raise SystemExit(
+                f"{rows} routed rows do not split into {experts} equal multiples of 16 (--routing balanced)"
+            )
         return [rows // experts] * experts
     g = torch.Generator().manual_seed(seed)
     w = -torch.log(torch.rand(experts, generator=g, dtype=torch.float64))  # Dirichlet(1) = normalised Exp(1)
@@ -116,7 +120,7 @@ class Problem:
         self.device = device
         self.E, self.H, self.I = a.experts, a.hidden, a.intermediate
         self.rows = a.tokens * a.top_k
-        self.sizes = expert_sizes(self.rows, self.E, a.routing, seed=0)
+        self.sizes = a.sizes
         # the model's init: Normal(0, 0.02), the residual-branch output scaled (GroupedExperts' layout)
         self.gate_up = torch.randn(self.E, 2 * self.I, self.H, device=device) * 0.02
         self.down = torch.randn(self.E, self.H, self.I, device=device) * (0.02 / math.sqrt(2 * 32))
@@ -338,12 +342,10 @@ def parse_args(argv=None):
         a.warmup, a.iters, a.rounds, a.window = 1, 2, 1, 2
     if min(a.experts, a.top_k, a.hidden, a.intermediate, a.tokens) < 1 or a.top_k > a.experts:
         ap.error("--experts, --top-k, --hidden, --intermediate and --tokens must be positive, --top-k <= --experts")
-    rows = a.tokens * a.top_k
-    if rows % 16 or (a.routing == "balanced" and rows % (16 * a.experts)):
-        ap.error(
-            f"tokens x top-k = {rows} rows must be a multiple of 16 (the FP8 grouped GEMMs' alignment)"
-            + (f", and of 16 x {a.experts} experts for --routing balanced" if a.routing == "balanced" else "")
-        )
+    try:  # the rows per expert, checked once here: Problem takes them from a.sizes
+        a.sizes = expert_sizes(a.tokens * a.top_k, a.experts, a.routing, seed=0)
+    except SystemExit as e:
+        ap.error(str(e))
     return a
 
 
