@@ -223,9 +223,7 @@ class Trainer:
         if self.device.type == "cuda" and ctx.is_main:
             self._hint_small_gemms(raw_model)
         self.raw_model = raw_model
-        self.dp_model = wrap_model(
-            raw_model, tcfg.data_parallel, ctx, find_unused_parameters=self.mcfg.arch == "moe"
-        )  # unrouted experts get no grad
+        self.dp_model = wrap_model(raw_model, tcfg.data_parallel, ctx)
 
     def _hint_small_gemms(self, raw_model: torch.nn.Module) -> None:
         """Warn when every FP8 GEMM is below the recipe's measured FP8/BF16 crossover (GPU runs)."""
