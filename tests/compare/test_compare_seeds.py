@@ -117,6 +117,10 @@ def test_interval_helpers():
     assert mean_interval([0.5])[1] is None
     diff, ci = welch_interval([1.0, 2.0, 3.0], [1.0, 2.0, 3.0])
     assert diff == 0 and ci[0] < 0 < ci[1]
+    # unequal sizes and variances: SciPy's ttest_ind(equal_var=False).confidence_interval(0.95)
+    # gives df 4.0754716981, interval [-6.897975451083, 0.897975451083]
+    diff, ci = welch_interval([1.0, 2.0, 3.0], [2.0, 4.0, 6.0, 8.0])
+    assert diff == -3.0 and ci == pytest.approx((-6.897975451083128, 0.8979754510831279), rel=1e-9)
     assert welch_interval([1.0, float("nan")], [1.0, 2.0])[1] is None  # a lost loss: no interval, no crash
     assert welch_interval([1.0, 2.0], [1.0, float("inf")])[1] is None
     assert group_label("bf16-seed1", 1) == "bf16" and group_label("a/bf16-x-seed12-y", 12) == "a/bf16-x-y"
