@@ -73,6 +73,7 @@ from .validate_checks import (
     check_policy_include_te,
     check_pp_layer_patterns,
     check_recipe_conflict,
+    check_recipe_numerics,
     check_router_dtype,
     check_te_imported_settings,
     check_te_unexpressible,
@@ -409,6 +410,7 @@ def validate(
     # recipe and hardware
     findings += check_te_unexpressible(r, backend)
     findings += check_hardware(r, backend, target)
+    findings += check_recipe_numerics(r)
     # first/last BF16 layers, pipeline stages, policy patterns
     findings += check_delayed_first_last(r, p, backend, ov)
     findings += check_bf16_layers_per_stage(p, backend, num_layers, pp)

@@ -37,6 +37,7 @@ __all__ = [
     "effective_value",
     "check_te_unexpressible",
     "check_hardware",
+    "check_recipe_numerics",
     "check_delayed_first_last",
     "check_bf16_layers_per_stage",
     "check_all_layers_bf16",
@@ -236,6 +237,12 @@ def check_hardware(recipe: Recipe, backend: str, target: DeviceInfo) -> List[Fin
             )
         )
     return found
+
+
+def check_recipe_numerics(recipe: Recipe) -> List[Finding]:
+    """``recipe-numerics``: settings the recipe accepts but that are known to ruin training
+    (:meth:`Recipe.numerics_warnings`), on every backend."""
+    return [Finding("warning", "recipe-numerics", w) for w in recipe.numerics_warnings()]
 
 
 # ---- first/last BF16 layers, pipeline stages, policy patterns ----------------------------------

@@ -174,6 +174,9 @@ class Trainer:
         self.backend.check(self.recipe, device, tcfg)
         check_batch_split(tcfg, dist_world_size())
         self.ctx = ctx = init_distributed(device)
+        if ctx.is_main:
+            for warning in self.recipe.numerics_warnings():
+                log.warning(warning)
         self.device = ctx.device
         self.accum = tcfg.grad_accum // ctx.world_size  # micro-batches per rank per step
         if not ctx.is_main:

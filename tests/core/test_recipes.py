@@ -245,3 +245,19 @@ def test_check_supported_takes_a_gpus_name_like_nemo_fp8_check():
     assert check_supported("mxfp8", device="sm100")[0]
     with pytest.raises(ValueError, match=r"unknown device 'tpu7'.*torch device.*h100.*smNN"):
         check_supported("blockwise", device="tpu7")
+
+
+def test_numerics_warnings_name_e4m3_gradients_with_a_margin_under_a_max_history():
+    """Only delayed scaling with E4M3 gradients, a margin and the max over a history longer than
+    one step is warned about (the run-level evidence: tests/trainer/test_train.py)."""
+    for name in list_recipes():
+        assert get_recipe(name).numerics_warnings() == [], name
+    (w,) = get_recipe("delayed", grad_format="e4m3", margin=2).numerics_warnings()
+    assert "margin=2" in w and "1024-step" in w and "margin=0, grad_format=e5m2" in w
+    for harmless in (
+        dict(grad_format="e4m3", margin=0),
+        dict(grad_format="e5m2", margin=8),
+        dict(grad_format="e4m3", margin=8, amax_compute_algo="most_recent"),
+        dict(grad_format="e4m3", margin=8, amax_history_len=1),
+    ):
+        assert get_recipe("delayed", **harmless).numerics_warnings() == [], harmless

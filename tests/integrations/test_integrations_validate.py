@@ -86,6 +86,14 @@ def test_fp8_wgrad_false_is_a_noop():
         assert "silently ignored by Transformer Engine >= 2.0" in errors(rep)["fp8-wgrad-noop"]
 
 
+@pytest.mark.parametrize("backend", ["native", "te"])
+def test_delayed_e4m3_gradients_with_a_margin_are_a_warning(backend):
+    rep = validate(get_recipe("delayed", grad_format="e4m3", margin=4), backend=backend, **TE)
+    msg = warns(rep)["recipe-numerics"]
+    assert rep.ok and "margin=4" in msg and "flushes the later, smaller gradients to zero" in msg
+    assert "recipe-numerics" not in warns(validate("delayed", backend=backend, **TE))
+
+
 def test_delayed_with_megatrons_default_history_of_one():
     rep = validate("delayed", backend="te", overrides={"model.fp8_amax_history_len": 1}, **TE)
     msg = errors(rep)["delayed-history-1"]

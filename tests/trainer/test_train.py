@@ -1062,3 +1062,34 @@ def test_the_loop_talks_to_its_backend_through_the_protocol(tmp_path, token_cach
     assert calls.count("snapshot") == calls.count("restore") == 2
     summary = json.loads((result.run_dir / "summary.json").read_text())
     assert summary["steps"] == 4
+
+
+def test_delayed_e4m3_gradients_with_a_margin_stall_and_are_warned_about(tmp_path, token_cache, caplog):
+    """recipe.numerics_warnings()'s claim, on real runs: delayed scaling with E4M3 gradients, a
+    margin and the max of the amax history flushes the later gradients to zero (dY's underflow
+    telemetry) and training stalls where margin 0 trains; the trainer logs the warning."""
+    finals, underflow = {}, {}
+    for margin in (8, 0):
+        cfg = _cfg(
+            tmp_path,
+            token_cache,
+            "recipe=delayed",
+            "recipe.grad_format=e4m3",
+            f"recipe.margin={margin}",
+            f"run.tag=m{margin}",
+            "trainer.max_steps=150",
+            "trainer.log_interval=10",
+            "trainer.val_interval=0",
+            "trainer.telemetry_interval=25",
+            "trainer.checkpoint=false",
+        )
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="nemo_fp8_recipes.train"):
+            train(cfg)
+        warned = [r.getMessage() for r in caplog.records if "grad_format=e4m3" in r.getMessage()]
+        assert bool(warned) == (margin == 8), warned
+        acc = _events(tmp_path / "runs" / "llama3_tiny" / f"delayed-m{margin}")
+        finals[margin] = [e.value for e in acc.Scalars("train/loss")][-1]
+        underflow[margin] = max(e.value for e in acc.Scalars("fp8/mlp/grad_output/underflow_frac"))
+    assert finals[8] > finals[0] + 0.2, finals
+    assert underflow[8] > 0.2 > underflow[0], underflow
