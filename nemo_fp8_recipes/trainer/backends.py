@@ -45,6 +45,10 @@ class Backend(Protocol):
     def check(self, recipe: Recipe, device: torch.device, tcfg) -> None:
         """Raise (naming the fix) when the recipe cannot run on ``device`` with this backend."""
 
+    def check_model(self, mcfg, recipe: Recipe, policy: PrecisionPolicy) -> None:
+        """Raise (naming the fix) when this backend cannot run the model ``mcfg`` describes under
+        the recipe and policy; called before the data is loaded."""
+
     def convert(
         self,
         model: nn.Module,
@@ -101,6 +105,10 @@ class NativeBackend:
         from ..recipes import require_supported
 
         require_supported(recipe, device)
+
+    def check_model(self, mcfg, recipe: Recipe, policy: PrecisionPolicy) -> None:
+        """Nothing to check: :func:`~nemo_fp8_recipes.nn.convert_model` places every module the
+        policy can, and the audit reports the rest."""
 
     def convert(
         self,

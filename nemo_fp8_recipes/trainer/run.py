@@ -184,6 +184,7 @@ class Trainer:
         self.autocast, self.bf16 = _autocast(self.device, tcfg.autocast)  # (factory, whether BF16)
         self.tokenizer = ByteTokenizer()
         self.mcfg, self.dcfg = model_and_data_configs(cfg, tcfg, self.tokenizer.vocab_size)
+        self.backend.check_model(self.mcfg, self.recipe, self.policy)
         check_memory(tcfg, self.mcfg, self.recipe, self.device, world_size=ctx.world_size, bf16_activations=self.bf16)
         check_cpu_compile(tcfg, self.recipe, self.device)
         check_compile_mode(tcfg, self.device, world_size=ctx.world_size)

@@ -50,6 +50,7 @@ log = logging.getLogger("nemo_fp8_recipes.train")  # (the trainer's: the TE back
 __all__ = [
     "MicroBatchState",
     "TEBackend",
+    "te_grouped_problem",
     "te_run_problem",
     "te_backend_problem",
     "convert_to_te",
@@ -182,6 +183,27 @@ def _te_linear_class():
     return _TE_LINEAR_CLASS
 
 
+def te_grouped_problem(model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPolicy] = None) -> Optional[str]:
+    """Why ``backend=te`` cannot run ``model`` under ``recipe``, or None: grouped MoE experts (3-D
+    weights) that the policy puts in FP8, as the native path decides. No TE module takes their
+    place here, and leaving them in BF16 would run less FP8 than asked. ``model`` may live on the
+    meta device (the trainer checks before it loads any data)."""
+    from ..nn.convert import grouped_decision, infer_num_layers
+
+    policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
+    for fqn, module in model.named_modules():
+        names = grouped_weight_names(module) if fqn else ()
+        if names and grouped_decision(policy, fqn, module, recipe, names).fp8:
+            return (
+                f"backend=te: {fqn} ({type(module).__name__}) holds grouped MoE experts (3-D weights), "
+                "which this backend does not swap for Transformer Engine modules, so its expert GEMMs "
+                f"would stay in high precision under recipe {recipe.name}. Use backend=native (grouped "
+                "FP8 experts), keep the experts in BF16 on purpose with policy.exclude=[*experts*], "
+                "or use recipe=bf16"
+            )
+    return None
+
+
 def convert_to_te(
     model: nn.Module, recipe: Recipe, policy: Optional[PrecisionPolicy] = None, micro: Optional[MicroBatchState] = None
 ) -> TEConversion:
@@ -192,19 +214,12 @@ def convert_to_te(
     module takes their place here, and leaving them in BF16 would run less FP8 than asked.
     ``micro``: the trainer's micro-batch position (TE's weight caching)."""
     from ..integrations.te import to_te_recipe
-    from ..nn.convert import grouped_decision, infer_num_layers, set_submodule
+    from ..nn.convert import infer_num_layers, set_submodule
 
+    problem = te_grouped_problem(model, recipe, policy)
+    if problem:
+        raise ConfigError(problem)
     policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
-    for fqn, module in model.named_modules():
-        names = grouped_weight_names(module) if fqn else ()
-        if names and grouped_decision(policy, fqn, module, recipe, names).fp8:  # as the native path decides
-            raise ConfigError(
-                f"backend=te: {fqn} ({type(module).__name__}) holds grouped MoE experts (3-D weights), "
-                "which this backend does not swap for Transformer Engine modules, so its expert GEMMs "
-                f"would stay in high precision under recipe {recipe.name}. Use backend=native (grouped "
-                "FP8 experts), keep the experts in BF16 on purpose with policy.exclude=[*experts*], "
-                "or use recipe=bf16"
-            )
     cls = _te_linear_class()
     te_recipe = to_te_recipe(recipe) if recipe.is_fp8 else None
     out = TEConversion()
@@ -285,6 +300,17 @@ class TEBackend:
         from ..config import ConfigError
 
         problem = te_run_problem(recipe, device, tcfg)
+        if problem:
+            raise ConfigError(problem)
+
+    def check_model(self, mcfg, recipe, policy) -> None:
+        """Refuse grouped MoE experts that would stay out of FP8 (:func:`te_grouped_problem`),
+        on a model built on the meta device: before the data is loaded or a weight allocated."""
+        from ..models import build_model
+
+        if not recipe.is_fp8 or getattr(mcfg, "arch", None) != "moe":
+            return
+        problem = te_grouped_problem(build_model(mcfg, device="meta"), recipe, policy)
         if problem:
             raise ConfigError(problem)
 

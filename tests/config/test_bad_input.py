@@ -356,6 +356,27 @@ def test_backend_te_refuses_grouped_moe_experts_it_would_leave_in_bf16(monkeypat
         te_model.convert_to_te(model, get_recipe("tensorwise"), PrecisionPolicy(min_fp8_weight_elements="auto"))
 
 
+def test_backend_te_refuses_grouped_experts_before_loading_data():
+    """The trainer asks the backend about the model before it loads any data: TEBackend.check_model
+    builds it on the meta device and refuses as convert_to_te would; the native backend and the
+    cases convert_to_te lets through pass."""
+    from nemo_fp8_recipes.config import ConfigError
+    from nemo_fp8_recipes.models import load_model_config
+    from nemo_fp8_recipes.policy import PrecisionPolicy
+    from nemo_fp8_recipes.recipes import get_recipe
+    from nemo_fp8_recipes.trainer.backends import NativeBackend
+    from nemo_fp8_recipes.trainer.te_backend import TEBackend
+
+    te = TEBackend(backend_cfg=None, telemetry=False)
+    for name in ("moe_tiny", "moe_360m"):
+        with pytest.raises(ConfigError, match=r"layers\.1\.feed_forward\.experts \(GroupedExperts\)"):
+            te.check_model(load_model_config(name), get_recipe("blockwise"), PrecisionPolicy())
+        NativeBackend().check_model(load_model_config(name), get_recipe("blockwise"), PrecisionPolicy())
+        te.check_model(load_model_config(name), get_recipe("bf16"), PrecisionPolicy())
+        te.check_model(load_model_config(name), get_recipe("blockwise"), PrecisionPolicy(exclude=["*experts*"]))
+    te.check_model(load_model_config("llama3_tiny"), get_recipe("blockwise"), PrecisionPolicy())
+
+
 def test_a_run_root_that_cannot_be_written_stops_at_once(capsys):
     """A read-only or missing file system (here /proc, which takes no new directories) is one line
     naming the run directory and the fix, not Hydra's traceback."""
