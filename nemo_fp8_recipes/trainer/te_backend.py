@@ -308,7 +308,7 @@ class TEBackend:
         on a model built on the meta device: before the data is loaded or a weight allocated."""
         from ..models import build_model
 
-        if not recipe.is_fp8 or getattr(mcfg, "arch", None) != "moe":
+        if not recipe.is_fp8 or mcfg.arch != "moe":
             return
         problem = te_grouped_problem(build_model(mcfg, device="meta"), recipe, policy)
         if problem:
