@@ -21,11 +21,12 @@ trainer runs them, unless said otherwise):
 
 Our variants, torchao's and the BF16 ones share one set of FP32 weights; TE's modules hold their own.
 
-- ``bf16-grouped-mm``: PyTorch's BF16 grouped GEMM (``torch._grouped_mm``) on BF16 copies of the
-  weights cast in every step (what autocast does for a linear): the fast BF16 path, the baseline
-  of the speedup column.
-- ``bf16-loop``: the trainer's ``GroupedExperts`` (``nemo_fp8_recipes.models.llama``): one
-  ``F.linear`` per expert under autocast.
+- ``bf16-grouped-mm``: the trainer's ``GroupedExperts`` (``nemo_fp8_recipes.models.llama``) under
+  BF16 autocast: PyTorch's BF16 grouped GEMM (``F.grouped_mm``) on BF16 copies of the weights cast
+  in every step (what autocast does for a linear): the fast BF16 path, the baseline of the speedup
+  column.
+- ``bf16-loop``: one ``F.linear`` per expert under autocast, as experts held as ``nn.Linear``
+  modules run (transformers 4).
 - ``tensorwise``, ``blockwise``, ``delayed`` (``mxfp8`` skipped with the reason where the GPU lacks
   it): ``GroupedExperts`` converted by ``convert_model`` into a ``Float8GroupedExperts``: every
   expert's rows and weight quantised with the recipe's granularity, one ``torch._scaled_mm`` per
@@ -179,26 +180,27 @@ def autocast(device: str):
     return lambda: torch.autocast(device_type=device, dtype=torch.bfloat16)
 
 
-def build_bf16_grouped_mm(p: Problem) -> Variant:
+def build_bf16_loop(p: Problem, device: str) -> Variant:
     w = p.params()
 
     def gemm(name):
-        return lambda x: torch._grouped_mm(x, w[name].to(torch.bfloat16).transpose(-2, -1), offs=p.offs)
+        return lambda x: torch.cat([F.linear(xe, w[name][e]) for e, xe in enumerate(x.split(p.sizes))])
 
-    return Variant("bf16-grouped-mm", lambda x: swiglu_experts(gemm("gate_up_proj"), gemm("down_proj"), x), w.values())
+    fwd = lambda x: swiglu_experts(gemm("gate_up_proj"), gemm("down_proj"), x)  # noqa: E731
+    return Variant("bf16-loop", fwd, w.values(), autocast(device))
 
 
 def build_grouped(p: Problem, name: str, device: str) -> Variant:
-    """``bf16-loop``: the trainer's ``GroupedExperts`` (built on the meta device, then given the
-    shared weights); a recipe: the same module converted by ``convert_model`` (emulated off a GPU).
-    Both run the experts through the module's own ``grouped_mm``."""
+    """``bf16-grouped-mm``: the trainer's ``GroupedExperts`` (built on the meta device, then given
+    the shared weights); a recipe: the same module converted by ``convert_model`` (emulated off a
+    GPU). Both run the experts through the module's own ``grouped_mm``."""
     holder = nn.Module()
     with torch.device("meta"):
         holder.experts = GroupedExperts(p.E, p.H, p.I)
     for wname, w in p.params().items():
         setattr(holder.experts, wname, w)
     on_step = None
-    if name != "bf16-loop":
+    if name != "bf16-grouped-mm":
         convert_model(holder, name, emulate=device != "cuda", scaling_update="step")
         if not isinstance(holder.experts, Float8GroupedExperts):
             raise RuntimeError(f"convert_model left the experts as {type(holder.experts).__name__}")
@@ -289,9 +291,9 @@ def variant_skip(name: str, device: str, ao_reason: str) -> Optional[str]:
 
 
 def build(name: str, p: Problem, device: str) -> Variant:
-    if name == "bf16-grouped-mm":
-        return build_bf16_grouped_mm(p)
-    if name == "bf16-loop" or name in OURS:
+    if name == "bf16-loop":
+        return build_bf16_loop(p, device)
+    if name == "bf16-grouped-mm" or name in OURS:
         return build_grouped(p, name, device)
     if name == "torchao-rowwise":
         return build_torchao(p)

@@ -35,6 +35,7 @@ FP8 GEMMs, not expert-parallel speed).
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Dict, Mapping, NamedTuple, Optional, Sequence, Tuple
 
@@ -298,9 +299,23 @@ class GroupedExperts(nn.Module):
 
     def grouped_mm(self, name: str, x: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
         """``x [T, in]`` (rows sorted by expert, ``sizes[e]`` rows for expert ``e``) times
-        ``weight[e]ᵀ`` per expert for the 3-D weight ``name``: ``[T, out]``, one ``F.linear`` each."""
+        ``weight[e]ᵀ`` per expert for the 3-D weight ``name``: ``[T, out]``.
+
+        In BF16 (the weights, or autocast's dtype where autocast is on, as ``F.linear`` would
+        run) one grouped GEMM, ``F.grouped_mm``: on Hopper and Blackwell PyTorch's BF16 grouped
+        kernel, 2.5× one ``F.linear`` per expert at Mixtral widths (docs/performance.md); on the
+        CPU PyTorch's loop over the experts, the same bits as ``F.linear``. In other dtypes
+        (PyTorch's grouped GEMM traces only BF16 under ``torch.compile``), or where a row's width
+        in bytes is not a multiple of 16 (the grouped kernel's alignment): one ``F.linear`` per
+        expert, the same product."""
         w = getattr(self, name)
-        return torch.cat([F.linear(xe, w[e]) for e, xe in enumerate(x.split(list(sizes)))])
+        if torch.is_autocast_enabled(x.device.type):
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w = x.to(dtype), w.to(dtype)
+        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or any(n * 2 % 16 for n in w.shape[1:]):
+            return torch.cat([F.linear(xe, w[e]) for e, xe in enumerate(x.split(list(sizes)))])
+        offs = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=x.device)
+        return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         """``hidden_states [N, dim]``, each token's experts ``top_k_index [N, k]`` and routing
