@@ -312,7 +312,8 @@ class GroupedExperts(nn.Module):
         if torch.is_autocast_enabled(x.device.type):
             dtype = torch.get_autocast_dtype(x.device.type)
             x, w = x.to(dtype), w.to(dtype)
-        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or any(n * 2 % 16 for n in w.shape[1:]):
+        aligned = all(n * w.element_size() % 16 == 0 for n in w.shape[1:])
+        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or not aligned:
             return torch.cat([F.linear(xe, w[e]) for e, xe in enumerate(x.split(list(sizes)))])
         offs = torch.tensor(list(itertools.accumulate(sizes)), dtype=torch.int32, device=x.device)
         return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
