@@ -122,20 +122,13 @@ GPU_RECIPES = ("bf16", "tensorwise", "blockwise", "delayed")
 
 @pytest.mark.gpu
 def test_gpu_runs_are_bit_identical_for_every_hopper_recipe_and_mode(tmp_path, tmp_path_factory):
-    """Each Hopper recipe eager, compiled and with CUDA graphs, two micro-batches per step, and the
-    MoE model: twice in two processes, identical at every step (the FP8 GEMMs real)."""
+    """Each Hopper recipe eager, compiled and with CUDA graphs, two micro-batches per step: twice in
+    two processes, identical at every step (the FP8 GEMMs real)."""
     reasons = [r for r in map(_gpu_reason, GPU_RECIPES) if r]
     if reasons:
         pytest.skip(reasons[0])
     common = [*GPU_COMMON, f"data.cache_dir={tmp_path_factory.mktemp('tokens')}"]
     spec = {f"{r}-{m}": [*common, f"recipe={r}", *GPU_MODES[m]] for r in GPU_RECIPES for m in GPU_MODES}
-    spec["moe-blockwise-eager"] = [
-        *common,
-        "model=moe_tiny",
-        "model.num_layers=2",
-        "recipe=blockwise",
-        "trainer.telemetry_interval=0",
-    ]
     spec["blockwise-compiled-seed2"] = [*spec["blockwise-compiled"], "trainer.seed=2"]
     # without the switch, for the record (printed; not asserted either way)
     spec["blockwise-compiled-nondeterministic"] = [*spec["blockwise-compiled"], "trainer.deterministic=false"]
@@ -150,6 +143,30 @@ def test_gpu_runs_are_bit_identical_for_every_hopper_recipe_and_mode(tmp_path, t
         [n for n in spec if "seed2" not in n and "nondeterministic" not in n],
         ("blockwise-compiled", "blockwise-compiled-seed2"),
     )
+
+
+@pytest.mark.gpu
+def test_gpu_moe_runs_are_bit_identical(tmp_path, tmp_path_factory):
+    """The MoE model on the GPU: BF16 experts through PyTorch's grouped GEMM (``F.grouped_mm``),
+    eager and compiled, and blockwise FP8 experts, twice in two processes, identical at every step."""
+    reasons = [r for r in map(_gpu_reason, ("bf16", "blockwise")) if r]
+    if reasons:
+        pytest.skip(reasons[0])
+    common = [
+        *GPU_COMMON,
+        f"data.cache_dir={tmp_path_factory.mktemp('tokens')}",
+        "model=moe_tiny",
+        "model.num_layers=2",
+        "trainer.telemetry_interval=0",
+    ]
+    spec = {
+        "moe-bf16-eager": [*common, "recipe=bf16"],
+        "moe-bf16-compiled": [*common, "recipe=bf16", "trainer.compile=true"],
+        "moe-blockwise-eager": [*common, "recipe=blockwise"],
+        "moe-bf16-eager-seed2": [*common, "recipe=bf16", "trainer.seed=2"],
+    }
+    a, b = _run_twice(tmp_path, spec, timeout=1200)
+    _check_identical(a, b, [n for n in spec if "seed2" not in n], ("moe-bf16-eager", "moe-bf16-eager-seed2"))
 
 
 @pytest.mark.te
