@@ -51,6 +51,7 @@ import json
 import math
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -457,6 +458,17 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
                 }
             )
     noise = {tag: (c or {}).get("noise") for tag, c in cmp.items()}
+    for tag, c in cmp.items():  # with --other-seeds: the seed-to-seed spread over every BF16 run
+        finals = [
+            r["final_loss"]
+            for r in (c or {}).get("results", [])
+            if r["name"].rsplit("-seed", 1)[0] in ("bf16", "bf16-other") and r.get("final_loss") is not None
+        ]
+        if noise.get(tag) and any(r["name"].startswith("bf16-other-seed") for r in c.get("results", [])):
+            mean = statistics.fmean(finals)
+            noise[tag]["all_bf16_seeds"] = len(finals)
+            noise[tag]["all_bf16_sd"] = statistics.stdev(finals) / mean
+            noise[tag]["all_bf16_max_pair"] = (max(finals) - min(finals)) / mean
     return {
         "model": a.model,
         "steps": a.steps,
@@ -556,6 +568,11 @@ def report_markdown(rep: dict) -> str:
                 f"to {pair}; the same seed run again: "
                 + ("0 (deterministic)" if n.get("deterministic") and not n.get("reruns") else "see compare/" + tag),
             ]
+            if n.get("all_bf16_seeds"):
+                lines[-1] += (
+                    f"; over all {n['all_bf16_seeds']} BF16 seeds (bf16 and bf16-other): sd "
+                    f"{_pct(n['all_bf16_sd'], False)}, up to {_pct(n['all_bf16_max_pair'], False)} apart"
+                )
     if rep["contrasts"]:
         lines += [
             "",
