@@ -20,7 +20,8 @@ One command trains, compares and reports::
    training loss (final loss = the mean over the last ``--last`` steps) into
    ``<root>/<model>/compare/train/`` and the validation loss (the last validation) into
    ``.../compare/val/``: PNG, Markdown, CSV, JSON, TensorBoard. ``--max-rel-dev X`` is the gate:
-   a recipe passes when the 95% interval of its final-loss deviation lies within ±X.
+   a recipe passes when the 95% interval of its final-loss deviation lies within ±X, or, with
+   ``--gate regression``, fails only when that interval lies above +X (its loss shown worse).
 3. **Report**: ``<root>/<model>/report.md`` and ``report.json``: per recipe the paired final-loss
    deviation from BF16 (training and validation) with its 95% interval, how closely the curve
    tracks BF16 step by step (mean |relative deviation| over the final window), the goal (within
@@ -350,7 +351,9 @@ def train_all(a: argparse.Namespace) -> List[str]:
     return failed
 
 
-def compare(dirs: Sequence[Path], out: Path, tag: str, last: int, max_rel_dev: Optional[float]) -> Optional[dict]:
+def compare(
+    dirs: Sequence[Path], out: Path, tag: str, last: int, max_rel_dev: Optional[float], gate: str = "within"
+) -> Optional[dict]:
     """``nemo-fp8-compare`` over ``dirs`` for ``tag`` into ``out`` (printed, then run in this
     process); its JSON export, or None when it could not compare (its message is printed)."""
     from nemo_fp8_recipes.compare import main as compare_main
@@ -365,7 +368,7 @@ def compare(dirs: Sequence[Path], out: Path, tag: str, last: int, max_rel_dev: O
         "bf16",
         "--out",
         str(out),
-        *(["--max-rel-dev", str(max_rel_dev)] if max_rel_dev is not None else []),
+        *(["--max-rel-dev", str(max_rel_dev), "--gate", gate] if max_rel_dev is not None else []),
     ]
     print(f"\n$ nemo-fp8-compare {shlex.join(argv)}", flush=True)
     rc = compare_main(argv)
@@ -482,6 +485,8 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
         "recipes": recipes,
         "contrasts": contrasts,
         "noise": noise,
+        "max_rel_dev": a.max_rel_dev,
+        "gate": a.gate,
         "compare": {tag: str(Path(a.root) / a.model / "compare" / tag) for tag in cmp if cmp[tag]},
     }
 
@@ -538,6 +543,20 @@ def report_markdown(rep: dict) -> str:
             f"{'—' if base else _ci(r['val_vs_bf16'], r['val_interval'])} | "
             f"{'—' if base else _ci(r['tracking'], r['tracking_interval'], False)} | {goal} | {met} |"
         )
+    if rep.get("max_rel_dev") is not None:
+        judged = {n: r["gate_passed"] for n, r in rep["recipes"].items() if n != "bf16"}
+        x = _pct(rep["max_rel_dev"], False)
+        rule = (
+            f"pass when the 95% interval of the training loss's deviation lies within ±{x}"
+            if rep["gate"] == "within"
+            else f"regression: fail only when the 95% interval of the training loss's deviation lies above +{x}"
+        )
+        lines += [
+            "",
+            f"Gate ({rule}): "
+            + "; ".join(f"{n} {'pass' if ok else 'FAIL' if ok is False else '—'}" for n, ok in judged.items())
+            + " (compare/train/compare.md gives each verdict's reason)",
+        ]
     other = rep["recipes"].get("bf16-other")
     if other:
         lines += [
@@ -663,7 +682,15 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="X",
         help="gate on the training loss: fail (exit 1) a recipe whose 95%% interval of the final-loss "
-        "deviation reaches beyond ±X (0.005 = 0.5%%)",
+        "deviation reaches beyond ±X (0.005 = 0.5%%); with --gate regression, only one whose interval lies "
+        "above +X",
+    )
+    p.add_argument(
+        "--gate",
+        choices=("within", "regression"),
+        default="within",
+        help="the gate's rule (nemo-fp8-compare --gate): within (default) passes a recipe only when the seeds "
+        "show it within ±X; regression fails it only when they show its loss more than X above BF16's",
     )
     p.add_argument("--dry-run", action="store_true", help="print the training commands only")
     p.add_argument("--report-only", action="store_true", help="compare and report existing runs (no training)")
@@ -707,7 +734,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"numerics_study: error: no complete bf16 run under {out} to compare against", file=sys.stderr)
         return 2
     cmp = {
-        "train": compare(dirs, out / "compare" / "train", "train/loss", a.last, a.max_rel_dev),
+        "train": compare(dirs, out / "compare" / "train", "train/loss", a.last, a.max_rel_dev, a.gate),
         "val": compare(dirs, out / "compare" / "val", "val/loss", 1, None),
     }
     if cmp["train"] is None:

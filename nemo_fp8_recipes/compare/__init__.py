@@ -29,6 +29,7 @@ from .reading import (
     up_to_step,
 )
 from .seeds import (
+    GATE_RULES,
     GroupStats,
     NoiseFloor,
     group_label,
@@ -36,13 +37,22 @@ from .seeds import (
     t_quantile,
     welch_interval,
 )
-from .statistics import JSON_VERSION, Comparison, RunStats, check_max_rel_dev, compare_runs, moving_average
+from .statistics import (
+    JSON_VERSION,
+    Comparison,
+    RunStats,
+    check_gate,
+    check_max_rel_dev,
+    compare_runs,
+    moving_average,
+)
 
 __all__ = [
     "DEFAULT_TAG",
     "DEVIATION_HIGH_TAG",
     "DEVIATION_LOW_TAG",
     "DEVIATION_TAG",
+    "GATE_RULES",
     "JSON_VERSION",
     "LOSS_TAGS",
     "TOKENS_TAG",
@@ -53,6 +63,7 @@ __all__ = [
     "RunSeries",
     "RunStats",
     "check_event_file",
+    "check_gate",
     "check_max_rel_dev",
     "compare_runs",
     "find_runs",

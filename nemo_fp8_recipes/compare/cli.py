@@ -33,7 +33,10 @@ What it computes (all from the same, optionally smoothed, curves; :func:`compare
   that fails TensorBoard's length/CRC check: everything after it would be silently missing).
   The early, fast-falling part of the curve is left out on purpose: there the relative deviation
   measures the warm-up, not the recipe. The exit status is 1 when any run fails, 0 otherwise, 2
-  for usage/data errors.
+  for usage/data errors. Recipes run at several seeds are judged as groups on the 95% interval
+  of their final-loss deviation, paired by seed, by the rule ``--gate`` names: ``within`` (the
+  default: pass only when the interval lies within ±X) or ``regression`` (fail only when it lies
+  above +X) — :mod:`.seeds` defines both.
 - **Up to a step** (``--until S``): every curve is cut after step ``S`` first, so runs still
   training (or stopped early) are compared over the steps all of them reached, as if they had
   ended there.
@@ -73,7 +76,7 @@ from .reading import (
     run_names,
     up_to_step,
 )
-from .seeds import pct
+from .seeds import GATE_RULES, pct
 from .statistics import Comparison, check_max_rel_dev, compare_runs
 
 __all__ = ["main"]
@@ -93,10 +96,14 @@ def _parser() -> argparse.ArgumentParser:
             "definitions:\n"
             "  rel dev      (run - baseline) / baseline at every step both runs logged\n"
             "  final loss   mean of the curve over the last --last steps of the run\n"
-            "  gate         fails a run whose max |rel dev| over the steps both logged in the baseline's\n"
-            "               last --last steps (step > S - N, S = the baseline's last step) exceeds\n"
-            "               --max-rel-dev; also a run that ended before S, or whose event files (or the\n"
-            "               baseline's) are truncated or corrupt, with the reason\n"
+            "  gate         one seed per run: fails a run whose max |rel dev| over the steps both logged\n"
+            "               in the baseline's last --last steps (step > S - N, S = the baseline's last\n"
+            "               step) exceeds --max-rel-dev; also a run that ended before S, or whose event\n"
+            "               files (or the baseline's) are truncated or corrupt, with the reason.\n"
+            "               Several seeds per recipe (runs differing only in trainer.seed): judged on the\n"
+            "               95% interval over seeds of the final-loss deviation, paired by seed;\n"
+            "               --gate within passes a group only when the interval lies within +-X,\n"
+            "               --gate regression fails it only when the interval lies above +X\n"
             "  tokens/s     median of the run's tokens_per_s scalar; speedup = over the baseline's\n"
             "  smoothing    trailing moving average over --smooth logged points (1 = off), applied\n"
             "               before every number above\n\n"
@@ -149,7 +156,17 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=None,
         metavar="X",
-        help="gate: fail (exit 1) when a run's max |rel dev| in the window exceeds X (0.01 = 1%%)",
+        help="gate: fail (exit 1) when a run's max |rel dev| in the window exceeds X (0.01 = 1%%); with "
+        "several seeds per recipe, by the rule of --gate on the 95%% interval over seeds",
+    )
+    p.add_argument(
+        "--gate",
+        choices=GATE_RULES,
+        default=None,
+        help="the gate's rule for recipes run at several seeds: within (default) passes a recipe only when "
+        "the 95%% interval of its final-loss deviation lies within +-X (the seeds show it equivalent); "
+        "regression fails it only when the interval lies above +X (the seeds show it worse), and passes "
+        "what they cannot resolve, saying so",
     )
     p.add_argument(
         "--out",
@@ -232,7 +249,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except (OSError, UnicodeDecodeError) as e:
                 raise CompareError(f"--from-json {src}: cannot be read as text ({e})") from None
             comparison = Comparison.from_json(
-                text, baseline=args.baseline, smooth=args.smooth, last=args.last, max_rel_dev=args.max_rel_dev
+                text,
+                baseline=args.baseline,
+                smooth=args.smooth,
+                last=args.last,
+                max_rel_dev=args.max_rel_dev,
+                gate=args.gate,
             )
             out = Path(args.out) if args.out else src.parent
         else:
@@ -252,6 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 last=100 if args.last is None else args.last,
                 max_rel_dev=args.max_rel_dev,
                 tokens_tag=tokens_tag,
+                gate=args.gate or "within",
             )
             out = Path(args.out) if args.out else default_out_dir([str(d) for d in dirs])
         if out.exists() and not out.is_dir():
@@ -287,14 +310,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not comparison.passed:
         lines = "\n".join(f"  {name}: {why}" for name, why in comparison.failures)
         rule = (
-            f"95% interval over seeds within ±{pct(comparison.max_rel_dev)}"
+            (
+                f"95% interval over seeds within ±{pct(comparison.max_rel_dev)}"
+                if comparison.gate == "within"
+                else f"regression: 95% interval over seeds above +{pct(comparison.max_rel_dev)} fails"
+            )
             if comparison.seeded
             else f"max |rel dev| <= {pct(comparison.max_rel_dev)} over the baseline's last {comparison.last} steps"
         )
         print(f"GATE FAILED ({rule}):\n{lines}", file=sys.stderr)
         return 1
     if comparison.max_rel_dev is not None:
-        if comparison.seeded:
+        if comparison.seeded and comparison.gate == "regression":
+            unresolved = [
+                g.label
+                for g in comparison.groups
+                if not g.baseline
+                and g.interval is not None
+                and not (-comparison.max_rel_dev <= g.interval[0] and g.interval[1] <= comparison.max_rel_dev)
+            ]
+            print(
+                f"gate passed (regression): no group's loss shown more than {pct(comparison.max_rel_dev)} above "
+                f"{comparison.baseline}"
+                + (
+                    f"; not resolved within ±{pct(comparison.max_rel_dev)} either: {', '.join(unresolved)} "
+                    "(more seeds or longer runs narrow their intervals)"
+                    if unresolved
+                    else f"; every group shown within ±{pct(comparison.max_rel_dev)}"
+                )
+            )
+        elif comparison.seeded:
             print(
                 f"gate passed: every group's 95% interval over seeds within ±{pct(comparison.max_rel_dev)} of "
                 f"{comparison.baseline}"

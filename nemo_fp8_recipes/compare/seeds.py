@@ -20,11 +20,19 @@ the mean of its curve over its last ``--last`` steps):
   sd / sqrt(n) (Student's t; n >= 2). Groups that share no seed with the baseline but have two or
   more: Welch's interval for the difference of the mean final losses, relative to the baseline's
   mean (Welch–Satterthwaite degrees of freedom).
-- **gate** (``--max-rel-dev X``): a group passes when its whole interval lies within ±X — the
-  runs then show, at 95% confidence, that the recipe moves the final loss by less than X. An
-  interval reaching beyond ±X fails (the seeds cannot show it within X); one entirely beyond
-  fails as shown beyond X. A group of one seed is judged on that run's largest per-step deviation
-  in the window, and the verdict says it cannot separate the recipe from seed noise.
+- **gate** (``--max-rel-dev X``), by one of two rules (``--gate``):
+
+  - ``within`` (the default; equivalence): a group passes when its whole interval lies within ±X —
+    the runs then show, at 95% confidence, that the recipe moves the final loss by less than X.
+    An interval reaching beyond ±X fails (the seeds cannot show it within X); one entirely beyond
+    fails as shown beyond X.
+  - ``regression``: a group fails only when its whole interval lies above +X — the runs show, at
+    95% confidence, a final loss more than X above the baseline's. Anything else passes, and the
+    verdict says what was shown: within ±X, or not resolved (the interval reaches beyond ±X, so
+    the seeds could not have shown a regression of X). A lower loss never fails.
+
+  A group of one seed is judged on that run's largest per-step deviation in the window, whichever
+  the rule, and the verdict says it cannot separate the recipe from seed noise.
 - **noise floor**: the baseline's seed-to-seed spread (standard deviation of ``F`` over its
   seeds and the largest difference of two seeds, both relative to the mean), and the same-seed rerun
   spread (runs of one group with the same seed) — zero by construction when the runs were
@@ -48,6 +56,7 @@ __all__ = [
     "group_label",
     "group_runs",
     "t_quantile",
+    "GATE_RULES",
     "mean_interval",
     "welch_interval",
     "median",
@@ -57,6 +66,9 @@ __all__ = [
     "first_per_seed",
     "group_statistics",
 ]
+
+#: the gate's rules for groups with an interval (module docstring): equivalence, or a shown regression
+GATE_RULES = ("within", "regression")
 
 #: config keys that do not change what a run trains (besides trainer.seed, the pairing key)
 NOT_VARIANT = (
@@ -366,6 +378,7 @@ def group_statistics(
     last: int,
     max_rel_dev: Optional[float],
     seeded: bool,
+    gate: str = "within",
 ):
     """The seed table (:class:`GroupStats` per group, baseline first), the :class:`NoiseFloor`,
     the per-step deviation of each group (``{label: (steps, mean, low, high)}``, the interval
@@ -487,7 +500,7 @@ def group_statistics(
                 hi.append(ci[1] if ci else m)
             dev_curves[label] = (steps, mean, lo, hi)
         if max_rel_dev is not None:
-            _judge(row, [run_stats[r.name] for r in judged], max_rel_dev, last)
+            _judge(row, [run_stats[r.name] for r in judged], max_rel_dev, last, gate)
     noise = _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, curves, finals)
     spread: Tuple[List[int], List[float]] = ([], [])
     if len(base_seed_runs) >= 2:
@@ -498,8 +511,24 @@ def group_statistics(
     return rows, noise, dev_curves, spread
 
 
-def _judge(row: GroupStats, judged_stats: Sequence, x: float, last: int) -> None:
+def _judge(row: GroupStats, judged_stats: Sequence, x: float, last: int, gate: str = "within") -> None:
     """The gate's verdict on one group (module docstring), with the reason when it fails."""
+    if row.interval is not None and gate == "regression":
+        lo, hi = row.interval
+        span = f"95% interval of the final-loss deviation [{pct(lo, True)}, {pct(hi, True)}]"
+        row.passed = lo <= x and not row.reasons
+        if lo > x:
+            row.reasons.append(f"loss shown more than {pct(x)} above the baseline: {span}")
+        elif -x <= lo and hi <= x:
+            row.notes.append(f"gate (regression): shown within ±{pct(x)}: {span}")
+        elif hi < -x:
+            row.notes.append(f"gate (regression): loss shown more than {pct(x)} below the baseline: {span}")
+        else:
+            row.notes.append(
+                f"gate (regression): not shown worse than +{pct(x)}, and not shown within ±{pct(x)} either: "
+                f"the {span} is wider than the threshold (more seeds or longer runs narrow it)"
+            )
+        return
     if row.interval is not None:
         lo, hi = row.interval
         inside = -x <= lo and hi <= x

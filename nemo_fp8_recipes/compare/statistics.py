@@ -16,6 +16,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .reading import TOKENS_TAG, CompareError, RunSeries
 from .seeds import (
+    GATE_RULES,
     GroupStats,
     NoiseFloor,
     first_per_seed,
@@ -114,6 +115,7 @@ class Comparison:
     group_deviations: Dict[str, Tuple[List[int], List[float], List[float], List[float]]] = field(default_factory=dict)
     seed_spread: Tuple[List[int], List[float]] = field(default_factory=lambda: ([], []))
     seeded: bool = False
+    gate: str = "within"
 
     @property
     def passed(self) -> bool:
@@ -147,8 +149,11 @@ class Comparison:
         elif self.seeded:
             gate = (
                 f"the 95% interval over seeds of the final-loss deviation within ±{pct(self.max_rel_dev)} "
-                "(one seed: max |rel dev| over the baseline's last steps), every run reaching the baseline's "
-                "last step"
+                if self.gate == "within"
+                else f"(regression) fail only when the 95% interval over seeds of the final-loss deviation lies "
+                f"above +{pct(self.max_rel_dev)} "
+            ) + (
+                "(one seed: max |rel dev| over the baseline's last steps), every run reaching the baseline's last step"
             )
         else:
             gate = (
@@ -212,6 +217,9 @@ class Comparison:
                 seeds += f" ({g.method})"
             fl = _num(g.final_loss, 4) + (f" ± {g.final_loss_sd:.4f}" if g.final_loss_sd is not None else "")
             gate = "—" if g.passed is None else ("pass" if g.passed else "**FAIL**")
+            if g.passed and self.gate == "regression" and g.interval is not None:
+                x = self.max_rel_dev
+                gate += " (within)" if -x <= g.interval[0] and g.interval[1] <= x else " (not resolved)"
             row = [
                 name,
                 seeds,
@@ -357,6 +365,7 @@ class Comparison:
                 "smooth": self.smooth,
                 "last": self.last,
                 "max_rel_dev": self.max_rel_dev,
+                "gate": self.gate,
             },
             "runs": [asdict(r) for r in self.runs],
             "results": [asdict(s) for s in self.stats],
@@ -377,7 +386,7 @@ class Comparison:
     @classmethod
     def from_json(cls, text: str, **changes) -> "Comparison":
         """Re-import :meth:`to_json` output. The stored curves are re-analysed, with any of
-        ``baseline``, ``smooth``, ``last``, ``max_rel_dev`` changed (``None`` keeps the stored one).
+        ``baseline``, ``smooth``, ``last``, ``max_rel_dev``, ``gate`` changed (``None`` keeps the stored one).
         Text that is not such an export raises :class:`CompareError` saying what is wrong."""
         try:
             data = json.loads(text)
@@ -397,6 +406,7 @@ class Comparison:
                 raise CompareError(f"run name(s) {', '.join(dup)} appear more than once")
             baseline, smooth, last, mrd = st["baseline"], st["smooth"], st["last"], st["max_rel_dev"]
             tokens_tag = st.get("tokens_tag", TOKENS_TAG)
+            gate = st.get("gate", "within")  # exports written before the rule was a setting: within
         except CompareError as e:
             raise CompareError(f"damaged nemo-fp8-compare JSON export: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -404,7 +414,9 @@ class Comparison:
                 f"damaged nemo-fp8-compare JSON export ({type(e).__name__}: {e}); "
                 "write it again from the run directories"
             ) from None
-        return compare_runs(runs, baseline=baseline, smooth=smooth, last=last, max_rel_dev=mrd, tokens_tag=tokens_tag)
+        return compare_runs(
+            runs, baseline=baseline, smooth=smooth, last=last, max_rel_dev=mrd, tokens_tag=tokens_tag, gate=gate
+        )
 
 
 def _is_num(v) -> bool:
@@ -518,6 +530,15 @@ def _pick_baseline(
     return next(iter(groups))
 
 
+def check_gate(rule: str) -> None:
+    """The gate's rule is one of :data:`~nemo_fp8_recipes.compare.seeds.GATE_RULES`."""
+    if rule not in GATE_RULES:
+        raise CompareError(
+            f"unknown gate rule {rule!r}; choose one of {', '.join(GATE_RULES)} (within: pass only when the "
+            "95% interval lies within ±X; regression: fail only when it lies above +X)"
+        )
+
+
 def check_max_rel_dev(x: Optional[float]) -> None:
     """The gate's threshold is a fraction in [0, 1]: 0.02 = 2%. A larger one is almost surely a
     percentage typed as such (2 for 2%), which would pass anything: refused, with the fraction."""
@@ -542,6 +563,7 @@ def compare_runs(
     last: int = 100,
     max_rel_dev: Optional[float] = None,
     tokens_tag: str = TOKENS_TAG,
+    gate: str = "within",
 ) -> Comparison:
     """Compute the tables (see the docstrings of :mod:`nemo_fp8_recipes.compare.cli` and, for seeds,
     :mod:`nemo_fp8_recipes.compare.seeds` for every definition)."""
@@ -552,6 +574,7 @@ def compare_runs(
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise CompareError(f"--last must be an integer >= 1 (training steps), got {last!r}")
     check_max_rel_dev(max_rel_dev)
+    check_gate(gate)
     for r in runs:
         if not r.steps:
             raise CompareError(
@@ -633,7 +656,7 @@ def compare_runs(
     stats.sort(key=lambda st: not st.baseline)  # baseline rows first, the rest in the order given
     by_name = {s.name: s for s in stats}
     group_rows, noise, group_devs, spread = group_statistics(
-        groups, base_label, curves, finals, by_name, last=last, max_rel_dev=max_rel_dev, seeded=seeded
+        groups, base_label, curves, finals, by_name, last=last, max_rel_dev=max_rel_dev, seeded=seeded, gate=gate
     )
     tags = list(dict.fromkeys(r.tag for r in runs))  # one per trainer when runs of both are compared
     return Comparison(
@@ -651,6 +674,7 @@ def compare_runs(
         group_deviations=group_devs,
         seed_spread=spread,
         seeded=seeded,
+        gate=gate,
     )
 
 

@@ -271,3 +271,24 @@ def test_a_second_call_trains_nothing_again(ns, smoke, capsys):
     )
     assert "bf16-seed1: complete, not trained again" in capsys.readouterr().out
     assert {p: p.stat().st_mtime for p in rdir.glob("*/events.out.tfevents.*")} == before
+
+
+def test_the_gate_rule_reaches_the_report_and_the_exit_status(ns, smoke, capsys):
+    """``--max-rel-dev X`` at a threshold just above tensorwise's lower bound: ``--gate regression``
+    (nothing shown worse) passes, the default rule (nothing shown within) fails, and report.md and
+    report.json say which rule judged."""
+    rep, rdir, _ = smoke
+    lo, hi = rep["recipes"]["tensorwise"]["train_interval"]
+    x = max(lo, 0.0) + 1e-4
+    assert hi > x
+    common = ["--preset", "smoke", "--root", str(rdir.parent), "--recipes", "bf16,tensorwise", "--seeds", "1,2"]
+    common += ["--report-only", "--max-rel-dev", repr(x)]
+    assert ns.main([*common, "--gate", "regression"]) == 0
+    again = json.loads((rdir / "report.json").read_text())
+    assert again["gate"] == "regression" and again["recipes"]["tensorwise"]["gate_passed"] is True
+    assert "Gate (regression: fail only when the 95% interval" in (rdir / "report.md").read_text()
+    assert ns.main(common) == 1
+    md = (rdir / "report.md").read_text()
+    assert "Gate (pass when the 95% interval of the training loss's deviation lies within" in md
+    assert "tensorwise FAIL" in md
+    capsys.readouterr()

@@ -224,6 +224,7 @@ def test_json_export_reimports(sweep, tmp_path, capsys):
         "smooth": 1,
         "last": 10,
         "max_rel_dev": 0.5,
+        "gate": "within",
     }
     assert {r["name"] for r in data["runs"]} == set(RECIPES) and data["passed"] is True
 

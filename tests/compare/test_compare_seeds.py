@@ -25,6 +25,7 @@ from nemo_fp8_recipes.compare import (
     DEVIATION_HIGH_TAG,
     DEVIATION_LOW_TAG,
     DEVIATION_TAG,
+    CompareError,
     Comparison,
     compare_runs,
     group_label,
@@ -261,6 +262,77 @@ def test_an_interval_entirely_beyond_the_threshold_is_shown_beyond():
     assert 0.005 < g.interval[0] < g.interval[1] < 0.02 and g.passed is False
     assert any("deviation shown beyond ±0.500%" in why for why in g.reasons) and not beyond.passed
     assert compare_runs(runs, last=20, max_rel_dev=0.02).passed
+
+
+def _synthetic(name, seed, factor):
+    from nemo_fp8_recipes.compare import RunSeries
+
+    steps = list(range(10, 60, 10))
+    values = [(2.0 + 0.1 * seed - 0.01 * t) * factor for t in steps]
+    return RunSeries(
+        name=f"{name}-seed{seed}",
+        path=f"/r/{name}-seed{seed}",
+        tag="train/loss",
+        steps=steps,
+        values=values,
+        seed=seed,
+        deterministic=True,
+        variant=name,
+    )
+
+
+def test_the_regression_rule_fails_only_a_loss_shown_above_the_threshold():
+    """``gate="regression"``: worse (+0.8..1.2% at every seed) fails at 0.5% and passes at 2% as shown
+    within; noisy (-1%..+1.5%: unresolved at 0.5%) and better (-1% at every seed) pass, each
+    verdict saying what the seeds showed; the equivalence rule fails noisy and better at 0.5%."""
+    factors = {"worse": lambda s: 1.01 + 0.002 * (s - 2), "noisy": lambda s: (0.99, 1.015, 1.0)[s - 1]}
+    factors["better"] = lambda s: 0.99 - 0.001 * (s - 2)
+    runs = [_synthetic("bf16", s, 1.0) for s in SEEDS]
+    runs += [_synthetic(name, s, f(s)) for name, f in factors.items() for s in SEEDS]
+    reg = compare_runs(runs, last=20, max_rel_dev=0.005, gate="regression")
+    g = {x.label: x for x in reg.groups}
+    assert 0.005 < g["worse"].interval[0] and g["worse"].passed is False and not reg.passed
+    assert any("loss shown more than 0.500% above the baseline" in why for why in g["worse"].reasons)
+    lo, hi = g["noisy"].interval
+    assert lo < -0.005 and 0.005 < hi and g["noisy"].passed is True
+    assert any("not shown worse than +0.500%, and not shown within ±0.500% either" in n for n in g["noisy"].notes)
+    assert g["better"].interval[1] < -0.005 and g["better"].passed is True
+    assert any("more than 0.500% below the baseline" in n for n in g["better"].notes)
+    md = reg.to_markdown()
+    assert "| noisy | 1, 2, 3 |" in md and "pass (not resolved) |" in md and "**FAIL** |" in md
+    assert "(regression) fail only when the 95% interval over seeds" in md
+    # the same runs under the equivalence rule: only a group shown within ±X passes
+    within = compare_runs(runs, last=20, max_rel_dev=0.005)
+    assert [x.label for x in within.groups if x.passed is False] == ["worse", "noisy", "better"]
+    wide = compare_runs(runs, last=20, max_rel_dev=0.02, gate="regression")
+    assert wide.passed and "pass (within) |" in wide.to_markdown()
+    # the rule is a setting of the export: kept on re-import, and changed when asked
+    again = Comparison.from_json(reg.to_json())
+    assert again.gate == "regression" and again.to_markdown() == md
+    assert Comparison.from_json(reg.to_json(), gate="within").to_markdown() == within.to_markdown()
+    with pytest.raises(CompareError, match="unknown gate rule 'strict'; choose one of within, regression"):
+        compare_runs(runs, last=20, max_rel_dev=0.005, gate="strict")
+
+
+def test_the_regression_rule_on_real_runs(seeds, tmp_path, capsys):
+    """On the CPU runs: at a threshold just above every group's lower bound no group is shown worse,
+    so ``--gate regression`` passes and names the groups it could not resolve, while the default
+    rule fails at the same threshold; ``--gate`` refuses an unknown rule."""
+    parent, _ = seeds
+    dirs = [str(parent / f"{r}-seed{s}") for r in RECIPES for s in SEEDS]
+    cmp = compare_runs(load_runs(dirs), last=LAST)
+    x = max(max(g.interval[0] for g in cmp.groups if not g.baseline), 1e-6) * 1.0001
+    args = [*dirs, "--last", str(LAST), "--out", str(tmp_path), "--no-png", "--no-events", "--max-rel-dev", repr(x)]
+    capsys.readouterr()
+    assert main(args + ["--gate", "regression"]) == 0
+    out = capsys.readouterr().out
+    assert "gate passed (regression): no group's loss shown more than" in out and "not resolved within" in out
+    assert json.loads((tmp_path / "compare.json").read_text())["settings"]["gate"] == "regression"
+    assert main(args) == 1
+    assert "GATE FAILED (95% interval over seeds within" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--gate", "strict"])
+    assert e.value.code == 2 and "invalid choice: 'strict'" in capsys.readouterr().err
 
 
 def test_a_seed_run_cut_short_stays_out_of_its_groups_interval():
