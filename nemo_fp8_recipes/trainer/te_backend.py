@@ -190,7 +190,9 @@ def te_grouped_problem(model: nn.Module, recipe: Recipe, policy: Optional[Precis
     meta device (the trainer checks before it loads any data)."""
     from ..nn.convert import grouped_decision, infer_num_layers
 
-    policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
+    policy = policy or PrecisionPolicy()
+    if policy.num_layers is None:  # (a policy that knows its layer count needs no walk of the model)
+        policy = policy.with_num_layers(infer_num_layers(model))
     for fqn, module in model.named_modules():
         names = grouped_weight_names(module) if fqn else ()
         if names and grouped_decision(policy, fqn, module, recipe, names).fp8:
@@ -216,10 +218,10 @@ def convert_to_te(
     from ..integrations.te import to_te_recipe
     from ..nn.convert import infer_num_layers, set_submodule
 
+    policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
     problem = te_grouped_problem(model, recipe, policy)
     if problem:
         raise ConfigError(problem)
-    policy = (policy or PrecisionPolicy()).with_num_layers(infer_num_layers(model))
     cls = _te_linear_class()
     te_recipe = to_te_recipe(recipe) if recipe.is_fp8 else None
     out = TEConversion()
