@@ -76,7 +76,7 @@ from .reading import (
     run_names,
     up_to_step,
 )
-from .seeds import GATE_RULES, pct
+from .seeds import GATE_RULES, pct, shown_within
 from .statistics import Comparison, check_max_rel_dev, compare_runs
 
 __all__ = ["main"]
@@ -325,9 +325,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             unresolved = [
                 g.label
                 for g in comparison.groups
-                if not g.baseline
-                and g.interval is not None
-                and not (-comparison.max_rel_dev <= g.interval[0] and g.interval[1] <= comparison.max_rel_dev)
+                if not g.baseline and g.interval is not None and not shown_within(g.interval, comparison.max_rel_dev)
             ]
             print(
                 f"gate passed (regression): no group's loss shown more than {pct(comparison.max_rel_dev)} above "

@@ -57,6 +57,7 @@ __all__ = [
     "group_runs",
     "t_quantile",
     "GATE_RULES",
+    "shown_within",
     "mean_interval",
     "welch_interval",
     "median",
@@ -511,6 +512,11 @@ def group_statistics(
     return rows, noise, dev_curves, spread
 
 
+def shown_within(interval: Tuple[float, float], x: float) -> bool:
+    """The whole 95% ``interval`` lies within ±x: the seeds show the deviation smaller than x."""
+    return -x <= interval[0] and interval[1] <= x
+
+
 def _judge(row: GroupStats, judged_stats: Sequence, x: float, last: int, gate: str = "within") -> None:
     """The gate's verdict on one group (module docstring), with the reason when it fails."""
     if row.interval is not None and gate == "regression":
@@ -519,7 +525,7 @@ def _judge(row: GroupStats, judged_stats: Sequence, x: float, last: int, gate: s
         row.passed = lo <= x and not row.reasons
         if lo > x:
             row.reasons.append(f"loss shown more than {pct(x)} above the baseline: {span}")
-        elif -x <= lo and hi <= x:
+        elif shown_within(row.interval, x):
             row.notes.append(f"gate (regression): shown within ±{pct(x)}: {span}")
         elif hi < -x:
             row.notes.append(f"gate (regression): loss shown more than {pct(x)} below the baseline: {span}")
@@ -531,7 +537,7 @@ def _judge(row: GroupStats, judged_stats: Sequence, x: float, last: int, gate: s
         return
     if row.interval is not None:
         lo, hi = row.interval
-        inside = -x <= lo and hi <= x
+        inside = shown_within(row.interval, x)
         row.passed = inside and not row.reasons
         if not inside:
             span = f"95% interval of the final-loss deviation [{pct(lo, True)}, {pct(hi, True)}]"

@@ -26,6 +26,7 @@ from .seeds import (
     interval_text,
     median,
     pct,
+    shown_within,
 )
 
 __all__ = [
@@ -218,8 +219,7 @@ class Comparison:
             fl = _num(g.final_loss, 4) + (f" ± {g.final_loss_sd:.4f}" if g.final_loss_sd is not None else "")
             gate = "—" if g.passed is None else ("pass" if g.passed else "**FAIL**")
             if g.passed and self.gate == "regression" and g.interval is not None:
-                x = self.max_rel_dev
-                gate += " (within)" if -x <= g.interval[0] and g.interval[1] <= x else " (not resolved)"
+                gate += " (within)" if shown_within(g.interval, self.max_rel_dev) else " (not resolved)"
             row = [
                 name,
                 seeds,
