@@ -176,7 +176,9 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
         a.arms.append({"name": "bf16-other", "recipe": "bf16", "tag": "other", "overrides": [], "seeds": other})
     if a.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {a.parallel}")
-    data = ["data=jsonl", f"data.paths=[{Path(a.corpus).resolve()}]"] if a.corpus else []
+    from nemo_fp8_recipes.config import override_value
+
+    data = ["data=jsonl", f"data.paths=[{override_value(Path(a.corpus).resolve())}]"] if a.corpus else []
     if a.corpus and not Path(a.corpus).is_file():
         raise ValueError(f"--corpus {a.corpus}: no such file (build one with benchmarks/study_corpus.py)")
     a.overrides = [*preset["overrides"], *data, *a.extra]
@@ -185,6 +187,8 @@ def settings(a: argparse.Namespace) -> argparse.Namespace:
 
 def common_overrides(a: argparse.Namespace) -> List[str]:
     """The overrides every run gets (model, budget, determinism, run root, the preset, yours)."""
+    from nemo_fp8_recipes.config import override_value
+
     return [
         f"model={a.model}",
         f"trainer.max_steps={a.steps}",
@@ -192,7 +196,7 @@ def common_overrides(a: argparse.Namespace) -> List[str]:
         f"trainer.micro_batch_size={a.micro_batch}",
         f"trainer.global_batch_size={a.global_batch}",
         "trainer.deterministic=true",
-        f"run.root={a.root}",
+        f"run.root={override_value(a.root)}",
         *a.overrides,
     ]
 

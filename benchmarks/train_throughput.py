@@ -97,6 +97,8 @@ def run_one(
     """One trainer run; ``mode``: eager, compiled (torch.compile's default mode) or graphs
     (``trainer.compile_mode=reduce-overhead``: the compiled graphs replayed as CUDA graphs);
     ``deterministic``: with ``trainer.deterministic=true``."""
+    from nemo_fp8_recipes.config import override_value
+
     compile_ = mode != "eager"
     tag = (
         ("te-" if backend == "te" else "")
@@ -120,7 +122,7 @@ def run_one(
         "trainer.progress=false",
         f"trainer.log_interval={max(1, args.steps // 30)}",
         f"trainer.telemetry_interval={args.telemetry_interval}",
-        f"run.root={root}",
+        f"run.root={override_value(root)}",
         f"run.tag={tag}",
         "trainer.resume=never",
     ] + list(args.extra)
@@ -589,6 +591,8 @@ def run_bridge(args, root: Path) -> list:
     preset keeps them), strict audit. Tokens/s from Bridge's logged iteration time (median over the
     second half), model TFLOP/s/GPU as Bridge logs it (its formula), peak memory from the
     launcher's ``summary.json``."""
+    from nemo_fp8_recipes.config import override_value
+
     recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
     gbs = args.global_batch or args.micro_batch
     rows = []
@@ -616,7 +620,7 @@ def run_bridge(args, root: Path) -> list:
             "trainer.val_steps=1",
             "trainer.checkpoint=false",
             "trainer.log_interval=1",
-            f"run.root={root}",
+            f"run.root={override_value(root)}",
             "logger.log_throughput=true",
         ]
         t0 = time.time()

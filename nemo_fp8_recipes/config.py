@@ -44,6 +44,7 @@ __all__ = [
     "with_sweep_names",
     "list_group_options",
     "compose_config",
+    "override_value",
     "checked_config",
     "validate_overrides",
     "trainer_config",
@@ -320,6 +321,32 @@ def compose_config(overrides: Sequence[str] = ()):
 
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=_HYDRA_VERSION_BASE):
         return compose(config_name=CONFIG_NAME, overrides=list(overrides))
+
+
+_PLAIN_OVERRIDE_VALUE = re.compile(r"[A-Za-z0-9_./-]+")
+
+
+def override_value(value: Any) -> str:
+    """``value`` (a path, usually) written so that a Hydra override reads it back as this one string.
+
+    Plain paths (with a ``/``, otherwise only letters, digits and ``_ . -``) stay as they
+    are. Anything else is
+    single-quoted with Hydra's escapes, so a comma is not read as a sweep (``run.root=/tmp/a,b``
+    fails with "Ambiguous value"), and a space, ``=``, brackets, quotes or ``${`` stay literal::
+
+        f"run.root={override_value(root)}"   # /tmp/e2e_bf16,tensorwise -> '/tmp/e2e_bf16,tensorwise'
+
+    Raises :class:`ConfigError` for a backslash right before ``${``, which OmegaConf cannot keep
+    literal here.
+    """
+    s = str(value)
+    if _PLAIN_OVERRIDE_VALUE.fullmatch(s) and "/" in s:  # a path Hydra would not read as a number or bool
+        return s
+    if "\\${" in s:
+        raise ConfigError(f"{s!r}: a backslash before '${{' cannot be passed as a Hydra override value; rename it")
+    s = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, s)  # Hydra: backslashes before the closing quote double
+    s = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", s)  # ... and before an escaped quote
+    return "'" + s.replace("${", "\\${") + "'"  # OmegaConf: ${ escaped, not an interpolation
 
 
 def _override_key(arg: str) -> str:

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from ..config import (
     ConfigError,
     checked_config,
+    override_value,
     run_name,
     typed_config,
     with_sweep_names,
@@ -195,9 +196,9 @@ def trainer_overrides(overrides: Sequence[str], run_root: Path, run_dir_overridd
             continue
         out.append(o)
     out.append("cluster=local")
-    out.append(f"run.root={run_root}")
+    out.append(f"run.root={override_value(run_root)}")
     if run_dir_overridden is not None:
-        out.append(f"run.dir={run_dir_overridden}")
+        out.append(f"run.dir={override_value(run_dir_overridden)}")
     return out
 
 

@@ -1005,8 +1005,10 @@ def test_layer_benchmark_te_variants_say_why_they_did_not_run(tmp_path):
 
 
 def _train_throughput(tmp_path, *args: str, timeout: int):
-    """:func:`_smoke` of ``train_throughput.py`` with its runs under ``tmp_path``."""
-    return _smoke("train_throughput.py", tmp_path, *args, "--root", str(tmp_path / "runs"), timeout=timeout, cwd=ROOT)
+    """:func:`_smoke` of ``train_throughput.py`` with its runs under ``tmp_path``, in a folder whose
+    name Hydra would misread unquoted (a comma is a sweep, ``=`` an override, brackets a list)."""
+    root = tmp_path / "runs,a b=[c]"
+    return _smoke("train_throughput.py", tmp_path, *args, "--root", str(root), timeout=timeout, cwd=ROOT)
 
 
 def test_train_throughput_with_the_megatron_te_column(tmp_path):

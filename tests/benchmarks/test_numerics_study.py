@@ -162,7 +162,7 @@ def test_run_states(ns, tmp_path):
 @pytest.fixture(scope="module")
 def smoke(ns, tmp_path_factory):
     """The smoke study, run once: (report.json, its directory, what it printed)."""
-    root = tmp_path_factory.mktemp("numerics")
+    root = tmp_path_factory.mktemp("numerics") / "study,1 [x]"  # a name Hydra would misread unquoted
     stale = root / "llama3_tiny" / "tensorwise-seed2"  # an earlier run that died: moved aside, trained again
     stale.mkdir(parents=True)
     (stale / "events.out.tfevents.0.old").write_text("stale")

@@ -15,10 +15,12 @@ from omegaconf import OmegaConf
 from nemo_fp8_recipes.config import (
     CONFIG_DIR,
     GROUPS,
+    ConfigError,
     build_policy,
     build_recipe,
     compose_config,
     list_group_options,
+    override_value,
     run_config,
     trainer_config,
     validate_overrides,
@@ -210,6 +212,39 @@ def test_sweeps_name_each_job_by_the_keys_they_vary():
     assert cfg.run.dir == "runs/llama3_tiny/blockwise-trainer.lr0.001-model.optim.lr0.002"  # same leaf: full keys
     cfg = compose_config(["data=text", "data.paths=[/a/b]", "run.sweep=[data,data.paths]"])
     assert cfg.run.dir == "runs/llama3_tiny/blockwise-data_text-paths____a_b__"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/tmp/e2e_bf16,tensorwise",  # unquoted, Hydra reads a sweep and stops: "Ambiguous value"
+        "/data/a b=[c]{d}(e)",
+        "/data/it's",
+        "/data/a\\'b",
+        "/data/trailing\\",
+        "/data/${not_an_interpolation}",
+        '/data/"q"',
+        "/a/%b~c@d:e+f",
+        "/data/Grüße",
+        "runs",
+        "null",
+        "1e3",
+        "true",
+        "/plain/path_1.2-3",
+    ],
+)
+def test_override_value_gives_hydra_back_the_same_string(path):
+    """A path passed as a Hydra override comes back as the same string, whatever it holds: the
+    benchmarks, the study and the SLURM launcher pass run roots and corpora this way."""
+    ov = override_value(path)
+    cfg = compose_config([f"run.root={ov}", "data=jsonl", f"data.paths=[{ov}]"])
+    assert cfg.run.root == path and list(cfg.data.paths) == [path]
+    assert (ov == path) == (path == "/plain/path_1.2-3")  # only a plain path stays unquoted
+
+
+def test_override_value_refuses_what_omegaconf_cannot_keep_literal():
+    with pytest.raises(ConfigError, match="backslash before"):
+        override_value("/data/a\\${b}")
 
 
 def test_megatron_bridge_runs_get_a_directory_of_their_own():

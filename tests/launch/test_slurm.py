@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from nemo_fp8_recipes.config import ConfigError
+from nemo_fp8_recipes.config import ConfigError, compose_config, override_value
 from nemo_fp8_recipes.launch.plan import BRIDGE_PRESETS, plan_jobs
 from nemo_fp8_recipes.launch.sbatch import job_state, parse_job_id, wait_for_job
 from nemo_fp8_recipes.launch.slurm import (
@@ -165,6 +165,20 @@ def test_cpu_job_runs_plain_python_without_gpu_flags(tmp_path):
     [job] = plan_jobs(["cluster.gpus_per_node=0", "cluster.cpus_per_task=2", f"run.root={tmp_path}"], cwd=tmp_path)
     assert "#SBATCH --cpus-per-task=2" in header(job.script)
     assert "export OMP_NUM_THREADS=2" in config_block(job.script)  # no oversubscribed CPUs
+
+
+def test_a_run_root_hydra_would_misread_reaches_the_job_intact(tmp_path):
+    """A run root that the SLURM layer allows but Hydra would misread unquoted (``=`` makes a
+    second override of it) reaches the trainer on the node as the same path: the job's overrides
+    compose back to it."""
+    root = tmp_path / "runs=1+a@b~c"
+    [job] = plan_jobs(
+        ["recipe=bf16", "cluster.gpus_per_node=0", "trainer.device=cpu", f"run.root={override_value(root)}"],
+        cwd=tmp_path,
+    )
+    argv = launch_argv(job.script)
+    overrides = argv[argv.index("nemo_fp8_recipes.train") + 1 :]
+    assert compose_config(overrides).run.root == str(root)
 
 
 def test_the_launch_line_quotes_its_expansions(tmp_path):
