@@ -76,6 +76,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 RECIPES = ["bf16", "delayed", "tensorwise", "blockwise", "mxfp8"]
 MODES = ("eager", "compiled", "graphs")
@@ -331,13 +332,21 @@ def main(argv=None) -> int:
         )
     cost = deterministic_cost(results) if args.deterministic == "both" else []
     compared = compare_backends(results, root, args) if len(backends) > 1 else {}
-    te_rows = run_megatron_te(args, root) if args.megatron_te else []
+    te_rows: list = []
+    bridge_rows: list = []
+
+    def save() -> None:  # after every Megatron-Core or Bridge row too: a sweep cut short keeps them
+        write_out(args, results, backends=compared, megatron_te=te_rows, bridge=bridge_rows, deterministic_cost=cost)
+
+    if args.megatron_te:
+        run_megatron_te(args, root, te_rows, save)
     if te_rows:
         print_te_table([r for r in results if r["backend"] == "native"], te_rows)
-    bridge_rows = run_bridge(args, root) if args.bridge else []
+    if args.bridge:
+        run_bridge(args, root, bridge_rows, save)
     if bridge_rows:
         print_bridge_table([r for r in results if r["backend"] == "native"], bridge_rows)
-    write_out(args, results, backends=compared, megatron_te=te_rows, bridge=bridge_rows, deterministic_cost=cost)
+    save()
     return (
         0
         if (
@@ -483,20 +492,22 @@ def _model_shape(args) -> dict:
     }
 
 
-def run_megatron_te(args, root: Path) -> list:
+def run_megatron_te(args, root: Path, rows: list, saved: Callable[[], None]) -> list:
     """One ``megatron_native_train.py --impl te`` run per recipe (mxfp8 left out: Hopper has no
-    MXFP8 GEMMs in TE); rows say why they were skipped where TE does not run."""
+    MXFP8 GEMMs in TE), appended to ``rows`` (``saved()`` after each); rows say why they were
+    skipped where TE does not run."""
     from nemo_fp8_recipes.integrations.te import te_available
 
     ok, why = te_available()
     recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
     if not ok:
-        return [
+        rows.extend(
             {"recipe": r, "ok": True, "status": f"skipped: Transformer Engine not importable ({why})"} for r in recipes
-        ]
+        )
+        saved()
+        return rows
     shape = _model_shape(args)
     micro = max(1, (args.global_batch or args.micro_batch) // args.micro_batch)
-    rows = []
     for recipe in recipes:
         out = root / f"megatron_te_{recipe}.json"
         cmd = [
@@ -560,6 +571,7 @@ def run_megatron_te(args, root: Path) -> list:
             row["error"] = (proc.stderr or proc.stdout)[-3000:]
             print(row["error"], file=sys.stderr)
         rows.append(row)
+        saved()
         print(
             f"[{row['status']}] Megatron-Core + TE {recipe:<11} tok/s {row.get('tokens_per_s') or 0:>10.0f}", flush=True
         )
@@ -582,7 +594,7 @@ def parse_bridge_log(text: str) -> list:
     return rows
 
 
-def run_bridge(args, root: Path) -> list:
+def run_bridge(args, root: Path, rows: list, saved: Callable[[], None]) -> list:
     """One Megatron-Bridge ``pretrain()`` run per Hopper recipe through our launcher
     (``python -m nemo_fp8_recipes.integrations.bridge``, one process under ``torchrun``): the
     model built offline from ``--model`` and its ``model.*`` overrides, the same sequence,
@@ -590,12 +602,13 @@ def run_bridge(args, root: Path) -> list:
     performance settings (``backend.perf=llama3_8b_h100``; FP8 primary weights where Bridge's
     preset keeps them), strict audit. Tokens/s from Bridge's logged iteration time (median over the
     second half), model TFLOP/s/GPU as Bridge logs it (its formula), peak memory from the
-    launcher's ``summary.json``."""
+    launcher's ``summary.json``. Rows are appended to ``rows`` (``saved()`` after each); each keeps
+    every iteration's time (``iteration_ms``: warm-up visible) and the path of the run's whole
+    output (``log``: ``bridge.log`` in its run directory)."""
     from nemo_fp8_recipes.config import override_value
 
     recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
     gbs = args.global_batch or args.micro_batch
-    rows = []
     for recipe in recipes:
         cmd = [
             sys.executable,
@@ -627,9 +640,16 @@ def run_bridge(args, root: Path) -> list:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         text = (proc.stdout or "") + (proc.stderr or "")
         row = {"recipe": recipe, "cmd": " ".join(cmd), "ok": proc.returncode == 0, "wall_s": round(time.time() - t0, 1)}
-        its = [r for r in parse_bridge_log(text) if r[0] > args.steps // 2]
-        m = re.search(r"run directory: (\S+)", text)
-        summary = Path(m.group(1)) / "summary.json" if m else None
+        parsed = parse_bridge_log(text)
+        its = [r for r in parsed if r[0] > args.steps // 2]
+        m = re.search(r"run directory: (.+?)(?: \(TensorBoard events[^\n]*)?$", text, re.MULTILINE)
+        run_dir = Path(m.group(1)) if m and Path(m.group(1)).is_dir() else None
+        summary = run_dir / "summary.json" if run_dir is not None else None
+        log = run_dir / "bridge.log" if run_dir is not None else root / f"bridge-{recipe}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(text, encoding="utf-8")
+        row["log"] = str(log)
+        row["iteration_ms"] = [[it, ms] for it, ms, _, _ in parsed]
         if proc.returncode == 0 and its:
             ms = statistics.median(r[1] for r in its)
             tfs = [r[2] for r in its if r[2] is not None]
@@ -653,6 +673,7 @@ def run_bridge(args, root: Path) -> list:
             row["error"] = text[-3000:]
             print(row["error"], file=sys.stderr)
         rows.append(row)
+        saved()
         print(f"[{row['status']}] Megatron-Bridge {recipe:<11} tok/s {row.get('tokens_per_s') or 0:>10.0f}", flush=True)
     return rows
 

@@ -1040,6 +1040,8 @@ def test_train_throughput_bridge_rows_run_our_launcher_with_bridges_perf_setting
     for arg in ("backend.perf=llama3_8b_h100", "backend.provider=ours", "model.num_layers=1", "trainer.seq_len=64"):
         assert arg in row["cmd"].split()
     assert "needs Megatron-Bridge" in row["error"] and "Megatron-Bridge tok/s" in proc.stdout
+    # the run's whole output is kept beside the rows, and its iteration times (none here)
+    assert "needs Megatron-Bridge" in Path(row["log"]).read_text() and row["iteration_ms"] == []
 
 
 def test_bridge_log_lines_are_read_as_bridge_writes_them(tmp_path):
