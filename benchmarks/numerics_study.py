@@ -52,7 +52,6 @@ import json
 import math
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -464,18 +463,8 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
                     "val_abs_interval": vci,
                 }
             )
+    # (with --other-seeds the compare tool pools bf16 and bf16-other, BF16's settings at six seeds)
     noise = {tag: (c or {}).get("noise") for tag, c in cmp.items()}
-    for tag, c in cmp.items():  # with --other-seeds: the seed-to-seed spread over every BF16 run
-        finals = [
-            r["final_loss"]
-            for r in (c or {}).get("results", [])
-            if r["name"].rsplit("-seed", 1)[0] in ("bf16", "bf16-other") and r.get("final_loss") is not None
-        ]
-        if noise.get(tag) and any(r["name"].startswith("bf16-other-seed") for r in c.get("results", [])):
-            mean = statistics.fmean(finals)
-            noise[tag]["all_bf16_seeds"] = len(finals)
-            noise[tag]["all_bf16_sd"] = statistics.stdev(finals) / mean
-            noise[tag]["all_bf16_max_pair"] = (max(finals) - min(finals)) / mean
     return {
         "model": a.model,
         "steps": a.steps,
@@ -591,10 +580,10 @@ def report_markdown(rep: dict) -> str:
                 f"to {pair}; the same seed run again: "
                 + ("0 (deterministic)" if n.get("deterministic") and not n.get("reruns") else "see compare/" + tag),
             ]
-            if n.get("all_bf16_seeds"):
+            if n.get("pooled_sd") is not None:
                 lines[-1] += (
-                    f"; over all {n['all_bf16_seeds']} BF16 seeds (bf16 and bf16-other): sd "
-                    f"{_pct(n['all_bf16_sd'], False)}, up to {_pct(n['all_bf16_max_pair'], False)} apart"
+                    f"; over all {len(n['pooled_seeds'])} BF16 seeds ({' and '.join(n['pooled_groups'])}): sd "
+                    f"{_pct(n['pooled_sd'], False)}, up to {_pct(n['pooled_max_pair'], False)} apart"
                 )
     if rep["contrasts"]:
         lines += [

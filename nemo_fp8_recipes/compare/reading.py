@@ -156,6 +156,7 @@ class RunSeries:
     seed: Optional[int] = None  #: trainer.seed of its config.yaml (None: not a nemo-fp8-train run)
     deterministic: Optional[bool] = None  #: trainer.deterministic of its config.yaml
     variant: Optional[str] = None  #: what it trained, all but the seed (runs differing in the seed only share it)
+    setting: Optional[str] = None  #: the same without its run tag (BF16 at other seeds shares BF16's)
 
 
 def _accumulator(path: Path):
@@ -250,7 +251,7 @@ def load_run(
         by_step[int(e.step)] = float(e.value)
     steps = sorted(by_step)
     tps = [float(e.value) for e in acc.Scalars(tokens_tag)] if tokens_tag in tags else []
-    seed, deterministic, variant, problem = read_run_config(path)
+    seed, deterministic, variant, setting, problem = read_run_config(path)
     if problem:
         print(f"nemo-fp8-compare: warning: {problem}", file=sys.stderr)
     return RunSeries(
@@ -265,6 +266,7 @@ def load_run(
         seed=seed,
         deterministic=deterministic,
         variant=variant,
+        setting=setting,
     )
 
 

@@ -36,7 +36,10 @@ the mean of its curve over its last ``--last`` steps):
 - **noise floor**: the baseline's seed-to-seed spread (standard deviation of ``F`` over its
   seeds and the largest difference of two seeds, both relative to the mean), and the same-seed rerun
   spread (runs of one group with the same seed) — zero by construction when the runs were
-  deterministic (``trainer.deterministic=true``), unknown otherwise unless a rerun is given.
+  deterministic (``trainer.deterministic=true``), unknown otherwise unless a rerun is given. Where
+  other groups trained the baseline's settings at seeds of their own (they differ from it in
+  ``run.tag`` alone, e.g. ``bf16-other`` beside ``bf16``), the seed-to-seed spread is also given
+  over all of those seeds together: more seeds, a steadier estimate of the same noise.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 __all__ = [
     "NOT_VARIANT",
+    "RUN_LABELS",
     "GroupStats",
     "NoiseFloor",
     "read_run_config",
@@ -70,6 +74,11 @@ __all__ = [
 
 #: the gate's rules for groups with an interval (module docstring): equivalence, or a shown regression
 GATE_RULES = ("within", "regression")
+
+#: config keys that name a run without changing what it trains, yet keep its group apart (BF16 at
+#: other seeds, ``run.tag=other``, is compared with BF16 rather than merged into it); the noise
+#: floor pools groups that differ in these alone
+RUN_LABELS = ("run.tag",)
 
 #: config keys that do not change what a run trains (besides trainer.seed, the pairing key)
 NOT_VARIANT = (
@@ -93,35 +102,42 @@ NOT_VARIANT = (
 
 
 # ---- run metadata ---------------------------------------------------------------------------------
-def read_run_config(run_dir: Path) -> Tuple[Optional[int], Optional[bool], Optional[str], Optional[str]]:
-    """``(seed, deterministic, variant, problem)`` from a trainer run's ``config.yaml``: the seed,
-    whether it ran deterministically, a digest of everything that defines what it trained
-    (:data:`NOT_VARIANT` left out), and why the file could not be used (None when it could, or
-    when there is none: Megatron-Bridge's runs)."""
+def read_run_config(
+    run_dir: Path,
+) -> Tuple[Optional[int], Optional[bool], Optional[str], Optional[str], Optional[str]]:
+    """``(seed, deterministic, variant, setting, problem)`` from a trainer run's ``config.yaml``: the
+    seed, whether it ran deterministically, a digest of everything that defines what it trained
+    (:data:`NOT_VARIANT` left out), the same without :data:`RUN_LABELS` (groups that share it
+    trained the same settings), and why the file could not be used (None when it could, or when
+    there is none: Megatron-Bridge's runs)."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
-        return None, None, None, None
+        return None, None, None, None, None
     try:
         import yaml
 
         cfg = yaml.safe_load(path.read_text(encoding="utf-8"))
     except Exception as e:  # noqa: BLE001 - a damaged file: the run stays a group of its own
-        return None, None, None, f"{path} cannot be read ({type(e).__name__}); the run is not grouped by seed"
+        return None, None, None, None, f"{path} cannot be read ({type(e).__name__}); the run is not grouped by seed"
     if not isinstance(cfg, dict) or not isinstance(cfg.get("trainer"), dict):
-        return None, None, None, None  # not a nemo-fp8-train config
+        return None, None, None, None, None  # not a nemo-fp8-train config
     trainer = cfg["trainer"]
     seed = trainer.get("seed")
     seed = int(seed) if isinstance(seed, int) and not isinstance(seed, bool) else None
     det = trainer.get("deterministic")
     det = bool(det) if isinstance(det, bool) else False  # runs before the option existed were not
-    for key in NOT_VARIANT:
-        head, _, rest = key.partition(".")
-        if not rest:
-            cfg.pop(head, None)
-        elif isinstance(cfg.get(head), dict):
-            cfg[head].pop(rest, None)
-    variant = hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return seed, det, variant, None
+
+    def digest(keys) -> str:
+        for key in keys:
+            head, _, rest = key.partition(".")
+            if not rest:
+                cfg.pop(head, None)
+            elif isinstance(cfg.get(head), dict):
+                cfg[head].pop(rest, None)
+        return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    variant = digest(NOT_VARIANT)
+    return seed, det, variant, digest(RUN_LABELS), None
 
 
 def group_label(name: str, seed: Optional[int]) -> str:
@@ -295,6 +311,12 @@ class NoiseFloor:
     seed_max_pair: Optional[float] = None  # largest |F_s - F_s'| over two baseline seeds / the mean
     reruns: List[Dict[str, object]] = field(default_factory=list)  # runs of a group sharing a seed
     deterministic: Optional[bool] = None  # every run deterministic (None: not known for some)
+    # the baseline's settings over every group that trained them (differing in RUN_LABELS alone),
+    # when others did: their labels, all their seeds, and the seed-to-seed spread over them all
+    pooled_groups: List[str] = field(default_factory=list)
+    pooled_seeds: List[int] = field(default_factory=list)
+    pooled_sd: Optional[float] = None
+    pooled_max_pair: Optional[float] = None
 
     def rerun_text(self) -> str:
         """The same-seed rerun floor in words."""
@@ -311,11 +333,18 @@ class NoiseFloor:
     def seed_text(self) -> str:
         """The seed-to-seed floor in words."""
         if self.seed_sd is None:
-            return f"unknown: one {self.baseline} seed (train several: trainer.seed=1,2,3)"
-        return (
-            f"{self.baseline} over {len(self.seeds)} seeds: final loss sd {100 * self.seed_sd:.3f}% of the "
-            f"mean, two seeds differ by up to {100 * self.seed_max_pair:.3f}%"
-        )
+            text = f"unknown: one {self.baseline} seed (train several: trainer.seed=1,2,3)"
+        else:
+            text = (
+                f"{self.baseline} over {len(self.seeds)} seeds: final loss sd {100 * self.seed_sd:.3f}% of the "
+                f"mean, two seeds differ by up to {100 * self.seed_max_pair:.3f}%"
+            )
+        if self.pooled_sd is not None:
+            text += (
+                f"; the same settings over all {len(self.pooled_seeds)} seeds ({', '.join(self.pooled_groups)}): "
+                f"sd {100 * self.pooled_sd:.3f}%, up to {100 * self.pooled_max_pair:.3f}% apart"
+            )
+        return text
 
 
 def seed_key(seed: Optional[int]) -> str:
@@ -502,7 +531,7 @@ def group_statistics(
             dev_curves[label] = (steps, mean, lo, hi)
         if max_rel_dev is not None:
             _judge(row, [run_stats[r.name] for r in judged], max_rel_dev, last, gate)
-    noise = _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, curves, finals)
+    noise = _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, curves, finals, rows)
     spread: Tuple[List[int], List[float]] = ([], [])
     if len(base_seed_runs) >= 2:
         bc = [curves[r.name] for r in base_seed_runs.values()]
@@ -561,7 +590,7 @@ def _judge(row: GroupStats, judged_stats: Sequence, x: float, last: int, gate: s
         row.reasons.append(f"max |rel dev| {pct(run.gate_rel_dev)} over steps {w[0]}..{w[1]} is above {pct(x)}")
 
 
-def _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, curves, finals) -> NoiseFloor:
+def _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, curves, finals, rows) -> NoiseFloor:
     noise = NoiseFloor(
         baseline=base_label,
         seeds=[s for s in base_seed_runs if s is not None],
@@ -570,6 +599,20 @@ def _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, cur
     if len(base_finals) >= 2:
         noise.seed_sd = _mean_sd(base_finals)[1] / base_mean
         noise.seed_max_pair = (max(base_finals) - min(base_finals)) / base_mean
+    setting = groups[base_label][0].setting
+    pooled = [  # the baseline's settings trained by other groups too: their complete runs, one a seed
+        row
+        for row in rows
+        if setting is not None and all(r.setting == setting and r.seed is not None for r in groups[row.label])
+    ]
+    seeds = [s for row in pooled for s in row.seeds]
+    if len(pooled) > 1 and len(seeds) == len(set(seeds)):  # a seed in two groups would count twice
+        pooled_finals = [finals[name] for row in pooled for name in row.runs]
+        mean = _mean_sd(pooled_finals)[0]
+        noise.pooled_groups = [row.label for row in pooled]
+        noise.pooled_seeds = sorted(seeds)
+        noise.pooled_sd = _mean_sd(pooled_finals)[1] / mean
+        noise.pooled_max_pair = (max(pooled_finals) - min(pooled_finals)) / mean
     for label, members in groups.items():
         firsts = first_per_seed(members)
         for r in members:

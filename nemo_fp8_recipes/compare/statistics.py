@@ -447,6 +447,7 @@ def _run_from_json(r) -> RunSeries:
         "seed": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
         "deterministic": lambda v: v is None or isinstance(v, bool),
         "variant": lambda v: v is None or isinstance(v, str),
+        "setting": lambda v: v is None or isinstance(v, str),
     }
     for key, ok in checks.items():
         if key in r and not ok(r[key]):

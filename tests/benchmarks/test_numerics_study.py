@@ -247,15 +247,19 @@ def test_smoke_study_reports_what_the_runs_logged(smoke):
     assert "bf16-other: BF16 at seeds 3, 4, compared with BF16 unpaired (Welch's interval" in md
     assert "bf16-other: bf16 with" not in md  # not listed as a variant
     assert "Noise floor (train loss): BF16 seed to seed" in md and "0 (deterministic)" in md
-    # the spread over all four BF16 runs (seeds 1, 2 and the other seeds 3, 4), from their own losses
+    # the spread over all four BF16 runs (seeds 1, 2 and the other seeds 3, 4), from their own
+    # losses: nemo-fp8-compare pools the groups that trained BF16's settings (run.tag apart)
     finals = [_final(rdir / f"bf16-seed{s}", "train/loss", 2) for s in (1, 2)]
     finals += [_final(rdir / f"bf16-other-seed{s}", "train/loss", 2) for s in (3, 4)]
     mean = sum(finals) / 4
     sd = math.sqrt(sum((x - mean) ** 2 for x in finals) / 3) / mean
     noise = rep["noise"]["train"]
-    assert noise["all_bf16_seeds"] == 4 and math.isclose(noise["all_bf16_sd"], sd, rel_tol=1e-9)
-    assert math.isclose(noise["all_bf16_max_pair"], (max(finals) - min(finals)) / mean, rel_tol=1e-9)
+    assert noise["pooled_groups"] == ["bf16", "bf16-other"] and noise["pooled_seeds"] == [1, 2, 3, 4]
+    assert math.isclose(noise["pooled_sd"], sd, rel_tol=1e-9)
+    assert math.isclose(noise["pooled_max_pair"], (max(finals) - min(finals)) / mean, rel_tol=1e-9)
     assert f"over all 4 BF16 seeds (bf16 and bf16-other): sd {100 * sd:.2f}%" in md
+    cmp_md = (rdir / "compare" / "train" / "compare.md").read_text()
+    assert f"the same settings over all 4 seeds (bf16, bf16-other): sd {100 * sd:.3f}%" in cmp_md
     for tag in ("train", "val"):
         cmp = json.loads((rdir / "compare" / tag / "compare.json").read_text())
         assert cmp["settings"]["baseline"] == "bf16" and cmp["seeded"] is True

@@ -158,6 +158,8 @@ def test_seed_table_matches_an_independent_computation(seeds, tmp_path, capsys):
     assert data["noise"]["seed_sd"] == pytest.approx(b.std(ddof=1) / b.mean(), rel=1e-9)
     assert data["noise"]["seed_max_pair"] == pytest.approx((b.max() - b.min()) / b.mean(), rel=1e-9)
     assert data["noise"]["deterministic"] is True and data["noise"]["reruns"] == []
+    # no other group trained BF16's settings: nothing pooled (FP8 groups never are)
+    assert data["noise"]["pooled_groups"] == [] and data["noise"]["pooled_sd"] is None
     assert "same seed run again, 0 (every run deterministic" in printed
     assert "| bf16 (baseline) | 1, 2, 3 |" in printed
 
@@ -202,6 +204,14 @@ def test_a_group_without_common_seeds_gets_welchs_interval(seeds, tmp_path):
     assert "Welch's interval over the two groups' seeds" in md and "to pair it with" not in md
     assert float(row["final_vs_baseline"]) == pytest.approx((a.mean() - b.mean()) / b.mean(), rel=1e-9)
     assert float(row["interval_high"]) - float(row["final_vs_baseline"]) == pytest.approx(half, rel=1e-9)
+    # bf16-other differs from bf16 in run.tag alone: the noise floor also pools the five BF16 seeds
+    noise = json.loads((tmp_path / "compare.json").read_text())["noise"]
+    both = np.concatenate([b, a])
+    assert noise["pooled_groups"] == ["bf16", "bf16-other"] and noise["pooled_seeds"] == [1, 2, 3, 4, 5]
+    assert noise["pooled_sd"] == pytest.approx(both.std(ddof=1) / both.mean(), rel=1e-9)
+    assert noise["pooled_max_pair"] == pytest.approx((both.max() - both.min()) / both.mean(), rel=1e-9)
+    assert noise["seed_sd"] == pytest.approx(b.std(ddof=1) / b.mean(), rel=1e-9)  # the baseline's own, as before
+    assert f"the same settings over all 5 seeds (bf16, bf16-other): sd {100 * noise['pooled_sd']:.3f}%" in md
     # the gate judges such a group by Welch's interval: runs without a same-seed partner are the
     # design there, not a fault (a single unpartnered run is still failed: it has no interval)
     reach = max(abs(float(row["interval_low"])), abs(float(row["interval_high"])))
