@@ -6,6 +6,7 @@ The definitions of the numbers computed from the curves are in :mod:`nemo_fp8_re
 from __future__ import annotations
 
 import difflib
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,6 +158,7 @@ class RunSeries:
     deterministic: Optional[bool] = None  #: trainer.deterministic of its config.yaml
     variant: Optional[str] = None  #: what it trained, all but the seed (runs differing in the seed only share it)
     setting: Optional[str] = None  #: the same without its run tag (BF16 at other seeds shares BF16's)
+    data_sha256: Optional[str] = None  #: its tokens' digest from summary.json (None: not recorded, or unfinished)
 
 
 def _accumulator(path: Path):
@@ -254,6 +256,12 @@ def load_run(
     seed, deterministic, variant, setting, problem = read_run_config(path)
     if problem:
         print(f"nemo-fp8-compare: warning: {problem}", file=sys.stderr)
+    data_sha256 = None
+    try:  # written when the run finishes; runs of other trainers and older runs have none
+        digest = json.loads((path / "summary.json").read_text(encoding="utf-8")).get("data_sha256")
+        data_sha256 = digest if isinstance(digest, str) else None
+    except (OSError, ValueError, AttributeError):
+        pass
     return RunSeries(
         name=name,
         path=str(path),
@@ -267,6 +275,7 @@ def load_run(
         deterministic=deterministic,
         variant=variant,
         setting=setting,
+        data_sha256=data_sha256,
     )
 
 

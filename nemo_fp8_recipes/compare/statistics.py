@@ -448,6 +448,7 @@ def _run_from_json(r) -> RunSeries:
         "deterministic": lambda v: v is None or isinstance(v, bool),
         "variant": lambda v: v is None or isinstance(v, str),
         "setting": lambda v: v is None or isinstance(v, str),
+        "data_sha256": lambda v: v is None or isinstance(v, str),
     }
     for key, ok in checks.items():
         if key in r and not ok(r[key]):
@@ -700,6 +701,11 @@ def _run_stats(
     reasons = [f"damaged event file: {p}" for p in r.problems]
     if base.problems:
         reasons.append(f"the baseline {base.name} has a damaged event file")
+    if r.data_sha256 and base.data_sha256 and r.data_sha256 != base.data_sha256:
+        reasons.append(
+            f"trained on other tokens than the baseline {base.name} (data sha256 {r.data_sha256[:12]} against "
+            f"{base.data_sha256[:12]}): not a like-for-like comparison (did the corpus change between the runs?)"
+        )
     for who, curve in ((f"the baseline {base.name}", base_curve), ("this run", c)):
         bad = [s for s in aligned if not math.isfinite(curve[s])]
         if bad:

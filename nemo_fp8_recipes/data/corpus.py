@@ -55,8 +55,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Bumped whenever the cache layout or the document rules change.
-CACHE_FORMAT = 1
+#: Bumped whenever the cache layout or the document rules change (2: meta.json holds ``tokens_sha256``).
+CACHE_FORMAT = 2
 _SOURCES = ("stdlib", "text", "jsonl")
 _SKIP_DIRS_STDLIB = {"site-packages", "dist-packages", "__pycache__", "test", "tests"}
 
@@ -139,6 +139,14 @@ class Corpus:
     fingerprint: str
     meta: Dict[str, Any] = field(default_factory=dict)
     cache_path: Optional[Path] = None
+
+    @property
+    def tokens_sha256(self) -> str:
+        """SHA-256 of the token streams (train, then validation): what the runs were trained and
+        validated on. The cache key (:attr:`fingerprint`) follows the files' names, sizes and
+        times; this follows the tokens, so two runs that read one path before and after its text
+        changed are told apart (``summary.json``'s ``data_sha256``)."""
+        return self.meta["tokens_sha256"]
 
 
 def stdlib_root() -> Path:
@@ -378,6 +386,12 @@ def _build_cache_files(cfg: DataConfig, files, tokenizer, out_dir: Path, fingerp
         counts.update(train_tokens=len(tokens) - n_val, val_tokens=n_val, val_docs=0)
     for split in ("train", "val"):
         os.replace(tmp[split], out_dir / f"{split}.bin")
+    digest = hashlib.sha256()
+    for split in ("train", "val"):
+        digest.update(f"{split}:{counts[f'{split}_tokens']}:".encode())
+        with open(out_dir / f"{split}.bin", "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
     meta = {
         "fingerprint": fingerprint,
         "format": CACHE_FORMAT,
@@ -389,6 +403,7 @@ def _build_cache_files(cfg: DataConfig, files, tokenizer, out_dir: Path, fingerp
         "last_file": str(files[-1].path),
         "val_fraction": float(cfg.val_fraction),
         "tail_split": tail_split,
+        "tokens_sha256": digest.hexdigest(),
         **counts,
     }
     meta_tmp = out_dir / f".meta.json.{tag}"

@@ -313,7 +313,7 @@ class Trainer:
         )
         log.info(
             "run %s | model %s (%s params, %d layers) | recipe %s (%s) | device %s | autocast %s | "
-            "data %s: %s train / %s val tokens | %d steps x %d seq x %d tokens (grad accum %d%s)",
+            "data %s: %s train / %s val tokens (sha256 %s) | %d steps x %d seq x %d tokens (grad accum %d%s)",
             self.run_dir,
             self.mcfg.name,
             format_count(self.n_params),
@@ -325,6 +325,7 @@ class Trainer:
             self.dcfg.name,
             format_count(len(self.corpus.train)),
             format_count(len(self.corpus.val)),
+            self.corpus.tokens_sha256[:12],
             tcfg.max_steps,
             tcfg.global_batch_size,
             tcfg.seq_len,
@@ -774,6 +775,8 @@ class Trainer:
                         "deterministic": tcfg.deterministic,
                         "cuda_graph_skips": result.cuda_graph_skips,
                         "peak_memory_gib": torch.cuda.max_memory_allocated(self.device) / 2**30 if cuda else None,
+                        # what it trained on, by content (paired runs must share it: nemo-fp8-compare)
+                        "data_sha256": self.corpus.tokens_sha256,
                     },
                     indent=2,
                 )

@@ -357,6 +357,37 @@ def test_a_seed_run_cut_short_stays_out_of_its_groups_interval():
     assert any("fp8-seed3 ended at step 50, before its baseline's last step" in n for n in g.notes)
 
 
+def test_runs_on_other_tokens_are_not_compared_as_pairs(tmp_path, capsys):
+    """BF16 and tensorwise at seed 1 on one corpus path whose text changed between the two runs:
+    their configs agree, their summary.json data digests do not, and the gate fails the pair for
+    it; on the unchanged corpus it says nothing of the kind."""
+    corpus = tmp_path / "corpus.jsonl"
+
+    def write(words: str) -> None:
+        corpus.write_text(
+            "".join(json.dumps({"text": f"{words} {i} " * 40}) + "\n" for i in range(40)), encoding="utf-8"
+        )
+
+    def train(recipe: str, root: Path) -> Path:
+        common = [*TINY, "data=jsonl", f"data.paths=[{corpus}]", f"data.cache_dir={tmp_path / 'cache'}"]
+        assert train_main([f"recipe={recipe}", "trainer.seed=1", f"run.root={root}", *common]) == 0
+        return root / "llama3_tiny" / recipe
+
+    write("the first text")
+    base, same = train("bf16", tmp_path / "a"), train("tensorwise", tmp_path / "a")
+    write("another text altogether")
+    other = train("tensorwise", tmp_path / "b")
+    digests = [json.loads((d / "summary.json").read_text())["data_sha256"] for d in (base, same, other)]
+    assert digests[0] == digests[1] != digests[2]
+    args = ["--last", str(LAST), "--max-rel-dev", "0.99", "--no-png", "--no-events"]
+    assert main([str(base), str(same), *args, "--out", str(tmp_path / "o1")]) == 0
+    assert "trained on other tokens" not in capsys.readouterr().out
+    assert main([str(base), str(other), *args, "--out", str(tmp_path / "o2")]) == 1
+    printed = capsys.readouterr()
+    why = f"trained on other tokens than the baseline bf16 (data sha256 {digests[2][:12]} against {digests[0][:12]})"
+    assert why in printed.out + printed.err
+
+
 def test_one_seed_says_it_cannot_separate_fp8_from_noise(seeds, tmp_path, capsys):
     parent, _ = seeds
     assert (

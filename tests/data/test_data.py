@@ -89,6 +89,24 @@ def test_cache_key_follows_the_file_list_and_contents(tmp_path):
     assert c3.fingerprint not in (c1.fingerprint, c2.fingerprint)
 
 
+def test_the_token_digest_follows_the_content_not_the_file(tmp_path):
+    """``Corpus.tokens_sha256`` is SHA-256 over the token streams as hashlib computes it here from
+    the arrays; a cache hit gives the same; new text at the same path gives another."""
+    import hashlib
+
+    _write_docs(tmp_path / "a", 10)
+    cfg = DataConfig(source="text", paths=(str(tmp_path / "a"),), cache_dir=str(tmp_path / "c"))
+    c1 = load_corpus(cfg)
+    h = hashlib.sha256()
+    for split, arr in (("train", c1.train), ("val", c1.val)):
+        h.update(f"{split}:{len(arr)}:".encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    assert c1.tokens_sha256 == h.hexdigest()
+    assert load_corpus(cfg).tokens_sha256 == c1.tokens_sha256  # from the cache
+    (tmp_path / "a" / "doc_003.txt").write_text("changed text " * 30, encoding="utf-8")
+    assert load_corpus(cfg).tokens_sha256 != c1.tokens_sha256
+
+
 def test_incomplete_cache_is_rebuilt(tmp_path):
     cfg = DataConfig(max_files=10, cache_dir=str(tmp_path / "cache"))
     c1 = load_corpus(cfg)
