@@ -473,6 +473,7 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
         "last": a.last,
         "preset": a.preset,
         "corpus": a.corpus or _corpus_of(a),
+        "data_sha256": _data_digests(a),
         "overrides": a.overrides,
         "emulated": a.emulate,
         "recipes": recipes,
@@ -494,6 +495,32 @@ def _corpus_of(a: argparse.Namespace) -> Optional[str]:
             data = (yaml.safe_load(cfg_path.read_text()) or {}).get("data") or {}
             return f"data={data.get('name')} {data.get('paths') or ''}".strip()
     return None
+
+
+def _data_digests(a: argparse.Namespace) -> List[str]:
+    """The token digests (``summary.json``'s ``data_sha256``) of the complete runs, each once: one
+    when every run trained on the same tokens."""
+    out: List[str] = []
+    for j in jobs(a):
+        try:
+            digest = json.loads((j["dir"] / "summary.json").read_text()).get("data_sha256")
+        except (OSError, ValueError):
+            continue
+        if isinstance(digest, str) and digest not in out:
+            out.append(digest)
+    return out
+
+
+def _digest_text(digests: Sequence[str]) -> str:
+    if not digests:
+        return ""
+    if len(digests) == 1:
+        return f" (tokens sha256 {digests[0][:16]}…, every run)"
+    return (
+        f" (WARNING: the runs trained on {len(digests)} different token streams, sha256 "
+        + ", ".join(d[:12] + "…" for d in digests)
+        + ": the corpus changed between runs; compare/ fails the pairs that differ)"
+    )
 
 
 def _pct(x, signed: bool = True) -> str:
@@ -518,7 +545,9 @@ def report_markdown(rep: dict) -> str:
         f"{', '.join(map(str, rep['seeds']))}, deterministic; deviations are FP8 minus BF16 at the same seed, "
         f"relative to BF16, mean over seeds [95% interval]; train loss = mean over the last {rep['last']} steps, "
         "val loss = the last validation; tracking = mean |relative deviation| of the training loss over the "
-        f"last {rep['last']} steps. Corpus: {rep['corpus'] or 'the trainer default (data=stdlib)'}.",
+        f"last {rep['last']} steps. Corpus: {rep['corpus'] or 'the trainer default (data=stdlib)'}"
+        + _digest_text(rep.get("data_sha256") or [])
+        + ".",
         "",
         "| recipe | seeds | train loss | vs bf16 (train) | val loss | vs bf16 (val) | tracking | goal | "
         "met (train / val) |",

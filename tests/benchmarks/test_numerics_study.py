@@ -241,6 +241,8 @@ def test_smoke_study_reports_what_the_runs_logged(smoke):
         assert json.loads((rdir / f"tensorwise-seed{s}" / "summary.json").read_text())["deterministic"] is True
     md = (rdir / "report.md").read_text()
     assert md.startswith("# Numerics study (SMOKE") and md in printed
+    digest = json.loads((rdir / "bf16-seed1" / "summary.json").read_text())["data_sha256"]
+    assert rep["data_sha256"] == [digest] and f"(tokens sha256 {digest[:16]}…, every run)" in md
     row = next(line for line in md.splitlines() if line.startswith("| tensorwise |"))
     assert f"{100 * tw['train_vs_bf16']:+.2f}%" in row and "±0.50%" in row
     assert "tensorwise-pow2: tensorwise with recipe.scale_rounding=pow2 (a variant" in md
