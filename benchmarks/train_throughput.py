@@ -220,6 +220,13 @@ def main(argv=None) -> int:
         "Bridge's H100 Llama 3 8B performance settings (backend.perf=llama3_8b_h100; one run per Hopper recipe)",
     )
     p.add_argument(
+        "--bridge-fp8-param-gather",
+        choices=("preset", "true", "false"),
+        default="preset",
+        help="FP8 primary weights in the Bridge runs: as Bridge's mixed-precision preset of the recipe sets them "
+        "(preset: on for tensorwise and delayed, off for blockwise), or on / off for every FP8 recipe",
+    )
+    p.add_argument(
         "--backends",
         default="native",
         help="comma-separated trainer backends: native, te (Transformer Engine modules, eager; "
@@ -622,6 +629,11 @@ def run_bridge(args, root: Path, rows: list, saved: Callable[[], None]) -> list:
             "backend.provider=ours",
             "backend.perf=llama3_8b_h100",
             "backend.strict_audit=true",
+            *(
+                [f"backend.fp8_param_gather={args.bridge_fp8_param_gather}"]
+                if args.bridge_fp8_param_gather != "preset" and recipe != "bf16"
+                else []
+            ),
             f"recipe={recipe}",
             f"model={args.model}",
             *_model_overrides(args),
@@ -640,6 +652,7 @@ def run_bridge(args, root: Path, rows: list, saved: Callable[[], None]) -> list:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         text = (proc.stdout or "") + (proc.stderr or "")
         row = {"recipe": recipe, "cmd": " ".join(cmd), "ok": proc.returncode == 0, "wall_s": round(time.time() - t0, 1)}
+        row["fp8_param_gather"] = None if recipe == "bf16" else args.bridge_fp8_param_gather
         parsed = parse_bridge_log(text)
         its = [r for r in parsed if r[0] > args.steps // 2]
         m = re.search(r"run directory: (.+?)(?: \(TensorBoard events[^\n]*)?$", text, re.MULTILINE)

@@ -1042,6 +1042,15 @@ def test_train_throughput_bridge_rows_run_our_launcher_with_bridges_perf_setting
     assert "needs Megatron-Bridge" in row["error"] and "Megatron-Bridge tok/s" in proc.stdout
     # the run's whole output is kept beside the rows, and its iteration times (none here)
     assert "needs Megatron-Bridge" in Path(row["log"]).read_text() and row["iteration_ms"] == []
+    assert row["fp8_param_gather"] is None and not any("fp8_param_gather" in a for a in row["cmd"].split())
+    # FP8 primary weights off for every FP8 recipe, against Bridge's preset (on for tensorwise)
+    _, data = _train_throughput(
+        tmp_path, "--smoke", "--recipes", "tensorwise", "--backends", "", "--bridge",
+        "--bridge-fp8-param-gather", "false", timeout=300,
+    )  # fmt: skip
+    (row,) = data["bridge"]
+    assert row["fp8_param_gather"] == "false" and "backend.fp8_param_gather=false" in row["cmd"].split()
+    assert "needs Megatron-Bridge" in row["error"]  # the launcher took the override; only Bridge is missing here
 
 
 def test_bridge_log_lines_are_read_as_bridge_writes_them(tmp_path):
