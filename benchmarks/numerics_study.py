@@ -473,7 +473,8 @@ def build_report(a: argparse.Namespace, cmp: Dict[str, Optional[dict]]) -> dict:
         "last": a.last,
         "preset": a.preset,
         "corpus": a.corpus or _corpus_of(a),
-        "data_sha256": _data_digests(a),
+        # the token digests the compared runs recorded (compare read them from summary.json), each once
+        "data_sha256": list(dict.fromkeys(r["data_sha256"] for r in cmp["train"]["runs"] if r.get("data_sha256"))),
         "overrides": a.overrides,
         "emulated": a.emulate,
         "recipes": recipes,
@@ -495,20 +496,6 @@ def _corpus_of(a: argparse.Namespace) -> Optional[str]:
             data = (yaml.safe_load(cfg_path.read_text()) or {}).get("data") or {}
             return f"data={data.get('name')} {data.get('paths') or ''}".strip()
     return None
-
-
-def _data_digests(a: argparse.Namespace) -> List[str]:
-    """The token digests (``summary.json``'s ``data_sha256``) of the complete runs, each once: one
-    when every run trained on the same tokens."""
-    out: List[str] = []
-    for j in jobs(a):
-        try:
-            digest = json.loads((j["dir"] / "summary.json").read_text()).get("data_sha256")
-        except (OSError, ValueError):
-            continue
-        if isinstance(digest, str) and digest not in out:
-            out.append(digest)
-    return out
 
 
 def _digest_text(digests: Sequence[str]) -> str:

@@ -617,6 +617,7 @@ def run_bridge(args, root: Path, rows: list, saved: Callable[[], None]) -> list:
     recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
     gbs = args.global_batch or args.micro_batch
     for recipe in recipes:
+        fp8_param_gather = None if recipe == "bf16" else args.bridge_fp8_param_gather
         cmd = [
             sys.executable,
             "-m",
@@ -629,11 +630,7 @@ def run_bridge(args, root: Path, rows: list, saved: Callable[[], None]) -> list:
             "backend.provider=ours",
             "backend.perf=llama3_8b_h100",
             "backend.strict_audit=true",
-            *(
-                [f"backend.fp8_param_gather={args.bridge_fp8_param_gather}"]
-                if args.bridge_fp8_param_gather != "preset" and recipe != "bf16"
-                else []
-            ),
+            *([f"backend.fp8_param_gather={fp8_param_gather}"] if fp8_param_gather not in (None, "preset") else []),
             f"recipe={recipe}",
             f"model={args.model}",
             *_model_overrides(args),
@@ -652,7 +649,7 @@ def run_bridge(args, root: Path, rows: list, saved: Callable[[], None]) -> list:
         proc = subprocess.run(cmd, capture_output=True, text=True)
         text = (proc.stdout or "") + (proc.stderr or "")
         row = {"recipe": recipe, "cmd": " ".join(cmd), "ok": proc.returncode == 0, "wall_s": round(time.time() - t0, 1)}
-        row["fp8_param_gather"] = None if recipe == "bf16" else args.bridge_fp8_param_gather
+        row["fp8_param_gather"] = fp8_param_gather
         parsed = parse_bridge_log(text)
         its = [r for r in parsed if r[0] > args.steps // 2]
         m = re.search(r"run directory: (.+?)(?: \(TensorBoard events[^\n]*)?$", text, re.MULTILINE)

@@ -608,10 +608,10 @@ def _noise_floor(groups, base_label, base_seed_runs, base_finals, base_mean, cur
     seeds = [s for row in pooled for s in row.seeds]
     if len(pooled) > 1 and len(seeds) == len(set(seeds)):  # a seed in two groups would count twice
         pooled_finals = [finals[name] for row in pooled for name in row.runs]
-        mean = _mean_sd(pooled_finals)[0]
+        mean, sd = _mean_sd(pooled_finals)
         noise.pooled_groups = [row.label for row in pooled]
         noise.pooled_seeds = sorted(seeds)
-        noise.pooled_sd = _mean_sd(pooled_finals)[1] / mean
+        noise.pooled_sd = sd / mean
         noise.pooled_max_pair = (max(pooled_finals) - min(pooled_finals)) / mean
     for label, members in groups.items():
         firsts = first_per_seed(members)
