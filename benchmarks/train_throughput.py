@@ -214,6 +214,13 @@ def main(argv=None) -> int:
         help="also train the same shapes as Megatron-Core + Transformer Engine (one run per recipe)",
     )
     p.add_argument(
+        "--megatron-main-grads",
+        default="bf16",
+        help="main-gradient precision of the Megatron-Core + TE runs, a comma list: bf16 (Bridge's performance "
+        "recipes, grad_reduce_in_fp32=False), fp32 (Megatron-Bridge's default recipes); each recipe runs once per "
+        "entry (default %(default)s)",
+    )
+    p.add_argument(
         "--bridge",
         action="store_true",
         help="also train the same shapes with Megatron-Bridge's pretrain() through our launcher, with "
@@ -247,6 +254,12 @@ def main(argv=None) -> int:
         args.model, args.steps, args.seq_len, args.micro_batch = "llama3_tiny", 4, 64, 2
         args.extra = list(args.extra) + ["model.num_layers=1", "data.max_files=20", "trainer.device=cpu"]
     args.nproc_list = sorted({int(n) for n in str(args.nproc).split(",")})
+    args.megatron_main_grads_list = [g.strip() for g in args.megatron_main_grads.split(",") if g.strip()]
+    bad = [g for g in args.megatron_main_grads_list if g not in ("bf16", "fp32")] or (
+        [] if args.megatron_main_grads_list else ["(empty)"]
+    )
+    if bad:
+        p.error(f"unknown --megatron-main-grads {', '.join(bad)}; valid: bf16, fp32")
     if args.global_batch is None:
         args.global_batch = args.micro_batch * max(args.nproc_list)
     if args.smoke and max(args.nproc_list) > 1:
@@ -509,14 +522,16 @@ def run_megatron_te(args, root: Path, rows: list, saved: Callable[[], None]) -> 
     recipes = [r for r in args.recipes.split(",") if r != "mxfp8"]
     if not ok:
         rows.extend(
-            {"recipe": r, "ok": True, "status": f"skipped: Transformer Engine not importable ({why})"} for r in recipes
+            {"recipe": r, "main_grad": g, "ok": True, "status": f"skipped: Transformer Engine not importable ({why})"}
+            for g in args.megatron_main_grads_list
+            for r in recipes
         )
         saved()
         return rows
     shape = _model_shape(args)
     micro = max(1, (args.global_batch or args.micro_batch) // args.micro_batch)
-    for recipe in recipes:
-        out = root / f"megatron_te_{recipe}.json"
+    for recipe, main_grad in [(r, g) for g in args.megatron_main_grads_list for r in recipes]:
+        out = root / (f"megatron_te_{recipe}.json" if main_grad == "bf16" else f"megatron_te_{recipe}_fp32grad.json")
         cmd = [
             sys.executable,
             str(Path(__file__).with_name("megatron_native_train.py")),
@@ -554,9 +569,9 @@ def run_megatron_te(args, root: Path, rows: list, saved: Callable[[], None]) -> 
             str(shape["vocab"]),
             "--out",
             str(out),
-        ]
+        ] + (["--grad-reduce-in-fp32"] if main_grad == "fp32" else [])
         proc = subprocess.run(cmd, capture_output=True, text=True)
-        row = {"recipe": recipe, "cmd": " ".join(cmd), "ok": proc.returncode == 0}
+        row = {"recipe": recipe, "main_grad": main_grad, "cmd": " ".join(cmd), "ok": proc.returncode == 0}
         if proc.returncode == 0:
             r = json.loads(out.read_text())["runs"][recipe]
             row.update(
@@ -580,7 +595,9 @@ def run_megatron_te(args, root: Path, rows: list, saved: Callable[[], None]) -> 
         rows.append(row)
         saved()
         print(
-            f"[{row['status']}] Megatron-Core + TE {recipe:<11} tok/s {row.get('tokens_per_s') or 0:>10.0f}", flush=True
+            f"[{row['status']}] Megatron-Core + TE {recipe:<11} {main_grad} main grads "
+            f"tok/s {row.get('tokens_per_s') or 0:>10.0f}",
+            flush=True,
         )
     return rows
 
@@ -716,26 +733,29 @@ def print_bridge_table(results: list, rows: list) -> None:
 
 
 def print_te_table(results: list, te_rows: list) -> None:
-    """Ours (the last mode run, one process) beside Megatron-Core + TE, with the ratios."""
+    """Ours (the last mode run, one process) beside Megatron-Core + TE (one row per recipe and
+    main-gradient precision), with the ratios; "vs its bf16" within the same main gradients."""
     ours = {}
     for r in results:
         if r["nproc"] == 1 and r.get("tokens_per_s"):
             ours[r["recipe"]] = r
-    te = {r["recipe"]: r for r in te_rows if r.get("tokens_per_s")}
+    te = {(r["recipe"], r.get("main_grad", "bf16")): r for r in te_rows if r.get("tokens_per_s")}
     print(
-        "\n| recipe | embedded trainer tok/s | vs its bf16 | Megatron-Core + TE tok/s | vs its bf16 | "
+        "\n| recipe | embedded trainer tok/s | vs its bf16 | Megatron-Core + TE main grads | tok/s | vs its bf16 | "
         "TE step ms | TE peak GiB | ours / TE |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    ob, tb = ours.get("bf16", {}).get("tokens_per_s"), te.get("bf16", {}).get("tokens_per_s")
+    print("|---|---|---|---|---|---|---|---|---|")
+    ob = ours.get("bf16", {}).get("tokens_per_s")
     for row in te_rows:
-        k = row["recipe"]
-        o, t = ours.get(k, {}).get("tokens_per_s"), te.get(k, {}).get("tokens_per_s")
+        k, g = row["recipe"], row.get("main_grad", "bf16")
+        o = ours.get(k, {}).get("tokens_per_s")
+        t, tb = te.get((k, g), {}).get("tokens_per_s"), te.get(("bf16", g), {}).get("tokens_per_s")
+        mine = f"| {k} | {o or 0:.0f} | {o / ob if o and ob else 0:.2f}x | {g} |"
         if t is None:
-            print(f"| {k} | {o or 0:.0f} | {o / ob if o and ob else 0:.2f}x | {row['status']} | - | - | - | - |")
+            print(f"{mine} {row['status']} | - | - | - | - |")
             continue
         print(
-            f"| {k} | {o or 0:.0f} | {o / ob if o and ob else 0:.2f}x | {t:.0f} | {t / tb if tb else 0:.2f}x | "
+            f"{mine} {t:.0f} | {t / tb if tb else 0:.2f}x | "
             f"{row.get('step_ms_median') or 0:.0f} | {row.get('peak_gib') or 0:.1f} | "
             f"{o / t if o else 0:.2f}x |"
         )

@@ -1013,18 +1013,36 @@ def _train_throughput(tmp_path, *args: str, timeout: int):
 
 def test_train_throughput_with_the_megatron_te_column(tmp_path):
     """``train_throughput.py --megatron-te``: the embedded trainer's rows and, beside them, one
-    Megatron-Core + TE row per recipe — trained where TE runs, skipped with the reason here."""
-    proc, data = _train_throughput(tmp_path, "--recipes", "bf16,tensorwise", "--megatron-te", timeout=600)
+    Megatron-Core + TE row per recipe and main-gradient precision (``--megatron-main-grads``) —
+    trained where TE runs (FP32 main grads with ``--grad-reduce-in-fp32``), skipped with the reason
+    here."""
+    proc, data = _train_throughput(
+        tmp_path, "--recipes", "bf16,tensorwise", "--megatron-te", "--megatron-main-grads", "bf16,fp32", timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["recipe"] for r in data["results"]] == ["bf16", "tensorwise"]
     assert all(r["returncode"] == 0 and r["tokens_per_s"] for r in data["results"])
-    te = {r["recipe"]: r for r in data["megatron_te"]}
-    assert set(te) == {"bf16", "tensorwise"}
+    te = {(r["recipe"], r["main_grad"]): r for r in data["megatron_te"]}
+    assert set(te) == {(k, g) for k in ("bf16", "tensorwise") for g in ("bf16", "fp32")}
     from nemo_fp8_recipes.integrations.te import te_available
 
     if not te_available()[0]:
         assert all(r["status"].startswith("skipped: Transformer Engine not importable") for r in te.values())
-    assert "Megatron-Core + TE tok/s" in proc.stdout
+    else:
+        for (k, g), r in te.items():
+            assert r["status"] == "ok" and r["tokens_per_s"] > 0, r
+            assert ("--grad-reduce-in-fp32" in r["cmd"]) == (g == "fp32")
+    assert "Megatron-Core + TE main grads" in proc.stdout
+
+
+def test_train_throughput_refuses_an_unknown_main_grad_precision(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "train_throughput.py"), "--megatron-main-grads", "fp16"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2 and "unknown --megatron-main-grads fp16; valid: bf16, fp32" in proc.stderr
 
 
 def test_train_throughput_bridge_rows_run_our_launcher_with_bridges_perf_settings(tmp_path):
