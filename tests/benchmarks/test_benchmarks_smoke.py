@@ -568,6 +568,28 @@ def test_layer_fwd_bwd_fused_projections_smoke(tmp_path):
     assert proc.returncode == 2 and "unknown projections 'merged'; valid: separate, fused" in proc.stderr
 
 
+@pytest.mark.parametrize("projections", ["fused", "separate,fused"])
+def test_layer_fwd_bwd_keeps_te_layer_once_for_any_projections(tmp_path, projections):
+    """TE's layer has one layout (fused QKV and FC1): it is set up once whatever ``--projections``
+    names, so a fused-only command still times ours against TE (a row that is skipped here, without
+    TE, with the reason)."""
+    data = _run_smoke(
+        "layer_fwd_bwd.py",
+        tmp_path,
+        "--variants",
+        "bf16,tensorwise,te-tensorwise",
+        "--modes",
+        "eager",
+        "--projections",
+        projections,
+    )
+    variants = [r["variant"] for r in data["results"]]
+    assert variants.count("te-tensorwise") == 1, variants
+    assert "tensorwise+fused" in variants
+    (te,) = [r for r in data["results"] if r["variant"] == "te-tensorwise"]
+    assert te["projections"] == "fused"
+
+
 @pytest.mark.parametrize(
     "block,n_fp8,extra",
     [
