@@ -753,6 +753,24 @@ def test_perf_settings_against_bridge_source():
         assert _assignments(presets[fn])["fp8_param_gather"] == perf.fp8_param_gather[recipe], recipe
 
 
+def test_launch_plan_notes_fp8_primary_weights_without_data_parallel_ranks(monkeypatch):
+    """FP8 primary weights exist to shrink the parameter all-gather across data-parallel ranks:
+    with one rank the plan says they cost the run (measured on one GPU) and how to turn them off;
+    with two ranks, or with them off, it says nothing."""
+    base = ["backend=megatron_bridge", "model=llama3_tiny", "backend.provider=ours", "backend.perf=llama3_8b_h100"]
+
+    def notes(world: str, *more: str) -> list:
+        monkeypatch.setenv("WORLD_SIZE", world)
+        return [n for n in bridge.launch_plan(compose_config(base + list(more))).get("notes", ()) if "FP8 primary" in n]
+
+    (note,) = notes("1", "recipe=tensorwise")  # the preset turns them on
+    assert "one data-parallel rank" in note and "backend.fp8_param_gather=false" in note
+    assert notes("1", "recipe=delayed", "backend.fp8_param_gather=true")
+    assert notes("2", "recipe=tensorwise") == []
+    assert notes("1", "recipe=tensorwise", "backend.fp8_param_gather=false") == []
+    assert notes("1", "recipe=blockwise") == []  # Bridge's subchannel preset keeps them off
+
+
 def test_perf_settings_in_the_launch_plan(monkeypatch):
     """``backend.perf`` puts Bridge's performance fields, environment and what one process cannot
     reproduce into the plan; ``fp8_param_gather`` follows the preset unless given; an unknown name
@@ -777,5 +795,6 @@ def test_perf_settings_in_the_launch_plan(monkeypatch):
     )
     plan = bridge.launch_plan(compose_config(base[:-1] + ["recipe=tensorwise"]))
     assert "perf" not in plan and plan["mixed_precision"]["fp8_param_gather"] is False
+    assert not any("FP8 primary weights" in n for n in plan.get("notes", ()))
     with pytest.raises(bridge.BridgeLaunchError, match="llama3_8b_h100"):
         bridge.launch_plan(compose_config(base[:-1] + ["backend.perf=llama3_8b_b200"]))

@@ -317,6 +317,13 @@ def launch_plan(cfg, bridge_overrides: Sequence[str] = (), our_overrides: Sequen
             f"one model replica needs {need} GPUs; this process group has {world}: the launch itself would be refused "
             f"(run it under torchrun with a multiple of {need} processes)"
         )
+    if fpg and need and world // need == 1:
+        plan.setdefault("notes", []).append(
+            "FP8 primary weights (backend.fp8_param_gather=true) with one data-parallel rank: they shrink the "
+            "all-gather of the parameters across ranks, and there is none here; on one H100/H200 they cost Bridge's "
+            "tensorwise and delayed runs their FP8 gain (0.79-0.93x its BF16, docs/performance.md): set "
+            "backend.fp8_param_gather=false for a single-replica run"
+        )
     return plan
 
 
