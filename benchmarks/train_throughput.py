@@ -47,7 +47,9 @@ the same model shape, sequence, micro-batch and micro-batches per step train as 
 ``GPTModel`` with the TE layer spec as Megatron trains it (``benchmarks/megatron_native_train.py
 --impl te``: BF16 parameters, Megatron's DDP and distributed optimizer with FP32 master weights,
 its forward-backward schedule, which re-quantises the weights once per step; strict audit), one
-run per recipe; the table adds its tokens/s, step time and peak memory, and ours / TE. The
+run per recipe (``--megatron-main-grads bf16,fp32``: once with the BF16 main gradients of Bridge's
+performance recipes and once with the FP32 ones of its default recipes); the table adds its tokens/s,
+step time and peak memory, and ours / TE. The
 end-to-end comparison of the docs (8B width, 16 layers, sequence 4096, four micro-batches)::
 
     python benchmarks/train_throughput.py --model llama3_8b --steps 30 --seq-len 4096 --micro-batch 1 \
