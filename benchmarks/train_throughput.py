@@ -257,11 +257,9 @@ def main(argv=None) -> int:
         args.extra = list(args.extra) + ["model.num_layers=1", "data.max_files=20", "trainer.device=cpu"]
     args.nproc_list = sorted({int(n) for n in str(args.nproc).split(",")})
     args.megatron_main_grads_list = [g.strip() for g in args.megatron_main_grads.split(",") if g.strip()]
-    bad = [g for g in args.megatron_main_grads_list if g not in ("bf16", "fp32")] or (
-        [] if args.megatron_main_grads_list else ["(empty)"]
-    )
-    if bad:
-        p.error(f"unknown --megatron-main-grads {', '.join(bad)}; valid: bf16, fp32")
+    bad = [g for g in args.megatron_main_grads_list if g not in ("bf16", "fp32")]
+    if bad or not args.megatron_main_grads_list:
+        p.error(f"unknown --megatron-main-grads {', '.join(bad) or '(empty)'}; valid: bf16, fp32")
     if args.global_batch is None:
         args.global_batch = args.micro_batch * max(args.nproc_list)
     if args.smoke and max(args.nproc_list) > 1:
